@@ -1,0 +1,76 @@
+"""The one configuration dataclass for the engine and the server."""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+
+def parse_size(text: str | int | None) -> int | None:
+    """'2GiB', '512MB', '1.5G', 1073741824 -> bytes."""
+    if text is None or isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?B?)\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"cannot parse size {text!r}; use e.g. 2GiB or 512MB")
+    number, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3).lower().startswith("i")
+    base = 1024 if binary or not m.group(3) else 1000
+    return int(number * base ** " KMGT".index(unit or " "))
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None                 # HF folder, .gguf file, or None for the default SmolLM2
+    served_model_name: str | None = None
+    adapters: dict[str, str] = field(default_factory=dict)   # name -> PEFT folder
+    dtype: str = "auto"                      # auto | bfloat16 | float16 | float32
+    device: str = "auto"                     # auto | cpu | cuda[:N]
+    lora_backend: str = "auto"               # auto | torch | triton
+    max_running: int = 64
+    max_step_tokens: int = 512               # per-step token budget (decodes + prefill chunks)
+    max_model_len: int | None = None         # default: the model's context length
+    pool_mem: int | str | None = None        # bytes of the unified pool; default depends on device
+    block_size: int = 16
+    threads: int | None = None               # torch intra-op threads on CPU
+    policy: str = "fcfs"
+    seed: int | None = None                  # seeds drawn for requests without one
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_dtype(self, device: torch.device) -> torch.dtype:
+        names = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+                 "fp16": torch.float16, "half": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+        if self.dtype == "auto":
+            # bf16 everywhere it is fast: CUDA with bf16 support, and CPUs (AMX/AVX512-BF16 make it the
+            # fastest CPU path; elsewhere it still halves memory traffic)
+            if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+                return torch.float16
+            return torch.bfloat16
+        try:
+            return names[self.dtype]
+        except KeyError:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose auto, bfloat16, float16 or float32") from None
+
+    def resolved_lora_backend(self, device: torch.device) -> str:
+        if self.lora_backend == "auto":
+            return "triton" if device.type == "cuda" else "torch"
+        if self.lora_backend not in ("torch", "triton"):
+            raise ValueError(f"unknown lora_backend {self.lora_backend!r}; choose auto, torch or triton")
+        return self.lora_backend
+
+    def resolved_threads(self) -> int:
+        return self.threads or int(os.environ.get("ASYNCSERVE_THREADS", 0)) or os.cpu_count() or 1
+
+    def pool_bytes(self, device: torch.device, weight_bytes: int) -> int:
+        explicit = parse_size(self.pool_mem)
+        if explicit:
+            return explicit
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return int(free * 0.85) - 512 * 2**20      # leave room for activations
+        return 2 * 2**30

@@ -1,0 +1,91 @@
+"""What one step's batched-LoRA computation needs to know, independent of the backend that runs it.
+
+Tokens of a step are ordered so that each adapter's tokens form contiguous segments (a segment per
+sequence chunk; neighbouring segments may share an adapter). ``seg_adapter`` indexes the step's
+adapter table, -1 meaning "no LoRA" (base model, or deltas supplied from elsewhere, e.g. CPU
+workers computing a cold adapter's prefill LoRA).
+
+Adapter weights stay where the pager put them in the unified pool; the step tables below hold each
+row's flat element offset into ``pool.flat`` (see pager/pool.py for the layout):
+
+* ``a_ptr[i, l, p, j]``: row j of A (``in_features`` elements) of step adapter i, layer l, projection p
+* ``b_ptr[i, l, p, j]``: row j of B^T (``out_features`` elements)
+* ``ranks[i, p]``: rank of projection p for adapter i (0: the adapter does not target p)
+* ``scaling[i, l, p]``: lora_alpha / r (or / sqrt(r) with rsLoRA), per layer for alpha_pattern
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJ_INDEX = {name: i for i, name in enumerate(PROJECTIONS)}
+# Projections that share an input run as one fused base matmul, and their LoRA as one group.
+GROUPS = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+
+
+@dataclass
+class DeviceAdapter:
+    """An adapter resident in the pool: its pages and per-row offsets (built by the pager)."""
+    name: str
+    ranks: list[int]                 # per projection, PROJECTIONS order; 0 = not targeted
+    a_ptr: torch.Tensor              # [L, P, r_max] int64, on the pool's device
+    b_ptr: torch.Tensor              # [L, P, r_max] int64
+    scaling: torch.Tensor            # [L, P] float32
+    pages: list[int]
+    generation: int                  # bumps whenever the adapter is (re)paged: keys backend caches
+
+    @property
+    def r_max(self) -> int:
+        return int(self.a_ptr.shape[-1])
+
+
+@dataclass
+class LoraBatch:
+    adapters: list[DeviceAdapter]
+    seg_starts: list[int]            # [S + 1] token boundaries
+    seg_adapter: list[int]           # [S] index into adapters, -1 = no device LoRA
+    num_tokens: int
+    device: torch.device
+    _tensors: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def empty(self) -> bool:
+        return not self.adapters or all(a < 0 for a in self.seg_adapter)
+
+    def token_adapter(self) -> torch.Tensor:
+        """[T] int32: step-adapter index of each token (-1 none)."""
+        if "token_adapter" not in self._tensors:
+            t = torch.full((self.num_tokens,), -1, dtype=torch.int32)
+            for s, a in enumerate(self.seg_adapter):
+                t[self.seg_starts[s]:self.seg_starts[s + 1]] = a
+            self._tensors["token_adapter"] = t.to(self.device)
+        return self._tensors["token_adapter"]
+
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ranks [n, P] int32, a_ptr [n, L, P, R] int64, b_ptr [n, L, P, R], scaling [n, L, P] f32)."""
+        if "tables" not in self._tensors:
+            r = max(a.r_max for a in self.adapters)
+            pad = lambda t: torch.nn.functional.pad(t, (0, r - t.shape[-1]))  # noqa: E731
+            self._tensors["tables"] = (
+                torch.tensor([a.ranks for a in self.adapters], dtype=torch.int32, device=self.device),
+                torch.stack([pad(a.a_ptr) for a in self.adapters]),
+                torch.stack([pad(a.b_ptr) for a in self.adapters]),
+                torch.stack([a.scaling for a in self.adapters]),
+            )
+        return self._tensors["tables"]
+
+    def segments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(seg_starts [S+1] int32, seg_adapter [S] int32) on the device."""
+        if "segments" not in self._tensors:
+            self._tensors["segments"] = (
+                torch.tensor(self.seg_starts, dtype=torch.int32, device=self.device),
+                torch.tensor(self.seg_adapter, dtype=torch.int32, device=self.device),
+            )
+        return self._tensors["segments"]

@@ -1,0 +1,240 @@
+"""Llama-family decoder as plain functions over a flat batch of tokens (gpt-fast style).
+
+A step's tokens from many sequences are concatenated: decode tokens first (one per sequence), then
+prefill chunks. Base projections run once for all tokens; the LoRA part is added per projection
+group by the batched-LoRA backend. KV lives in the unified pool's pages (pager/pool.py).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from asyncserve.lora.backend import LoraBackend
+from asyncserve.model.config import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor   # [hidden]
+    qkv: torch.Tensor          # [q + 2 kv, hidden]
+    o: torch.Tensor            # [hidden, q]
+    post_norm: torch.Tensor    # [hidden]
+    gate_up: torch.Tensor      # [2 inter, hidden]
+    down: torch.Tensor         # [hidden, inter]
+
+
+@dataclass
+class LlamaWeights:
+    embed: torch.Tensor        # [vocab, hidden]
+    layers: list[LayerWeights]
+    norm: torch.Tensor         # [hidden]
+    lm_head: torch.Tensor      # [vocab, hidden] (the embedding itself when tied)
+
+
+def build_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                  device: torch.device) -> LlamaWeights:
+    """Fuse q/k/v and gate/up, cast and move; consumes ``weights`` to keep peak memory low."""
+    def take(name: str) -> torch.Tensor:
+        try:
+            return weights.pop(name)
+        except KeyError:
+            raise ValueError(f"checkpoint is missing tensor {name!r}") from None
+
+    def put(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=device, dtype=dtype).contiguous()
+
+    layers = []
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+        layers.append(LayerWeights(
+            input_norm=put(take(p + "input_layernorm.weight")),
+            qkv=put(qkv),
+            o=put(take(p + "self_attn.o_proj.weight")),
+            post_norm=put(take(p + "post_attention_layernorm.weight")),
+            gate_up=put(gate_up),
+            down=put(take(p + "mlp.down_proj.weight")),
+        ))
+    embed = put(take("model.embed_tokens.weight"))
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+        lm_head = embed
+    else:
+        lm_head = put(take("lm_head.weight"))
+    _check_shapes(config, embed, layers[0])
+    return LlamaWeights(embed=embed, layers=layers, norm=put(take("model.norm.weight")), lm_head=lm_head)
+
+
+def _check_shapes(config: ModelConfig, embed: torch.Tensor, layer: LayerWeights) -> None:
+    h = config.hidden_size
+    expected = {
+        "embed_tokens": (embed, (config.vocab_size, h)),
+        "q/k/v_proj": (layer.qkv, (config.q_size + 2 * config.kv_size, h)),
+        "o_proj": (layer.o, (h, config.q_size)),
+        "gate/up_proj": (layer.gate_up, (2 * config.intermediate_size, h)),
+        "down_proj": (layer.down, (h, config.intermediate_size)),
+    }
+    for name, (t, shape) in expected.items():
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, the config implies {shape}")
+
+
+# ---- rotary embeddings ---------------------------------------------------------------------------
+
+def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim/2] and the attention scaling factor for the config's RoPE."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    attn_factor = 1.0
+    if kind == "default":
+        pass
+    elif kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > low_wavelen, inv_freq / factor,
+                               torch.where(wavelen < high_wavelen, inv_freq, blended))
+    else:
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+    return inv_freq.float(), attn_factor
+
+
+class Rope:
+    """cos/sin tables up to max_position, indexed per step by token positions."""
+
+    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype):
+        inv_freq, self.attn_factor = rope_inv_freq(config)
+        pos = torch.arange(config.max_position, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)                      # [max_pos, hd/2]
+        emb = torch.cat([freqs, freqs], dim=-1)                 # [max_pos, hd]
+        self.cos = (emb.cos() * self.attn_factor).to(device=device, dtype=dtype)
+        self.sin = (emb.sin() * self.attn_factor).to(device=device, dtype=dtype)
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [tokens] -> cos, sin: [tokens, 1, hd]
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [tokens, heads, hd] (HF rotate-half convention, Q/K weights un-permuted)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+# ---- the step batch ------------------------------------------------------------------------------
+
+@dataclass
+class PrefillChunk:
+    start: int                 # first token index in the step
+    end: int
+    first_pos: int             # position of the chunk's first token in its sequence
+    block_table: torch.Tensor  # [pages] int64
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor        # [T] int64
+    positions: torch.Tensor        # [T] int64
+    write_rows: torch.Tensor       # [T] int64: row of the K entry of layer 0 in pool kv rows (see kv_rows)
+    num_decode: int                # the first num_decode tokens are single-token decodes
+    decode_tables: torch.Tensor    # [num_decode, max_pages] int64 (padded with page 0)
+    decode_mask: torch.Tensor      # [num_decode, 1, 1, max_pages * block] bool: True = attend
+    prefills: list[PrefillChunk]
+    sample_index: torch.Tensor     # [n_sample] int64: tokens whose next-token logits are needed
+
+
+# ---- forward -------------------------------------------------------------------------------------
+
+def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, inp: StepInputs,
+            lora: LoraBackend) -> torch.Tensor:
+    """Run all layers for the step's tokens; returns logits [n_sample, vocab] float32.
+
+    kv: the pool's KV view [pages, layers, 2, block, kv_heads, head_dim].
+    """
+    T = inp.input_ids.shape[0]
+    nh, nkv, hd = config.num_heads, config.num_kv_heads, config.head_dim
+    q_size, kv_size = config.q_size, config.kv_size
+    eps = config.rms_norm_eps
+    cos, sin = rope.tables(inp.positions)
+    # kv_rows: [pages * layers * 2 * block, kv_size]; K of layer l at write_rows + l*2*block, V one block later
+    block = kv.shape[3]
+    kv_rows = kv.view(-1, kv_size)
+    use_lora = lora.active
+
+    h = F.embedding(inp.input_ids, w.embed)                       # [T, hidden]
+    for li, lw in enumerate(w.layers):
+        x = F.rms_norm(h, (h.shape[-1],), lw.input_norm, eps)
+        qkv = F.linear(x, lw.qkv)                                  # [T, q + 2kv]
+        if use_lora:
+            lora.apply(li, "qkv", x, qkv)
+        qk = apply_rope(qkv[:, :q_size + kv_size].view(T, nh + nkv, hd), cos, sin)
+        q, k = qk[:, :nh], qk[:, nh:]                              # [T, nh, hd], [T, nkv, hd]
+        v = qkv[:, q_size + kv_size:]
+        k_row = inp.write_rows + li * 2 * block
+        kv_rows.index_copy_(0, k_row, k.reshape(T, kv_size))
+        kv_rows.index_copy_(0, k_row + block, v)
+        attn = attention(q, k.view(T, nkv, hd), v.view(T, nkv, hd), kv[:, li], inp, hd)  # [T, q]
+        o = F.linear(attn, lw.o)
+        if use_lora:
+            lora.apply(li, "o", attn, o)
+        h = h + o
+        x = F.rms_norm(h, (h.shape[-1],), lw.post_norm, eps)
+        gu = F.linear(x, lw.gate_up)                               # [T, 2 inter]
+        if use_lora:
+            lora.apply(li, "gate_up", x, gu)
+        gate, up = gu.chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        d = F.linear(act, lw.down)
+        if use_lora:
+            lora.apply(li, "down", act, d)
+        h = h + d
+    hs = F.rms_norm(h[inp.sample_index], (h.shape[-1],), w.norm, eps)
+    return F.linear(hs, w.lm_head).float()
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+              inp: StepInputs, hd: int) -> torch.Tensor:
+    """q: [T, nh, hd]; k, v: [T, nkv, hd] of this step (already written to the cache);
+    kv_layer: [pages, 2, block, nkv, hd]. Returns [T, nh * hd]."""
+    T, nh, _ = q.shape
+    nkv = k.shape[1]
+    out = torch.empty(T, nh, hd, dtype=q.dtype, device=q.device)
+    nd = inp.num_decode
+    if nd:
+        # all decodes at once: gather their pages, pad to the longest context, mask the rest
+        pages = kv_layer[inp.decode_tables]                      # [nd, max_pages, 2, block, nkv, hd]
+        kc = pages[:, :, 0].reshape(nd, -1, nkv, hd).transpose(1, 2)   # [nd, nkv, ctx, hd]
+        vc = pages[:, :, 1].reshape(nd, -1, nkv, hd).transpose(1, 2)
+        qd = q[:nd].unsqueeze(2)                                  # [nd, nh, 1, hd]
+        od = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=inp.decode_mask, enable_gqa=True)
+        out[:nd] = od.squeeze(2)
+    for chunk in inp.prefills:
+        s, e = chunk.start, chunk.end
+        qc = q[s:e].transpose(0, 1)                               # [nh, n, hd]
+        if chunk.first_pos == 0:
+            # the whole context is this chunk: attend to the fresh k/v, causal
+            kc, vc = k[s:e].transpose(0, 1), v[s:e].transpose(0, 1)
+            oc = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True)
+        else:
+            ctx = chunk.first_pos + (e - s)
+            pages = kv_layer[chunk.block_table]                   # [n_pages, 2, block, nkv, hd]
+            kc = pages[:, 0].reshape(-1, nkv, hd)[:ctx].transpose(0, 1)
+            vc = pages[:, 1].reshape(-1, nkv, hd)[:ctx].transpose(0, 1)
+            qpos = torch.arange(chunk.first_pos, ctx, device=q.device)
+            mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]   # [n, ctx]
+            oc = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=True)
+        out[s:e] = oc.transpose(0, 1)
+    return out.view(T, nh * hd)

@@ -1,0 +1,129 @@
+"""Adapter residency: host adapters paged into the unified pool on demand, evicted LRU when idle.
+
+An adapter is "in use" while running sequences hold a reference; only idle adapters are evicted,
+least recently used first, when the pool needs pages (for KV or for another adapter).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from asyncserve.lora.batch import PROJECTIONS, DeviceAdapter
+from asyncserve.model.config import ModelConfig
+from asyncserve.pager.adapters import HostAdapter
+from asyncserve.pager.pool import PagedPool, PoolExhausted, plan_row_packing
+
+
+class AdapterPager:
+    def __init__(self, pool: PagedPool, config: ModelConfig):
+        self.pool = pool
+        self.config = config
+        self.host: dict[str, HostAdapter] = {}
+        self.resident: OrderedDict[str, DeviceAdapter] = OrderedDict()   # LRU order: oldest first
+        self.refs: dict[str, int] = {}
+        self.loads_total = 0
+        self._generation = 0
+
+    # ---- host tier ---------------------------------------------------------------------------
+    def register(self, adapter: HostAdapter) -> None:
+        if adapter.name in self.host:
+            raise ValueError(f"adapter {adapter.name!r} is already loaded")
+        needed, _ = plan_row_packing(adapter.row_lengths(self.config), self.pool.page_numel)
+        if needed > self.pool.num_pages:
+            raise ValueError(f"adapter {adapter.name!r} needs {needed} pages, the pool has {self.pool.num_pages}")
+        self.host[adapter.name] = adapter
+
+    def unregister(self, name: str) -> None:
+        """Forget an adapter; its pages go back once no running sequence uses it."""
+        if name not in self.host:
+            raise KeyError(name)
+        del self.host[name]
+        if self.refs.get(name, 0) == 0:
+            self._evict(name)
+
+    # ---- device tier -------------------------------------------------------------------------
+    def footprint(self, name: str) -> int:
+        """Pages the adapter occupies when resident."""
+        return plan_row_packing(self.host[name].row_lengths(self.config), self.pool.page_numel)[0]
+
+    def pages_needed(self, name: str) -> int:
+        """Pages paging the adapter in would take now (0 when already resident)."""
+        return 0 if name in self.resident else self.footprint(name)
+
+    def is_resident(self, name: str) -> bool:
+        return name in self.resident
+
+    def idle_pages(self) -> int:
+        return sum(len(a.pages) for n, a in self.resident.items() if self.refs.get(n, 0) == 0)
+
+    def make_room(self, pages: int, keep: frozenset[str] = frozenset()) -> bool:
+        """Evict idle adapters (LRU first, sparing ``keep``) until ``pages`` are free."""
+        for name in list(self.resident):
+            if self.pool.num_free >= pages:
+                break
+            if self.refs.get(name, 0) == 0 and name not in keep:
+                self._evict(name)
+        return self.pool.num_free >= pages
+
+    def ensure_resident(self, name: str, keep: frozenset[str] = frozenset()) -> DeviceAdapter | None:
+        """Page the adapter in (evicting idle ones if needed); None if the pool cannot fit it now."""
+        if name in self.resident:
+            self.resident.move_to_end(name)
+            return self.resident[name]
+        adapter = self.host[name]
+        needed, placements = plan_row_packing(adapter.row_lengths(self.config), self.pool.page_numel)
+        if not self.make_room(needed, keep | {name}):
+            return None
+        try:
+            pages = self.pool.allocate(needed, "adapter")
+        except PoolExhausted:
+            return None
+        device = self._write(adapter, pages, placements)
+        self.resident[name] = device
+        self.loads_total += 1
+        return device
+
+    def acquire(self, name: str) -> DeviceAdapter:
+        self.refs[name] = self.refs.get(name, 0) + 1
+        self.resident.move_to_end(name)
+        return self.resident[name]
+
+    def release(self, name: str) -> None:
+        self.refs[name] -= 1
+        if self.refs[name] == 0:
+            del self.refs[name]
+            if name not in self.host:        # unloaded while in use
+                self._evict(name)
+
+    def _evict(self, name: str) -> None:
+        device = self.resident.pop(name, None)
+        if device is not None:
+            self.pool.release(device.pages)
+
+    def _write(self, adapter: HostAdapter, pages: list[int], placements: list[tuple[int, int]]) -> DeviceAdapter:
+        """Copy rows into the pages (staged on the host, one copy per page) and record offsets."""
+        cfg, pool = self.config, self.pool
+        L, P = cfg.num_layers, len(PROJECTIONS)
+        r_max = max(adapter.ranks)
+        a_ptr = torch.zeros(L, P, r_max, dtype=torch.int64)
+        b_ptr = torch.zeros(L, P, r_max, dtype=torch.int64)
+        staging = torch.zeros(len(pages), pool.page_numel, dtype=pool.dtype)
+        i = 0
+        for layer in range(L):
+            for p in range(P):
+                r = adapter.ranks[p]
+                if r == 0:
+                    continue
+                for rows, ptr in ((adapter.a_rows[(layer, p)], a_ptr), (adapter.b_rows[(layer, p)], b_ptr)):
+                    n = rows.shape[1]
+                    for j in range(r):
+                        page, off = placements[i]
+                        staging[page, off:off + n] = rows[j]
+                        ptr[layer, p, j] = pages[page] * pool.page_numel + off
+                        i += 1
+        pool.data[torch.tensor(pages, device=pool.device)] = staging.to(pool.device)
+        self._generation += 1
+        return DeviceAdapter(name=adapter.name, ranks=list(adapter.ranks), a_ptr=a_ptr.to(pool.device),
+                             b_ptr=b_ptr.to(pool.device), scaling=adapter.scaling.to(pool.device),
+                             pages=pages, generation=self._generation)

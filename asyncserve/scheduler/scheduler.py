@@ -1,0 +1,237 @@
+"""Continuous batching over the unified pool: each step mixes decodes and prefill chunks.
+
+schedule() picks, under a per-step token budget, one decode token for every running sequence past
+its prefill and prefill chunks for the rest, admitting waiting sequences in the policy's order
+while their adapter can be paged in and their first chunk's KV pages fit. A decode that finds no
+free page evicts idle adapters, then preempts the most recently admitted sequence, whose pages
+return to the pool; it is recomputed from its tokens when readmitted (Punica's cancel+recompute).
+postprocess() appends sampled tokens, applies stop conditions and frees finished sequences.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from asyncserve.model.detokenizer import IncrementalDetokenizer
+from asyncserve.model.tokenizer import Tokenizer
+from asyncserve.pager.pager import AdapterPager
+from asyncserve.pager.pool import PagedPool
+from asyncserve.scheduler.policy import SchedulingPolicy
+from asyncserve.scheduler.sequence import Sequence, SeqStatus
+from asyncserve.stepper.sampler import SampleOutput
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the sequence's known tokens (so a token is sampled)."""
+        return self.seq.num_computed + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class StepPlan:
+    decodes: list[ScheduledChunk] = field(default_factory=list)    # one token each, grouped by adapter
+    prefills: list[ScheduledChunk] = field(default_factory=list)   # grouped by adapter
+
+    @property
+    def chunks(self) -> list[ScheduledChunk]:
+        return self.decodes + self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    def __bool__(self) -> bool:
+        return bool(self.decodes or self.prefills)
+
+
+@dataclass
+class SeqUpdate:
+    """What one step changed for one request: new tokens and text, and whether it ended."""
+    seq: Sequence
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+
+
+class Scheduler:
+    def __init__(self, pool: PagedPool, pager: AdapterPager, tokenizer: Tokenizer, policy: SchedulingPolicy,
+                 max_running: int, max_step_tokens: int, max_model_len: int):
+        self.pool = pool
+        self.pager = pager
+        self.tokenizer = tokenizer
+        self.policy = policy
+        self.max_running = max_running
+        self.max_step_tokens = max_step_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []            # admission order
+        self.detoks: dict[str, IncrementalDetokenizer] = {}
+        self.requests: dict[str, Sequence] = {}
+        # keep a few pages free so running decodes rarely have to preempt right after an admission
+        self.watermark = max(1, pool.num_pages // 100)
+
+    # ---- requests --------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        if seq.request_id in self.requests:
+            raise ValueError(f"duplicate request id {seq.request_id!r}")
+        self.requests[seq.request_id] = seq
+        p = seq.params
+        self.detoks[seq.request_id] = IncrementalDetokenizer(
+            self.tokenizer, seq.prompt_ids, skip_special_tokens=p.skip_special_tokens,
+            stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output)
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        seq = self.requests.get(request_id)
+        if seq is None or seq.finished:
+            return None
+        self._finish(seq, "abort")
+        return seq
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- schedule ----------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.max_step_tokens
+        # 1. decodes of running sequences, preempting the newest when pages run out
+        for seq in list(self.running):
+            if seq.status is not SeqStatus.RUNNING or seq.in_prefill:
+                continue
+            if not self._grow(seq, seq.num_computed + 1):
+                continue                               # seq itself was preempted
+            plan.decodes.append(ScheduledChunk(seq, 1))
+            budget -= 1
+        # 2. running sequences mid-prefill continue their chunks
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.status is SeqStatus.RUNNING and seq.in_prefill:
+                n = min(seq.num_tokens - seq.num_computed, budget)
+                if self._reserve(seq, seq.num_computed + n):
+                    plan.prefills.append(ScheduledChunk(seq, n))
+                    budget -= n
+        # 3. admissions, in the policy's order, while everything fits
+        resident = set(self.pager.resident)
+        for seq in self.policy.admission_order(list(self.waiting), resident):
+            if budget <= 0 or len(self.running) >= self.max_running:
+                break
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._admit(seq, n):
+                break
+            chunk = ScheduledChunk(seq, n)
+            (plan.decodes if not seq.in_prefill and n == 1 else plan.prefills).append(chunk)
+            budget -= n
+        key = lambda c: (c.seq.adapter or "")  # noqa: E731 — group each adapter's tokens into segments
+        plan.decodes.sort(key=key)
+        plan.prefills.sort(key=key)
+        return plan
+
+    def _admit(self, seq: Sequence, first_chunk: int) -> bool:
+        if seq.adapter is not None:
+            if self.pager.ensure_resident(seq.adapter) is None:
+                return False
+            self.pager.acquire(seq.adapter)      # held from here so making room for KV cannot evict it
+        kv_pages = self.pool.pages_for_tokens(seq.num_computed + first_chunk) - len(seq.block_table)
+        if self.pool.num_free - kv_pages < self.watermark and not self.pager.make_room(kv_pages + self.watermark):
+            if seq.adapter is not None:
+                self.pager.release(seq.adapter)
+            return False
+        seq.block_table += self.pool.allocate(kv_pages, "kv")
+        self.waiting.remove(seq)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        return True
+
+    def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Pages for ``num_tokens`` KV entries, evicting idle adapters if needed; no preemption."""
+        need = self.pool.pages_for_tokens(num_tokens) - len(seq.block_table)
+        if need <= 0:
+            return True
+        if self.pool.num_free < need and not self.pager.make_room(need):
+            return False
+        seq.block_table += self.pool.allocate(need, "kv")
+        return True
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Like _reserve, but preempts the newest running sequences until it fits."""
+        while not self._reserve(seq, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._free(seq)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def _free(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+            if seq.adapter is not None:
+                self.pager.release(seq.adapter)
+        self.pool.release(seq.block_table)
+        seq.block_table = []
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        self._free(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.requests.pop(seq.request_id, None)
+        self.detoks.pop(seq.request_id, None)
+
+    # ---- postprocess ------------------------------------------------------------------------
+    def postprocess(self, plan: StepPlan, sampled: SampleOutput) -> list[SeqUpdate]:
+        updates = []
+        i = 0
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            samples = chunk.samples
+            seq.num_computed += chunk.num_tokens
+            if not samples:
+                continue
+            token = sampled.token_ids[i]
+            if sampled.logprobs is not None:
+                seq.logprobs.append(sampled.logprobs[i])
+                seq.top_logprobs.append(sampled.top_logprobs[i] if sampled.top_logprobs else [])
+            i += 1
+            if seq.finished:                   # aborted while the step ran
+                continue
+            updates.append(self._append(seq, token))
+        return updates
+
+    def _append(self, seq: Sequence, token: int) -> SeqUpdate:
+        p = seq.params
+        seq.output_ids.append(token)
+        detok = self.detoks[seq.request_id]
+        text = detok.add(token)
+        n_out = len(seq.output_ids)
+        reason = None
+        if detok.stopped_by is not None:
+            reason = "stop"
+        elif n_out >= p.min_tokens and (token in p.stop_token_ids or
+                                        (not p.ignore_eos and token in self.tokenizer.eos_token_ids)):
+            reason = "stop"
+        elif n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            text += detok.finish()
+            self._finish(seq, reason)
+        return SeqUpdate(seq, [token], text, reason is not None, reason)
+
+    def output_text(self, request_id: str) -> str:
+        return self.detoks[request_id].text

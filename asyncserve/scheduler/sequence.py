@@ -1,0 +1,53 @@
+"""A request's state inside the engine: tokens, KV pages, adapter, sampling position."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from asyncserve.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    adapter: str | None                 # None = base model
+    seed: int                           # params.seed, or drawn at arrival (exportable with the tokens)
+    arrival: float
+    output_ids: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0               # tokens whose KV is in the cache
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    first_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while more than the last token still needs its KV computed."""
+        return self.num_tokens - self.num_computed > 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED

@@ -1,0 +1,116 @@
+"""ModelRunner: turns a StepPlan into tensors, runs the model on the pool, samples next tokens.
+
+Only this object touches the model weights; the server's stepper runs ``run`` in its own thread.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from asyncserve.lora.backend import LoraBackend, TorchLoraBackend
+from asyncserve.lora.batch import LoraBatch
+from asyncserve.model.config import ModelConfig
+from asyncserve.model.llama import LlamaWeights, PrefillChunk, Rope, StepInputs, forward
+from asyncserve.pager.pager import AdapterPager
+from asyncserve.pager.pool import PagedPool
+from asyncserve.scheduler.scheduler import StepPlan
+from asyncserve.stepper.sampler import SampleOutput, SamplingRow, sample
+
+
+@dataclass
+class StepResult:
+    sampled: SampleOutput
+    duration_s: float
+    num_tokens: int
+
+
+def make_lora_backend(name: str, pool: PagedPool, config: ModelConfig) -> LoraBackend:
+    if name == "torch":
+        return TorchLoraBackend(pool, config)
+    from asyncserve.lora.triton_backend import TritonLoraBackend
+    return TritonLoraBackend(pool, config)
+
+
+class ModelRunner:
+    def __init__(self, config: ModelConfig, weights: LlamaWeights, pool: PagedPool, pager: AdapterPager,
+                 lora: LoraBackend, eos_token_ids: list[int]):
+        self.config = config
+        self.weights = weights
+        self.pool = pool
+        self.pager = pager
+        self.lora = lora
+        self.eos_token_ids = eos_token_ids
+        self.device = pool.device
+        self.rope = Rope(config, self.device, pool.dtype)
+        self._row_stride = config.num_layers * 2 * pool.block_size   # kv rows per page
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> StepResult:
+        t0 = time.perf_counter()
+        inputs, lora_batch, rows = self._prepare(plan)
+        self.lora.begin_step(lora_batch)
+        logits = forward(self.weights, self.config, self.rope, self.pool.kv_view(), inputs, self.lora)
+        sampled = sample(logits, rows)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return StepResult(sampled, time.perf_counter() - t0, plan.num_tokens)
+
+    def _prepare(self, plan: StepPlan) -> tuple[StepInputs, LoraBatch | None, list[SamplingRow]]:
+        bs = self.pool.block_size
+        ids, positions, write_rows, sample_index, rows = [], [], [], [], []
+        prefills = []
+        seg_starts, seg_adapter, adapters, adapter_index = [0], [], [], {}
+        nd = len(plan.decodes)
+        for i, chunk in enumerate(plan.chunks):
+            seq = chunk.seq
+            start = len(ids)
+            for pos in range(seq.num_computed, seq.num_computed + chunk.num_tokens):
+                ids.append(seq.token_at(pos))
+                positions.append(pos)
+                write_rows.append(seq.block_table[pos // bs] * self._row_stride + pos % bs)
+            if chunk.samples:
+                sample_index.append(len(ids) - 1)
+                rows.append(SamplingRow(seq.params, seq.prompt_ids, seq.output_ids, self.eos_token_ids, seq.seed))
+            if i >= nd:
+                prefills.append(PrefillChunk(start, len(ids), seq.num_computed,
+                                             torch.tensor(seq.block_table, dtype=torch.int64, device=self.device)))
+            # LoRA segments: consecutive chunks of one adapter merge into one segment
+            a = -1
+            if seq.adapter is not None:
+                if seq.adapter not in adapter_index:
+                    adapter_index[seq.adapter] = len(adapters)
+                    adapters.append(self.pager.resident[seq.adapter])
+                a = adapter_index[seq.adapter]
+            if seg_adapter and seg_adapter[-1] == a:
+                seg_starts[-1] = len(ids)
+            else:
+                seg_adapter.append(a)
+                seg_starts.append(len(ids))
+
+        if nd:
+            max_pages = max(len(c.seq.block_table) for c in plan.decodes)
+            tables = [c.seq.block_table + [0] * (max_pages - len(c.seq.block_table)) for c in plan.decodes]
+            ctx = torch.tensor([c.seq.num_computed + 1 for c in plan.decodes])
+            mask = torch.arange(max_pages * bs)[None, :] < ctx[:, None]
+            decode_tables = torch.tensor(tables, dtype=torch.int64)
+        else:
+            decode_tables = torch.zeros(0, 1, dtype=torch.int64)
+            mask = torch.zeros(0, bs, dtype=torch.bool)
+        dev = self.device
+        inputs = StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            write_rows=torch.tensor(write_rows, dtype=torch.int64, device=dev),
+            num_decode=nd,
+            decode_tables=decode_tables.to(dev),
+            decode_mask=mask[:, None, None, :].to(dev),
+            prefills=prefills,
+            sample_index=torch.tensor(sample_index, dtype=torch.int64, device=dev),
+        )
+        lora_batch = None
+        if adapters:
+            lora_batch = LoraBatch(adapters=adapters, seg_starts=seg_starts, seg_adapter=seg_adapter,
+                                   num_tokens=len(ids), device=dev)
+        return inputs, lora_batch, rows

