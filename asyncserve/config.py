@@ -1,4 +1,4 @@
-"""The one configuration dataclass for the engine and the server."""
+"""The one configuration dataclass, for the engine and the server."""
 from __future__ import annotations
 
 import os
@@ -21,7 +21,7 @@ def parse_size(text: str | int | None) -> int | None:
 
 
 @dataclass
-class EngineConfig:
+class Config:
     model: str | None = None                 # HF folder, .gguf file, or None for the default SmolLM2
     served_model_name: str | None = None
     adapters: dict[str, str] = field(default_factory=dict)   # name -> PEFT folder
@@ -36,6 +36,15 @@ class EngineConfig:
     threads: int | None = None               # torch intra-op threads on CPU
     policy: str = "fcfs"
     seed: int | None = None                  # seeds drawn for requests without one
+    # server
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    adapter_root: str | None = None          # runtime load_lora_adapter only below this folder
+    adapter_dir: str | None = None           # load every adapter folder in it at startup
+    max_waiting: int = 1024                  # queued requests beyond this get 429
+    max_body_bytes: int = 4 * 2**20
+    shutdown_grace_s: float = 30.0           # SIGTERM: finish in-flight requests for this long, then abort
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

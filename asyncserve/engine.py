@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncserve.config import EngineConfig
+from asyncserve.config import Config
 from asyncserve.model.llama import build_weights
 from asyncserve.model.loader import load_model
 from asyncserve.pager.adapters import AdapterError, load_peft_adapter
@@ -47,7 +47,7 @@ class PoolStats:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: Config):
         self.config = config
         self.device = config.resolved_device()
         if self.device.type == "cpu":
@@ -142,11 +142,11 @@ class Engine:
     def step(self) -> list[SeqUpdate]:
         plan = self.scheduler.schedule()
         if not plan:
-            return self._fail_unschedulable()
+            return self.fail_unschedulable()
         result: StepResult = self.runner.run(plan)
         return self.scheduler.postprocess(plan, result.sampled)
 
-    def _fail_unschedulable(self) -> list[SeqUpdate]:
+    def fail_unschedulable(self) -> list[SeqUpdate]:
         """Nothing runs and nothing can be admitted: the head request cannot fit even alone."""
         if self.scheduler.running or not self.scheduler.waiting:
             return []

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence as Seq
 
-from asyncserve.config import EngineConfig
+from asyncserve.config import Config
 from asyncserve.engine import Engine
 from asyncserve.sampling_params import SamplingParams
 
@@ -29,7 +29,7 @@ class RequestOutput:
 class LLM:
     def __init__(self, model: str | None = None, adapters: dict[str, str] | None = None, dtype: str = "auto",
                  device: str = "auto", lora_backend: str = "auto", **engine_kwargs):
-        self.engine = Engine(EngineConfig(model=model, adapters=dict(adapters or {}), dtype=dtype, device=device,
+        self.engine = Engine(Config(model=model, adapters=dict(adapters or {}), dtype=dtype, device=device,
                                           lora_backend=lora_backend, **engine_kwargs))
         self.tokenizer = self.engine.tokenizer
 

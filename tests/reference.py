@@ -111,3 +111,32 @@ def make_tiny_tokenizer(vocab_size: int = 384):
                                  unk_token="<|endoftext|>", pad_token="<|endoftext|>")
     hf.chat_template = CHAT_TEMPLATE
     return hf
+
+
+# name: (rank, targets, rslora, extra LoraConfig kwargs) — ranks 1..64, different module sets, rsLoRA, patterns
+ADAPTERS = {
+    "r1_qv": (1, ["q_proj", "v_proj"], False, {}),
+    "r2_mlp": (2, ["gate_proj", "up_proj", "down_proj"], False, {}),
+    "r8_attn_rs": (8, ["q_proj", "k_proj", "v_proj", "o_proj"], True, {}),
+    "r64_all": (64, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], False, {}),
+    "r16_patterns": (16, ["q_proj", "v_proj", "down_proj"], False,
+                     {"rank_pattern": {"v_proj": 4}, "alpha_pattern": {"down_proj": 5.0}}),
+}
+
+
+@dataclass
+class TinyModel:
+    root: Path
+    tokenizer: object              # the HF tokenizer saved with the model
+    base: object                   # the transformers model (reference)
+    adapters: dict[str, Path]
+
+
+def build_tiny_model(root: Path) -> TinyModel:
+    tok = make_tiny_tokenizer()
+    base = save_tiny_llama(root / "base", tok, max_shard_size="200KB")
+    paths = {}
+    for i, (name, (r, targets, rs, extra)) in enumerate(ADAPTERS.items()):
+        paths[name] = root / "adapters" / name
+        save_random_adapter(base, paths[name], r=r, targets=targets, rslora=rs, seed=100 + i, **extra)
+    return TinyModel(root / "base", tok, base, paths)

@@ -6,34 +6,16 @@ prefill chunks and decodes of different adapters and ranks share steps.
 import random
 
 import pytest
-import torch
 
 from asyncserve import LLM, SamplingParams
-from reference import (assert_greedy_matches, make_tiny_tokenizer, reference_greedy, save_random_adapter,
-                       save_tiny_llama)
+from reference import ADAPTERS, assert_greedy_matches, reference_greedy
 
-ADAPTERS = {
-    # name: (rank, targets, rslora, extra LoraConfig kwargs)
-    "r1_qv": (1, ["q_proj", "v_proj"], False, {}),
-    "r2_mlp": (2, ["gate_proj", "up_proj", "down_proj"], False, {}),
-    "r8_attn_rs": (8, ["q_proj", "k_proj", "v_proj", "o_proj"], True, {}),
-    "r64_all": (64, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], False, {}),
-    "r16_patterns": (16, ["q_proj", "v_proj", "down_proj"], False,
-                     {"rank_pattern": {"v_proj": 4}, "alpha_pattern": {"down_proj": 5.0}}),
-}
 NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    tok = make_tiny_tokenizer()
-    base = save_tiny_llama(root / "base", tok, max_shard_size="200KB")
-    paths = {}
-    for i, (name, (r, targets, rs, extra)) in enumerate(ADAPTERS.items()):
-        paths[name] = root / name
-        save_random_adapter(base, paths[name], r=r, targets=targets, rslora=rs, seed=100 + i, **extra)
-    return root, tok, base, paths
+def tiny(tiny_model):
+    return tiny_model.root, tiny_model.tokenizer, tiny_model.base, tiny_model.adapters
 
 
 def prompts_for(tok, n, seed):
@@ -64,7 +46,7 @@ def test_all_adapters_and_base_in_one_generate_call(tiny):
     prompts = prompts_for(tok, 4, seed=1)
     cases = [(ids, adapter) for ids in prompts for adapter in [None, *ADAPTERS]]
     refs = references(base, paths, cases)
-    llm = LLM(model=str(root / "base"), adapters={k: str(v) for k, v in paths.items()}, dtype="float32",
+    llm = LLM(model=str(root), adapters={k: str(v) for k, v in paths.items()}, dtype="float32",
               device="cpu", max_step_tokens=24)
     outs = llm.generate([c[0] for c in cases], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True),
                         adapters=[c[1] for c in cases])
@@ -87,7 +69,7 @@ def test_small_pool_evicts_and_repages_adapters_with_identical_outputs(tiny):
     cases = [(ids, adapter) for ids in prompts for adapter in [*ADAPTERS, None]]   # adapters interleaved
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     adapters = {k: str(v) for k, v in paths.items()}
-    roomy = LLM(model=str(root / "base"), adapters=adapters, dtype="float32", device="cpu")
+    roomy = LLM(model=str(root), adapters=adapters, dtype="float32", device="cpu")
     expected = [o.token_ids for o in roomy.generate([c[0] for c in cases], params, adapters=[c[1] for c in cases])]
 
     # a pool that holds the biggest adapter and one sequence's KV, but never all adapters at once
@@ -97,7 +79,7 @@ def test_small_pool_evicts_and_repages_adapters_with_identical_outputs(tiny):
     kv_pages = engine.pool.pages_for_tokens(max(len(p) for p in prompts) + NEW_TOKENS)
     pages = max(sizes.values()) + kv_pages + 2
     assert pages < sum(sizes.values()), "the test pool must be too small for all adapters"
-    small = LLM(model=str(root / "base"), adapters=adapters, dtype="float32", device="cpu", pool_mem=pages * page,
+    small = LLM(model=str(root), adapters=adapters, dtype="float32", device="cpu", pool_mem=pages * page,
                 max_step_tokens=16)
     got = [o.token_ids for o in small.generate([c[0] for c in cases], params, adapters=[c[1] for c in cases])]
     assert got == expected
@@ -108,7 +90,7 @@ def test_small_pool_evicts_and_repages_adapters_with_identical_outputs(tiny):
 
 def test_thousands_of_short_requests_leak_no_pages(tiny):
     root, tok, base, paths = tiny
-    llm = LLM(model=str(root / "base"), adapters={k: str(v) for k, v in paths.items()}, dtype="float32",
+    llm = LLM(model=str(root), adapters={k: str(v) for k, v in paths.items()}, dtype="float32",
               device="cpu", max_step_tokens=256, max_running=256)
     rng = random.Random(3)
     names = [None, *ADAPTERS]
@@ -134,7 +116,7 @@ def test_bf16_close_to_fp32(tiny):
     adapters = {k: str(v) for k, v in paths.items()}
     runs = {}
     for dtype in ("float32", "bfloat16"):
-        llm = LLM(model=str(root / "base"), adapters=adapters, dtype=dtype, device="cpu")
+        llm = LLM(model=str(root), adapters=adapters, dtype=dtype, device="cpu")
         runs[dtype] = [o.token_ids for o in llm.generate([c[0] for c in cases], params, adapters=[c[1] for c in cases])]
     first = sum(a[0] == b[0] for a, b in zip(runs["float32"], runs["bfloat16"])) / len(cases)
     prefix = []

@@ -1,0 +1,95 @@
+"""Command line: `asyncserve serve` (the OpenAI-compatible server) and `asyncserve generate` (offline)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+
+
+def _adapter_pairs(values: list[str]) -> dict[str, str]:
+    adapters = {}
+    for v in values or []:
+        name, sep, path = v.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--adapter expects NAME=PATH, got {v!r}")
+        adapters[name] = path
+    return adapters
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH", help="a PEFT LoRA folder")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument("--lora-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--max-step-tokens", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--pool-mem", default=None, help="unified pool size, e.g. 2GiB (default: 2GiB on CPU, "
+                                                    "85%% of free memory on CUDA)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    p.add_argument("--policy", default="fcfs")
+
+
+def _config(args):
+    from asyncserve.config import Config
+
+    return Config(model=args.model, adapters=_adapter_pairs(args.adapter), device=args.device, dtype=args.dtype,
+                  lora_backend=args.lora_backend, max_running=args.max_running,
+                  max_step_tokens=args.max_step_tokens, max_model_len=args.max_model_len, pool_mem=args.pool_mem,
+                  block_size=args.block_size, threads=args.threads, policy=args.policy)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="asyncserve", description="Serve many LoRA adapters of one base LLM.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the OpenAI-compatible server")
+    _engine_args(s)
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--adapter-dir", default=None, help="load every adapter folder inside DIR at startup")
+    s.add_argument("--adapter-root", default=None, help="allow /v1/load_lora_adapter for folders inside DIR")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=os.environ.get("ASYNCSERVE_API_KEY"))
+    s.add_argument("--max-waiting", type=int, default=1024)
+    s.add_argument("--log-level", default="INFO")
+
+    g = sub.add_parser("generate", help="generate offline and print the outputs")
+    _engine_args(g)
+    g.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
+    g.add_argument("--use-adapter", default=None, help="adapter name for all prompts (default: base model)")
+    g.add_argument("--chat", action="store_true", help="apply the chat template to each prompt")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+
+    args = ap.parse_args(argv)
+    if args.command == "serve":
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        from asyncserve.server import run
+
+        config = _config(args)
+        config.served_model_name = args.served_model_name
+        config.adapter_dir, config.adapter_root = args.adapter_dir, args.adapter_root
+        config.host, config.port, config.api_key = args.host, args.port, args.api_key
+        config.max_waiting = args.max_waiting
+        run(config)
+    else:
+        from asyncserve import LLM, SamplingParams
+
+        llm = LLM(**dataclasses.asdict(_config(args)))
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+        if args.chat:
+            outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, args.use_adapter)
+        else:
+            outs = llm.generate(args.prompt, params, args.use_adapter)
+        for out in outs:
+            sys.stdout.write(out.text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,416 @@
+"""The HTTP ingress actor: an aiohttp app speaking OpenAI's API with server-sent events.
+
+Handlers validate and tokenize, hand a Sequence to the scheduler actor, then relay that request's
+TokenEvents to the client. A client that goes away (handler cancelled, or a write that fails)
+aborts its request; the scheduler frees its pages after the current step.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from pathlib import Path
+
+from aiohttp import web
+
+from asyncserve.engine import RequestError
+from asyncserve.ingress.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, LoadLoraRequest,
+                                         UnloadLoraRequest, decode_body, now, prompt_of, sampling_params, usage)
+from asyncserve.messages import Abort, LoadAdapter, Submit, TokenEvent, UnloadAdapter
+
+log = logging.getLogger("asyncserve.ingress")
+SERVER_KEY = web.AppKey("server", object)
+
+
+# ---- errors, auth and limits -----------------------------------------------------------------------
+
+def error_response(err: ApiError) -> web.Response:
+    return web.json_response(err.body(), status=err.status, headers=err.headers)
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return error_response(e)
+    except web.HTTPRequestEntityTooLarge as e:
+        return error_response(ApiError(413, f"the request body is too large ({e.text})", code="payload_too_large"))
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return error_response(ApiError(e.status, e.reason or "error", code=e.reason.lower().replace(" ", "_")))
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(ApiError(500, "internal server error", code="internal_error"))
+
+
+def auth_middleware(api_key: str | None):
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if api_key and request.path.startswith("/v1/"):
+            if request.headers.get("Authorization", "") != f"Bearer {api_key}":
+                raise ApiError(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
+        return await handler(request)
+    return check
+
+
+# ---- helpers ---------------------------------------------------------------------------------------
+
+def _server(request: web.Request):
+    server = request.app[SERVER_KEY]
+    if not server.ready:
+        raise ApiError(503, "the model is still loading", code="loading", headers={"Retry-After": "5"})
+    return server
+
+
+def _adapter_for(server, model: str) -> str | None:
+    if model == server.engine.model_name:
+        return None
+    if model in server.engine.pager.host:
+        return model
+    raise ApiError(404, f"the model {model!r} does not exist; see GET /v1/models", param="model",
+                   code="model_not_found")
+
+
+def _new_sequence(server, prompt_ids: list[int], params, adapter: str | None):
+    try:
+        return server.engine.make_sequence(prompt_ids, params, adapter, request_id=uuid.uuid4().hex,
+                                           arrival=time.monotonic())
+    except RequestError as e:
+        raise ApiError(e.status, str(e), param=e.param,
+                       code="model_not_found" if e.status == 404 else "context_length_exceeded"
+                       if e.param in ("prompt", "max_tokens", "messages") else "invalid_value") from None
+
+
+def _submit(server, seq) -> asyncio.Queue:
+    waiting = len(server.engine.scheduler.waiting) + server.scheduler.mailbox.qsize()
+    if waiting >= server.config.max_waiting:
+        raise ApiError(429, f"the server is overloaded ({waiting} requests waiting); retry later",
+                       code="overloaded", headers={"Retry-After": "1"})
+    stream: asyncio.Queue = asyncio.Queue()
+    server.scheduler.mailbox.put_nowait(Submit(seq, stream))
+    return stream
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _log_finish(server, seq, model: str, status: str, t0: float, first: float | None, n_out: int) -> None:
+    end = time.monotonic()
+    log.info("request %s model=%s prompt_tokens=%d output_tokens=%d ttft=%s latency=%.3fs status=%s",
+             seq.request_id, model, len(seq.prompt_ids), n_out,
+             f"{first - t0:.3f}s" if first is not None else "-", end - t0, status)
+
+
+async def _relay(server, seq, stream: asyncio.Queue, model: str, on_event) -> None:
+    """Feed the request's events to ``on_event`` until it finishes; abort it if the client leaves."""
+    t0, first, n_out, status = seq.arrival, None, 0, "abort"
+    try:
+        while True:
+            event: TokenEvent = await stream.get()
+            if event.token_ids and first is None:
+                first = time.monotonic()
+            n_out = event.num_output_tokens or n_out
+            await on_event(event)
+            if event.finished:
+                status = "error" if event.error else (event.finish_reason or "stop")
+                return
+    finally:
+        if status == "abort":
+            server.scheduler.mailbox.put_nowait(Abort(seq.request_id))
+        _log_finish(server, seq, model, status, t0, first, n_out)
+
+
+class _Collected:
+    """A non-streaming request's events gathered into one response."""
+
+    def __init__(self, prefix: str = ""):
+        self.text, self.tokens, self.logprobs, self.top = prefix, [], [], []
+        self.finish, self.n, self.error = None, 0, None
+
+    async def add(self, event: TokenEvent) -> None:
+        self.text += event.text
+        self.tokens += event.token_ids
+        if event.logprobs:
+            self.logprobs += event.logprobs
+            self.top += event.top_logprobs
+        if event.finished:
+            self.finish, self.n, self.error = event.finish_reason, event.num_output_tokens, event.error
+
+    def raise_error(self) -> None:
+        if self.error:
+            raise ApiError(500, self.error, code="internal_error")
+
+
+async def _start_sse(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "Connection": "keep-alive"})
+    await resp.prepare(request)
+    return resp
+
+
+async def _send(resp: web.StreamResponse, payload: dict | str) -> None:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    await resp.write(f"data: {data}\n\n".encode())
+
+
+# ---- /v1/completions -------------------------------------------------------------------------------
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    server = _server(request)
+    req = decode_body(await request.read(), CompletionRequest)
+    if req.best_of not in (None, 1):
+        raise ApiError(400, "best_of > 1 is not supported", param="best_of", code="invalid_value")
+    if req.suffix:
+        raise ApiError(400, "suffix is not supported", param="suffix", code="invalid_value")
+    adapter = _adapter_for(server, req.model)
+    prompt = prompt_of(req)
+    tok = server.engine.tokenizer
+    prompt_ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    prompt_text = prompt if isinstance(prompt, str) else None
+    params = sampling_params(req, req.max_tokens if req.max_tokens is not None else 16, req.logprobs)
+    seq = _new_sequence(server, prompt_ids, params, adapter)
+    stream = _submit(server, seq)
+    rid, created = f"cmpl-{seq.request_id}", now()
+    echo = (prompt_text if prompt_text is not None else tok.decode(prompt_ids)) if req.echo else ""
+
+    def logprobs_block(event: TokenEvent, offset: int) -> dict | None:
+        if req.logprobs is None or not event.token_ids:
+            return None
+        tokens = [_token_text(tok, t) for t in event.token_ids]
+        offsets, pos = [], offset
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        return {"tokens": tokens, "token_logprobs": event.logprobs,
+                "top_logprobs": [{_token_text(tok, i): lp for i, lp in top} for top in event.top_logprobs],
+                "text_offset": offsets}
+
+    if req.stream:
+        resp = await _start_sse(request)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        state = {"offset": 0, "prefix": echo}    # the echoed prompt goes out with the first chunk
+
+        async def on_event(event: TokenEvent):
+            if event.error:
+                await _send(resp, ApiError(500, event.error, code="internal_error").body())
+            text, state["prefix"] = state["prefix"] + event.text, ""
+            if text or event.token_ids or event.finished:
+                choice = {"index": 0, "text": text, "logprobs": logprobs_block(event, state["offset"] + len(text)
+                                                                                - len(event.text)),
+                          "finish_reason": event.finish_reason if event.finished else None}
+                state["offset"] += len(text)
+                await _send(resp, {"id": rid, "object": "text_completion", "created": created, "model": req.model,
+                                   "choices": [choice]})
+            if event.finished:
+                if include_usage:
+                    await _send(resp, {"id": rid, "object": "text_completion", "created": created,
+                                       "model": req.model, "choices": [],
+                                       "usage": usage(len(prompt_ids), event.num_output_tokens)})
+                await _send(resp, "[DONE]")
+
+        await _relay(server, seq, stream, req.model, on_event)
+        return resp
+
+    collected = _Collected(echo)
+    await _relay(server, seq, stream, req.model, collected.add)
+    collected.raise_error()
+    lp = None
+    if req.logprobs is not None:
+        lp = logprobs_block(TokenEvent(seq.request_id, collected.tokens, "", logprobs=collected.logprobs,
+                                       top_logprobs=collected.top), len(echo))
+    return web.json_response({
+        "id": rid, "object": "text_completion", "created": created, "model": req.model,
+        "choices": [{"index": 0, "text": collected.text, "logprobs": lp, "finish_reason": collected.finish}],
+        "usage": usage(len(prompt_ids), collected.n)})
+
+
+# ---- /v1/chat/completions --------------------------------------------------------------------------
+
+def _chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    if not req.messages:
+        raise ApiError(400, "messages must not be empty", param="messages", code="invalid_value")
+    out = []
+    for i, m in enumerate(req.messages):
+        if m.role not in ("system", "user", "assistant", "tool", "developer"):
+            raise ApiError(400, f"messages[{i}].role {m.role!r} is not one of system, user, assistant, tool",
+                           param=f"messages[{i}].role", code="invalid_value")
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ApiError(400, f"messages[{i}].content: only text parts are supported",
+                                   param=f"messages[{i}].content", code="invalid_value")
+                texts.append(part["text"])
+            content = "".join(texts)
+        out.append({"role": m.role, "content": content or ""})
+    return out
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    server = _server(request)
+    req = decode_body(await request.read(), ChatCompletionRequest)
+    if req.tools:
+        raise ApiError(400, "tools are not supported", param="tools", code="invalid_value")
+    adapter = _adapter_for(server, req.model)
+    tok = server.engine.tokenizer
+    try:
+        text = tok.apply_chat_template(_chat_messages(req), add_generation_prompt=req.add_generation_prompt)
+    except ApiError:
+        raise
+    except Exception as e:      # template errors (raise_exception in the template, no template, ...)
+        raise ApiError(400, f"cannot apply the chat template: {e}", param="messages", code="invalid_value") from None
+    prompt_ids = tok.encode(text, add_special_tokens=False)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs", code="invalid_value")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_tokens is None:
+        max_tokens = max(1, server.engine.max_model_len - len(prompt_ids))
+    params = sampling_params(req, max_tokens, logprobs)
+    seq = _new_sequence(server, prompt_ids, params, adapter)
+    stream = _submit(server, seq)
+    rid, created = f"chatcmpl-{seq.request_id}", now()
+
+    def logprobs_content(token_ids: list[int], lps: list[float], tops: list) -> list[dict]:
+        def entry(t: int, lp: float) -> dict:
+            s = _token_text(tok, t)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+        return [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
+                for t, lp, top in zip(token_ids, lps, tops)]
+
+    if req.stream:
+        resp = await _start_sse(request)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(delta: dict, finish: str | None, lp=None) -> dict:
+            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
+
+        await _send(resp, chunk({"role": "assistant", "content": ""}, None))
+
+        async def on_event(event: TokenEvent):
+            if event.error:
+                await _send(resp, ApiError(500, event.error, code="internal_error").body())
+            lp = ({"content": logprobs_content(event.token_ids, event.logprobs, event.top_logprobs)}
+                  if req.logprobs and event.token_ids else None)
+            if event.text or lp:
+                await _send(resp, chunk({"content": event.text}, None, lp))
+            if event.finished:
+                await _send(resp, chunk({}, event.finish_reason))
+                if include_usage:
+                    await _send(resp, {"id": rid, "object": "chat.completion.chunk", "created": created,
+                                       "model": req.model, "choices": [],
+                                       "usage": usage(len(prompt_ids), event.num_output_tokens)})
+                await _send(resp, "[DONE]")
+
+        await _relay(server, seq, stream, req.model, on_event)
+        return resp
+
+    collected = _Collected()
+    await _relay(server, seq, stream, req.model, collected.add)
+    collected.raise_error()
+    lp = {"content": logprobs_content(collected.tokens, collected.logprobs, collected.top)} if req.logprobs else None
+    return web.json_response({
+        "id": rid, "object": "chat.completion", "created": created, "model": req.model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": collected.text}, "logprobs": lp,
+                     "finish_reason": collected.finish}],
+        "usage": usage(len(prompt_ids), collected.n)})
+
+
+# ---- models, adapters, health, metrics -------------------------------------------------------------
+
+async def models(request: web.Request) -> web.Response:
+    server = _server(request)
+    engine = server.engine
+    base = engine.model_name
+    data = [{"id": base, "object": "model", "created": server.started, "owned_by": "asyncserve", "root": base,
+             "parent": None, "max_model_len": engine.max_model_len}]
+    for name, adapter in engine.pager.host.items():
+        data.append({"id": name, "object": "model", "created": server.started, "owned_by": "asyncserve",
+                     "root": adapter.path, "parent": base, "max_model_len": engine.max_model_len})
+    return web.json_response({"object": "list", "data": data})
+
+
+def _inside_root(server, path: str) -> str:
+    root = server.config.adapter_root
+    if root is None:
+        raise ApiError(403, "runtime adapter loading is disabled; start the server with --adapter-root DIR",
+                       param="lora_path", code="forbidden")
+    root_real = Path(root).resolve()
+    candidate = Path(path)
+    if not candidate.is_absolute():
+        candidate = root_real / candidate
+    real = candidate.resolve()          # follows symlinks and '..': what would actually be read
+    if not real.is_relative_to(root_real):
+        raise ApiError(400, f"lora_path must be inside the adapter root {root_real}", param="lora_path",
+                       code="invalid_value")
+    if not real.is_dir():
+        raise ApiError(404, f"no adapter folder at {path!r}", param="lora_path", code="not_found")
+    return str(real)
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    server = _server(request)
+    req = decode_body(await request.read(), LoadLoraRequest)
+    if not req.lora_name or req.lora_name == server.engine.model_name:
+        raise ApiError(400, "lora_name must be a new, non-empty name", param="lora_name", code="invalid_value")
+    if req.lora_name in server.engine.pager.host:
+        raise ApiError(400, f"adapter {req.lora_name!r} is already loaded", param="lora_name", code="invalid_value")
+    path = _inside_root(server, req.lora_path)
+    reply = asyncio.get_running_loop().create_future()
+    server.pager.mailbox.put_nowait(LoadAdapter(req.lora_name, path, reply))
+    try:
+        await reply
+    except ValueError as e:       # AdapterError and friends: the adapter does not fit this model
+        raise ApiError(400, str(e), param="lora_path", code="invalid_value") from None
+    return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    server = _server(request)
+    req = decode_body(await request.read(), UnloadLoraRequest)
+    reply = asyncio.get_running_loop().create_future()
+    server.pager.mailbox.put_nowait(UnloadAdapter(req.lora_name, reply))
+    try:
+        await reply
+    except KeyError:
+        raise ApiError(404, f"adapter {req.lora_name!r} is not loaded", param="lora_name",
+                       code="model_not_found") from None
+    return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+
+async def health(request: web.Request) -> web.Response:
+    server = request.app[SERVER_KEY]
+    if server.failed:
+        return web.json_response({"status": "failed", "error": server.failed}, status=503)
+    if not server.ready:
+        return web.json_response({"status": "loading"}, status=503)
+    return web.json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    server = request.app[SERVER_KEY]
+    if server.ready:
+        server.metrics.observe_engine(server.engine)
+    return web.Response(body=server.metrics.render(), content_type="text/plain", charset="utf-8")
+
+
+def build_app(server, api_key: str | None, max_body_bytes: int) -> web.Application:
+    app = web.Application(middlewares=[errors_middleware, auth_middleware(api_key)], client_max_size=max_body_bytes)
+    app[SERVER_KEY] = server
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
+    app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app

@@ -1,0 +1,154 @@
+"""OpenAI request/response shapes (completions and chat), with vLLM's sampling extensions.
+
+Requests are decoded straight into typed msgspec Structs: a wrong type or an unknown-to-us but
+meaningful field becomes a 400 naming the field.
+"""
+from __future__ import annotations
+
+import time
+from typing import Union
+
+import msgspec
+
+from asyncserve.sampling_params import SamplingParams
+
+
+class ApiError(Exception):
+    """A client-visible error, rendered as OpenAI's {"error": {message, type, param, code}}."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+             404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
+             429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=False):
+    include_usage: bool = False
+
+
+class _SamplingFields(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
+    model: str
+    max_tokens: Union[int, None] = None
+    temperature: Union[float, None] = None
+    top_p: Union[float, None] = None
+    n: int = 1
+    stream: bool = False
+    stream_options: Union[StreamOptions, None] = None
+    stop: Union[str, list[str], None] = None
+    seed: Union[int, None] = None
+    presence_penalty: Union[float, None] = None
+    frequency_penalty: Union[float, None] = None
+    logit_bias: Union[dict[str, float], None] = None
+    user: Union[str, None] = None
+    # vLLM extensions
+    top_k: Union[int, None] = None
+    min_p: Union[float, None] = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: Union[list[int], None] = None
+    repetition_penalty: Union[float, None] = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    prompt: Union[str, list]          # str, [token ids], [str] or [[token ids]]: checked by prompt_of()
+    logprobs: Union[int, None] = None
+    echo: bool = False
+    best_of: Union[int, None] = None
+    suffix: Union[str, None] = None
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
+    role: str
+    content: Union[str, list[dict], None] = None
+    name: Union[str, None] = None
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: Union[int, None] = None
+    logprobs: bool = False
+    top_logprobs: Union[int, None] = None
+    tools: Union[list[dict], None] = None
+    add_generation_prompt: bool = True
+
+
+class LoadLoraRequest(msgspec.Struct, forbid_unknown_fields=False):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraRequest(msgspec.Struct, forbid_unknown_fields=False):
+    lora_name: str
+
+
+def decode_body(raw: bytes, kind: type):
+    if not raw.strip():
+        raise ApiError(400, "the request body is empty; send a JSON object", code="invalid_json")
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.ValidationError as e:
+        # messages look like "Expected `int`, got `str` - at `$.max_tokens`"
+        text = str(e)
+        param = text.rsplit("`$.", 1)[1].rstrip("`") if "`$." in text else None
+        raise ApiError(400, f"invalid request: {text}", param=param, code="invalid_value") from None
+    except msgspec.DecodeError as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+
+def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    if req.n != 1:
+        raise ApiError(400, "only n=1 is supported", param="n", code="invalid_value")
+    if req.logit_bias:
+        raise ApiError(400, "logit_bias is not supported", param="logit_bias", code="invalid_value")
+    fields = {
+        "max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
+        "min_p": req.min_p, "min_tokens": req.min_tokens, "seed": req.seed, "stop": req.stop,
+        "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos, "logprobs": logprobs,
+        "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty, "include_stop_str_in_output": req.include_stop_str_in_output,
+        "skip_special_tokens": req.skip_special_tokens,
+    }
+    kwargs = {k: v for k, v in fields.items() if v is not None}
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as e:
+        param = next((k for k in kwargs if k in str(e)), None)
+        raise ApiError(400, str(e), param=param, code="invalid_value") from None
+
+
+def prompt_of(req: CompletionRequest) -> str | list[int]:
+    """The one prompt of a completion request, as text or token ids."""
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise ApiError(400, "send one prompt per request (a list of several prompts is not supported)",
+                           param="prompt", code="invalid_value")
+        prompt = prompt[0]
+    if isinstance(prompt, list) and not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise ApiError(400, "prompt must be a string, a list of token ids, or a list holding one of those",
+                       param="prompt", code="invalid_value")
+    return prompt
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+

@@ -1,0 +1,77 @@
+"""The pager actor: adapter loading and unloading at runtime, and prefetch for queued requests.
+
+Disk reads and validation run in a worker thread so loading never stalls running requests; the
+host-tier registration and pool page moves happen on the event loop between scheduling decisions.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from asyncserve.engine import Engine
+from asyncserve.messages import Abort, LoadAdapter, Prefetch, Shutdown, UnloadAdapter
+from asyncserve.pager.adapters import load_peft_adapter
+
+log = logging.getLogger("asyncserve.pager")
+
+
+class PagerActor:
+    def __init__(self, engine: Engine, scheduler_mailbox: asyncio.Queue):
+        self.engine = engine
+        self.scheduler_mailbox = scheduler_mailbox
+        self.mailbox: asyncio.Queue = asyncio.Queue()
+        self.prefetched = 0
+
+    async def run(self) -> None:
+        while True:
+            msg = await self.mailbox.get()
+            if isinstance(msg, Shutdown):
+                return
+            try:
+                if isinstance(msg, LoadAdapter):
+                    await self._load(msg)
+                elif isinstance(msg, UnloadAdapter):
+                    self._unload(msg)
+                elif isinstance(msg, Prefetch):
+                    self._prefetch(msg)
+            except Exception as e:                  # reported to the caller, never fatal
+                if hasattr(msg, "reply") and not msg.reply.done():
+                    msg.reply.set_exception(e)
+                else:
+                    log.exception("pager failed on %r", msg)
+
+    async def _load(self, msg: LoadAdapter) -> None:
+        engine = self.engine
+        if msg.name in engine.pager.host or msg.name == engine.model_name:
+            raise ValueError(f"adapter {msg.name!r} is already loaded")
+        adapter = await asyncio.to_thread(load_peft_adapter, msg.name, msg.path, engine.model_config, engine.dtype)
+        engine.register_adapter(adapter)
+        log.info("loaded adapter %s from %s (%.1f MiB, ranks %s)", msg.name, msg.path, adapter.nbytes / 2**20,
+                 adapter.ranks)
+        msg.reply.set_result(None)
+
+    def _unload(self, msg: UnloadAdapter) -> None:
+        engine = self.engine
+        if msg.name not in engine.pager.host:
+            raise KeyError(msg.name)
+        # queued requests for it can no longer run; running ones finish with the resident copy
+        for seq in list(engine.scheduler.waiting):
+            if seq.adapter == msg.name:
+                self.scheduler_mailbox.put_nowait(Abort(seq.request_id, reason="abort"))
+        engine.unload_adapter(msg.name)
+        log.info("unloaded adapter %s", msg.name)
+        msg.reply.set_result(None)
+
+    def _prefetch(self, msg: Prefetch) -> None:
+        """Page in queued requests' adapters while the step runs, using only free pages (S-LoRA §5.2)."""
+        engine = self.engine
+        spare = engine.pool.num_free - engine.scheduler.watermark - len(engine.scheduler.running)
+        for name in msg.adapters:
+            if name not in engine.pager.host or engine.pager.is_resident(name):
+                continue
+            need = engine.pager.footprint(name)
+            if need > spare:
+                break
+            if engine.pager.ensure_resident(name) is not None:
+                spare -= need
+                self.prefetched += 1

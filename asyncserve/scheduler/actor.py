@@ -1,0 +1,146 @@
+"""The scheduler actor: admission, batch formation and postprocessing, one step in flight at a time.
+
+It owns the engine's Scheduler (waiting queue, running set, KV pages). While the stepper runs a
+step in its thread, this actor keeps taking submissions and aborts; aborts of sequences in the
+running step are applied after the step returns, so their pages are never reused mid-step.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from asyncserve.engine import Engine
+from asyncserve.messages import Abort, Prefetch, RunStep, Shutdown, StepDone, Submit, TokenEvent
+from asyncserve.metrics import Metrics
+from asyncserve.scheduler.scheduler import SeqUpdate
+from asyncserve.scheduler.sequence import Sequence
+
+log = logging.getLogger("asyncserve.scheduler")
+
+
+class SchedulerActor:
+    def __init__(self, engine: Engine, metrics: Metrics):
+        self.engine = engine
+        self.metrics = metrics
+        self.mailbox: asyncio.Queue = asyncio.Queue()
+        self.stepper_mailbox: asyncio.Queue | None = None
+        self.pager_mailbox: asyncio.Queue | None = None
+        self.streams: dict[str, asyncio.Queue] = {}
+        self._in_flight: set[str] = set()       # request ids in the running step
+        self._deferred: list[Abort] = []
+        self._step_id = 0
+        self._stepping = False
+        self._stopping = False
+
+    @property
+    def idle(self) -> bool:
+        return not self._stepping and not self.engine.has_unfinished()
+
+    async def run(self) -> None:
+        while True:
+            msg = await self.mailbox.get()
+            self._handle(msg)
+            while not self.mailbox.empty():
+                self._handle(self.mailbox.get_nowait())
+            self._maybe_step()
+            if self._stopping and self.idle:
+                return
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, Submit):
+            if self._stopping:
+                self._emit_error(msg.seq, msg.stream, "the server is shutting down")
+                return
+            if msg.seq.adapter is not None and msg.seq.adapter not in self.engine.pager.host:
+                self._emit_error(msg.seq, msg.stream, f"adapter {msg.seq.adapter!r} was unloaded")
+                return
+            self.streams[msg.seq.request_id] = msg.stream
+            self.engine.add(msg.seq)
+        elif isinstance(msg, Abort):
+            if msg.request_id in self._in_flight:
+                self._deferred.append(msg)
+            else:
+                self._abort(msg)
+        elif isinstance(msg, StepDone):
+            self._finish_step(msg)
+        elif isinstance(msg, Shutdown):
+            self._stopping = True
+
+    def _maybe_step(self) -> None:
+        if self._stepping or self.stepper_mailbox is None:
+            return
+        plan = self.engine.scheduler.schedule()
+        if not plan:
+            self._publish(self.engine.fail_unschedulable())
+            self.metrics.observe_engine(self.engine)
+            return
+        self._step_id += 1
+        self._stepping = True
+        self._in_flight = {c.seq.request_id for c in plan.chunks}
+        self.stepper_mailbox.put_nowait(RunStep(self._step_id, plan))
+        if self.pager_mailbox is not None and self.engine.scheduler.waiting:
+            heads = [s.adapter for s in list(self.engine.scheduler.waiting)[:8] if s.adapter is not None]
+            if heads:
+                self.pager_mailbox.put_nowait(Prefetch(list(dict.fromkeys(heads))))
+
+    def _finish_step(self, done: StepDone) -> None:
+        self._stepping = False
+        self._in_flight = set()
+        if done.error is not None:
+            log.error("step %d failed: %r; failing its requests", done.step_id, done.error)
+            for chunk in done.plan.chunks:
+                self._abort(Abort(chunk.seq.request_id, reason="error"), error=f"internal error: {done.error!r}")
+        else:
+            self.metrics.step.observe(done.result.duration_s)
+            self._publish(self.engine.scheduler.postprocess(done.plan, done.result.sampled))
+        for abort in self._deferred:
+            self._abort(abort)
+        self._deferred = []
+        self.metrics.observe_engine(self.engine)
+
+    def _publish(self, updates: list[SeqUpdate]) -> None:
+        now = time.monotonic()
+        for u in updates:
+            seq = u.seq
+            stream = self.streams.get(seq.request_id)
+            if u.new_token_ids:
+                self.metrics.generated_tokens.inc(len(u.new_token_ids))
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                    self.metrics.ttft.observe(now - seq.arrival)
+            if u.finished:
+                self._record_finish(seq, u.finish_reason, now)
+            if stream is None:
+                continue
+            lp = seq.params.logprobs is not None
+            stream.put_nowait(TokenEvent(
+                request_id=seq.request_id, token_ids=u.new_token_ids, text=u.new_text, finished=u.finished,
+                finish_reason=u.finish_reason,
+                logprobs=seq.logprobs[-len(u.new_token_ids):] if lp and u.new_token_ids else None,
+                top_logprobs=seq.top_logprobs[-len(u.new_token_ids):] if lp and u.new_token_ids else None,
+                num_prompt_tokens=len(seq.prompt_ids), num_output_tokens=len(seq.output_ids)))
+            if u.finished:
+                del self.streams[seq.request_id]
+
+    def _record_finish(self, seq: Sequence, reason: str | None, now: float) -> None:
+        self.metrics.requests.labels(seq.adapter or self.engine.model_name, reason or "unknown").inc()
+        self.metrics.latency.observe(now - seq.arrival)
+        n = len(seq.output_ids)
+        if n > 1 and seq.first_token_time is not None:
+            self.metrics.tpot.observe((now - seq.first_token_time) / (n - 1))
+
+    def _abort(self, abort: Abort, error: str | None = None) -> None:
+        seq = self.engine.abort(abort.request_id)
+        stream = self.streams.pop(abort.request_id, None)
+        if seq is None:
+            return
+        self._record_finish(seq, abort.reason, time.monotonic())
+        if stream is not None:
+            stream.put_nowait(TokenEvent(request_id=seq.request_id, token_ids=[], text="", finished=True,
+                                         finish_reason=abort.reason, num_prompt_tokens=len(seq.prompt_ids),
+                                         num_output_tokens=len(seq.output_ids), error=error))
+
+    def _emit_error(self, seq: Sequence, stream: asyncio.Queue, message: str) -> None:
+        stream.put_nowait(TokenEvent(request_id=seq.request_id, token_ids=[], text="", finished=True,
+                                     finish_reason="abort", error=message))

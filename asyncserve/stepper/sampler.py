@@ -1,0 +1,227 @@
+"""Batched sampler: turns one model step's logits into one token per row.
+
+Order follows vLLM: penalties and min_tokens masking, then greedy argmax or
+temperature -> top-k -> top-p -> min-p -> random draw. Logprobs are taken from the raw
+logits, as vLLM's default.
+
+Randomness: each seeded row draws a single uniform from the SplitMix64 stream of its seed
+at position len(output_ids), and samples by inverse CDF over its own (vocab-ordered)
+probabilities. The token therefore depends only on the row's logits, seed and position --
+never on the batch around it -- and a request's sampling state is just (seed, position),
+identical on any device, so it can migrate between servers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from asyncserve.sampling_params import SamplingParams
+
+# Top-k/top-p thresholds are read off each row's `prefix` largest weights; the prefix grows by
+# this factor until the nucleus fits, so a full-vocab sort only happens for very flat rows.
+_FIRST_PREFIX = 256
+_PREFIX_GROWTH = 8
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]  # tokens generated so far (drives penalties, min_tokens, the seed position)
+    eos_token_ids: list[int]
+    seed: int  # the request's seed (params.seed, or one drawn at arrival when None)
+
+
+@dataclass
+class SampleOutput:
+    token_ids: list[int]
+    # logprob of each chosen token; None for rows that did not ask (the whole field is None when none asked)
+    logprobs: list[float | None] | None
+    # top-N (token id, logprob) per row, best first; [] for rows that asked for logprobs=0 or none
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
+    """One token per row. logits: [rows, vocab] (float32; lower precision is upcast), not modified."""
+    if all(_is_plain_greedy(row) for row in rows):
+        return SampleOutput(logits.argmax(-1).tolist(), None, None)
+
+    tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    greedy = [i for i, row in enumerate(rows) if row.params.greedy]
+    sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
+    # each group works on its own copy of its rows, so the caller's logits stay raw for logprobs
+    if greedy:
+        part = logits[greedy].float()  # [greedy, vocab]
+        apply_penalties_(part, [rows[i] for i in greedy])
+        tokens[greedy] = part.argmax(-1)
+    if sampled:
+        part = logits[sampled].float()  # [sampled, vocab]
+        apply_penalties_(part, [rows[i] for i in sampled])
+        tokens[sampled] = _draw(part, [rows[i] for i in sampled])
+    token_ids = tokens.tolist()
+
+    asked = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    if not asked:
+        return SampleOutput(token_ids, None, None)
+    logprobs: list[float | None] = [None] * len(rows)
+    top_logprobs: list[list[tuple[int, float]]] = [[] for _ in rows]
+    raw = logits[asked].float().log_softmax(-1)  # [asked, vocab]
+    chosen = raw.gather(1, tokens[asked].unsqueeze(1)).squeeze(1).tolist()
+    widest = min(max(rows[i].params.logprobs for i in asked), raw.shape[1])
+    top_values, top_ids = raw.topk(widest, dim=-1)  # [asked, widest], descending
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    for j, i in enumerate(asked):
+        logprobs[i] = chosen[j]
+        n = rows[i].params.logprobs
+        top_logprobs[i] = list(zip(top_ids[j][:n], top_values[j][:n]))
+    return SampleOutput(token_ids, logprobs, top_logprobs)
+
+
+def apply_penalties_(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """In place: repetition penalty (HF/vLLM: prompt + output tokens), frequency and presence
+    penalties (OpenAI: output tokens), then min_tokens masking. logits: [rows, vocab], contiguous."""
+    vocab = logits.shape[1]
+    device = logits.device
+    flat = logits.view(-1)  # row i, token t lives at i * vocab + t
+    repeated = [i for i, row in enumerate(rows) if row.params.repetition_penalty != 1]
+    if repeated:
+        index, _ = _flat_token_counts([(i, rows[i].prompt_ids + rows[i].output_ids) for i in repeated], vocab)
+        index = index.to(device)
+        penalty = _per_row(rows, "repetition_penalty", device)[index // vocab]
+        values = flat[index]
+        flat[index] = torch.where(values > 0, values / penalty, values * penalty)
+    counted = [
+        i for i, row in enumerate(rows)
+        if (row.params.frequency_penalty != 0 or row.params.presence_penalty != 0) and row.output_ids
+    ]
+    if counted:
+        index, counts = _flat_token_counts([(i, rows[i].output_ids) for i in counted], vocab)
+        index, counts = index.to(device), counts.to(device)
+        frequency = _per_row(rows, "frequency_penalty", device)[index // vocab]
+        presence = _per_row(rows, "presence_penalty", device)[index // vocab]
+        flat[index] -= frequency * counts + presence
+    for i, row in enumerate(rows):
+        banned = _min_tokens_banned(row, vocab)
+        if banned:
+            logits[i, banned] = float("-inf")
+
+
+def truncation_thresholds(
+    weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Smallest weight each row keeps after top-k, then top-p, then min-p (vLLM's order); 0 keeps
+    everything. Tokens tied with a threshold are kept, as vLLM's top-k keeps them.
+    weights: [rows, vocab], exp(logit - max logit) after temperature, so each row's largest is 1;
+    top_k: [rows] long, <= 0 disables; top_p, min_p: [rows] float. Returns [rows]."""
+    # min-p keeps p_i >= min_p * p_max, and p_max is weight 1
+    thresholds = min_p.clone()
+    ranked = ((top_k > 0) | (top_p < 1)).nonzero().squeeze(1)
+    if ranked.numel():
+        rank_thresholds = _rank_thresholds(weights[ranked], top_k[ranked], top_p[ranked])
+        thresholds[ranked] = torch.maximum(thresholds[ranked], rank_thresholds)
+    return thresholds
+
+
+def sampling_uniform(seed: int, position: int) -> float:
+    """Uniform in [0, 1) for output position `position` of a request: output number `position` of
+    the SplitMix64 stream started from `seed`."""
+    state = (_mix64(seed & _MASK64) + (position + 1) * _GOLDEN_GAMMA) & _MASK64
+    return (_mix64(state) >> 11) * 2.0**-53
+
+
+def _is_plain_greedy(row: SamplingRow) -> bool:
+    params = row.params
+    return (
+        params.greedy
+        and params.logprobs is None
+        and not params.has_penalties
+        and not _min_tokens_banned(row, None)
+    )
+
+
+def _min_tokens_banned(row: SamplingRow, vocab: int | None) -> list[int]:
+    """Ids that may not be sampled yet: stop_token_ids, and eos unless ignore_eos (vLLM), until min_tokens."""
+    params = row.params
+    if len(row.output_ids) >= params.min_tokens:
+        return []
+    ids = params.stop_token_ids + ([] if params.ignore_eos else row.eos_token_ids)
+    # users may name ids past the model's vocab; those can never be sampled anyway
+    return [t for t in ids if vocab is None or t < vocab]
+
+
+def _flat_token_counts(row_tokens: list[tuple[int, list[int]]], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct (row, token) pairs as flat indices row * vocab + token, with how often each occurs."""
+    flat = torch.cat([torch.tensor(tokens, dtype=torch.long) + row * vocab for row, tokens in row_tokens])
+    return torch.unique(flat, return_counts=True)
+
+
+def _per_row(rows: list[SamplingRow], name: str, device: torch.device) -> torch.Tensor:
+    return torch.tensor([getattr(row.params, name) for row in rows], dtype=torch.float32, device=device)
+
+
+def _draw(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Random draw for non-greedy rows. logits: [rows, vocab], a private copy (overwritten).
+    Returns [rows] long."""
+    device = logits.device
+    # weights: [rows, vocab], exp((logit - max) / temperature), so each row's largest is 1
+    inverse_temperature = 1 / _per_row(rows, "temperature", device).unsqueeze(1)
+    weights = logits.sub_(logits.amax(-1, keepdim=True)).mul_(inverse_temperature).exp_()
+    top_k = torch.tensor([row.params.top_k for row in rows], dtype=torch.long, device=device)
+    thresholds = truncation_thresholds(
+        weights, top_k, _per_row(rows, "top_p", device), _per_row(rows, "min_p", device)
+    )
+    weights.masked_fill_(weights < thresholds.unsqueeze(1), 0)
+    cdf = weights.cumsum_(-1)
+    total = cdf[:, -1]
+    uniforms = [sampling_uniform(row.seed, len(row.output_ids)) for row in rows]
+    targets = torch.tensor(uniforms, dtype=torch.float32, device=device) * total
+    # keep target < total so it lands on a token; a zero-weight token never raises the cdf, so the
+    # first cdf entry above the target always belongs to a token with positive weight
+    targets = torch.minimum(targets, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, targets.unsqueeze(1), right=True).squeeze(1)
+
+
+def _rank_thresholds(weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-k then top-p threshold per row, read from the largest `prefix` weights rather than a full
+    sort (sorting the vocab costs ~15x a small top-k on CPU). weights: [rows, vocab]. Returns [rows]."""
+    rows, vocab = weights.shape
+    top_k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    limited = top_k[top_k < vocab]
+    # one past the largest k, so that every top-k threshold is inside the first prefix
+    prefix = min(vocab, max(_FIRST_PREFIX, int(limited.max()) + 1 if limited.numel() else 0))
+    values = weights.topk(prefix, dim=-1).values  # [rows, prefix], descending
+    k_thresholds = values.gather(1, (top_k.clamp(max=prefix) - 1).unsqueeze(1)).squeeze(1)  # [rows]
+    k_thresholds[top_k == vocab] = 0
+    # the nucleus is measured within the top-k set, whose mass is summed over the whole row (a fixed
+    # length, so it does not depend on how long the prefix is, even with ties at the k-th weight)
+    in_top_k = torch.where(weights >= k_thresholds.unsqueeze(1), weights, 0) if limited.numel() else weights
+    top_p_mass = in_top_k.sum(-1) * top_p  # [rows]
+    nucleus = torch.zeros_like(k_thresholds)
+    pending = (top_p < 1).nonzero().squeeze(1)
+    values = values[pending]
+    while pending.numel():
+        ranked = torch.where(values >= k_thresholds[pending].unsqueeze(1), values, 0)  # [pending, prefix]
+        mass_before = F.pad(ranked.cumsum(-1)[:, :-1], (1, 0))
+        # vLLM keeps a token while the mass strictly above it is below top_p (so always the first)
+        kept = ((mass_before < top_p_mass[pending].unsqueeze(1)) & (ranked > 0)).sum(-1)  # [pending]
+        nucleus[pending] = values.gather(1, (kept - 1).unsqueeze(1)).squeeze(1)
+        # a row that kept its whole prefix may have more nucleus beyond it
+        unresolved = kept == prefix
+        if prefix == vocab or not unresolved.any():
+            break
+        pending = pending[unresolved]
+        prefix = min(vocab, prefix * _PREFIX_GROWTH)
+        values = weights[pending].topk(prefix, dim=-1).values
+    return torch.maximum(k_thresholds, nucleus)
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64 finaliser: a bijective 64-bit hash with full avalanche."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)

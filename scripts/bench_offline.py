@@ -1,0 +1,158 @@
+"""W1 through the offline API, side by side with transformers+PEFT (grouped and mixed batches).
+
+    .venv/bin/python scripts/bench_offline.py --bench-dir ../shared/bench [--systems ours,ours-base,hf-grouped,hf-mixed]
+
+W1 (../shared/bench/README.md): SmolLM2-135M-Instruct in bf16, 64 requests of 64 prompt tokens,
+adapter a{i%4} (ranks 8,16,8,16 on q,k,v,o), 64 greedy tokens each with EOS ignored, 16 in flight.
+Offline, "16 in flight" is max_running=16: a new request is admitted when one finishes.
+Prints output tokens/s per system and, with --profile, where the engine's step time goes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_w1(bench_dir: Path):
+    prompts = json.loads((bench_dir / "w1" / "prompts.json").read_text())
+    adapters = {f"a{k}": str(bench_dir / "w1" / "adapters" / f"a{k}") for k in range(4)}
+    return prompts, adapters
+
+
+def run_ours(prompts, adapters, use_adapters: bool, args) -> dict:
+    from asyncserve import LLM, SamplingParams
+
+    llm = LLM(model=args.model, adapters=adapters if use_adapters else {}, dtype="bfloat16", device="cpu",
+              max_running=args.in_flight, max_step_tokens=args.step_tokens, threads=args.threads)
+    ids = [llm.tokenizer.encode(p) for p in prompts]
+    names = [f"a{i % 4}" for i in range(len(prompts))] if use_adapters else None
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(ids[:4], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                 adapters=names[:4] if names else None)            # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(ids, params, adapters=names)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {"output_tokens": tokens, "wall_s": wall, "tok_s": tokens / wall}
+
+
+def load_hf(args):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from asyncserve.model.loader import default_model_path
+
+    path = Path(args.model) if args.model else default_model_path()
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16).eval()
+    return tok, model
+
+
+def run_hf(prompts, adapters, mixed: bool, args) -> dict:
+    from peft import PeftModel
+
+    tok, model = load_hf(args)
+    names = list(adapters)
+    model = PeftModel.from_pretrained(model, adapters[names[0]], adapter_name=names[0])
+    for n in names[1:]:
+        model.load_adapter(adapters[n], adapter_name=n)
+    model.eval()
+    ids = [tok(p, return_tensors="pt").input_ids[0] for p in prompts]
+    batches = []   # (rows, adapter names per row) of up to in_flight requests
+    order = list(range(len(prompts)))
+    if not mixed:
+        order.sort(key=lambda i: i % 4)
+    for s in range(0, len(order), args.in_flight):
+        rows = order[s:s + args.in_flight]
+        batches.append((rows, [f"a{i % 4}" for i in rows]))
+
+    def generate(rows, row_adapters, new_tokens):
+        x = torch.stack([ids[i] for i in rows])                  # all W1 prompts are 64 tokens
+        kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        if mixed:
+            return model.generate(input_ids=x, adapter_names=row_adapters, **kwargs)
+        model.set_adapter(row_adapters[0])
+        return model.generate(input_ids=x, **kwargs)
+
+    with torch.inference_mode():
+        generate(*batches[0], 4)                                   # warm-up
+        t0 = time.perf_counter()
+        tokens = 0
+        for rows, row_adapters in batches:
+            out = generate(rows, row_adapters, args.new_tokens)
+            tokens += (out.shape[1] - 64) * out.shape[0]
+        wall = time.perf_counter() - t0
+    return {"output_tokens": tokens, "wall_s": wall, "tok_s": tokens / wall}
+
+
+def profile_ours(prompts, adapters, args) -> None:
+    """Per-op time of decode steps at batch 16 (torch profiler, CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from asyncserve import LLM, SamplingParams
+
+    llm = LLM(model=args.model, adapters=adapters, dtype="bfloat16", device="cpu",
+              max_running=args.in_flight, max_step_tokens=args.step_tokens, threads=args.threads)
+    ids = [llm.tokenizer.encode(p) for p in prompts[:16]]
+    names = [f"a{i % 4}" for i in range(16)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    engine = llm.engine
+    for i, p in enumerate(ids):
+        engine.add(engine.make_sequence(p, params, names[i]))
+    for _ in range(4):          # prefill and first decodes
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        steps = 0
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+        wall = time.perf_counter() - t0
+    print(f"decode steps: {steps}, {1000 * wall / steps:.1f} ms/step at batch 16")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bench-dir", type=Path, default=REPO.parent / "shared" / "bench")
+    ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct GGUF")
+    ap.add_argument("--systems", default="ours,ours-base,hf-grouped,hf-mixed")
+    ap.add_argument("--in-flight", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--step-tokens", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--json-out", type=Path)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    prompts, adapters = load_w1(args.bench_dir)
+    if args.profile:
+        profile_ours(prompts, adapters, args)
+        return
+    print(f"load average before: {os.getloadavg()}")
+    runners = {
+        "ours": lambda: run_ours(prompts, adapters, True, args),
+        "ours-base": lambda: run_ours(prompts, adapters, False, args),
+        "hf-grouped": lambda: run_hf(prompts, adapters, False, args),
+        "hf-mixed": lambda: run_hf(prompts, adapters, True, args),
+    }
+    results = {}
+    for name in args.systems.split(","):
+        results[name] = runners[name]()
+        r = results[name]
+        print(f"{name:12s} {r['output_tokens']:6d} tokens in {r['wall_s']:6.2f} s = {r['tok_s']:7.1f} tok/s", flush=True)
+    if "ours" in results and "ours-base" in results:
+        overhead = results["ours-base"]["tok_s"] / results["ours"]["tok_s"] - 1
+        print(f"LoRA overhead vs base: {100 * overhead:.1f}%")
+    if args.json_out:
+        args.json_out.write_text(json.dumps({"load_before": os.getloadavg(), "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Runs an asyncserve Server on a uvloop event loop in a background thread, for HTTP tests."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import uvloop
+
+from asyncserve.config import Config
+from asyncserve.server import Server
+
+
+class ServerThread:
+    def __init__(self, config: Config):
+        config.port = 0                       # any free port
+        self.server = Server(config)
+        self.loop = uvloop.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.call(self.server.start())
+        self.base = f"http://127.0.0.1:{self.server.port}"
+        deadline = time.monotonic() + 120
+        while not self.server.ready:
+            assert self.server.failed is None, self.server.failed
+            assert time.monotonic() < deadline, "server did not become ready"
+            time.sleep(0.05)
+
+    def call(self, coro, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.call(self.server.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    def request(self, method: str, path: str, body: bytes | dict | None = None, headers: dict | None = None):
+        """(status, parsed JSON or text, headers) of a plain HTTP request."""
+        data = json.dumps(body).encode() if isinstance(body, dict) else body
+        req = urllib.request.Request(self.base + path, data=data, method=method, headers=headers or {})
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                status, raw, hdrs = r.status, r.read(), r.headers
+        except urllib.error.HTTPError as e:
+            status, raw, hdrs = e.code, e.read(), e.headers
+        try:
+            return status, json.loads(raw), hdrs
+        except ValueError:
+            return status, raw.decode(errors="replace"), hdrs
+
+    def metric(self, name: str, labels: str = "") -> float:
+        _, text, _ = self.request("GET", "/metrics")
+        key = f"{name}{{{labels}}}" if labels else name
+        for line in text.splitlines():
+            if line.startswith(key + " "):
+                return float(line.split()[-1])
+        raise KeyError(key)

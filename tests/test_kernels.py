@@ -1,0 +1,275 @@
+"""The Triton LoRA kernels and TritonLoraBackend against a float64 torch reference.
+
+Without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before the kernels
+are imported), about 1000x slower than torch, so shapes stay small. Every run draws fresh random
+data; the seed is in each assertion message to replay a failure (KERNEL_TEST_SEED=<seed>).
+
+Adapter rows are packed by pool.py's rules (plan_row_packing) into randomly chosen pages of a
+PagedPool whose other elements are NaN, so a kernel that reads any element it does not own
+(beyond a rank, past a row, another adapter's page) turns its output NaN. Outputs are column
+slices of wider tensors and inputs strided, with NaN/garbage around them that must stay
+bit-identical.
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import kernels  # noqa: E402
+from asyncserve.lora.backend import TorchLoraBackend, group_layout  # noqa: E402
+from asyncserve.lora.batch import GROUPS, PROJ_INDEX, PROJECTIONS, DeviceAdapter, LoraBatch  # noqa: E402
+from asyncserve.lora.triton_backend import TritonLoraBackend  # noqa: E402
+from asyncserve.model.config import ModelConfig  # noqa: E402
+from asyncserve.pager.pool import PagedPool, plan_row_packing  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# (rtol, atol relative to the largest |expected|): fp32 accumulates exactly enough for 1e-5; bf16
+# and fp16 round the output (and, on GPU, the rank-sized intermediate for tensor-core dots).
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1.6e-2), torch.float16: (2e-3, 2e-3)}
+
+
+def new_seed() -> int:
+    env = os.environ.get("KERNEL_TEST_SEED")
+    return int(env) if env else random.SystemRandom().randrange(2**31)
+
+
+def make_pool(dtype: torch.dtype, num_pages: int) -> PagedPool:
+    # page: 1 layer * 2 * block 4 * 2 heads * 32 = 512 elements, longer than every weight row here
+    pool = PagedPool(num_pages, num_layers=1, block_size=4, num_kv_heads=2, head_dim=32, dtype=dtype,
+                     device=DEVICE)
+    pool.data.fill_(float("nan"))
+    return pool
+
+
+def place_adapter(pool: PagedPool, free: list[int], ranks: list[int], shapes: list[tuple[int, int]],
+                  num_layers: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write one random adapter into pool pages taken from ``free`` (shuffled), packed as pool.py
+    says: (layer, projection, A rows then B^T rows), no row straddling a page.
+    Returns (a_ptr, b_ptr) [L, P, r_max] int64 flat offsets, zero beyond each rank."""
+    lengths = []
+    for _ in range(num_layers):
+        for r, (fan_in, fan_out) in zip(ranks, shapes):
+            lengths += [fan_in] * r + [fan_out] * r
+    n_pages, placements = plan_row_packing(lengths, pool.page_numel)
+    pages = [free.pop() for _ in range(n_pages)]
+    r_max = max(max(ranks), 1)
+    a_ptr = torch.zeros(num_layers, len(ranks), r_max, dtype=torch.int64)
+    b_ptr = torch.zeros_like(a_ptr)
+    flat = pool.flat
+    i = 0
+    for layer in range(num_layers):
+        for p, (r, (fan_in, fan_out)) in enumerate(zip(ranks, shapes)):
+            for ptr, width, std in ((a_ptr, fan_in, fan_in ** -0.5), (b_ptr, fan_out, max(r, 1) ** -0.5)):
+                for j in range(r):
+                    page, offset = placements[i]
+                    start = pages[page] * pool.page_numel + offset
+                    ptr[layer, p, j] = start
+                    flat[start:start + width] = (torch.randn(width, generator=g) * std).to(flat.dtype).to(DEVICE)
+                    i += 1
+    return a_ptr.to(DEVICE), b_ptr.to(DEVICE)
+
+
+def random_layout(g: torch.Generator, n_adapters: int, max_segments: int, max_len: int,
+                  decode: bool) -> tuple[list[int], list[int]]:
+    """Segment boundaries and adapters: empty and single-token segments, -1 segments, repeats."""
+    n = int(torch.randint(1, max_segments + 1, (1,), generator=g))
+    starts, adapters = [0], []
+    for _ in range(n):
+        length = 1 if decode else int(torch.randint(0, max_len + 1, (1,), generator=g))
+        starts.append(starts[-1] + length)
+        adapters.append(int(torch.randint(-1, n_adapters, (1,), generator=g)))
+    if starts[-1] == 0:   # at least one token
+        starts[-1] = 1
+    # at least one LoRA token: the first non-empty segment gets adapter 0
+    first = next(s for s in range(n) if starts[s + 1] > starts[s])
+    adapters[first] = max(adapters[first], 0)
+    return starts, adapters
+
+
+def reference_delta(x: torch.Tensor, flat: torch.Tensor, a_ptr: torch.Tensor, b_ptr: torch.Tensor,
+                    ranks: torch.Tensor, scaling: torch.Tensor, token_adapter: torch.Tensor,
+                    fan_out: int) -> torch.Tensor:
+    """float64 LoRA delta [T, out] of one (layer, projection) gathered straight from the pool rows."""
+    flat64 = flat.double().cpu()
+    x64 = x.double().cpu()
+    delta = torch.zeros(x.shape[0], fan_out, dtype=torch.float64)
+    for t, a in enumerate(token_adapter.tolist()):
+        r = int(ranks[a]) if a >= 0 else 0
+        if r == 0:
+            continue
+        a_rows = flat64[a_ptr[a, :r].cpu()[:, None] + torch.arange(x.shape[1])]    # [r, in]
+        b_rows = flat64[b_ptr[a, :r].cpu()[:, None] + torch.arange(fan_out)]      # [r, out]
+        delta[t] = float(scaling[a]) * (x64[t] @ a_rows.t()) @ b_rows
+    return delta
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def run_case(kernel: str, dtype: torch.dtype, seed: int, *, decode: bool, split_k: int | None = None,
+             max_rank: int = 128) -> None:
+    g = torch.Generator().manual_seed(seed)
+    msg = f"kernel={kernel} dtype={dtype} split_k={split_k} decode={decode} seed={seed}"
+    num_layers, n_adapters = 2, int(torch.randint(2, 5, (1,), generator=g))
+    # in/out up to 300 so that K, N and rank loops run several blocks (tile caps are 64..256)
+    shapes = [tuple(int(v) for v in torch.randint(16, 301, (2,), generator=g)) for _ in range(2)]
+    pool = make_pool(dtype, num_pages=3000)
+    free = torch.randperm(pool.num_pages, generator=g).tolist()
+    a_ptrs, b_ptrs, ranks = [], [], []
+    for i in range(n_adapters):
+        r = [int(v) for v in torch.randint(1, max_rank + 1, (len(shapes),), generator=g)]
+        if i > 0 and torch.rand(1, generator=g) < 0.3:
+            r[int(torch.randint(0, len(r), (1,), generator=g))] = 0    # projection not targeted
+        a, b = place_adapter(pool, free, r, shapes, num_layers, g)
+        a_ptrs.append(a)
+        b_ptrs.append(b)
+        ranks.append(r)
+    # step tables as LoraBatch.tables() lays them out, one spare column beyond the max rank
+    width = max(a.shape[-1] for a in a_ptrs) + 1
+    pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[-1]))  # noqa: E731
+    a_tab = torch.stack([pad(a) for a in a_ptrs])                       # [n, L, P, R]
+    b_tab = torch.stack([pad(b) for b in b_ptrs])
+    rank_tab = torch.tensor(ranks, dtype=torch.int32, device=DEVICE)    # [n, P]
+    scale_tab = (torch.rand(n_adapters, num_layers, len(shapes), generator=g) + 0.5).to(DEVICE)
+
+    layer, p = int(torch.randint(0, num_layers, (1,), generator=g)), int(torch.randint(0, len(shapes), (1,), generator=g))
+    fan_in, fan_out = shapes[p]
+    a_view, b_view = a_tab[:, layer, p, :], b_tab[:, layer, p, :]
+    rank_view, scale_view = rank_tab[:, p], scale_tab[:, layer, p]
+
+    seg_starts, seg_adapter = random_layout(g, n_adapters, 6 if decode else 5, 20, decode)
+    tokens = seg_starts[-1]
+    token_adapter = torch.full((tokens,), -1, dtype=torch.int32)
+    for s, a in enumerate(seg_adapter):
+        token_adapter[seg_starts[s]:seg_starts[s + 1]] = a
+    token_adapter = token_adapter.to(DEVICE)
+
+    # x: strided rows inside a NaN-padded buffer; y: a column slice of a wider poisoned output
+    x_big = torch.full((tokens, fan_in + 7), float("nan"), dtype=dtype, device=DEVICE)
+    x_big[:, 3:3 + fan_in] = torch.randn(tokens, fan_in, generator=g).to(dtype).to(DEVICE)
+    x = x_big[:, 3:3 + fan_in]
+    y_big = torch.full((tokens, fan_out + 11), float("nan"), dtype=dtype, device=DEVICE)
+    lora_rows = torch.tensor([a >= 0 and ranks[a][p] > 0 for a in token_adapter.tolist()], dtype=torch.bool)
+    y_big[lora_rows.to(DEVICE), 5:5 + fan_out] = torch.randn(int(lora_rows.sum()), fan_out, generator=g).to(dtype).to(DEVICE)
+    before = y_big.clone()
+    y = y_big[:, 5:5 + fan_out]
+
+    s = torch.full((tokens + 2, width + 3), float("nan"), dtype=torch.float32, device=DEVICE)
+    seg_t = torch.tensor(seg_starts, dtype=torch.int32, device=DEVICE)
+    seg_a = torch.tensor(seg_adapter, dtype=torch.int32, device=DEVICE)
+    tiles = kernels.mbgmm_tiles(seg_starts, seg_adapter, DEVICE, block_m=16)
+    kernels.lora_apply(kernel, x, y, pool.flat, a_view, b_view, rank_view, scale_view, s,
+                       token_adapter=token_adapter, seg_starts=seg_t, seg_adapter=seg_a, tiles=tiles,
+                       split_k=split_k)
+
+    delta = reference_delta(x, pool.flat, a_view, b_view, rank_view, scale_view, token_adapter, fan_out)
+    touched = torch.zeros(tokens, fan_out + 11, dtype=torch.bool)
+    touched[lora_rows, 5:5 + fan_out] = True
+    after = y_big.cpu()
+    assert torch.equal(bits(after)[~touched], bits(before.cpu())[~touched]), f"untouched elements changed: {msg}"
+    expected = before.cpu().double()[:, 5:5 + fan_out][lora_rows] + delta[lora_rows]
+    got = after.double()[:, 5:5 + fan_out][lora_rows]
+    if expected.numel():
+        rtol, atol = TOLERANCE[dtype]
+        torch.testing.assert_close(got, expected, rtol=rtol, atol=atol * float(expected.abs().max()),
+                                   msg=lambda m: f"{m}\n{msg}")
+
+
+DRAWS = 3     # fresh random problems per case
+CASES = [
+    ("mbgmv", torch.float32, True, 1),
+    ("mbgmv", torch.bfloat16, True, 2),
+    ("mbgmv", torch.float32, False, None),    # per-token semantics hold on any layout
+    ("bgmv", torch.float32, True, 1),
+    ("bgmv", torch.bfloat16, True, 3),
+    ("sgmv", torch.float32, False, 1),
+    ("sgmv", torch.bfloat16, False, 3),
+    ("sgmv", torch.float16, True, 2),
+    ("mbgmm", torch.float32, False, None),
+    ("mbgmm", torch.bfloat16, False, None),
+    ("mbgmm", torch.float16, True, None),
+]
+
+
+@pytest.mark.parametrize("kernel,dtype,decode,split_k", CASES,
+                         ids=[f"{k}-{str(d)[6:]}-{'decode' if dec else 'segments'}-sk{sk}" for k, d, dec, sk in CASES])
+def test_kernel_matches_float64_reference(kernel, dtype, decode, split_k):
+    for _ in range(DRAWS):
+        run_case(kernel, dtype, new_seed(), decode=decode, split_k=split_k)
+
+
+def test_mbgmm_tiles_cut_segments_and_skip_no_lora():
+    tiles = kernels.mbgmm_tiles([0, 5, 5, 6, 40, 41], [2, 0, -1, 1, 3], "cpu", block_m=16)
+    assert tiles.block_m == 16
+    assert tiles.table.tolist() == [[0, 5, 2], [6, 22, 1], [22, 38, 1], [38, 40, 1], [40, 41, 3]]
+    assert kernels.mbgmm_tiles([0, 3], [-1], "cpu").table.shape == (0, 3)
+
+
+TINY = ModelConfig(vocab_size=64, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=4,
+                   num_kv_heads=2, head_dim=12)
+
+
+def make_step(g: torch.Generator, pool: PagedPool, decode: bool) -> LoraBatch:
+    shapes = [TINY.projection_shapes()[name] for name in PROJECTIONS]
+    free = torch.randperm(pool.num_pages, generator=g).tolist()
+    adapters = []
+    for i in range(3):
+        ranks = [int(v) for v in torch.randint(1, 129, (len(PROJECTIONS),), generator=g)]
+        for p in torch.randperm(len(PROJECTIONS), generator=g)[:int(torch.randint(0, 4, (1,), generator=g))]:
+            ranks[int(p)] = 0    # untargeted projections, a whole group sometimes
+        a_ptr, b_ptr = place_adapter(pool, free, ranks, shapes, TINY.num_layers, g)
+        scaling = (torch.rand(TINY.num_layers, len(PROJECTIONS), generator=g) + 0.5).to(DEVICE)
+        adapters.append(DeviceAdapter(f"a{i}", ranks, a_ptr, b_ptr, scaling, [], 0))
+    seg_starts, seg_adapter = random_layout(g, len(adapters), 8, 12, decode)
+    return LoraBatch(adapters, seg_starts, seg_adapter, seg_starts[-1], DEVICE)
+
+
+@pytest.mark.parametrize("mode", ["decode", "mbgmm", "sgmv"])
+def test_triton_backend_matches_torch_backend(mode):
+    """Every group and layer of a random step: fused output columns, untargeted projections, -1 segments."""
+    seed = new_seed()
+    g = torch.Generator().manual_seed(seed)
+    pool = make_pool(torch.float32, num_pages=2000)
+    batch = make_step(g, pool, decode=mode == "decode")
+    reference = TorchLoraBackend(pool, TINY)
+    backend = TritonLoraBackend(pool, TINY, prefill_kernel="sgmv" if mode == "sgmv" else "mbgmm")
+    reference.begin_step(batch)
+    backend.begin_step(batch)
+    assert backend.active
+    layout = group_layout(TINY)
+    for layer in range(TINY.num_layers):
+        for group in GROUPS:
+            fan_in = layout[group][0][1]
+            fan_out = sum(row[2] for row in layout[group])
+            x = torch.randn(batch.num_tokens, fan_in, generator=g).to(DEVICE)
+            y = torch.randn(batch.num_tokens, fan_out, generator=g).to(DEVICE)
+            expected = y.clone()
+            reference.apply(layer, group, x, expected)
+            backend.apply(layer, group, x, y)
+            torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-4,
+                                       msg=lambda m: f"{m}\nmode={mode} layer={layer} group={group} seed={seed}")
+    backend.begin_step(None)
+    assert not backend.active
+
+
+def test_triton_backend_picks_mbgmv_only_for_decode_steps():
+    g = torch.Generator().manual_seed(0)
+    pool = make_pool(torch.float32, num_pages=2000)
+    batch = make_step(g, pool, decode=True)
+    backend = TritonLoraBackend(pool, TINY)
+    backend.begin_step(batch)
+    assert backend._step.kernel == "mbgmv"
+    # a long segment of "no LoRA" tokens keeps the step a decode step
+    batch = LoraBatch(batch.adapters, [0, 7, 8], [-1, 1], 8, DEVICE)
+    backend.begin_step(batch)
+    assert backend._step.kernel == "mbgmv"
+    batch = LoraBatch(batch.adapters, [0, 1, 3], [0, 1], 3, DEVICE)
+    backend.begin_step(batch)
+    assert backend._step.kernel == "mbgmm"

@@ -1,0 +1,318 @@
+"""Sampler semantics (vLLM's), seeded reproducibility, and SamplingParams validation."""
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from asyncserve.sampling_params import SamplingParams
+from asyncserve.stepper.sampler import (
+    SamplingRow,
+    apply_penalties_,
+    sample,
+    sampling_uniform,
+    truncation_thresholds,
+)
+
+EOS = 0
+
+
+def make_row(seed: int = 0, prompt: list[int] | None = None, output: list[int] | None = None, **params) -> SamplingRow:
+    return SamplingRow(
+        params=SamplingParams(**params),
+        prompt_ids=list(prompt or []),
+        output_ids=list(output or []),
+        eos_token_ids=[EOS],
+        seed=seed,
+    )
+
+
+def random_logits(rows: int, vocab: int, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def reference_allowed(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """vLLM v0's sort-based top-k -> top-p -> min-p, for one row. logits: [vocab]. Returns [vocab] bool."""
+    logits = logits.clone()
+    ascending, order = logits.sort()
+    if top_k > 0:
+        ascending[ascending < ascending[-top_k]] = float("-inf")
+    cumulative = ascending.softmax(-1).cumsum(-1)
+    removed = cumulative <= 1 - top_p
+    removed[-1] = False
+    ascending[removed] = float("-inf")
+    logits[order] = ascending
+    probs = logits.softmax(-1)
+    return (probs >= min_p * probs.max()) & (probs > 0)
+
+
+def chi_square(counts: Counter, probs: torch.Tensor, draws: int) -> float:
+    return sum((counts.get(t, 0) - draws * p) ** 2 / (draws * p) for t, p in enumerate(probs.tolist()) if p > 0)
+
+
+def chi_square_critical(degrees: int) -> float:
+    """Chi-square quantile at p = 1e-4 (Wilson-Hilferty approximation)."""
+    z, h = 3.719, 2 / (9 * degrees)
+    return degrees * (1 - h + z * math.sqrt(h)) ** 3
+
+
+def draw_many(logits_row: torch.Tensor, draws: int, **params) -> Counter:
+    """One token per distinct seed, all in a single batch."""
+    rows = [make_row(seed=s, **params) for s in range(draws)]
+    return Counter(sample(logits_row.expand(draws, -1), rows).token_ids)
+
+
+def test_greedy_equals_argmax():
+    logits = random_logits(8, 1000)
+    out = sample(logits, [make_row(temperature=0.0) for _ in range(8)])
+    assert out.token_ids == logits.argmax(-1).tolist()
+    assert out.logprobs is None and out.top_logprobs is None
+    # greedy rows keep argmax inside a batch that also samples
+    mixed = [make_row(seed=i, temperature=0.0 if i % 2 else 1.0) for i in range(8)]
+    tokens = sample(logits, mixed).token_ids
+    assert tokens[1::2] == logits.argmax(-1).tolist()[1::2]
+
+
+def test_top_k_one_is_greedy():
+    logits = random_logits(16, 1000)
+    rows = [make_row(seed=s, temperature=1.5, top_k=1) for s in range(16)]
+    assert sample(logits, rows).token_ids == logits.argmax(-1).tolist()
+
+
+def test_tiny_top_p_is_greedy():
+    logits = random_logits(16, 1000)
+    rows = [make_row(seed=s, temperature=1.5, top_p=1e-6) for s in range(16)]
+    assert sample(logits, rows).token_ids == logits.argmax(-1).tolist()
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch():
+    vocab, steps = 512, 24
+    targets = [
+        dict(seed=11, temperature=0.8, top_p=0.9, top_k=50),
+        dict(seed=12, temperature=1.0, min_p=0.05),
+        dict(seed=13, temperature=1.2, top_p=0.95, presence_penalty=0.5, repetition_penalty=1.1),
+    ]
+    neighbours = [
+        dict(temperature=0.0),
+        dict(temperature=1.0, logprobs=5),
+        dict(temperature=0.7, top_k=400),  # a wider top-k prefix than the targets'
+        dict(temperature=1.0, top_p=0.999),  # a flat nucleus that outgrows the first prefix
+        dict(temperature=1.3, frequency_penalty=1.0, min_tokens=5, stop_token_ids=[3]),
+        dict(temperature=0.5, top_k=1),
+        dict(temperature=0.9, min_p=0.2, repetition_penalty=1.5),
+    ]
+    # rounded through bf16, as many models emit them: ties at the top-k / top-p boundaries
+    step_logits = random_logits(steps, vocab, seed=1).bfloat16().float()
+
+    def run_alone(params: dict) -> list[int]:
+        row = make_row(prompt=[5, 6, 7], **params)
+        for step in range(steps):
+            row.output_ids.append(sample(step_logits[step : step + 1], [row]).token_ids[0])
+        return row.output_ids
+
+    def run_batched(params: dict, shuffle_seed: int) -> list[int]:
+        shuffle = random.Random(shuffle_seed)
+        target = make_row(prompt=[5, 6, 7], **params)
+        others = [make_row(seed=100 + i, prompt=[1, 2], **p) for i, p in enumerate(neighbours)]
+        for step in range(steps):
+            rows = others + [target]
+            shuffle.shuffle(rows)
+            logits = random_logits(len(rows), vocab, seed=1000 + step, scale=shuffle.choice([0.1, 3.0]))
+            logits[rows.index(target)] = step_logits[step]
+            tokens = sample(logits, rows).token_ids
+            for row, token in zip(rows, tokens):
+                row.output_ids.append(token)
+        return target.output_ids
+
+    for params in targets:
+        alone = run_alone(params)
+        assert run_batched(params, shuffle_seed=0) == alone
+        assert run_batched(params, shuffle_seed=1) == alone
+        assert len(set(alone)) > 4  # really sampling, not stuck on one token
+
+
+def test_different_seeds_give_different_tokens():
+    logits = random_logits(1, 1000, scale=0.5)
+    counts = draw_many(logits[0], 64, temperature=1.0)
+    assert len(counts) > 40
+    positions = {sampling_uniform(7, position) for position in range(100)}
+    assert len(positions) == 100
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
+def test_empirical_distribution_matches_softmax(temperature: float):
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, 1.5])
+    draws = 16000
+    counts = draw_many(logits, draws, temperature=temperature)
+    expected = (logits / temperature).softmax(-1)
+    assert chi_square(counts, expected, draws) < chi_square_critical(7)
+
+
+def test_temperature_sharpens_and_flattens():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, 1.5])
+    top_share = {t: draw_many(logits, 4000, temperature=t)[0] / 4000 for t in (0.5, 1.0, 2.0)}
+    assert top_share[0.5] > top_share[1.0] > top_share[2.0]
+
+
+@pytest.mark.parametrize(
+    "top_k, top_p, min_p",
+    [(3, 1.0, 0.0), (0, 0.7, 0.0), (0, 1.0, 0.2), (6, 0.8, 0.0), (5, 0.9, 0.1)],
+)
+def test_truncated_sampling_follows_the_truncated_softmax(top_k: int, top_p: float, min_p: float):
+    logits = random_logits(1, 16, seed=3, scale=1.5)[0]
+    allowed = reference_allowed(logits, top_k, top_p, min_p)
+    draws = 8000
+    counts = draw_many(logits, draws, temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p)
+    assert set(counts) <= set(allowed.nonzero().squeeze(1).tolist())
+    expected = logits.masked_fill(~allowed, float("-inf")).softmax(-1)
+    kept = int(allowed.sum())
+    if kept > 1:
+        assert chi_square(counts, expected, draws) < chi_square_critical(kept - 1)
+
+
+def test_truncation_thresholds_match_reference():
+    vocab = 2000
+    configs = [(0, 0.9, 0.0), (40, 1.0, 0.0), (40, 0.5, 0.0), (0, 1.0, 0.1), (300, 0.95, 0.05), (0, 0.99, 0.0)]
+    rows = [(cfg, scale) for cfg in configs for scale in (0.05, 1.0, 4.0)]  # flat rows outgrow the prefix
+    logits = torch.cat([random_logits(1, vocab, seed=i, scale=scale) for i, (_, scale) in enumerate(rows)])
+    top_k = torch.tensor([cfg[0] for cfg, _ in rows])
+    top_p = torch.tensor([cfg[1] for cfg, _ in rows])
+    min_p = torch.tensor([cfg[2] for cfg, _ in rows])
+    weights = (logits - logits.amax(-1, keepdim=True)).exp()
+    thresholds = truncation_thresholds(weights, top_k, top_p, min_p)
+    for i, (cfg, _) in enumerate(rows):
+        kept = weights[i] >= thresholds[i]
+        assert torch.equal(kept, reference_allowed(logits[i], *cfg)), (i, cfg)
+
+
+def test_min_tokens_masks_eos_and_stop_ids():
+    logits = torch.tensor([[9.0, 8.0, 7.0, 1.0, 0.0]])  # eos (0) then stop id 1 are the favourites
+    params = dict(temperature=0.0, min_tokens=2, stop_token_ids=[1, 10_000], max_tokens=8)
+    assert sample(logits, [make_row(output=[], **params)]).token_ids == [2]
+    assert sample(logits, [make_row(output=[4], **params)]).token_ids == [2]
+    assert sample(logits, [make_row(output=[4, 4], **params)]).token_ids == [EOS]
+    # ignore_eos: eos is not a stop, so vLLM masks only stop_token_ids
+    assert sample(logits, [make_row(output=[], ignore_eos=True, **params)]).token_ids == [EOS]
+    # sampled rows never draw a masked id either
+    flat = torch.zeros(1, 5)
+    counts = draw_many(flat[0], 500, temperature=1.0, min_tokens=3, stop_token_ids=[1])
+    assert set(counts) == {2, 3, 4}
+
+
+def reference_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    logits = logits.clone()
+    p = row.params
+    for token in set(row.prompt_ids + row.output_ids):
+        value = logits[token]
+        logits[token] = value / p.repetition_penalty if value > 0 else value * p.repetition_penalty
+    for token, count in Counter(row.output_ids).items():
+        logits[token] -= p.frequency_penalty * count + p.presence_penalty
+    return logits
+
+
+def test_penalties_match_reference():
+    vocab = 50
+    padded = random_logits(4, vocab + 14, seed=5)
+    logits = padded[:, :vocab]  # a non-contiguous view, as a padded vocab would give
+    before = logits.clone()
+    rows = [
+        make_row(prompt=[1, 2, 2, 3], output=[3, 4, 4, 4], temperature=0.0, repetition_penalty=1.3),
+        make_row(prompt=[1, 5], output=[5, 5, 6], temperature=0.0, presence_penalty=0.5, frequency_penalty=0.7),
+        make_row(prompt=[7, 8, 9], output=[9, 9, 10, 11, 11], temperature=0.0,
+                 repetition_penalty=0.8, presence_penalty=-0.4, frequency_penalty=1.5),
+        make_row(prompt=[1, 2], output=[3], temperature=0.0),
+    ]
+    penalised = logits.contiguous()
+    apply_penalties_(penalised, rows)
+    expected = torch.stack([reference_penalties(logits[i], row) for i, row in enumerate(rows)])
+    assert torch.allclose(penalised, expected, atol=1e-6)
+    assert sample(logits, rows).token_ids == expected.argmax(-1).tolist()
+    assert torch.equal(logits, before)
+
+
+def test_logprobs_are_raw_log_softmax_sorted():
+    vocab = 300
+    logits = random_logits(5, vocab, seed=7)
+    rows = [
+        make_row(seed=1, temperature=0.7, top_k=20, logprobs=3, repetition_penalty=1.4, output=[1, 2]),
+        make_row(seed=2, temperature=0.0, logprobs=0),
+        make_row(seed=3, temperature=1.0),
+        make_row(seed=4, temperature=1.0, top_p=0.8, logprobs=20, presence_penalty=2.0, output=[5]),
+        make_row(seed=5, temperature=0.0, logprobs=1),
+    ]
+    out = sample(logits, rows)
+    raw = logits.log_softmax(-1)
+    for i, row in enumerate(rows):
+        n = row.params.logprobs
+        if n is None:
+            assert out.logprobs[i] is None and out.top_logprobs[i] == []
+            continue
+        assert out.logprobs[i] == pytest.approx(raw[i, out.token_ids[i]].item(), abs=1e-6)
+        top = out.top_logprobs[i]
+        assert len(top) == n
+        assert [t for t, _ in top] == raw[i].topk(n).indices.tolist()
+        assert [v for _, v in top] == pytest.approx(raw[i].topk(n).values.tolist(), abs=1e-6)
+        assert all(a[1] >= b[1] for a, b in zip(top, top[1:]))
+
+
+def test_sampling_uniform_is_a_function_of_seed_and_position():
+    assert sampling_uniform(42, 3) == sampling_uniform(42, 3)
+    assert sampling_uniform(42, 3) != sampling_uniform(43, 3)
+    values = [sampling_uniform(seed, 0) for seed in range(10_000)]
+    assert all(0.0 <= v < 1.0 for v in values)
+    assert abs(sum(values) / len(values) - 0.5) < 0.01
+    assert 0.0 <= sampling_uniform(-5, 0) < 1.0  # negative seeds are valid
+
+
+def test_sampling_params_defaults_and_normalisation():
+    params = SamplingParams(stop="###")
+    assert params.stop == ["###"]
+    assert SamplingParams(stop=None).stop == []
+    assert not SamplingParams().greedy
+    assert SamplingParams(temperature=0.0).greedy
+    assert SamplingParams(top_k=1).greedy
+    SamplingParams(top_k=-1, logprobs=20, min_tokens=16, seed=-3, repetition_penalty=2.0, presence_penalty=-2.0)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("min_p", 1.5),
+        ("min_p", -0.1),
+        ("max_tokens", 0),
+        ("min_tokens", -1),
+        ("min_tokens", 17),
+        ("n", 2),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -2.5),
+        ("repetition_penalty", 0.0),
+        ("logprobs", 21),
+        ("logprobs", -1),
+        ("stop_token_ids", [5, -1]),
+        ("stop", ["ok", ""]),
+        ("seed", 1.5),
+    ],
+)
+def test_sampling_params_rejects_out_of_range(field: str, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_only_n_one_is_supported():
+    with pytest.raises(ValueError, match="only n=1 is supported"):
+        SamplingParams(n=3)
+
+
+def test_validate_rechecks_after_mutation():
+    params = SamplingParams()
+    params.top_p = 2.0
+    with pytest.raises(ValueError, match="top_p"):
+        params.validate()

@@ -1,0 +1,295 @@
+"""The server over real HTTP with the official openai client, on the tiny random Llama."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+
+from asyncserve import LLM, SamplingParams
+from asyncserve.config import Config
+from server_harness import ServerThread
+
+PROMPTS = ["the fox jumps over", "adapters serve many models", "batch token step rank lazy dog"]
+
+
+@pytest.fixture(scope="module")
+def adapter_root(tiny_model, tmp_path_factory):
+    """Adapters for runtime loading live under this root; one symlink points outside it."""
+    root = tmp_path_factory.mktemp("adapter_root")
+    shutil.copytree(tiny_model.adapters["r8_attn_rs"], root / "late")
+    (root / "escape").symlink_to(tiny_model.adapters["r1_qv"])
+    return root
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_model, adapter_root):
+    adapters = {k: str(v) for k, v in tiny_model.adapters.items() if k != "r64_all"}
+    st = ServerThread(Config(model=str(tiny_model.root), adapters=adapters, dtype="float32", device="cpu",
+                             served_model_name="tiny", adapter_root=str(adapter_root), max_body_bytes=64 * 1024))
+    yield st
+    st.stop()
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    return openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model):
+    adapters = {k: str(v) for k, v in tiny_model.adapters.items() if k != "r64_all"}
+    return LLM(model=str(tiny_model.root), adapters=adapters, dtype="float32", device="cpu")
+
+
+def test_models_lists_base_and_adapters_with_parent(client):
+    models = {m.id: m for m in client.models.list().data}
+    assert "tiny" in models and models["tiny"].parent is None
+    for name in ("r1_qv", "r2_mlp", "r8_attn_rs", "r16_patterns"):
+        assert models[name].parent == "tiny"
+
+
+@pytest.mark.parametrize("model", ["tiny", "r1_qv", "r2_mlp", "r8_attn_rs", "r16_patterns"])
+def test_completions_equal_offline_engine_streaming_and_not(client, offline, model):
+    adapter = None if model == "tiny" else model
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    expected = offline.generate(PROMPTS, params, adapters=adapter)
+    for prompt, exp in zip(PROMPTS, expected):
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].text == exp.text
+        assert r.choices[0].finish_reason == "length"
+        assert r.usage.completion_tokens == 10 and r.usage.prompt_tokens == len(exp.prompt_token_ids)
+        chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0,
+                                                stream=True, stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == exp.text
+        assert chunks[-1].usage.completion_tokens == 10
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_equal_offline_engine_streaming_and_not(client, offline):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the fox jumps"}]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for model in ("tiny", "r8_attn_rs"):
+        exp = offline.chat(messages, params, adapters=None if model == "tiny" else model)[0]
+        r = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
+                                           extra_body={"ignore_eos": True})
+        assert r.choices[0].message.content == exp.text
+        assert r.choices[0].message.role == "assistant"
+        stream = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True})
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert text == exp.text
+
+
+def test_sampling_extensions_seed_stop_and_logprobs(client, offline):
+    kw = dict(model="r1_qv", prompt=PROMPTS[0], max_tokens=12, temperature=0.9, seed=1234)
+    a = client.completions.create(**kw).choices[0].text
+    b = client.completions.create(**kw).choices[0].text
+    assert a == b, "a seeded request must be reproducible"
+    greedy = offline.generate([PROMPTS[1]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    stop = greedy.text[3:6]
+    r = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=12, temperature=0, stop=[stop],
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop" and stop not in r.choices[0].text
+    assert greedy.text.startswith(r.choices[0].text)
+    r = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=4, temperature=0, logprobs=3,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == 4 and all(x <= 0 for x in lp.token_logprobs)
+    assert all(len(t) == 3 for t in lp.top_logprobs)
+    assert all(abs(max(t.values()) - x) < 1e-4 for t, x in zip(lp.top_logprobs, lp.token_logprobs))  # greedy
+    c = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                       temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    assert len(c.choices[0].logprobs.content) == 3
+    assert all(len(e.top_logprobs) == 2 for e in c.choices[0].logprobs.content)
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0,
+                                  extra_body={"min_tokens": 6, "stop_token_ids": [5], "top_k": 1})
+    assert r.usage.completion_tokens == 6
+
+
+BAD_REQUESTS = [
+    # (path, raw body or dict, expected status, param that must be named, if any)
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", {"model": "tiny"}, 400, None),                                   # no prompt
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "temperature": -0.5}, 400, "temperature"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 3}, 400, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ("/v1/completions", {"model": "tiny", "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": [10**9]}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": 7}, 400, "stop"),
+    ("/v1/completions", {"model": "tiny", "prompt": "word " * 600}, 400, "prompt"),        # longer than context
+    ("/v1/completions", {"model": "no-such-adapter", "prompt": "x"}, 404, "model"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x" * 70_000}, 413, None),            # body over the limit
+    ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, 400, None),
+    ("/v1/chat/completions", {"model": "tiny", "messages": "hello"}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "r1_qv", "messages": [{"role": "user", "content": "x"}],
+                              "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "../../etc"}, 400, "lora_path"),
+    ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/etc"}, 400, "lora_path"),
+    ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "escape"}, 400, "lora_path"),   # symlink out
+    ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "missing"}, 404, "lora_path"),
+    ("/v1/load_lora_adapter", {"lora_name": "r1_qv", "lora_path": "late"}, 400, "lora_name"),
+    ("/v1/unload_lora_adapter", {"lora_name": "never-loaded"}, 404, "lora_name"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD_REQUESTS, ids=[f"{i}" for i in range(len(BAD_REQUESTS))])
+def test_bad_requests_get_openai_error_shape_and_server_stays_healthy(srv, path, body, status, param):
+    got, payload, _ = srv.request("POST", path, body)
+    assert got == status, payload
+    err = payload["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param:
+        assert err["param"] and param in err["param"], err
+    assert srv.request("GET", "/health")[0] == 200
+    ok, out, _ = srv.request("POST", "/v1/completions", {"model": "tiny", "prompt": "the", "max_tokens": 2})
+    assert ok == 200 and out["usage"]["completion_tokens"] >= 1
+
+
+def test_unknown_route_and_method(srv):
+    status, payload, _ = srv.request("GET", "/v1/completions")
+    assert status == 405 and "error" in payload
+    status, payload, _ = srv.request("GET", "/nope")
+    assert status == 404 and "error" in payload
+
+
+def test_disconnecting_stream_clients_leave_no_kv_pages(srv):
+    async def one(session, i):
+        body = {"model": ["tiny", "r1_qv", "r2_mlp"][i % 3], "prompt": PROMPTS[i % 3], "max_tokens": 400,
+                "temperature": 0, "ignore_eos": True, "stream": True}
+        async with session.post(srv.base + "/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            got = 0
+            async for line in resp.content:
+                if line.startswith(b"data: {"):
+                    got += 1
+                    if got >= 3:
+                        return            # leaving the context manager drops the connection
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            await asyncio.gather(*(one(session, i) for i in range(20)))
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if srv.metric("asyncserve_pool_pages", 'kind="kv"') == 0 and srv.metric("asyncserve_running_requests") == 0:
+            break
+        time.sleep(0.1)
+    assert srv.metric("asyncserve_pool_pages", 'kind="kv"') == 0
+    assert srv.metric("asyncserve_running_requests") == 0
+    assert srv.metric("asyncserve_requests_total", 'model="tiny",status="abort"') >= 1
+
+
+def test_runtime_load_and_unload_while_others_stream(srv, client, offline, tiny_model):
+    results = {}
+
+    def stream_long(i):
+        chunks = client.completions.create(model="r2_mlp", prompt=PROMPTS[i % 3], max_tokens=40, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        results[i] = "".join(c.choices[0].text for c in chunks if c.choices)
+
+    threads = [threading.Thread(target=stream_long, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    status, text, _ = srv.request("POST", "/v1/load_lora_adapter", {"lora_name": "late", "lora_path": "late"})
+    assert status == 200, text
+    assert "late" in {m.id for m in client.models.list().data}
+    exp = offline.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                           adapters="r8_attn_rs")[0]
+    r = client.completions.create(model="late", prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == exp.text          # "late" is a copy of r8_attn_rs
+    status, text, _ = srv.request("POST", "/v1/unload_lora_adapter", {"lora_name": "late"})
+    assert status == 200, text
+    for t in threads:
+        t.join(60)
+    exp_long = offline.generate(PROMPTS, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+                                adapters="r2_mlp")
+    assert [results[i] for i in range(4)] == [exp_long[i % 3].text for i in range(4)]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="late", prompt="x", max_tokens=2)
+
+
+def test_metrics_exposes_the_documented_names(srv):
+    _, text, _ = srv.request("GET", "/metrics")
+    for name in ("asyncserve_requests_total", "asyncserve_time_to_first_token_seconds_bucket",
+                 "asyncserve_time_per_output_token_seconds_bucket", "asyncserve_request_latency_seconds_bucket",
+                 "asyncserve_step_duration_seconds_bucket", "asyncserve_running_requests",
+                 "asyncserve_waiting_requests", 'asyncserve_pool_pages{kind="free"}',
+                 'asyncserve_adapters_loaded{tier="device"}', 'asyncserve_adapters_loaded{tier="host"}',
+                 "asyncserve_adapter_loads_total", "asyncserve_generated_tokens_total"):
+        assert name in text, name
+
+
+def test_api_key_required_when_set(tiny_model):
+    st = ServerThread(Config(model=str(tiny_model.root), dtype="float32", device="cpu", api_key="s3cret"))
+    try:
+        status, payload, _ = st.request("GET", "/v1/models")
+        assert status == 401 and payload["error"]["code"] == "invalid_api_key"
+        status, payload, _ = st.request("GET", "/v1/models", headers={"Authorization": "Bearer s3cret"})
+        assert status == 200
+        assert st.request("GET", "/health")[0] == 200
+    finally:
+        st.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_finishes_in_flight_stream_and_exits_zero(tiny_model):
+    port = _free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "asyncserve.cli", "serve", "--model", str(tiny_model.root),
+                             "--dtype", "float32", "--device", "cpu", "--port", str(port), "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                import urllib.request
+                with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "server did not start"
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+        stream = client.completions.create(model=client.models.list().data[0].id, prompt="the fox", max_tokens=60,
+                                           temperature=0, stream=True, extra_body={"ignore_eos": True})
+        first = next(iter(stream))
+        proc.send_signal(signal.SIGTERM)
+        rest = [c for c in stream]
+        finish = [c.choices[0].finish_reason for c in rest if c.choices and c.choices[0].finish_reason]
+        assert finish == ["length"], "the in-flight request should finish during the grace period"
+        assert first is not None
+        assert proc.wait(60) == 0
+        log = proc.stdout.read().decode()
+        assert "shutting down" in log and "stopped" in log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
