@@ -29,7 +29,7 @@ def load_w1(bench_dir: Path):
 def run_ours(prompts, adapters, use_adapters: bool, args) -> dict:
     from asyncserve import LLM, SamplingParams
 
-    llm = LLM(model=args.model, adapters=adapters if use_adapters else {}, dtype="bfloat16", device="cpu",
+    llm = LLM(model=args.model, adapters=adapters if use_adapters else {}, dtype=args.dtype, device="cpu",
               max_running=args.in_flight, max_step_tokens=args.step_tokens, threads=args.threads)
     ids = [llm.tokenizer.encode(p) for p in prompts]
     names = [f"a{i % 4}" for i in range(len(prompts))] if use_adapters else None
@@ -50,7 +50,7 @@ def load_hf(args):
 
     path = Path(args.model) if args.model else default_model_path()
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=getattr(torch, args.dtype)).eval()
     return tok, model
 
 
@@ -97,7 +97,7 @@ def profile_ours(prompts, adapters, args) -> None:
 
     from asyncserve import LLM, SamplingParams
 
-    llm = LLM(model=args.model, adapters=adapters, dtype="bfloat16", device="cpu",
+    llm = LLM(model=args.model, adapters=adapters, dtype=args.dtype, device="cpu",
               max_running=args.in_flight, max_step_tokens=args.step_tokens, threads=args.threads)
     ids = [llm.tokenizer.encode(p) for p in prompts[:16]]
     names = [f"a{i % 4}" for i in range(16)]
@@ -127,6 +127,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--step-tokens", type=int, default=512)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="W1 prescribes bfloat16; CPUs without AMX/AVX512-BF16 run float32 faster")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--json-out", type=Path)
     args = ap.parse_args()

@@ -126,7 +126,7 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int 
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as e:
-        param = next((k for k in kwargs if k in str(e)), None)
+        param = str(e).split(" ", 1)[0]          # SamplingParams errors start with the field name
         raise ApiError(400, str(e), param=param, code="invalid_value") from None
 
 
