@@ -1,0 +1,263 @@
+"""Tokenizer: a `tokenizers.Tokenizer` with the model's special tokens and chat template.
+
+Built from an HF folder (tokenizer.json + tokenizer_config.json) or from a GGUF file's metadata,
+where llama.cpp stores the vocabulary, merges and token types instead of a tokenizer.json.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any, NoReturn
+
+import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as BackendTokenizer
+
+from asyncserve.model.config import ModelLoadError
+from asyncserve.model.loader import read_json
+
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+# llama.cpp's token types (tokenizer.ggml.token_type)
+_CONTROL, _USER_DEFINED = 3, 4
+
+# GGUF `tokenizer.ggml.pre` -> how llama.cpp splits text before byte-level BPE. The regexes are the
+# published pre-tokenizer patterns of each family.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT2_PRE = {"gpt-2", "phi-2", "roberta-bpe"}                 # GPT-2's own regex
+_DIGITS_THEN_GPT2_PRE = {"smollm", "starcoder", "refact"}      # every digit alone, then GPT-2's regex
+_SPLIT_THEN_BYTES_PRE = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
+                         "dbrx": _LLAMA3_SPLIT, "tekken": _TEKKEN_SPLIT}
+
+
+class Tokenizer:
+    def __init__(self, backend: BackendTokenizer, *, special_tokens: Mapping[str, str | None],
+                 extra_eos_token_ids: Sequence[int] = (), chat_template: str | None = None):
+        """special_tokens: bos/eos/unk/pad token strings (None when the model has none);
+        extra_eos_token_ids: other ids that end generation (generation_config.json, GGUF end-of-turn)."""
+        self.backend = backend
+        self.special_tokens = {name: special_tokens.get(name) for name in SPECIAL_TOKEN_NAMES}
+        self.chat_template = chat_template
+        self.bos_token_id = self._id_of("bos_token")
+        eos_id = self._id_of("eos_token")
+        self.eos_token_ids = list(dict.fromkeys(([eos_id] if eos_id is not None else []) + list(extra_eos_token_ids)))
+        named = {self._id_of(name) for name in SPECIAL_TOKEN_NAMES} - {None}
+        added = {i for i, token in backend.get_added_tokens_decoder().items() if token.special}
+        self.all_special_ids: set[int] = named | added
+        self._template: jinja2.Template | None = None
+
+    # ---- constructors ----------------------------------------------------------------------
+    @classmethod
+    def from_hf_folder(cls, path: str | Path, generation_eos_ids: Sequence[int] = ()) -> Tokenizer:
+        folder = Path(path)
+        tokenizer_file = folder / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ModelLoadError(
+                f"{folder} has no tokenizer.json; asyncserve needs the fast-tokenizer file "
+                "(create it with transformers: AutoTokenizer.from_pretrained(folder).save_pretrained(folder))")
+        try:
+            backend = BackendTokenizer.from_file(str(tokenizer_file))
+        except Exception as e:
+            raise ModelLoadError(f"cannot read {tokenizer_file}: {e}") from None
+        config_file = folder / "tokenizer_config.json"
+        config = read_json(config_file) if config_file.is_file() else {}
+        special = {name: _token_text(config.get(name)) for name in SPECIAL_TOKEN_NAMES}
+        # like transformers, explicit add_bos_token / add_eos_token flags override tokenizer.json's post-processor
+        if "add_bos_token" in config or "add_eos_token" in config:
+            backend.post_processor = _bos_eos_processor(
+                backend, special["bos_token"] if config.get("add_bos_token") else None,
+                special["eos_token"] if config.get("add_eos_token") else None)
+        return cls(backend, special_tokens=special, extra_eos_token_ids=generation_eos_ids,
+                   chat_template=_hf_chat_template(folder, config))
+
+    @classmethod
+    def from_gguf(cls, fields: Mapping[str, Any]) -> Tokenizer:
+        """From `gguf.GGUFReader(...).fields`: a byte-level BPE tokenizer ("gpt2" in llama.cpp's terms)."""
+        kind = _gguf_value(fields, "tokenizer.ggml.model")
+        tokens: list[str] | None = _gguf_value(fields, "tokenizer.ggml.tokens")
+        if kind is None or tokens is None:
+            raise ModelLoadError("the GGUF file has no tokenizer (tokenizer.ggml.model and tokenizer.ggml.tokens); "
+                                 "asyncserve needs one to serve text")
+        if kind != "gpt2":
+            raise ModelLoadError(
+                f"the GGUF's tokenizer model is {kind!r}; asyncserve reads only byte-level BPE ('gpt2') tokenizers "
+                "from GGUF files (SentencePiece 'llama' tokenizers are not supported): serve the model's HF folder")
+        pre = _gguf_value(fields, "tokenizer.ggml.pre", "default")
+        merges = [tuple(m.split(" ", 1)) for m in _gguf_value(fields, "tokenizer.ggml.merges", [])]
+        token_types: list[int] = _gguf_value(fields, "tokenizer.ggml.token_type", [])
+
+        backend = BackendTokenizer(models.BPE({token: i for i, token in enumerate(tokens)}, merges))
+        backend.pre_tokenizer = _gguf_pre_tokenizer(pre)
+        backend.decoder = decoders.ByteLevel()
+        # control tokens (<|im_start|> ...) and user-defined ones are matched whole in text, never split
+        backend.add_special_tokens([AddedToken(token, special=True, normalized=False)
+                                    for token, token_type in zip(tokens, token_types) if token_type == _CONTROL])
+        backend.add_tokens([AddedToken(token, special=False, normalized=False)
+                            for token, token_type in zip(tokens, token_types) if token_type == _USER_DEFINED])
+
+        def token_at(key: str) -> str | None:
+            i = _gguf_value(fields, f"tokenizer.ggml.{key}")
+            return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+        special = {"bos_token": token_at("bos_token_id"), "eos_token": token_at("eos_token_id"),
+                   "unk_token": token_at("unknown_token_id"), "pad_token": token_at("padding_token_id")}
+        backend.post_processor = _bos_eos_processor(
+            backend, special["bos_token"] if _gguf_value(fields, "tokenizer.ggml.add_bos_token", False) else None,
+            special["eos_token"] if _gguf_value(fields, "tokenizer.ggml.add_eos_token", False) else None)
+        # llama.cpp also ends generation at end-of-turn / end-of-message tokens (Llama 3's <|eot_id|>)
+        end_of_turn = [_gguf_value(fields, f"tokenizer.ggml.{key}") for key in ("eot_token_id", "eom_token_id")]
+        return cls(backend, special_tokens=special, extra_eos_token_ids=[i for i in end_of_turn if i is not None],
+                   chat_template=_gguf_value(fields, "tokenizer.chat_template"))
+
+    # ---- encode / decode -------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    # ---- chat template ---------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """Render a conversation as transformers' apply_chat_template(tokenize=False) does."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template, so it cannot take chat messages; "
+                             "send a plain prompt to the completions endpoint instead")
+        if self._template is None:
+            self._template = _compile_template(self.chat_template)
+        variables = {name: token for name, token in self.special_tokens.items() if token is not None}
+        variables.update(kwargs)
+        variables.setdefault("tools", None)
+        variables.setdefault("documents", None)
+        return self._template.render(messages=[_plain_message(m) for m in messages],
+                                     add_generation_prompt=add_generation_prompt, **variables)
+
+    def _id_of(self, name: str) -> int | None:
+        token = self.special_tokens[name]
+        if token is None:
+            return None
+        token_id = self.backend.token_to_id(token)
+        if token_id is None:
+            raise ModelLoadError(f"the tokenizer's {name} {token!r} is not in its vocabulary")
+        return token_id
+
+
+# ---- HF folder helpers ---------------------------------------------------------------------
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config.json writes a special token as a string or as a serialized AddedToken."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _hf_chat_template(folder: Path, config: dict) -> str | None:
+    # newer transformers save the template beside tokenizer_config.json rather than inside it
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if (folder / "chat_template.json").is_file():
+        template = read_json(folder / "chat_template.json").get("chat_template")
+    if isinstance(template, list):   # named templates: [{"name": "default", "template": ...}, ...]
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return template
+
+
+def _bos_eos_processor(backend: BackendTokenizer, bos: str | None, eos: str | None) -> processors.TemplateProcessing:
+    """Post-processor that puts bos before / eos after the text (either may be None: nothing added)."""
+    used = [token for token in dict.fromkeys((bos, eos)) if token is not None]
+    ids = {token: backend.token_to_id(token) for token in used}
+    for token, token_id in ids.items():
+        if token_id is None:
+            raise ModelLoadError(f"the tokenizer should add {token!r} to every text, but it is not in its vocabulary")
+
+    def template(sequence: str, type_id: int) -> list[str]:
+        return ([f"{bos}:{type_id}"] * (bos is not None) + [f"${sequence}:{type_id}"]
+                + [f"{eos}:{type_id}"] * (eos is not None))
+
+    return processors.TemplateProcessing(single=template("A", 0), pair=template("A", 0) + template("B", 1),
+                                         special_tokens=list(ids.items()))
+
+
+# ---- GGUF helpers --------------------------------------------------------------------------
+
+def _gguf_value(fields: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    field = fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    if pre in _GPT2_PRE:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _DIGITS_THEN_GPT2_PRE:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    if pre in _SPLIT_THEN_BYTES_PRE:
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_SPLIT_THEN_BYTES_PRE[pre]), behavior="isolated"),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    supported = sorted(_GPT2_PRE | _DIGITS_THEN_GPT2_PRE | set(_SPLIT_THEN_BYTES_PRE))
+    raise ModelLoadError(f"the GGUF's pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; "
+                         f"supported: {', '.join(supported)}. Serve the model's HF folder instead")
+
+
+# ---- chat template helpers -----------------------------------------------------------------
+
+class _GenerationTag(Extension):
+    """{% generation %}...{% endgeneration %} marks assistant text for training masks; rendering keeps the body."""
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> nodes.CallBlock:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(lineno)
+
+    def _render_body(self, caller: jinja2.runtime.Macro) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> NoReturn:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+    # jinja's own tojson escapes HTML characters; chat templates expect plain JSON
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    # the same environment as transformers, so templates written for it render identically
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _plain_message(message: Mapping[str, Any]) -> dict:
+    """A copy without None values (templates test for missing keys), content parts joined into one string."""
+    out = {k: v for k, v in message.items() if v is not None}
+    content = out.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise ValueError(f"only text content parts are supported, got {part!r}")
+            texts.append(part["text"])
+        out["content"] = "".join(texts)
+    return out

@@ -1,0 +1,126 @@
+"""Helpers for the model I/O tests: cached SmolLM2 tokenizers (ours and transformers'), a text battery,
+and writers for tiny GGUF files and HF tokenizer folders."""
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from asyncserve.model.tokenizer import Tokenizer
+
+# ASCII, code, whitespace runs, newlines, emoji, CJK, accents, digits, special tokens written as text
+TEXT_BATTERY = [
+    "Hello, world!",
+    "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.",
+    "def add(a, b):\n    return a + b\n\n\nprint(add(2, 3))  # 5\n",
+    "for (int i = 0; i < n; ++i) { sum += a[i] * b[i]; }",
+    "    leading spaces, trailing spaces    ",
+    "tabs\tand\t\ttabs, a\u00a0non-breaking space and many          spaces",
+    "\n\n\nnewlines\r\nand carriage returns\r\n\n",
+    "emoji 🙂🚀👍🏽 and a family 👨‍👩‍👧‍👦 and flags 🇫🇷🇯🇵",
+    "中文字符，日本語のテキスト、한국어 문장。",
+    "Ünïcödé àccénts: façade, naïve, Ångström, Œuvre, straße",
+    "numbers 1234567890, 3.14159, -42, 1e-10, 2024-06-01 12:34:56, $1,000,000.00",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "text<|endoftext|>more text<|im_end|>",
+    "almost special <|im_start| and <im_end|> and <|im_start|x",
+    "I'm sure they'll say it's fine, don't you think? We've seen it; you'd agree.",
+    "",
+    " ",
+    "\n",
+    "a",
+    "x" * 200 + " " + "ab" * 50,
+]
+
+
+@lru_cache(maxsize=None)
+def smollm2_fields(path: Path) -> dict:
+    """The SmolLM2 GGUF's metadata fields (GGUFReader takes seconds to parse the vocabulary), once per session."""
+    return gguf.GGUFReader(path).fields
+
+
+@lru_cache(maxsize=None)
+def smollm2_tokenizer(path: Path) -> Tokenizer:
+    """Our tokenizer from the SmolLM2 GGUF, built once per test session."""
+    return Tokenizer.from_gguf(smollm2_fields(path))
+
+
+@lru_cache(maxsize=None)
+def transformers_smollm2_tokenizer(path: Path):
+    """transformers' tokenizer from the same GGUF (slow to build: a few seconds), once per session."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def save_hf_tokenizer(tokenizer: Tokenizer, folder: Path, **init_kwargs):
+    """Save our tokenizer as a transformers fast tokenizer (tokenizer.json + tokenizer_config.json)."""
+    from transformers import PreTrainedTokenizerFast
+
+    special = {name: token for name, token in tokenizer.special_tokens.items() if token is not None}
+    hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend, **{**special, **init_kwargs})
+    if tokenizer.chat_template and "chat_template" not in init_kwargs:
+        hf.chat_template = tokenizer.chat_template
+    hf.save_pretrained(folder)
+    return hf
+
+
+def backend_vocab(tokenizer) -> tuple[list[str], list[str], set[str]]:
+    """(tokens by id, merges as "a b" strings, special token strings) of a byte-level BPE backend tokenizer."""
+    data = json.loads(tokenizer.to_str())
+    vocab = data["model"]["vocab"]
+    tokens = [""] * len(vocab)
+    for token, i in vocab.items():
+        tokens[i] = token
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    special = {t["content"] for t in data["added_tokens"] if t["special"]}
+    return tokens, merges, special
+
+
+def llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """The Q/K row order llama.cpp's converter writes (the inverse of the loader's un-permute)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path: Path, *, architecture: str = "llama", tokens: list[str], merges: list[str], special: set[str],
+               pre: str = "gpt-2", tokenizer_model: str = "gpt2", add_bos: bool | None = None,
+               bos_id: int = 1, eos_id: int = 2, chat_template: str | None = None,
+               llama: dict | None = None, extra: dict | None = None,
+               tensors: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType | None]] | None = None) -> Path:
+    """A GGUF file with the given tokenizer, `{architecture}.*` metadata (llama) and other keys (extra), and
+    tensors: float32/float16 arrays (type None) or bytes already quantized to the given type."""
+    writer = gguf.GGUFWriter(path, architecture)
+    for key, value in (llama or {}).items():
+        writer.add_key_value(f"{architecture}.{key}", value, _value_type(value))
+    for key, value in (extra or {}).items():
+        writer.add_key_value(key, value, _value_type(value))
+    writer.add_tokenizer_model(tokenizer_model)
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in special else 1 for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(bos_id)
+    writer.add_eos_token_id(eos_id)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+    for name, (data, qtype) in (tensors or {}).items():
+        writer.add_tensor(name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _value_type(value) -> gguf.GGUFValueType:
+    if isinstance(value, str):
+        return gguf.GGUFValueType.STRING
+    if isinstance(value, float):
+        return gguf.GGUFValueType.FLOAT32
+    return gguf.GGUFValueType.UINT32

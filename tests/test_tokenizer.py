@@ -1,0 +1,227 @@
+"""Tokenizer from GGUF metadata and from HF folders: ids, decoding and chat templates equal transformers'."""
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import gguf
+import jinja2
+import pytest
+from model_io_helpers import (
+    TEXT_BATTERY,
+    backend_vocab,
+    save_hf_tokenizer,
+    smollm2_fields,
+    smollm2_tokenizer,
+    transformers_smollm2_tokenizer,
+    write_gguf,
+)
+from reference import make_tiny_tokenizer
+
+from asyncserve.model.config import ModelLoadError
+from asyncserve.model.tokenizer import Tokenizer
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi there!"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2+2?"}],
+    [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hello"},
+     {"role": "assistant", "content": "Bonjour !"}, {"role": "user", "content": "Emoji 🙂 and\nnew lines\n\n"}],
+    [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}],
+]
+
+
+@pytest.fixture(scope="module")
+def ours(smollm2_gguf) -> Tokenizer:
+    return smollm2_tokenizer(smollm2_gguf)
+
+
+@pytest.fixture(scope="module")
+def theirs(smollm2_gguf):
+    return transformers_smollm2_tokenizer(smollm2_gguf)
+
+
+# ---- SmolLM2 GGUF vs transformers ------------------------------------------------------------
+
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_gguf_encode_matches_transformers(ours, theirs, add_special_tokens):
+    for text in TEXT_BATTERY:
+        expected = theirs.encode(text, add_special_tokens=add_special_tokens)
+        assert ours.encode(text, add_special_tokens=add_special_tokens) == expected, repr(text)
+
+
+def test_gguf_decode_matches_transformers(ours, theirs):
+    rng = random.Random(0)
+    sequences = [theirs.encode(text) for text in TEXT_BATTERY]
+    sequences += [[rng.randrange(ours.vocab_size) for _ in range(rng.randint(1, 30))] for _ in range(200)]
+    sequences += [[rng.randrange(20) for _ in range(10)] for _ in range(20)]     # dense in special tokens
+    for ids in sequences:
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip), ids
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_gguf_chat_template_matches_transformers(ours, theirs, add_generation_prompt):
+    for messages in CONVERSATIONS:
+        expected = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        assert ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
+
+
+def test_gguf_special_tokens(ours, theirs):
+    assert ours.vocab_size == len(theirs) == 49152
+    assert ours.bos_token_id == theirs.bos_token_id == 1
+    assert ours.eos_token_ids == [theirs.eos_token_id] == [2]
+    assert set(theirs.all_special_ids) <= ours.all_special_ids
+    assert set(range(17)) == ours.all_special_ids          # the control tokens <|endoftext|> ... <empty_output>
+    assert ours.id_to_token(1) == "<|im_start|>" and ours.id_to_token(19556) == theirs.convert_ids_to_tokens(19556)
+    # SmolLM2's GGUF says add_bos_token = false, and transformers follows it: no BOS on encode
+    assert ours.encode("Hello") == theirs.encode("Hello") == [19556]
+
+
+def test_gguf_smollm_pre_tokenizer_isolates_digits(ours, theirs):
+    """llama.cpp's "smollm" pre-tokenizer (like SmolLM2's own tokenizer.json) isolates every Unicode digit
+    before the GPT-2 split; transformers' GGUF converter drops that step. ASCII digits come out the same
+    (the vocabulary has no multi-digit tokens), other digits like ² can differ: we follow llama.cpp."""
+    assert ours.encode("E = mc2, 12345") == theirs.encode("E = mc2, 12345")
+    assert ours.encode(" ²") == [216, 19133]                # " " then "²", as llama.cpp splits it
+    assert theirs.encode(" ²") == [3351, 127]               # " \xc2" then "\xb2": half of ² in each token
+    assert ours.decode(ours.encode("x ² ½ ١٢٣")) == "x ² ½ ١٢٣"
+
+
+def test_content_parts_are_joined(ours):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "world"}]}]
+    plain = [{"role": "user", "content": "Hello world"}]
+    assert ours.apply_chat_template(parts) == ours.apply_chat_template(plain)
+    with pytest.raises(ValueError, match="text content parts"):
+        ours.apply_chat_template([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+
+
+def test_from_gguf_is_fast(smollm2_gguf):
+    fields = smollm2_fields(smollm2_gguf)
+    start = time.perf_counter()
+    Tokenizer.from_gguf(fields)
+    assert time.perf_counter() - start < 3.0    # about 0.3 s; the budget allows for a loaded machine
+
+
+# ---- other GGUF tokenizers: a tiny byte-level BPE written with each pre-tokenizer ---------------
+
+@pytest.fixture(scope="module")
+def tiny_vocab():
+    return backend_vocab(make_tiny_tokenizer().backend_tokenizer)
+
+
+@pytest.mark.parametrize("pre, add_bos", [("gpt-2", None), ("llama-bpe", True), ("tekken", True), ("smaug-bpe", False)])
+def test_tiny_gguf_tokenizer_matches_transformers(tmp_path, tiny_vocab, pre, add_bos):
+    from transformers import AutoTokenizer
+
+    tokens, merges, special = tiny_vocab
+    path = write_gguf(tmp_path / "tiny.gguf", tokens=tokens, merges=merges, special=special, pre=pre, add_bos=add_bos,
+                      llama={"block_count": 1, "embedding_length": 8, "attention.head_count": 2})
+    ours = Tokenizer.from_gguf(gguf.GGUFReader(path).fields)
+    theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in TEXT_BATTERY:
+        for add_special_tokens in (True, False):
+            expected = theirs.encode(text, add_special_tokens=add_special_tokens)
+            assert ours.encode(text, add_special_tokens=add_special_tokens) == expected, (pre, text)
+        ids = theirs.encode(text)
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+    assert (ours.encode("hi")[0] == 1) == bool(add_bos)
+
+
+def test_unsupported_gguf_tokenizers(tmp_path, tiny_vocab):
+    tokens, merges, special = tiny_vocab
+    spm = write_gguf(tmp_path / "spm.gguf", tokens=tokens, merges=merges, special=special, tokenizer_model="llama")
+    with pytest.raises(ModelLoadError, match="SentencePiece"):
+        Tokenizer.from_gguf(gguf.GGUFReader(spm).fields)
+    odd = write_gguf(tmp_path / "odd.gguf", tokens=tokens, merges=merges, special=special, pre="default")
+    with pytest.raises(ModelLoadError, match="pre-tokenizer 'default'.*supported: .*llama-bpe"):
+        Tokenizer.from_gguf(gguf.GGUFReader(odd).fields)
+
+
+# ---- HF folders ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("add_bos_token", [None, True])
+def test_hf_folder_tokenizer_matches_transformers(tmp_path, ours, add_bos_token):
+    from transformers import AutoTokenizer
+
+    kwargs = {} if add_bos_token is None else {"add_bos_token": add_bos_token}
+    save_hf_tokenizer(ours, tmp_path, **kwargs)
+    theirs = AutoTokenizer.from_pretrained(tmp_path)
+    folder_tokenizer = Tokenizer.from_hf_folder(tmp_path, generation_eos_ids=[2, 0])
+    for text in TEXT_BATTERY:
+        for add_special_tokens in (True, False):
+            expected = theirs.encode(text, add_special_tokens=add_special_tokens)
+            assert folder_tokenizer.encode(text, add_special_tokens=add_special_tokens) == expected, repr(text)
+    assert (folder_tokenizer.encode("hi")[0] == 1) == bool(add_bos_token)
+    for messages in CONVERSATIONS:
+        expected = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert folder_tokenizer.apply_chat_template(messages) == expected
+    assert folder_tokenizer.eos_token_ids == [2, 0]
+    assert folder_tokenizer.bos_token_id == 1
+
+
+def test_hf_folder_chat_template_locations(tmp_path, ours):
+    save_hf_tokenizer(ours, tmp_path)
+    (tmp_path / "chat_template.jinja").unlink()
+    config_file = tmp_path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    assert Tokenizer.from_hf_folder(tmp_path).chat_template is None
+
+    config["chat_template"] = "in config"
+    config_file.write_text(json.dumps(config))
+    assert Tokenizer.from_hf_folder(tmp_path).chat_template == "in config"
+
+    config["chat_template"] = [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": "named"}]
+    config_file.write_text(json.dumps(config))
+    assert Tokenizer.from_hf_folder(tmp_path).chat_template == "named"
+
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "from json"}))
+    assert Tokenizer.from_hf_folder(tmp_path).chat_template == "from json"
+
+    (tmp_path / "chat_template.jinja").write_text("from jinja")
+    assert Tokenizer.from_hf_folder(tmp_path).chat_template == "from jinja"
+
+
+def test_hf_folder_without_tokenizer_json(tmp_path, ours):
+    save_hf_tokenizer(ours, tmp_path)
+    (tmp_path / "tokenizer.json").unlink()
+    with pytest.raises(ModelLoadError, match="no tokenizer.json"):
+        Tokenizer.from_hf_folder(tmp_path)
+
+
+# ---- chat template environment ----------------------------------------------------------------
+
+def templated(ours: Tokenizer, template: str | None) -> Tokenizer:
+    return Tokenizer(ours.backend, special_tokens=ours.special_tokens, chat_template=template)
+
+
+def test_chat_template_environment(ours):
+    hello = [{"role": "user", "content": "<b>héllo</b>"}]
+    as_json = templated(ours, "{{ messages | tojson }}").apply_chat_template(hello)
+    assert as_json == json.dumps(hello, ensure_ascii=False)          # no HTML escaping, no \u escapes
+    assert templated(ours, "{{ bos_token }}|{{ eos_token }}").apply_chat_template(hello) == "<|im_start|>|<|im_end|>"
+    # trim_blocks + lstrip_blocks, as transformers renders
+    template = "{% for m in messages %}\n    {% if m.role == 'user' %}\n{{ m.content }}\n    {% endif %}\n{% endfor %}"
+    assert templated(ours, template).apply_chat_template(hello) == "<b>héllo</b>\n"
+    loop = "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.content }}{% endfor %}"
+    assert templated(ours, loop).apply_chat_template(hello * 3) == "<b>héllo</b>"
+    generation = "{% for m in messages %}{% generation %}[{{ m.content }}]{% endgeneration %}{% endfor %}"
+    assert templated(ours, generation).apply_chat_template(hello) == "[<b>héllo</b>]"
+    # None values are dropped (OpenAI clients send content: null with tool calls), extra kwargs reach the template
+    missing = "{% for m in messages %}{{ 'content' in m }}{% endfor %}{{ enable_thinking }}"
+    assert templated(ours, missing).apply_chat_template([{"role": "assistant", "content": None}],
+                                                         enable_thinking=False) == "FalseFalse"
+    prompt = "{{ add_generation_prompt }}"
+    assert templated(ours, prompt).apply_chat_template(hello, add_generation_prompt=False) == "False"
+
+
+def test_chat_template_errors(ours):
+    strict = templated(ours, "{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}"
+                             "{% endif %}")
+    with pytest.raises(jinja2.TemplateError, match="first must be user"):
+        strict.apply_chat_template([{"role": "assistant", "content": "x"}])
+    with pytest.raises(ValueError, match="no chat template"):
+        templated(ours, None).apply_chat_template([{"role": "user", "content": "x"}])
+    sandboxed = templated(ours, "{{ messages.__class__.__mro__ }}")
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        sandboxed.apply_chat_template([{"role": "user", "content": "x"}])
