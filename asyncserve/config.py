@@ -55,11 +55,12 @@ class Config:
         names = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
                  "fp16": torch.float16, "half": torch.float16, "float32": torch.float32, "fp32": torch.float32}
         if self.dtype == "auto":
-            # bf16 everywhere it is fast: CUDA with bf16 support, and CPUs (AMX/AVX512-BF16 make it the
-            # fastest CPU path; elsewhere it still halves memory traffic)
-            if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-                return torch.float16
-            return torch.bfloat16
+            if device.type == "cuda":
+                return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            # bf16 GEMMs are fast only with AMX or AVX512-BF16; without them the CPU emulates bf16 and
+            # float32 is several times faster (measured in BENCHMARKS.md)
+            fast_bf16 = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+            return torch.bfloat16 if fast_bf16 else torch.float32
         try:
             return names[self.dtype]
         except KeyError:

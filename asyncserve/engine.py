@@ -161,9 +161,6 @@ class Engine:
 
 
 def _tensors(weights):
-    yield weights.embed
-    yield weights.norm
-    if weights.lm_head is not weights.embed:
-        yield weights.lm_head
+    yield from (weights.embed, weights.norm, weights.lm_head)
     for lw in weights.layers:
         yield from (lw.input_norm, lw.qkv, lw.o, lw.post_norm, lw.gate_up, lw.down)

@@ -20,6 +20,15 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_reference(smollm2_gguf):
+    """transformers' float32 model loaded from the same GGUF (the reference for SmolLM2 tests)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name,
+                                                dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """A tiny random Llama (GQA, untied, sharded safetensors) and five random PEFT adapters."""
     from reference import build_tiny_model

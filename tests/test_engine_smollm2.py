@@ -20,12 +20,11 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_gguf, tmp_path_factory):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def smol(smollm2_gguf, smollm2_reference, tmp_path_factory):
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name,
-                                                 dtype=torch.float32).eval()
+    model = smollm2_reference
     root = tmp_path_factory.mktemp("smol_adapters")
     paths = {}
     for i, (name, (r, targets, rs)) in enumerate(ADAPTERS.items()):

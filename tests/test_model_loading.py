@@ -27,12 +27,8 @@ def smollm2(smollm2_gguf):
 
 
 @pytest.fixture(scope="module")
-def smollm2_transformers(smollm2_gguf):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name,
-                                                 dtype=torch.float32)
-    return model.config, model.state_dict()
+def smollm2_transformers(smollm2_reference):
+    return smollm2_reference.config, smollm2_reference.state_dict()
 
 
 def test_default_model_weights_equal_transformers(smollm2, smollm2_transformers):

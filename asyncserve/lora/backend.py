@@ -9,7 +9,7 @@ group, all their A rows into one matrix ``A_stack [R, in]`` (R = sum of ranks of
 projections over the active adapters) and all B^T rows into ``B_stack [R, out]`` placed at each
 projection's output columns, with the scaling folded in. Then, for all tokens at once:
 
-    s = x @ A_stack^T          # [tokens, R]
+    s = x @ A_stack            # [tokens, R]
     s *= mask                  # mask[t, j] = 1 if column j belongs to token t's adapter
     y += s @ B_stack           # one GEMM; other adapters' columns contribute zero
 
@@ -66,7 +66,7 @@ class TorchLoraBackend(LoraBackend):
         self.layout = group_layout(config)
         self.num_layers = config.num_layers
         self._set_key: tuple | None = None
-        # group -> (A_stack [L, R, in], B_stack [L, R, out], column owner [R] int64)
+        # group -> (A_stack [L, in, R], B_stack [L, R, out], column owner [R] int64)
         self._stacks: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._masks: dict[str, torch.Tensor] = {}
 
@@ -107,7 +107,8 @@ class TorchLoraBackend(LoraBackend):
             return None
         device = flat.device
         a_off = torch.cat(a_offsets, dim=1)                        # [L, R]
-        a_stack = flat[a_off[..., None] + torch.arange(rows_in, device=device)]   # [L, R, in]
+        # [L, in, R]: x @ A_stack is MKL's fast small-batch layout (see model/llama.py)
+        a_stack = flat[a_off[..., None] + torch.arange(rows_in, device=device)].transpose(1, 2).contiguous()
         out_total = sum(fan_out for _, _, fan_out, _ in self.layout[group])
         b_stack = torch.zeros(self.num_layers, a_off.shape[1], out_total, dtype=flat.dtype, device=device)
         scale = torch.cat(scales, dim=1).to(device)                # [L, R]
@@ -127,6 +128,6 @@ class TorchLoraBackend(LoraBackend):
         if mask is None:
             return
         a_stack, b_stack, _ = self._stacks[group]
-        s = torch.mm(x, a_stack[layer].t())       # [tokens, R]
+        s = torch.mm(x, a_stack[layer])           # [tokens, R]
         s.mul_(mask)
         y.addmm_(s, b_stack[layer])

@@ -16,14 +16,17 @@ from asyncserve.lora.backend import LoraBackend
 from asyncserve.model.config import ModelConfig
 
 
+# Projection weights are stored transposed, [in, out], and applied as x @ W: on CPU, MKL's small-batch
+# GEMM is several times faster with this layout than with F.linear's [out, in] (decode batches are
+# 1..64 rows); on CUDA cuBLAS takes either.
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor   # [hidden]
-    qkv: torch.Tensor          # [q + 2 kv, hidden]
-    o: torch.Tensor            # [hidden, q]
+    qkv: torch.Tensor          # [hidden, q + 2 kv]
+    o: torch.Tensor            # [q, hidden]
     post_norm: torch.Tensor    # [hidden]
-    gate_up: torch.Tensor      # [2 inter, hidden]
-    down: torch.Tensor         # [hidden, inter]
+    gate_up: torch.Tensor      # [hidden, 2 inter]
+    down: torch.Tensor         # [inter, hidden]
 
 
 @dataclass
@@ -31,7 +34,7 @@ class LlamaWeights:
     embed: torch.Tensor        # [vocab, hidden]
     layers: list[LayerWeights]
     norm: torch.Tensor         # [hidden]
-    lm_head: torch.Tensor      # [vocab, hidden] (the embedding itself when tied)
+    lm_head: torch.Tensor      # [hidden, vocab] (a transposed copy of the embedding when tied)
 
 
 def build_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
@@ -46,6 +49,9 @@ def build_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: 
     def put(t: torch.Tensor) -> torch.Tensor:
         return t.to(device=device, dtype=dtype).contiguous()
 
+    def put_t(t: torch.Tensor) -> torch.Tensor:      # [out, in] checkpoint layout -> [in, out]
+        return t.to(device=device, dtype=dtype).t().contiguous()
+
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
@@ -53,18 +59,18 @@ def build_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: 
         gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
         layers.append(LayerWeights(
             input_norm=put(take(p + "input_layernorm.weight")),
-            qkv=put(qkv),
-            o=put(take(p + "self_attn.o_proj.weight")),
+            qkv=put_t(qkv),
+            o=put_t(take(p + "self_attn.o_proj.weight")),
             post_norm=put(take(p + "post_attention_layernorm.weight")),
-            gate_up=put(gate_up),
-            down=put(take(p + "mlp.down_proj.weight")),
+            gate_up=put_t(gate_up),
+            down=put_t(take(p + "mlp.down_proj.weight")),
         ))
     embed = put(take("model.embed_tokens.weight"))
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
-        lm_head = embed
+        lm_head = embed.t().contiguous()
     else:
-        lm_head = put(take("lm_head.weight"))
+        lm_head = put_t(take("lm_head.weight"))
     _check_shapes(config, embed, layers[0])
     return LlamaWeights(embed=embed, layers=layers, norm=put(take("model.norm.weight")), lm_head=lm_head)
 
@@ -73,10 +79,10 @@ def _check_shapes(config: ModelConfig, embed: torch.Tensor, layer: LayerWeights)
     h = config.hidden_size
     expected = {
         "embed_tokens": (embed, (config.vocab_size, h)),
-        "q/k/v_proj": (layer.qkv, (config.q_size + 2 * config.kv_size, h)),
-        "o_proj": (layer.o, (h, config.q_size)),
-        "gate/up_proj": (layer.gate_up, (2 * config.intermediate_size, h)),
-        "down_proj": (layer.down, (h, config.intermediate_size)),
+        "q/k/v_proj": (layer.qkv, (h, config.q_size + 2 * config.kv_size)),
+        "o_proj": (layer.o, (config.q_size, h)),
+        "gate/up_proj": (layer.gate_up, (h, 2 * config.intermediate_size)),
+        "down_proj": (layer.down, (config.intermediate_size, h)),
     }
     for name, (t, shape) in expected.items():
         if tuple(t.shape) != shape:
@@ -150,7 +156,7 @@ class StepInputs:
     positions: torch.Tensor        # [T] int64
     write_rows: torch.Tensor       # [T] int64: row of the K entry of layer 0 in pool kv rows (see kv_rows)
     num_decode: int                # the first num_decode tokens are single-token decodes
-    decode_tables: torch.Tensor    # [num_decode, max_pages] int64 (padded with page 0)
+    decode_pages: torch.Tensor     # [num_decode * max_pages] int64: block tables padded with page 0
     decode_mask: torch.Tensor      # [num_decode, 1, 1, max_pages * block] bool: True = attend
     prefills: list[PrefillChunk]
     sample_index: torch.Tensor     # [n_sample] int64: tokens whose next-token logits are needed
@@ -162,64 +168,68 @@ def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, 
             lora: LoraBackend) -> torch.Tensor:
     """Run all layers for the step's tokens; returns logits [n_sample, vocab] float32.
 
-    kv: the pool's KV view [pages, layers, 2, block, kv_heads, head_dim].
+    kv: the pool's KV view [pages, 2, layers, block, kv_size].
     """
     T = inp.input_ids.shape[0]
     nh, nkv, hd = config.num_heads, config.num_kv_heads, config.head_dim
     q_size, kv_size = config.q_size, config.kv_size
     eps = config.rms_norm_eps
     cos, sin = rope.tables(inp.positions)
-    # kv_rows: [pages * layers * 2 * block, kv_size]; K of layer l at write_rows + l*2*block, V one block later
-    block = kv.shape[3]
+    # kv_rows: [pages * 2 * layers * block, kv_size]; K of layer l at write_rows + l*block, V at + layers*block
+    num_layers, block = kv.shape[2], kv.shape[3]
     kv_rows = kv.view(-1, kv_size)
     use_lora = lora.active
 
     h = F.embedding(inp.input_ids, w.embed)                       # [T, hidden]
     for li, lw in enumerate(w.layers):
         x = F.rms_norm(h, (h.shape[-1],), lw.input_norm, eps)
-        qkv = F.linear(x, lw.qkv)                                  # [T, q + 2kv]
+        qkv = x @ lw.qkv                                           # [T, q + 2kv]
         if use_lora:
             lora.apply(li, "qkv", x, qkv)
         qk = apply_rope(qkv[:, :q_size + kv_size].view(T, nh + nkv, hd), cos, sin)
         q, k = qk[:, :nh], qk[:, nh:]                              # [T, nh, hd], [T, nkv, hd]
         v = qkv[:, q_size + kv_size:]
-        k_row = inp.write_rows + li * 2 * block
+        k_row = inp.write_rows + li * block
         kv_rows.index_copy_(0, k_row, k.reshape(T, kv_size))
-        kv_rows.index_copy_(0, k_row + block, v)
-        attn = attention(q, k.view(T, nkv, hd), v.view(T, nkv, hd), kv[:, li], inp, hd)  # [T, q]
-        o = F.linear(attn, lw.o)
+        kv_rows.index_copy_(0, k_row + num_layers * block, v)
+        attn = attention(q, k, v.view(T, nkv, hd), kv[:, 0, li], kv[:, 1, li], inp)   # [T, q]
+        o = attn @ lw.o
         if use_lora:
             lora.apply(li, "o", attn, o)
         h = h + o
         x = F.rms_norm(h, (h.shape[-1],), lw.post_norm, eps)
-        gu = F.linear(x, lw.gate_up)                               # [T, 2 inter]
+        gu = x @ lw.gate_up                                        # [T, 2 inter]
         if use_lora:
             lora.apply(li, "gate_up", x, gu)
         gate, up = gu.chunk(2, dim=-1)
         act = F.silu(gate) * up
-        d = F.linear(act, lw.down)
+        d = act @ lw.down
         if use_lora:
             lora.apply(li, "down", act, d)
         h = h + d
     hs = F.rms_norm(h[inp.sample_index], (h.shape[-1],), w.norm, eps)
-    return F.linear(hs, w.lm_head).float()
+    return (hs @ w.lm_head).float()
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
-              inp: StepInputs, hd: int) -> torch.Tensor:
+def _gather_context(cache: torch.Tensor, pages: torch.Tensor, n: int, nkv: int, hd: int) -> torch.Tensor:
+    """cache: [pool pages, block, kv_size] of one layer; pages: [n * p] -> [n, nkv, p * block, hd] (a view)."""
+    return cache.index_select(0, pages).view(n, -1, nkv, hd).transpose(1, 2)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              inp: StepInputs) -> torch.Tensor:
     """q: [T, nh, hd]; k, v: [T, nkv, hd] of this step (already written to the cache);
-    kv_layer: [pages, 2, block, nkv, hd]. Returns [T, nh * hd]."""
-    T, nh, _ = q.shape
+    k_cache, v_cache: [pages, block, kv_size] of this layer. Returns [T, nh * hd]."""
+    T, nh, hd = q.shape
     nkv = k.shape[1]
     out = torch.empty(T, nh, hd, dtype=q.dtype, device=q.device)
     nd = inp.num_decode
     if nd:
-        # all decodes at once: gather their pages, pad to the longest context, mask the rest
-        pages = kv_layer[inp.decode_tables]                      # [nd, max_pages, 2, block, nkv, hd]
-        kc = pages[:, :, 0].reshape(nd, -1, nkv, hd).transpose(1, 2)   # [nd, nkv, ctx, hd]
-        vc = pages[:, :, 1].reshape(nd, -1, nkv, hd).transpose(1, 2)
-        qd = q[:nd].unsqueeze(2)                                  # [nd, nh, 1, hd]
-        od = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=inp.decode_mask, enable_gqa=True)
+        # all decodes at once: gather their pages, padded to the longest context, mask the rest
+        kc = _gather_context(k_cache, inp.decode_pages, nd, nkv, hd)        # [nd, nkv, ctx, hd]
+        vc = _gather_context(v_cache, inp.decode_pages, nd, nkv, hd)
+        od = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), kc, vc, attn_mask=inp.decode_mask,
+                                            enable_gqa=True)               # [nd, nh, 1, hd]
         out[:nd] = od.squeeze(2)
     for chunk in inp.prefills:
         s, e = chunk.start, chunk.end
@@ -230,9 +240,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch
             oc = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True)
         else:
             ctx = chunk.first_pos + (e - s)
-            pages = kv_layer[chunk.block_table]                   # [n_pages, 2, block, nkv, hd]
-            kc = pages[:, 0].reshape(-1, nkv, hd)[:ctx].transpose(0, 1)
-            vc = pages[:, 1].reshape(-1, nkv, hd)[:ctx].transpose(0, 1)
+            kc = _gather_context(k_cache, chunk.block_table, 1, nkv, hd)[0, :, :ctx]
+            vc = _gather_context(v_cache, chunk.block_table, 1, nkv, hd)[0, :, :ctx]
             qpos = torch.arange(chunk.first_pos, ctx, device=q.device)
             mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]   # [n, ctx]
             oc = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=True)

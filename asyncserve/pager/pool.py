@@ -7,9 +7,11 @@ free list and is used either as a KV block or as adapter-weight storage, so memo
 the two as the load changes.
 
 * KV page: ``block_size`` tokens of K and V for every layer of one sequence,
-  viewed as ``[num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]``. A sequence owns a block
+  viewed as ``[2 (K, V), num_layers, block_size, num_kv_heads, head_dim]``. A sequence owns a block
   table (list of page ids); token ``t`` of it lives in page ``table[t // block_size]`` at slot
-  ``t % block_size`` — one table serves all layers, as in vLLM.
+  ``t % block_size`` — one table serves all layers, as in vLLM. K (and V) of one layer is one
+  contiguous ``[block_size, kv_size]`` run, so gathering a sequence's pages for a layer is one
+  ``index_select`` that yields ``[pages * block_size, kv_heads, head_dim]`` without re-layout.
 * Adapter pages: the rows of an adapter's matrices, packed in order (layer, projection, A rows then
   B^T rows), each row ``in_features`` (A) or ``out_features`` (B^T) contiguous elements. A row never
   straddles a page; a row that does not fit in what is left of a page starts the next page. Every
@@ -101,9 +103,9 @@ class PagedPool:
 
     # ---- views ------------------------------------------------------------------------------
     def kv_view(self) -> torch.Tensor:
-        # [num_pages, num_layers, 2, block_size, num_kv_heads, head_dim]
-        return self.data.view(self.num_pages, self.num_layers, 2, self.block_size,
-                              self.num_kv_heads, self.head_dim)
+        # [num_pages, 2, num_layers, block_size, num_kv_heads * head_dim]
+        return self.data.view(self.num_pages, 2, self.num_layers, self.block_size,
+                              self.num_kv_heads * self.head_dim)
 
     @property
     def flat(self) -> torch.Tensor:

@@ -44,7 +44,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.device = pool.device
         self.rope = Rope(config, self.device, pool.dtype)
-        self._row_stride = config.num_layers * 2 * pool.block_size   # kv rows per page
+        self._row_stride = 2 * config.num_layers * pool.block_size   # kv rows per page
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepResult:
@@ -94,9 +94,9 @@ class ModelRunner:
             tables = [c.seq.block_table + [0] * (max_pages - len(c.seq.block_table)) for c in plan.decodes]
             ctx = torch.tensor([c.seq.num_computed + 1 for c in plan.decodes])
             mask = torch.arange(max_pages * bs)[None, :] < ctx[:, None]
-            decode_tables = torch.tensor(tables, dtype=torch.int64)
+            decode_pages = torch.tensor(tables, dtype=torch.int64).flatten()
         else:
-            decode_tables = torch.zeros(0, 1, dtype=torch.int64)
+            decode_pages = torch.zeros(0, dtype=torch.int64)
             mask = torch.zeros(0, bs, dtype=torch.bool)
         dev = self.device
         inputs = StepInputs(
@@ -104,7 +104,7 @@ class ModelRunner:
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
             write_rows=torch.tensor(write_rows, dtype=torch.int64, device=dev),
             num_decode=nd,
-            decode_tables=decode_tables.to(dev),
+            decode_pages=decode_pages.to(dev),
             decode_mask=mask[:, None, None, :].to(dev),
             prefills=prefills,
             sample_index=torch.tensor(sample_index, dtype=torch.int64, device=dev),
