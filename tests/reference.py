@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+# Where the engine runs in the reference tests: cpu here and in CI; ASYNCSERVE_TEST_DEVICE=cuda on a GPU box.
+TEST_DEVICE = os.environ.get("ASYNCSERVE_TEST_DEVICE", "cpu")
 
 
 def save_tiny_llama(folder: Path, tokenizer_source, *, hidden=64, layers=2, heads=4, kv_heads=2,

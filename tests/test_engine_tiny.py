@@ -8,7 +8,7 @@ import random
 import pytest
 
 from asyncserve import LLM, SamplingParams
-from reference import ADAPTERS, assert_greedy_matches, reference_greedy
+from reference import ADAPTERS, TEST_DEVICE, assert_greedy_matches, reference_greedy
 
 NEW_TOKENS = 12
 
@@ -47,7 +47,7 @@ def test_all_adapters_and_base_in_one_generate_call(tiny):
     cases = [(ids, adapter) for ids in prompts for adapter in [None, *ADAPTERS]]
     refs = references(base, paths, cases)
     llm = LLM(model=str(root), adapters={k: str(v) for k, v in paths.items()}, dtype="float32",
-              device="cpu", max_step_tokens=24)
+              device=TEST_DEVICE, max_step_tokens=24)
     outs = llm.generate([c[0] for c in cases], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True),
                         adapters=[c[1] for c in cases])
     exact = 0
@@ -69,7 +69,7 @@ def test_small_pool_evicts_and_repages_adapters_with_identical_outputs(tiny):
     cases = [(ids, adapter) for ids in prompts for adapter in [*ADAPTERS, None]]   # adapters interleaved
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     adapters = {k: str(v) for k, v in paths.items()}
-    roomy = LLM(model=str(root), adapters=adapters, dtype="float32", device="cpu")
+    roomy = LLM(model=str(root), adapters=adapters, dtype="float32", device=TEST_DEVICE)
     expected = [o.token_ids for o in roomy.generate([c[0] for c in cases], params, adapters=[c[1] for c in cases])]
 
     # a pool that holds the biggest adapter and one sequence's KV, but never all adapters at once
@@ -79,7 +79,7 @@ def test_small_pool_evicts_and_repages_adapters_with_identical_outputs(tiny):
     kv_pages = engine.pool.pages_for_tokens(max(len(p) for p in prompts) + NEW_TOKENS)
     pages = max(sizes.values()) + kv_pages + 2
     assert pages < sum(sizes.values()), "the test pool must be too small for all adapters"
-    small = LLM(model=str(root), adapters=adapters, dtype="float32", device="cpu", pool_mem=pages * page,
+    small = LLM(model=str(root), adapters=adapters, dtype="float32", device=TEST_DEVICE, pool_mem=pages * page,
                 max_step_tokens=16)
     got = [o.token_ids for o in small.generate([c[0] for c in cases], params, adapters=[c[1] for c in cases])]
     assert got == expected
@@ -91,7 +91,7 @@ def test_small_pool_evicts_and_repages_adapters_with_identical_outputs(tiny):
 def test_thousands_of_short_requests_leak_no_pages(tiny):
     root, tok, base, paths = tiny
     llm = LLM(model=str(root), adapters={k: str(v) for k, v in paths.items()}, dtype="float32",
-              device="cpu", max_step_tokens=256, max_running=256)
+              device=TEST_DEVICE, max_step_tokens=256, max_running=256)
     rng = random.Random(3)
     names = [None, *ADAPTERS]
     prompts = [[rng.randrange(3, len(tok)) for _ in range(rng.randint(1, 6))] for _ in range(2000)]
@@ -116,7 +116,7 @@ def test_bf16_close_to_fp32(tiny):
     adapters = {k: str(v) for k, v in paths.items()}
     runs = {}
     for dtype in ("float32", "bfloat16"):
-        llm = LLM(model=str(root), adapters=adapters, dtype=dtype, device="cpu")
+        llm = LLM(model=str(root), adapters=adapters, dtype=dtype, device=TEST_DEVICE)
         runs[dtype] = [o.token_ids for o in llm.generate([c[0] for c in cases], params, adapters=[c[1] for c in cases])]
     first = sum(a[0] == b[0] for a, b in zip(runs["float32"], runs["bfloat16"])) / len(cases)
     prefix = []

@@ -288,7 +288,7 @@ def test_generate_with_triton_backend_equals_torch_backend(tiny_model):
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outputs = {}
     for backend in ("torch", "triton"):
-        llm = LLM(model=str(tiny_model.root), adapters=paths, dtype="float32", device="cpu",
+        llm = LLM(model=str(tiny_model.root), adapters=paths, dtype="float32", device=DEVICE.type,
                   lora_backend=backend, max_step_tokens=16)
         assert llm.engine.lora_backend_name == backend
         outputs[backend] = [o.token_ids for o in llm.generate([c[0] for c in cases], params,
