@@ -32,8 +32,8 @@ def num_sms(device_index: int) -> int:
 
 def pick_split_k(device: torch.device, programs: int, k_blocks: int) -> int:
     """Split the reduction so the grid holds about two waves of programs (Punica's split-K)."""
-    if device.type != "cuda" or programs == 0:
-        return 1
+    if device.type != "cuda" or programs == 0 or k_blocks < 4:
+        return 1          # a short reduction is not worth the atomics and the extra zeroing launch
     target = 2 * num_sms(device.index if device.index is not None else torch.cuda.current_device())
     return max(1, min(k_blocks, -(-target // programs)))
 

@@ -27,16 +27,19 @@ BLOCK_R = 16
 def _mbgmv_shrink_kernel(
     x_ptr, flat_ptr, a_ptr, rank_ptr, tok_ptr, s_ptr,
     IN, R,
-    stride_xt, stride_xk, stride_an, stride_aj, stride_rn, stride_st,
+    stride_xt, stride_xk, stride_an, stride_ap, stride_aj, stride_rn, stride_rp, stride_st,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PADDED: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)     # 64-bit row offsets: T * stride may pass 2^31
     rb = tl.program_id(1)
-    ks = tl.program_id(2)
+    p = tl.program_id(2) // SPLIT_K       # projection of a fused group (all read the same x)
+    ks = tl.program_id(2) % SPLIT_K
     a = tl.load(tok_ptr + t)
     if a < 0:
         return
-    r = tl.load(rank_ptr + a * stride_rn)
+    r = tl.load(rank_ptr + a * stride_rn + p * stride_rp)
+    a_ptr += p * stride_ap
+    s_ptr += p * R                        # s row: [projection, R] blocks side by side
     j = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     if PADDED:
         rows = j < R
@@ -71,18 +74,28 @@ def _mbgmv_shrink_kernel(
 @triton.jit
 def _mbgmv_expand_kernel(
     s_ptr, flat_ptr, b_ptr, rank_ptr, scale_ptr, tok_ptr, y_ptr,
-    OUT, R,
-    stride_st, stride_bn, stride_bj, stride_rn, stride_cn, stride_yt, stride_yn,
+    OUT0, OUT1, OUT2, R,
+    stride_st, stride_bn, stride_bp, stride_bj, stride_rn, stride_rp, stride_cn, stride_cp,
+    stride_yt, stride_yn,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PADDED: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)     # 64-bit row offsets: T * stride may pass 2^31
     nb = tl.program_id(1)
+    p = tl.program_id(2)                  # projection p writes columns [col0, col0 + OUT) of y
+    OUT = tl.where(p == 0, OUT0, tl.where(p == 1, OUT1, OUT2))
+    col0 = tl.where(p == 0, 0, tl.where(p == 1, OUT0, OUT0 + OUT1))
+    if nb * BLOCK_N >= OUT:
+        return
     a = tl.load(tok_ptr + t)
     if a < 0:
         return
-    r = tl.load(rank_ptr + a * stride_rn)
+    r = tl.load(rank_ptr + a * stride_rn + p * stride_rp)
     if r == 0:
         return
+    b_ptr += p * stride_bp
+    s_ptr += p * R
+    scale_ptr += p * stride_cp
+    y_ptr += col0 * stride_yn
     if PADDED:
         r_loop = R
     else:
@@ -117,49 +130,67 @@ def mbgmv_shrink(x: torch.Tensor, flat: torch.Tensor, a_ptr: torch.Tensor, ranks
 
     x: [T, in] (any strides); flat: pool.flat; a_ptr: [n, R] int64 row offsets (any strides);
     ranks: [n] int32; token_adapter: [T] int32 (-1 = none); s: [>=T, >=R] float32, unit column stride.
+    Fused group (projections sharing x, e.g. q, k, v): a_ptr [n, P, R] and ranks [n, P], P <= 3;
+    projection p's result lands in s[t, p*R : p*R + r].
     split_k > 1 accumulates partial sums atomically (s is zeroed first); None picks it from the grid.
     """
+    a3, r2 = _as_group(a_ptr, ranks)
     tokens, fan_in = x.shape
-    r_table = a_ptr.shape[1]
-    check_scratch(s, tokens, r_table)
+    n_proj, r_table = a3.shape[1], a3.shape[2]
+    check_scratch(s, tokens, n_proj * r_table)
     if tokens == 0 or r_table == 0:
         return
     r_blocks = triton.cdiv(r_table, BLOCK_R)
     if split_k is None:
-        split_k = pick_split_k(x.device, tokens * r_blocks, triton.cdiv(fan_in, 256))
+        split_k = pick_split_k(x.device, tokens * r_blocks * n_proj, triton.cdiv(fan_in, 256))
     split_k = min(split_k, triton.cdiv(fan_in, 16))
     block_k = block_size(triton.cdiv(fan_in, split_k), 256)   # every split gets work
     if split_k > 1:
-        s[:tokens, :r_table].zero_()
-    _mbgmv_shrink_kernel[(tokens, r_blocks, split_k)](
-        x, flat, a_ptr, ranks, token_adapter, s,
+        s[:tokens, :n_proj * r_table].zero_()
+    _mbgmv_shrink_kernel[(tokens, r_blocks, n_proj * split_k)](
+        x, flat, a3, r2, token_adapter, s,
         fan_in, r_table,
-        x.stride(0), x.stride(1), a_ptr.stride(0), a_ptr.stride(1), ranks.stride(0), s.stride(0),
+        x.stride(0), x.stride(1), a3.stride(0), a3.stride(1), a3.stride(2), r2.stride(0), r2.stride(1),
+        s.stride(0),
         BLOCK_R=BLOCK_R, BLOCK_K=block_k, SPLIT_K=split_k, PADDED=padded,
     )
 
 
 def mbgmv_expand(s: torch.Tensor, flat: torch.Tensor, b_ptr: torch.Tensor, ranks: torch.Tensor,
                  scaling: torch.Tensor, token_adapter: torch.Tensor, y: torch.Tensor, *,
-                 padded: bool = False) -> None:
+                 out_sizes: tuple[int, ...] | None = None, padded: bool = False) -> None:
     """y[t] += scaling[a] * s[t, :r_a] @ B^T_a[:r_a] for tokens with adapter a >= 0, in place.
 
     s: from mbgmv_shrink; b_ptr: [n, R] int64; scaling: [n] float32 (any stride);
     y: [T, out] (any strides: a column slice of a fused output is fine); other tokens untouched.
+    Fused group: b_ptr [n, P, R], ranks and scaling [n, P], out_sizes the P projections' widths,
+    whose columns lie side by side in y (sum(out_sizes) == y.shape[1]).
     """
-    tokens, fan_out = y.shape
-    r_table = b_ptr.shape[1]
-    check_scratch(s, tokens, r_table)
+    b3, r2 = _as_group(b_ptr, ranks)
+    c2 = scaling if scaling.dim() == 2 else scaling[:, None]
+    tokens = y.shape[0]
+    n_proj, r_table = b3.shape[1], b3.shape[2]
+    sizes = tuple(out_sizes) if out_sizes is not None else (y.shape[1],)
+    if len(sizes) != n_proj or sum(sizes) != y.shape[1] or n_proj > 3:
+        raise ValueError(f"out_sizes {sizes} must give one width per projection (at most 3) summing to "
+                         f"y's {y.shape[1]} columns; b_ptr has {n_proj} projections")
+    check_scratch(s, tokens, n_proj * r_table)
     if tokens == 0 or r_table == 0:
         return
-    block_n = block_size(fan_out, 256)
-    _mbgmv_expand_kernel[(tokens, triton.cdiv(fan_out, block_n))](
-        s, flat, b_ptr, ranks, scaling, token_adapter, y,
-        fan_out, r_table,
-        s.stride(0), b_ptr.stride(0), b_ptr.stride(1), ranks.stride(0), scaling.stride(0),
-        y.stride(0), y.stride(1),
+    block_n = block_size(max(sizes), 256)
+    o = sizes + (0,) * (3 - n_proj)
+    _mbgmv_expand_kernel[(tokens, triton.cdiv(max(sizes), block_n), n_proj)](
+        s, flat, b3, r2, c2, token_adapter, y,
+        o[0], o[1], o[2], r_table,
+        s.stride(0), b3.stride(0), b3.stride(1), b3.stride(2), r2.stride(0), r2.stride(1),
+        c2.stride(0), c2.stride(1), y.stride(0), y.stride(1),
         BLOCK_R=BLOCK_R, BLOCK_N=block_n, PADDED=padded,
     )
+
+
+def _as_group(ptr: torch.Tensor, ranks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One projection's [n, R] / [n] tables as a group of one: [n, 1, R] / [n, 1]."""
+    return (ptr, ranks) if ptr.dim() == 3 else (ptr[:, None, :], ranks[:, None])
 
 
 def bgmv_shrink(x, flat, a_ptr, ranks, token_adapter, s, *, split_k: int | None = None) -> None:

@@ -231,11 +231,16 @@ def check_impl(name: str, case: Case) -> None:
         raise AssertionError(f"{name} disagrees with the reference: relative error {err:.3g}")
 
 
-def timer(device: torch.device, quick: bool):
+def timer(device: torch.device, quick: bool, graph: bool = False):
+    """Median µs per call. On CUDA, graph=True replays the call captured in a CUDA graph, so the
+    time is the kernels' own (as in an engine that captures its decode step); otherwise it is the
+    wall time between events, which includes Python and launch overhead when kernels are short."""
     if device.type == "cuda":
         import triton.testing
 
         def measure(fn) -> float:
+            if graph:
+                return triton.testing.do_bench_cudagraph(fn, rep=20 if quick else 50, return_mode="median") * 1e3
             return triton.testing.do_bench(fn, warmup=10, rep=30 if quick else 60, return_mode="median") * 1e3
         return measure
 
@@ -299,6 +304,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1: on a shared box, OpenMP barriers stall for whole "
                              "scheduler slices when another process holds the other cores)")
+    parser.add_argument("--timer", default="graph", choices=["graph", "wall"],
+                        help="CUDA: kernel time from CUDA-graph replays (graph) or event wall time including "
+                             "launch overhead (wall); CPU always wall")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -313,7 +321,7 @@ def main() -> None:
     fit_draws = args.fit_draws or (4 if args.quick else 8)
     bgmv_impl, mbgmv_impl = ("bgmv", "mbgmv") if "bgmv" in impls and "mbgmv" in impls else ("gather_bmm", "loop")
     g = torch.Generator().manual_seed(args.seed)
-    measure = timer(device, args.quick)
+    measure = timer(device, args.quick, graph=args.timer == "graph")
     slug, device_name = device_slug(device)
 
     lines = []
@@ -329,6 +337,10 @@ def main() -> None:
     emit(f"command: `{shlex.join(['python'] + sys.argv)}`")
     emit()
     emit(f"device copy bandwidth: {copy_gbs:.1f} GB/s (read + write)")
+    if gpu:
+        emit()
+        emit("timer: " + ("CUDA-graph replay (kernel time, no launch overhead)" if args.timer == "graph"
+                          else "events around each call (includes Python and launch overhead)"))
     emit()
     emit("Cells: median latency in µs (useful GB/s). One token per request, in = out = hidden.")
 

@@ -20,19 +20,27 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 
-def load_w1(bench_dir: Path):
-    prompts = json.loads((bench_dir / "w1" / "prompts.json").read_text())
-    adapters = {f"a{k}": str(bench_dir / "w1" / "adapters" / f"a{k}") for k in range(4)}
+def load_w1(args):
+    """W1's prompts (repeated --repeat times) and adapters (or every adapter folder of --adapter-dir)."""
+    prompts = json.loads((args.bench_dir / "w1" / "prompts.json").read_text()) * args.repeat
+    folder = args.adapter_dir or args.bench_dir / "w1" / "adapters"
+    adapters = {p.name: str(p) for p in sorted(folder.iterdir()) if (p / "adapter_config.json").is_file()}
     return prompts, adapters
+
+
+def adapter_of(i: int, adapters: dict) -> str:
+    """Request i's adapter: a{i % n}, as W1 prescribes."""
+    return f"a{i % len(adapters)}"
 
 
 def run_ours(prompts, adapters, use_adapters: bool, args) -> dict:
     from asyncserve import LLM, SamplingParams
 
-    llm = LLM(model=args.model, adapters=adapters if use_adapters else {}, dtype=args.dtype, device="cpu",
-              max_running=args.in_flight, max_step_tokens=args.step_tokens, threads=args.threads)
+    llm = LLM(model=args.model, adapters=adapters if use_adapters else {}, dtype=args.dtype, device=args.device,
+              lora_backend=args.lora_backend, max_running=args.in_flight, max_step_tokens=args.step_tokens,
+              threads=args.threads)
     ids = [llm.tokenizer.encode(p) for p in prompts]
-    names = [f"a{i % 4}" for i in range(len(prompts))] if use_adapters else None
+    names = [adapter_of(i, adapters) for i in range(len(prompts))] if use_adapters else None
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(ids[:4], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
                  adapters=names[:4] if names else None)            # warm-up
@@ -49,9 +57,14 @@ def load_hf(args):
     from asyncserve.model.loader import default_model_path
 
     path = Path(args.model) if args.model else default_model_path()
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=getattr(torch, args.dtype)).eval()
-    return tok, model
+    dtype = getattr(torch, args.dtype)
+    if path.is_dir():
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    else:
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    return tok, model.to(args.device).eval()
 
 
 def run_hf(prompts, adapters, mixed: bool, args) -> dict:
@@ -63,14 +76,14 @@ def run_hf(prompts, adapters, mixed: bool, args) -> dict:
     for n in names[1:]:
         model.load_adapter(adapters[n], adapter_name=n)
     model.eval()
-    ids = [tok(p, return_tensors="pt").input_ids[0] for p in prompts]
+    ids = [tok(p, return_tensors="pt").input_ids[0].to(args.device) for p in prompts]
     batches = []   # (rows, adapter names per row) of up to in_flight requests
     order = list(range(len(prompts)))
     if not mixed:
-        order.sort(key=lambda i: i % 4)
+        order.sort(key=lambda i: i % len(names))
     for s in range(0, len(order), args.in_flight):
         rows = order[s:s + args.in_flight]
-        batches.append((rows, [f"a{i % 4}" for i in rows]))
+        batches.append((rows, [adapter_of(i, adapters) for i in rows]))
 
     def generate(rows, row_adapters, new_tokens):
         x = torch.stack([ids[i] for i in rows])                  # all W1 prompts are 64 tokens
@@ -86,28 +99,30 @@ def run_hf(prompts, adapters, mixed: bool, args) -> dict:
         tokens = 0
         for rows, row_adapters in batches:
             out = generate(rows, row_adapters, args.new_tokens)
-            tokens += (out.shape[1] - 64) * out.shape[0]
+            tokens += (out.shape[1] - len(ids[rows[0]])) * out.shape[0]
         wall = time.perf_counter() - t0
     return {"output_tokens": tokens, "wall_s": wall, "tok_s": tokens / wall}
 
 
 def profile_ours(prompts, adapters, args) -> None:
-    """Per-op time of decode steps at batch 16 (torch profiler, CPU)."""
+    """Per-op time of decode steps at batch 16 (torch profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
     from asyncserve import LLM, SamplingParams
 
-    llm = LLM(model=args.model, adapters=adapters, dtype=args.dtype, device="cpu",
-              max_running=args.in_flight, max_step_tokens=args.step_tokens, threads=args.threads)
+    llm = LLM(model=args.model, adapters=adapters, dtype=args.dtype, device=args.device,
+              lora_backend=args.lora_backend, max_running=args.in_flight, max_step_tokens=args.step_tokens,
+              threads=args.threads)
     ids = [llm.tokenizer.encode(p) for p in prompts[:16]]
-    names = [f"a{i % 4}" for i in range(16)]
+    names = [adapter_of(i, adapters) for i in range(16)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     engine = llm.engine
     for i, p in enumerate(ids):
         engine.add(engine.make_sequence(p, params, names[i]))
     for _ in range(4):          # prefill and first decodes
         engine.step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with profile(activities=activities) as prof:
         t0 = time.perf_counter()
         steps = 0
         while engine.has_unfinished():
@@ -115,25 +130,31 @@ def profile_ours(prompts, adapters, args) -> None:
             steps += 1
         wall = time.perf_counter() - t0
     print(f"decode steps: {steps}, {1000 * wall / steps:.1f} ms/step at batch 16")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    sort = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=25))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bench-dir", type=Path, default=REPO.parent / "shared" / "bench")
     ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct GGUF")
+    ap.add_argument("--adapter-dir", type=Path, help="serve every adapter folder in it (named a0, a1, ...) "
+                                                      "instead of W1's four")
+    ap.add_argument("--repeat", type=int, default=1, help="run W1's 64 requests this many times")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--lora-backend", default="auto", choices=["auto", "torch", "triton"])
     ap.add_argument("--systems", default="ours,ours-base,hf-grouped,hf-mixed")
     ap.add_argument("--in-flight", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--step-tokens", type=int, default=512)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                     help="W1 prescribes bfloat16; CPUs without AMX/AVX512-BF16 run float32 faster")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--json-out", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    prompts, adapters = load_w1(args.bench_dir)
+    prompts, adapters = load_w1(args)
     if args.profile:
         profile_ours(prompts, adapters, args)
         return

@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
 import kernels  # noqa: E402
 from asyncserve.lora.backend import TorchLoraBackend, group_layout  # noqa: E402
 from asyncserve.lora.batch import GROUPS, PROJECTIONS, DeviceAdapter, LoraBatch  # noqa: E402
-from asyncserve.lora.triton_backend import TritonLoraBackend  # noqa: E402
+from asyncserve.lora.triton_backend import SGMV_MAX_SEGMENT, TritonLoraBackend  # noqa: E402
 from asyncserve.model.config import ModelConfig  # noqa: E402
 from asyncserve.pager.pool import PagedPool, plan_row_packing  # noqa: E402
 
@@ -205,6 +205,62 @@ def test_kernel_matches_float64_reference(kernel, dtype, decode, split_k):
         run_case(kernel, dtype, new_seed(), decode=decode, split_k=split_k)
 
 
+@pytest.mark.parametrize("dtype,padded", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
+def test_mbgmv_fused_group_matches_float64_reference(dtype, padded):
+    """q, k, v in one launch: three projections of one input, widths side by side in y."""
+    seed = new_seed()
+    g = torch.Generator().manual_seed(seed)
+    msg = f"dtype={dtype} padded={padded} seed={seed}"
+    fan_in = int(torch.randint(16, 301, (1,), generator=g))
+    outs = [int(v) for v in torch.randint(16, 301, (3,), generator=g)]
+    shapes = [(fan_in, o) for o in outs]
+    pool = make_pool(dtype, num_pages=6000)
+    free = torch.randperm(pool.num_pages, generator=g).tolist()
+    n_adapters = 3
+    placed, ranks = [], []
+    for i in range(n_adapters):
+        r = [int(v) for v in torch.randint(1, 129, (3,), generator=g)]
+        r[i] = 0                                  # each adapter skips one projection
+        placed.append(place_adapter(pool, free, r, shapes, 1, g))
+        ranks.append(r)
+    width = max(a.shape[-1] for a, _ in placed)
+    pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[-1]))  # noqa: E731
+    a_tab = torch.stack([pad(a)[0] for a, _ in placed])                # [n, 3, R]
+    b_tab = torch.stack([pad(b)[0] for _, b in placed])
+    rank_tab = torch.tensor(ranks, dtype=torch.int32, device=DEVICE)  # [n, 3]
+    scale_tab = (torch.rand(n_adapters, 3, generator=g) + 0.5).to(DEVICE)
+    seg_starts, seg_adapter = random_layout(g, n_adapters, 6, 20, True)
+    tokens = seg_starts[-1]
+    token_adapter = torch.full((tokens,), -1, dtype=torch.int32)
+    for s_, a in enumerate(seg_adapter):
+        token_adapter[seg_starts[s_]:seg_starts[s_ + 1]] = a
+    token_adapter = token_adapter.to(DEVICE)
+    x = torch.randn(tokens, fan_in, generator=g).to(dtype).to(DEVICE)
+    total = sum(outs)
+    y_big = torch.full((tokens, total + 9), float("nan"), dtype=dtype, device=DEVICE)
+    lora_rows = token_adapter.cpu() >= 0
+    y_big[lora_rows.to(DEVICE), 4:4 + total] = torch.randn(int(lora_rows.sum()), total, generator=g).to(dtype).to(DEVICE)
+    before = y_big.clone().cpu()
+    s = torch.full((tokens, 3 * width), float("nan"), dtype=torch.float32, device=DEVICE)
+    kernels.mbgmv_shrink(x, pool.flat, a_tab, rank_tab, token_adapter, s, padded=padded)
+    kernels.mbgmv_expand(s, pool.flat, b_tab, rank_tab, scale_tab, token_adapter, y_big[:, 4:4 + total],
+                         out_sizes=tuple(outs), padded=padded)
+    after = y_big.cpu()
+    touched = torch.zeros(tokens, total + 9, dtype=torch.bool)
+    touched[lora_rows, 4:4 + total] = True
+    assert torch.equal(bits(after)[~touched], bits(before)[~touched]), f"untouched elements changed: {msg}"
+    col = 4
+    for p, fan_out in enumerate(outs):
+        delta = reference_delta(x, pool.flat, a_tab[:, p], b_tab[:, p], rank_tab[:, p], scale_tab[:, p],
+                                token_adapter, fan_out)
+        expected = before.double()[lora_rows, col:col + fan_out] + delta[lora_rows]
+        got = after.double()[lora_rows, col:col + fan_out]
+        rtol, atol = TOLERANCE[dtype]
+        torch.testing.assert_close(got, expected, rtol=rtol, atol=atol * float(expected.abs().max()),
+                                   msg=lambda m: f"{m}\nprojection {p}: {msg}")
+        col += fan_out
+
+
 def test_mbgmm_tiles_cut_segments_and_skip_no_lora():
     tiles = kernels.mbgmm_tiles([0, 5, 5, 6, 40, 41], [2, 0, -1, 1, 3], "cpu", block_m=16)
     assert tiles.block_m == 16
@@ -259,7 +315,7 @@ def test_triton_backend_matches_torch_backend(mode):
     assert not backend.active
 
 
-def test_triton_backend_picks_mbgmv_only_for_decode_steps():
+def test_triton_backend_kernel_choice():
     g = torch.Generator().manual_seed(0)
     pool = make_pool(torch.float32, num_pages=2000)
     batch = make_step(g, pool, decode=True)
@@ -270,8 +326,14 @@ def test_triton_backend_picks_mbgmv_only_for_decode_steps():
     batch = LoraBatch(batch.adapters, [0, 7, 8], [-1, 1], 8, DEVICE)
     backend.begin_step(batch)
     assert backend._step.kernel == "mbgmv"
-    batch = LoraBatch(batch.adapters, [0, 1, 3], [0, 1], 3, DEVICE)
-    backend.begin_step(batch)
+    # the engine merges decodes of one adapter into one segment: still a decode step
+    backend.begin_step(LoraBatch(batch.adapters, [0, 4, 6], [0, 1], 6, DEVICE, num_decode=6))
+    assert backend._step.kernel == "mbgmv"
+    # prefill segments: SGMV while short, MBGMM from SGMV_MAX_SEGMENT tokens on
+    backend.begin_step(LoraBatch(batch.adapters, [0, 4, 6], [0, 1], 6, DEVICE, num_decode=4))
+    assert backend._step.kernel == "sgmv"
+    long = SGMV_MAX_SEGMENT
+    backend.begin_step(LoraBatch(batch.adapters, [0, 1, 1 + long], [0, 1], 1 + long, DEVICE, num_decode=1))
     assert backend._step.kernel == "mbgmm"
 
 

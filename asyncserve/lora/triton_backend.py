@@ -1,19 +1,18 @@
 """The Triton LoRA backend: heterogeneous-rank kernels reading adapter rows in place from the pool.
 
 Per step (begin_step) it picks one kernel family and builds that family's step inputs once for
-all layers; per group (apply) it runs, for each projection of the group that some step adapter
-targets, a shrink into an fp32 scratch ``s [T, r]`` and an expand into the projection's columns
-of the fused output ``y`` (see group_layout).
+all layers; per group (apply) it runs a shrink into an fp32 scratch ``s [T, r]`` and an expand
+into the projection's columns of the fused output ``y`` (see group_layout): in decode steps once
+for the whole group (q, k, v together), otherwise per projection that some step adapter targets.
 
-Kernel choice:
-* decode-only steps (every LoRA segment is one token): MBGMV — one program row per token, work
-  proportional to the sum of the tokens' ranks, no token tiles wasted on single tokens.
-* anything with a longer segment (prefill, mixed prefill + decode): MBGMM by default — every
-  segment cut into 32-token tiles, each tile its own programs, so a long prompt spreads over the
-  whole GPU while SGMV's per-segment program column walks it serially and needs split-K to fill
-  the device. ``prefill_kernel="sgmv"`` selects Punica's SGMV instead. The default is by that
-  argument, not by measurement: no GPU was available when this was written;
-  scripts/bench_kernels.py compares both on a GPU and this default should follow its result.
+Kernel choice (measured on an H100, BENCHMARKS.md, scripts/bench_kernels.py):
+* decode-only steps (every token a sequence's decode, or every LoRA segment one token): MBGMV —
+  one program row per token, work proportional to the sum of the tokens' ranks.
+* steps with longer segments (prefill, mixed prefill + decode), ``prefill_kernel="auto"``: SGMV
+  while the longest LoRA segment is shorter than SGMV_MAX_SEGMENT tokens, else MBGMM. SGMV walks a
+  segment serially in one program column: 3x faster than MBGMM at 16-token segments, 4x slower at
+  512, where MBGMM's 32-token tiles spread one long prompt over the whole GPU.
+  ``prefill_kernel="sgmv"|"mbgmm"`` forces one.
 * BGMV (padded) exists for the latency-model comparison only; the backend never picks it.
 """
 from __future__ import annotations
@@ -28,6 +27,11 @@ from asyncserve.lora.backend import LoraBackend, group_layout
 from asyncserve.lora.batch import PROJ_INDEX, PROJECTIONS, LoraBatch
 from asyncserve.model.config import ModelConfig
 from asyncserve.pager.pool import PagedPool
+
+
+# Longest LoRA segment below which SGMV beats MBGMM (H100, bf16, hidden 4096, rank 16: 128 tokens
+# about even, 16 tokens SGMV 3x faster, 512 tokens MBGMM 4x faster).
+SGMV_MAX_SEGMENT = 128
 
 
 @dataclass
@@ -45,15 +49,22 @@ class _Step:
 class TritonLoraBackend(LoraBackend):
     name = "triton"
 
-    def __init__(self, pool: PagedPool, config: ModelConfig, prefill_kernel: str = "mbgmm"):
-        if prefill_kernel not in ("mbgmm", "sgmv"):
-            raise ValueError(f"prefill_kernel must be 'mbgmm' or 'sgmv', got {prefill_kernel!r}")
+    def __init__(self, pool: PagedPool, config: ModelConfig, prefill_kernel: str = "auto"):
+        if prefill_kernel not in ("auto", "mbgmm", "sgmv"):
+            raise ValueError(f"prefill_kernel must be 'auto', 'mbgmm' or 'sgmv', got {prefill_kernel!r}")
         if pool.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError("the triton LoRA backend needs a CUDA pool, or TRITON_INTERPRET=1 set "
                                "before the kernels are imported (slow; for tests)")
         self.pool = pool
         self.layout = group_layout(config)
         self.prefill_kernel = prefill_kernel
+        # group -> (first projection index, projections, their widths): a group's projections are
+        # neighbours in PROJECTIONS and its fused output, so one table slice covers them
+        self._fused = {}
+        for group, rows in self.layout.items():
+            p0 = PROJ_INDEX[rows[0][0]]
+            assert [PROJ_INDEX[proj] for proj, *_ in rows] == list(range(p0, p0 + len(rows)))
+            self._fused[group] = (p0, len(rows), tuple(fan_out for _, _, fan_out, _ in rows))
         self._step: _Step | None = None
 
     @property
@@ -68,22 +79,40 @@ class TritonLoraBackend(LoraBackend):
         # host-side ints: slicing the tables to each projection's max rank needs no device sync
         proj_rank = [max(adapter.ranks[p] for adapter in batch.adapters) for p in range(len(PROJECTIONS))]
         starts = batch.seg_starts
-        decode = all(starts[s + 1] - starts[s] <= 1 for s, a in enumerate(batch.seg_adapter) if a >= 0)
+        # decodes of one adapter share a segment, so "every segment one token" alone would miss them
+        decode = batch.num_decode == batch.num_tokens or all(
+            starts[s + 1] - starts[s] <= 1 for s, a in enumerate(batch.seg_adapter) if a >= 0)
         if decode:
             kernel, inputs = "mbgmv", {"token_adapter": batch.token_adapter()}
-        elif self.prefill_kernel == "sgmv":
+        elif self.prefill_kernel == "sgmv" or (self.prefill_kernel == "auto" and max(
+                starts[s + 1] - starts[s] for s, a in enumerate(batch.seg_adapter) if a >= 0) < SGMV_MAX_SEGMENT):
             seg_starts, seg_adapter = batch.segments()
             kernel, inputs = "sgmv", {"seg_starts": seg_starts, "seg_adapter": seg_adapter}
         else:
             kernel = "mbgmm"
             inputs = {"tiles": kernels.mbgmm_tiles(starts, batch.seg_adapter, self.pool.device)}
-        s = torch.empty(batch.num_tokens, max(max(proj_rank), 1), dtype=torch.float32, device=self.pool.device)
+        # fused decode groups keep up to 3 projections' results side by side in s
+        width = max(max(proj_rank), 1) * (max(n for _, n, _ in self._fused.values()) if decode else 1)
+        s = torch.empty(batch.num_tokens, width, dtype=torch.float32, device=self.pool.device)
         self._step = _Step(kernel, ranks, a_ptr, b_ptr, scaling, proj_rank, inputs, s)
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         # x: [tokens, in], y: [tokens, out of the group]
         step = self._step
         if step is None:
+            return
+        if step.kernel == "mbgmv":
+            # decode: the group's projections (q, k, v share x) in one shrink and one expand launch;
+            # at decode sizes the launches, not the GPU, bound the step
+            p0, n, out_sizes = self._fused[group]
+            r = max(step.proj_rank[p0:p0 + n])
+            if r:
+                token_adapter = step.inputs["token_adapter"]
+                kernels.mbgmv_shrink(x, self.pool.flat, step.a_ptr[:, layer, p0:p0 + n, :r],
+                                     step.ranks[:, p0:p0 + n], token_adapter, step.s)
+                kernels.mbgmv_expand(step.s, self.pool.flat, step.b_ptr[:, layer, p0:p0 + n, :r],
+                                     step.ranks[:, p0:p0 + n], step.scaling[:, layer, p0:p0 + n],
+                                     token_adapter, y, out_sizes=out_sizes)
             return
         for proj, _, fan_out, col in self.layout[group]:
             p = PROJ_INDEX[proj]

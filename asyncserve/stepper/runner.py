@@ -112,5 +112,5 @@ class ModelRunner:
         lora_batch = None
         if adapters:
             lora_batch = LoraBatch(adapters=adapters, seg_starts=seg_starts, seg_adapter=seg_adapter,
-                                   num_tokens=len(ids), device=dev)
+                                   num_tokens=len(ids), device=dev, num_decode=nd)
         return inputs, lora_batch, rows
