@@ -14,6 +14,7 @@ pool in place. The torch baselines get dense per-adapter copies (their usual inp
     gather_bmm      per token: gather A, B padded to the batch's max rank, two bmm  (Punica)
     padded_bmm      tokens grouped per adapter, padded to the largest group, two bmm
     stacked_masked  TorchLoraBackend.apply: one GEMM over all step adapters' rows, masked
+    torch_auto      TorchLoraBackend as the engine runs it: stacked, or its per-adapter loop when cheaper
     sgmv, mbgmm     Triton segment kernels (kernels/sgmv.py, kernels/mbgmm.py)       [GPU]
     mbgmv, bgmv     Triton decode kernels, unpadded and padded to max rank (kernels/mbgmv.py) [GPU]
 
@@ -54,7 +55,7 @@ from asyncserve.model.config import ModelConfig  # noqa: E402
 from asyncserve.pager.pool import PagedPool, plan_row_packing  # noqa: E402
 
 MIXES = ("distinct", "uniform", "skewed", "identical")
-TORCH_IMPLS = ("loop", "gather_bmm", "padded_bmm", "stacked_masked")
+TORCH_IMPLS = ("loop", "gather_bmm", "padded_bmm", "stacked_masked", "torch_auto")
 TRITON_IMPLS = ("sgmv", "mbgmm", "mbgmv", "bgmv")
 O_PROJ = PROJ_INDEX["o_proj"]      # the benchmark adapters target o_proj only: in = out = hidden
 FIT_RANKS = (8, 16, 32, 64)
@@ -192,8 +193,8 @@ def make_impl(name: str, case: Case):
             v = torch.bmm(xp, w.a_dense[used, :r].transpose(1, 2))      # [n, longest, r]
             out = torch.bmm(v, w.b_dense[used, :r]) * scales           # [n, longest, h]
             y.add_(out[group, slot])
-    elif name == "stacked_masked":
-        backend = TorchLoraBackend(w.pool, w.config)
+    elif name in ("stacked_masked", "torch_auto"):
+        backend = TorchLoraBackend(w.pool, w.config, mode="stacked" if name == "stacked_masked" else "auto")
         backend.begin_step(case.batch)                  # stacks and masks: once per step, untimed
 
         def run():

@@ -315,6 +315,51 @@ def test_triton_backend_matches_torch_backend(mode):
     assert not backend.active
 
 
+@pytest.mark.parametrize("decode", [True, False])
+def test_torch_backend_loop_equals_stacked(decode):
+    """The segmented per-adapter loop and the stacked-masked GEMM give the same deltas."""
+    seed = new_seed()
+    g = torch.Generator().manual_seed(seed)
+    pool = make_pool(torch.float32, num_pages=2000)
+    batch = make_step(g, pool, decode=decode)
+    stacked, loop = TorchLoraBackend(pool, TINY, mode="stacked"), TorchLoraBackend(pool, TINY, mode="loop")
+    stacked.begin_step(batch)
+    loop.begin_step(batch)
+    assert {kind for kind, _ in loop._plans.values()} == {"loop"}
+    layout = group_layout(TINY)
+    for layer in range(TINY.num_layers):
+        for group in GROUPS:
+            x = torch.randn(batch.num_tokens, layout[group][0][1], generator=g).to(DEVICE)
+            y = torch.randn(batch.num_tokens, sum(row[2] for row in layout[group]), generator=g).to(DEVICE)
+            expected = y.clone()
+            stacked.apply(layer, group, x, expected)
+            loop.apply(layer, group, x, y)
+            torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-4,
+                                       msg=lambda m: f"{m}\nlayer={layer} group={group} seed={seed}")
+
+
+def test_torch_backend_loops_over_many_distinct_adapters():
+    """auto: one stacked GEMM for a few adapters, the per-adapter loop when tokens x sum(ranks) explodes."""
+    g = torch.Generator().manual_seed(0)
+    pool = make_pool(torch.float32, num_pages=2000)
+    few = make_step(g, pool, decode=True)
+    backend = TorchLoraBackend(pool, TINY)
+    backend.begin_step(LoraBatch(few.adapters[:1], [0, 4], [0], 4, DEVICE, num_decode=4))
+    assert {kind for kind, _ in backend._plans.values()} == {"stacked"}
+    big = ModelConfig(vocab_size=64, hidden_size=4096, intermediate_size=64, num_layers=1, num_heads=32,
+                      num_kv_heads=32, head_dim=128)
+    rank = 64
+    adapters = [DeviceAdapter(f"d{i}", [rank, 0, 0, 0, 0, 0, 0],
+                              torch.zeros(1, len(PROJECTIONS), rank, dtype=torch.int64, device=DEVICE),
+                              torch.zeros(1, len(PROJECTIONS), rank, dtype=torch.int64, device=DEVICE),
+                              torch.ones(1, len(PROJECTIONS), device=DEVICE), [], 0) for i in range(32)]
+    pool_big = PagedPool(4, num_layers=1, block_size=4, num_kv_heads=32, head_dim=128, dtype=torch.float32,
+                         device=DEVICE)
+    backend = TorchLoraBackend(pool_big, big)
+    backend.begin_step(LoraBatch(adapters, list(range(33)), list(range(32)), 32, DEVICE, num_decode=32))
+    assert backend._plans["qkv"][0] == "loop"
+
+
 def test_triton_backend_kernel_choice():
     g = torch.Generator().manual_seed(0)
     pool = make_pool(torch.float32, num_pages=2000)

@@ -13,10 +13,11 @@ projection's output columns, with the scaling folded in. Then, for all tokens at
     s *= mask                  # mask[t, j] = 1 if column j belongs to token t's adapter
     y += s @ B_stack           # one GEMM; other adapters' columns contribute zero
 
-Three ops per group whatever the number of adapters, costing tokens x sum(ranks) — the MBGMV
-cost model (CaraServe §5) with one dense GEMM, which on CPU beats gathers and per-adapter loops
-for the handful of adapters a CPU step carries (scripts/bench_kernels.py measures the
-alternatives). The stacks are gathered from the pool pages when the active set changes and kept
+Three ops per group whatever the number of adapters, costing tokens x sum(ranks): on CPU it beats
+gathers and per-adapter loops for the handful of adapters a step usually carries
+(scripts/bench_kernels.py). With many distinct adapters that product grows quadratically, so per
+step and group the backend switches to a segmented loop — per adapter, its tokens times its own
+A and B columns of the same stacks — when that costs less (``_loop_is_cheaper``). The stacks are gathered from the pool pages when the active set changes and kept
 until it changes again; they are a working copy bounded by the running adapters, the pool pages
 remain the storage. The Triton backend (lora/triton_backend.py) reads the pages in place instead.
 """
@@ -58,40 +59,70 @@ def group_layout(config: ModelConfig) -> dict[str, list[tuple[str, int, int, int
     return layout
 
 
+# Fixed cost of one adapter's turn in the segmented loop, in multiply-adds of stacked GEMM work
+# it is worth: ~45 us against ~30 ps/MAC of skinny fp32 GEMM on 2 server cores (bench_kernels.py
+# --dtype float32, BENCHMARKS.md); a GPU launch is worth far more arithmetic, so there the single
+# stacked GEMM nearly always wins (as measured on an H100).
+LOOP_OVERHEAD_MACS = {"cpu": 1_500_000, "cuda": 20_000_000}
+
+
 class TorchLoraBackend(LoraBackend):
     name = "torch"
 
-    def __init__(self, pool: PagedPool, config: ModelConfig):
+    def __init__(self, pool: PagedPool, config: ModelConfig, mode: str = "auto"):
+        """mode: "auto" (per step and group, whichever costs less), "stacked" or "loop"."""
+        if mode not in ("auto", "stacked", "loop"):
+            raise ValueError(f"mode must be 'auto', 'stacked' or 'loop', got {mode!r}")
         self.pool = pool
         self.layout = group_layout(config)
         self.num_layers = config.num_layers
+        self.mode = mode
         self._set_key: tuple | None = None
-        # group -> (A_stack [L, in, R], B_stack [L, R, out], column owner [R] int64)
-        self._stacks: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._masks: dict[str, torch.Tensor] = {}
+        # group -> (A_stack [L, in, R], B_stack [L, R, out], column owner [R] int64,
+        #           per step adapter its column range (c0, c1) in the stacks, None if untargeted)
+        self._stacks: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]] = {}
+        # group -> ("stacked", mask [tokens, R]) or ("loop", [(token rows, c0, c1)])
+        self._plans: dict[str, tuple[str, object]] = {}
 
     @property
     def active(self) -> bool:
-        return bool(self._masks)
+        return bool(self._plans)
 
     def begin_step(self, batch: LoraBatch | None) -> None:
-        self._masks = {}
+        self._plans = {}
         if batch is None or batch.empty:
             return
         key = tuple((a.name, a.generation) for a in batch.adapters)
         if key != self._set_key:
             self._stacks = {g: s for g in GROUPS if (s := self._build_stack(batch, g)) is not None}
             self._set_key = key
-        token_adapter = batch.token_adapter().long()
-        for group, (a_stack, _, owner) in self._stacks.items():
-            # mask: [tokens, R]
-            self._masks[group] = (token_adapter[:, None] == owner[None, :]).to(a_stack.dtype)
+        rows = adapter_rows(batch)
+        token_adapter = None
+        for group, (a_stack, b_stack, owner, ranges) in self._stacks.items():
+            loop = [(rows[i], *ranges[i]) for i in rows if ranges[i] is not None]
+            if self._loop_is_cheaper(batch, a_stack, b_stack, loop):
+                self._plans[group] = ("loop", loop)
+            else:
+                if token_adapter is None:
+                    token_adapter = batch.token_adapter().long()
+                # mask: [tokens, R]
+                self._plans[group] = ("stacked", (token_adapter[:, None] == owner[None, :]).to(a_stack.dtype))
+
+    def _loop_is_cheaper(self, batch: LoraBatch, a_stack: torch.Tensor, b_stack: torch.Tensor, loop: list) -> bool:
+        if self.mode != "auto":
+            return self.mode == "loop"
+        width = a_stack.shape[1] + b_stack.shape[2]                       # in + out
+        stacked = batch.num_tokens * a_stack.shape[2] * width
+        per_adapter = sum(_count(token_rows) * (c1 - c0) * width for token_rows, c0, c1 in loop)
+        return per_adapter + len(loop) * LOOP_OVERHEAD_MACS.get(a_stack.device.type, 0) < stacked
 
     def _build_stack(self, batch: LoraBatch, group: str):
         flat = self.pool.flat
-        a_offsets, b_offsets, b_cols, owners, scales = [], [], [], [], []
+        a_offsets, b_offsets, b_cols, owners, scales, ranges = [], [], [], [], [], []
         rows_in = None
+        width = 0
         for i, adapter in enumerate(batch.adapters):
+            c0 = width
             for proj, fan_in, fan_out, col in self.layout[group]:
                 p = PROJ_INDEX[proj]
                 r = adapter.ranks[p]
@@ -103,6 +134,8 @@ class TorchLoraBackend(LoraBackend):
                 b_cols.append(torch.full((r,), col, dtype=torch.int64))
                 owners.append(torch.full((r,), i, dtype=torch.int64))
                 rows_in = fan_in
+                width += r
+            ranges.append((c0, width) if width > c0 else None)
         if not a_offsets:
             return None
         device = flat.device
@@ -121,13 +154,41 @@ class TorchLoraBackend(LoraBackend):
             scaled = rows.float() * scale[:, r0:r0 + r, None]
             b_stack[:, r0:r0 + r, int(cols[0]):int(cols[0]) + fan_out] = scaled.to(flat.dtype)
             r0 += r
-        return a_stack, b_stack, torch.cat(owners).to(device)
+        return a_stack, b_stack, torch.cat(owners).to(device), ranges
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        mask = self._masks.get(group)
-        if mask is None:
+        plan = self._plans.get(group)
+        if plan is None:
             return
-        a_stack, b_stack, _ = self._stacks[group]
-        s = torch.mm(x, a_stack[layer])           # [tokens, R]
-        s.mul_(mask)
-        y.addmm_(s, b_stack[layer])
+        kind, data = plan
+        a_stack, b_stack = self._stacks[group][0][layer], self._stacks[group][1][layer]
+        if kind == "stacked":
+            s = torch.mm(x, a_stack)              # [tokens, R]
+            s.mul_(data)
+            y.addmm_(s, b_stack)
+            return
+        for token_rows, c0, c1 in data:
+            if isinstance(token_rows, slice):     # the adapter's tokens are contiguous
+                y[token_rows].addmm_(x[token_rows] @ a_stack[:, c0:c1], b_stack[c0:c1])
+            else:
+                y.index_add_(0, token_rows, (x.index_select(0, token_rows) @ a_stack[:, c0:c1]) @ b_stack[c0:c1])
+
+
+def adapter_rows(batch: LoraBatch) -> dict[int, slice | torch.Tensor]:
+    """Per step adapter with tokens: its token rows, a slice when contiguous, else an index tensor."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for s, a in enumerate(batch.seg_adapter):
+        lo, hi = batch.seg_starts[s], batch.seg_starts[s + 1]
+        if a >= 0 and hi > lo:
+            spans.setdefault(a, []).append((lo, hi))
+    rows: dict[int, slice | torch.Tensor] = {}
+    for a, parts in spans.items():
+        if all(parts[k][1] == parts[k + 1][0] for k in range(len(parts) - 1)):
+            rows[a] = slice(parts[0][0], parts[-1][1])
+        else:
+            rows[a] = torch.cat([torch.arange(lo, hi) for lo, hi in parts]).to(batch.device)
+    return rows
+
+
+def _count(token_rows: slice | torch.Tensor) -> int:
+    return token_rows.stop - token_rows.start if isinstance(token_rows, slice) else token_rows.numel()
