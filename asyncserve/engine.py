@@ -59,7 +59,7 @@ class Engine:
         self.model_name = config.served_model_name or mc.name
         self.max_model_len = min(config.max_model_len or mc.max_position, mc.max_position)
         weights = build_weights(mc, loaded.weights, self.dtype, self.device)
-        weight_bytes = sum(t.numel() * t.element_size() for t in _tensors(weights))
+        weight_bytes = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in _tensors(weights)}.values())
 
         page_bytes = PagedPool.page_bytes(mc.num_layers, config.block_size, mc.kv_size, self.dtype)
         num_pages = config.pool_bytes(self.device, weight_bytes) // page_bytes
