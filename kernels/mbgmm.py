@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._tiles import expand_tile, shrink_tile
 from kernels._util import block_size, check_scratch, dot_in_fp32
 
 BLOCK_R = 16
@@ -60,18 +61,8 @@ def _mbgmm_shrink_kernel(
     j = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     jm = j < r
     off = tl.load(a_ptr + a * stride_an + j * stride_aj, mask=jm, other=0)
-    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    for k0 in range(0, IN, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        km = k < IN
-        # xt: [BLOCK_M, BLOCK_K]; wt: [BLOCK_K, BLOCK_R] tile of A^T gathered by row offsets
-        xt = tl.load(x_ptr + m[:, None] * stride_xt + k[None, :] * stride_xk,
-                     mask=mm[:, None] & km[None, :], other=0.0)
-        wt = tl.load(flat_ptr + off[None, :] + k[:, None], mask=km[:, None] & jm[None, :], other=0.0)
-        if DOT_F32:
-            acc += tl.dot(xt.to(tl.float32), wt.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(xt, wt)
+    acc = shrink_tile(x_ptr, flat_ptr, off, m, mm, jm, 0, IN, stride_xt, stride_xk,
+                      BLOCK_M, BLOCK_R, BLOCK_K, DOT_F32)
     tl.store(s_ptr + m[:, None] * stride_st + j[None, :], acc, mask=mm[:, None] & jm[None, :])
 
 
@@ -94,18 +85,8 @@ def _mbgmm_expand_kernel(
     mm = m < end
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < OUT
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for j0 in range(0, r, BLOCK_R):
-        j = j0 + tl.arange(0, BLOCK_R)
-        jm = j < r
-        off = tl.load(b_ptr + a * stride_bn + j * stride_bj, mask=jm, other=0)
-        # st: [BLOCK_M, BLOCK_R] fp32 shrink result; wt: [BLOCK_R, BLOCK_N] rows of B^T
-        st = tl.load(s_ptr + m[:, None] * stride_st + j[None, :], mask=mm[:, None] & jm[None, :], other=0.0)
-        wt = tl.load(flat_ptr + off[:, None] + n[None, :], mask=jm[:, None] & nm[None, :], other=0.0)
-        if DOT_F32:
-            acc += tl.dot(st, wt.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(st.to(wt.dtype), wt)
+    acc = expand_tile(s_ptr, flat_ptr, b_ptr + a * stride_bn, m, mm, n, nm, r, stride_st, stride_bj,
+                      BLOCK_M, BLOCK_R, BLOCK_N, DOT_F32)
     scale = tl.load(scale_ptr + a * stride_cn)
     y_ptrs = y_ptr + m[:, None] * stride_yt + n[None, :] * stride_yn
     ym = mm[:, None] & nm[None, :]

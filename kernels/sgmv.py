@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._tiles import expand_tile, shrink_tile
 from kernels._util import block_size, check_scratch, dot_in_fp32, pick_split_k
 
 BLOCK_M = 16
@@ -51,18 +52,8 @@ def _sgmv_shrink_kernel(
     for m0 in range(start, end, BLOCK_M):
         m = m0 + tl.arange(0, BLOCK_M)
         mm = m < end
-        acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            km = k < k_hi
-            # xt: [BLOCK_M, BLOCK_K]; wt: [BLOCK_K, BLOCK_R], a tile of A^T gathered by row offsets
-            xt = tl.load(x_ptr + m[:, None] * stride_xt + k[None, :] * stride_xk,
-                         mask=mm[:, None] & km[None, :], other=0.0)
-            wt = tl.load(flat_ptr + off[None, :] + k[:, None], mask=km[:, None] & jm[None, :], other=0.0)
-            if DOT_F32:
-                acc += tl.dot(xt.to(tl.float32), wt.to(tl.float32), input_precision="ieee")
-            else:
-                acc += tl.dot(xt, wt)
+        acc = shrink_tile(x_ptr, flat_ptr, off, m, mm, jm, k_lo, k_hi, stride_xt, stride_xk,
+                          BLOCK_M, BLOCK_R, BLOCK_K, DOT_F32)
         s_ptrs = s_ptr + m[:, None] * stride_st + j[None, :]
         if SPLIT_K == 1:
             tl.store(s_ptrs, acc, mask=mm[:, None] & jm[None, :])
@@ -93,18 +84,8 @@ def _sgmv_expand_kernel(
     for m0 in range(start, end, BLOCK_M):
         m = m0 + tl.arange(0, BLOCK_M)
         mm = m < end
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for j0 in range(0, r, BLOCK_R):
-            j = j0 + tl.arange(0, BLOCK_R)
-            jm = j < r
-            off = tl.load(b_ptr + a * stride_bn + j * stride_bj, mask=jm, other=0)
-            # st: [BLOCK_M, BLOCK_R] fp32 shrink result; wt: [BLOCK_R, BLOCK_N] rows of B^T
-            st = tl.load(s_ptr + m[:, None] * stride_st + j[None, :], mask=mm[:, None] & jm[None, :], other=0.0)
-            wt = tl.load(flat_ptr + off[:, None] + n[None, :], mask=jm[:, None] & nm[None, :], other=0.0)
-            if DOT_F32:
-                acc += tl.dot(st, wt.to(tl.float32), input_precision="ieee")
-            else:
-                acc += tl.dot(st.to(wt.dtype), wt)
+        acc = expand_tile(s_ptr, flat_ptr, b_ptr + a * stride_bn, m, mm, n, nm, r, stride_st, stride_bj,
+                          BLOCK_M, BLOCK_R, BLOCK_N, DOT_F32)
         y_ptrs = y_ptr + m[:, None] * stride_yt + n[None, :] * stride_yn
         ym = mm[:, None] & nm[None, :]
         yv = tl.load(y_ptrs, mask=ym, other=0.0)
