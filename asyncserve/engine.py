@@ -59,7 +59,7 @@ class Engine:
         self.model_name = config.served_model_name or mc.name
         self.max_model_len = min(config.max_model_len or mc.max_position, mc.max_position)
         weights = build_weights(mc, loaded.weights, self.dtype, self.device)
-        weight_bytes = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in _tensors(weights)}.values())
+        weight_bytes = weights.nbytes()
 
         page_bytes = PagedPool.page_bytes(mc.num_layers, config.block_size, mc.kv_size, self.dtype)
         num_pages = config.pool_bytes(self.device, weight_bytes) // page_bytes
@@ -159,8 +159,3 @@ class Engine:
         c = self.pool.counts()
         return PoolStats(c.total, c.free, c.kv, c.adapter, len(self.pager.resident), len(self.pager.host))
 
-
-def _tensors(weights):
-    yield from (weights.embed, weights.norm, weights.lm_head)
-    for lw in weights.layers:
-        yield from (lw.input_norm, lw.qkv, lw.o, lw.post_norm, lw.gate_up, lw.down)

@@ -1,7 +1,7 @@
 """One uvloop process of cooperative actors: ingress (aiohttp), scheduler, pager, stepper.
 
-The HTTP server answers at once (/health is 503 while loading); the model loads in a thread, then
-the actors start. SIGINT/SIGTERM: stop accepting, let in-flight requests finish for
+The HTTP server answers at once (/health is 503 while loading); the model loads in the stepper's
+torch thread, then the actors start. SIGINT/SIGTERM: stop accepting, let in-flight requests finish for
 ``shutdown_grace_s``, abort the rest, stop the actors, exit 0.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ class Server:
         self.engine: Engine | None = None
         self.scheduler: SchedulerActor | None = None
         self.pager: PagerActor | None = None
-        self.stepper: StepperActor | None = None
+        self.stepper = StepperActor()
         self.ready = False
         self.failed: str | None = None
         self.stopping = False
@@ -67,14 +67,14 @@ class Server:
         try:
             if config.adapter_dir:
                 config.adapters = {**adapters_in_dir(config.adapter_dir), **config.adapters}
-            self.engine = await asyncio.to_thread(Engine, config)
+            self.engine = await self.stepper.call(Engine, config)
         except Exception as e:
             log.exception("model loading failed")
             self.failed = f"{type(e).__name__}: {e}"
             return
         self.scheduler = SchedulerActor(self.engine, self.metrics)
-        self.stepper = StepperActor(self.engine.runner, self.scheduler.mailbox)
-        self.pager = PagerActor(self.engine, self.scheduler.mailbox)
+        self.stepper.attach(self.engine.runner, self.scheduler.mailbox)
+        self.pager = PagerActor(self.engine, self.scheduler.mailbox, self.stepper)
         self.scheduler.stepper_mailbox = self.stepper.mailbox
         self.scheduler.pager_mailbox = self.pager.mailbox
         for actor in (self.scheduler, self.stepper, self.pager):
@@ -108,6 +108,8 @@ class Server:
             if not task.done():
                 task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if not self.ready:                 # the stepper actor never ran; its thread may hold a failed load
+            self.stepper.shutdown()
         log.info("stopped")
 
 

@@ -140,7 +140,7 @@ class TorchLoraBackend(LoraBackend):
             return None
         device = flat.device
         a_off = torch.cat(a_offsets, dim=1)                        # [L, R]
-        # [L, in, R]: x @ A_stack is MKL's fast small-batch layout (see model/llama.py)
+        # [L, in, R]: x @ A_stack, measured as fast as F.linear at these tiny widths (oneDNN reorders lose here)
         a_stack = flat[a_off[..., None] + torch.arange(rows_in, device=device)].transpose(1, 2).contiguous()
         out_total = sum(fan_out for _, _, fan_out, _ in self.layout[group])
         b_stack = torch.zeros(self.num_layers, a_off.shape[1], out_total, dtype=flat.dtype, device=device)

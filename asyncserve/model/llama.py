@@ -14,20 +14,19 @@ import torch.nn.functional as F
 
 from asyncserve.lora.backend import LoraBackend
 from asyncserve.model.config import ModelConfig
+from asyncserve.model.linear import Linear, make_linear
 
 
-# Projection weights are [in, out] tensors applied as x @ W. Their memory is one of two layouts,
-# chosen per machine (in_out_memory_layout): contiguous [in, out], or the checkpoint's [out, in]
-# seen through .t() (F.linear's layout). Decode GEMMs are 1..64 rows and stream all weights once
-# per step; which layout MKL streams faster depends on the CPU (BENCHMARKS.md).
+# Projections are Linear objects over the checkpoint's [out, in] weights (model/linear.py picks
+# the fastest kernel and memory layout for the device).
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor   # [hidden]
-    qkv: torch.Tensor          # [hidden, q + 2 kv]
-    o: torch.Tensor            # [q, hidden]
+    qkv: Linear                # hidden -> q + 2 kv
+    o: Linear                  # q -> hidden
     post_norm: torch.Tensor    # [hidden]
-    gate_up: torch.Tensor      # [hidden, 2 inter]
-    down: torch.Tensor         # [inter, hidden]
+    gate_up: Linear            # hidden -> 2 inter
+    down: Linear               # inter -> hidden
 
 
 @dataclass
@@ -35,16 +34,14 @@ class LlamaWeights:
     embed: torch.Tensor        # [vocab, hidden]
     layers: list[LayerWeights]
     norm: torch.Tensor         # [hidden]
-    lm_head: torch.Tensor      # [hidden, vocab] (the embedding itself, transposed, when tied)
+    lm_head: Linear            # hidden -> vocab (over the embedding itself when tied, unless reordered)
 
-
-def in_out_memory_layout(device: torch.device) -> bool:
-    """Whether [in, out] weights should be contiguous in that order.
-
-    Measured at 16 rows with weights out of cache: on an AVX-512 Xeon, x @ W with W contiguous
-    [in, out] ran several times faster than F.linear; on an AVX2-only EPYC, F.linear's [out, in]
-    streamed 10-40% faster. cuBLAS takes either at full speed, so CUDA keeps [out, in]."""
-    return device.type == "cpu" and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    def nbytes(self) -> int:
+        tensors = [self.embed, self.norm] + [t for lw in self.layers for t in (lw.input_norm, lw.post_norm)]
+        linears = [self.lm_head] + [p for lw in self.layers for p in (lw.qkv, lw.o, lw.gate_up, lw.down)]
+        shared = self.lm_head.weight is self.embed
+        return (sum(t.numel() * t.element_size() for t in tensors)
+                + sum(p.nbytes for p in linears) - (self.lm_head.nbytes if shared else 0))
 
 
 def build_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
@@ -59,12 +56,6 @@ def build_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: 
     def put(t: torch.Tensor) -> torch.Tensor:
         return t.to(device=device, dtype=dtype).contiguous()
 
-    in_out = in_out_memory_layout(device)
-
-    def put_t(t: torch.Tensor) -> torch.Tensor:      # [out, in] checkpoint tensor -> [in, out]
-        t = t.to(device=device, dtype=dtype)
-        return t.t().contiguous() if in_out else t.contiguous().t()
-
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
@@ -72,34 +63,35 @@ def build_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: 
         gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
         layers.append(LayerWeights(
             input_norm=put(take(p + "input_layernorm.weight")),
-            qkv=put_t(qkv),
-            o=put_t(take(p + "self_attn.o_proj.weight")),
+            qkv=make_linear(put(qkv)),
+            o=make_linear(put(take(p + "self_attn.o_proj.weight"))),
             post_norm=put(take(p + "post_attention_layernorm.weight")),
-            gate_up=put_t(gate_up),
-            down=put_t(take(p + "mlp.down_proj.weight")),
+            gate_up=make_linear(put(gate_up)),
+            down=make_linear(put(take(p + "mlp.down_proj.weight"))),
         ))
     embed = put(take("model.embed_tokens.weight"))
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
-        lm_head = embed.t().contiguous() if in_out else embed.t()
+        lm_head = make_linear(embed)
     else:
-        lm_head = put_t(take("lm_head.weight"))
-    _check_shapes(config, embed, layers[0])
+        lm_head = make_linear(put(take("lm_head.weight")))
+    _check_shapes(config, embed, layers[0], lm_head)
     return LlamaWeights(embed=embed, layers=layers, norm=put(take("model.norm.weight")), lm_head=lm_head)
 
 
-def _check_shapes(config: ModelConfig, embed: torch.Tensor, layer: LayerWeights) -> None:
+def _check_shapes(config: ModelConfig, embed: torch.Tensor, layer: LayerWeights, lm_head: Linear) -> None:
     h = config.hidden_size
     expected = {
-        "embed_tokens": (embed, (config.vocab_size, h)),
-        "q/k/v_proj": (layer.qkv, (h, config.q_size + 2 * config.kv_size)),
-        "o_proj": (layer.o, (config.q_size, h)),
-        "gate/up_proj": (layer.gate_up, (h, 2 * config.intermediate_size)),
-        "down_proj": (layer.down, (config.intermediate_size, h)),
+        "embed_tokens": (tuple(embed.shape), (config.vocab_size, h)),
+        "q/k/v_proj": ((layer.qkv.out_features, layer.qkv.in_features), (config.q_size + 2 * config.kv_size, h)),
+        "o_proj": ((layer.o.out_features, layer.o.in_features), (h, config.q_size)),
+        "gate/up_proj": ((layer.gate_up.out_features, layer.gate_up.in_features), (2 * config.intermediate_size, h)),
+        "down_proj": ((layer.down.out_features, layer.down.in_features), (h, config.intermediate_size)),
+        "lm_head": ((lm_head.out_features, lm_head.in_features), (config.vocab_size, h)),
     }
-    for name, (t, shape) in expected.items():
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, the config implies {shape}")
+    for name, (shape, want) in expected.items():
+        if shape != want:
+            raise ValueError(f"{name} has shape {shape}, the config implies {want}")
 
 
 # ---- rotary embeddings ---------------------------------------------------------------------------
@@ -196,7 +188,7 @@ def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, 
     h = F.embedding(inp.input_ids, w.embed)                       # [T, hidden]
     for li, lw in enumerate(w.layers):
         x = F.rms_norm(h, (h.shape[-1],), lw.input_norm, eps)
-        qkv = x @ lw.qkv                                           # [T, q + 2kv]
+        qkv = lw.qkv(x)                                          # [T, q + 2kv]
         if use_lora:
             lora.apply(li, "qkv", x, qkv)
         qk = apply_rope(qkv[:, :q_size + kv_size].view(T, nh + nkv, hd), cos, sin)
@@ -206,22 +198,22 @@ def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, 
         kv_rows.index_copy_(0, k_row, k.reshape(T, kv_size))
         kv_rows.index_copy_(0, k_row + num_layers * block, v)
         attn = attention(q, k, v.view(T, nkv, hd), kv[:, 0, li], kv[:, 1, li], inp)   # [T, q]
-        o = attn @ lw.o
+        o = lw.o(attn)
         if use_lora:
             lora.apply(li, "o", attn, o)
         h = h + o
         x = F.rms_norm(h, (h.shape[-1],), lw.post_norm, eps)
-        gu = x @ lw.gate_up                                        # [T, 2 inter]
+        gu = lw.gate_up(x)                                       # [T, 2 inter]
         if use_lora:
             lora.apply(li, "gate_up", x, gu)
         gate, up = gu.chunk(2, dim=-1)
         act = F.silu(gate) * up
-        d = act @ lw.down
+        d = lw.down(act)
         if use_lora:
             lora.apply(li, "down", act, d)
         h = h + d
     hs = F.rms_norm(h[inp.sample_index], (h.shape[-1],), w.norm, eps)
-    return (hs @ w.lm_head).float()
+    return w.lm_head(hs).float()
 
 
 def _gather_context(cache: torch.Tensor, pages: torch.Tensor, n: int, nkv: int, hd: int) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The pager actor: adapter loading and unloading at runtime, and prefetch for queued requests.
 
-Disk reads and validation run in a worker thread so loading never stalls running requests; the
-host-tier registration and pool page moves happen on the event loop between scheduling decisions.
+Disk reads run in a worker thread; building the adapter's tensors runs in the stepper's torch thread
+between two steps (all tensor work stays in that one thread); registration and page allocation
+happen on the event loop between scheduling decisions, the row copies at the start of the next step.
 """
 from __future__ import annotations
 
@@ -10,14 +11,16 @@ import logging
 
 from asyncserve.engine import Engine
 from asyncserve.messages import Abort, LoadAdapter, Prefetch, Shutdown, UnloadAdapter
-from asyncserve.pager.adapters import load_peft_adapter
+from asyncserve.pager.adapters import build_host_adapter, read_peft_folder
+from asyncserve.stepper.actor import StepperActor
 
 log = logging.getLogger("asyncserve.pager")
 
 
 class PagerActor:
-    def __init__(self, engine: Engine, scheduler_mailbox: asyncio.Queue):
+    def __init__(self, engine: Engine, scheduler_mailbox: asyncio.Queue, stepper: StepperActor):
         self.engine = engine
+        self.stepper = stepper
         self.scheduler_mailbox = scheduler_mailbox
         self.mailbox: asyncio.Queue = asyncio.Queue()
         self.prefetched = 0
@@ -44,7 +47,8 @@ class PagerActor:
         engine = self.engine
         if msg.name in engine.pager.host or msg.name == engine.model_name:
             raise ValueError(f"adapter {msg.name!r} is already loaded")
-        adapter = await asyncio.to_thread(load_peft_adapter, msg.name, msg.path, engine.model_config, engine.dtype)
+        folder = await asyncio.to_thread(read_peft_folder, msg.name, msg.path)
+        adapter = await self.stepper.call(build_host_adapter, folder, engine.model_config, engine.dtype)
         engine.register_adapter(adapter)
         log.info("loaded adapter %s from %s (%.1f MiB, ranks %s)", msg.name, msg.path, adapter.nbytes / 2**20,
                  adapter.ranks)

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
 
 from asyncserve.lora.batch import PROJ_INDEX, PROJECTIONS
 from asyncserve.model.config import ModelConfig
@@ -62,7 +63,21 @@ def _pattern_value(patterns: dict, module: str, default):
     return default
 
 
+@dataclass
+class PeftFolder:
+    """A PEFT folder's files read into memory and checked, before any tensor is built."""
+    name: str
+    path: str
+    config: dict
+    weights: bytes                       # adapter_model.safetensors
+
+
 def load_peft_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.dtype) -> HostAdapter:
+    return build_host_adapter(read_peft_folder(name, path), config, dtype)
+
+
+def read_peft_folder(name: str, path: str | Path) -> PeftFolder:
+    """File reads and config checks only (the server runs this off the torch thread)."""
     folder = Path(path)
     if not folder.is_dir():
         raise AdapterError(f"adapter {name!r}: {folder} is not a folder")
@@ -92,6 +107,12 @@ def load_peft_adapter(name: str, path: str | Path, config: ModelConfig, dtype: t
     if acfg.get("modules_to_save"):
         raise AdapterError(f"adapter {name!r}: modules_to_save {acfg['modules_to_save']} would replace base "
                            "weights; only LoRA deltas are supported")
+    return PeftFolder(name, str(folder), acfg, weights_file.read_bytes())
+
+
+def build_host_adapter(folder: PeftFolder, config: ModelConfig, dtype: torch.dtype) -> HostAdapter:
+    """Validate the tensors against the base model and lay them out as pool rows."""
+    name, acfg = folder.name, folder.config
     alpha = float(acfg.get("lora_alpha", acfg.get("r", 8)))
     use_rslora = bool(acfg.get("use_rslora", False))
     fan_in_fan_out = bool(acfg.get("fan_in_fan_out", False))
@@ -100,22 +121,24 @@ def load_peft_adapter(name: str, path: str | Path, config: ModelConfig, dtype: t
 
     shapes = config.projection_shapes()
     tensors: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-    with safe_open(str(weights_file), framework="pt") as f:
-        for key in f.keys():
-            m = _KEY.search(key)
-            if m is None:
-                raise AdapterError(f"adapter {name!r}: tensor {key!r} targets a module that is not supported "
-                                   f"(supported: {', '.join(PROJECTIONS)} of the decoder layers)")
-            layer, proj, ab = int(m.group(1)), m.group(2), m.group(3)
-            if layer >= config.num_layers:
-                raise AdapterError(f"adapter {name!r}: {key!r} is for layer {layer}, the base model has "
-                                   f"{config.num_layers} layers")
-            t = f.get_tensor(key)
-            if fan_in_fan_out:
-                t = t.t()
-            tensors.setdefault((layer, PROJ_INDEX[proj]), {})[ab] = t
+    try:
+        state = load_safetensors(folder.weights)
+    except SafetensorError as e:
+        raise AdapterError(f"adapter {name!r}: adapter_model.safetensors is not a valid safetensors file ({e})") from None
+    for key, t in state.items():
+        m = _KEY.search(key)
+        if m is None:
+            raise AdapterError(f"adapter {name!r}: tensor {key!r} targets a module that is not supported "
+                               f"(supported: {', '.join(PROJECTIONS)} of the decoder layers)")
+        layer, proj, ab = int(m.group(1)), m.group(2), m.group(3)
+        if layer >= config.num_layers:
+            raise AdapterError(f"adapter {name!r}: {key!r} is for layer {layer}, the base model has "
+                               f"{config.num_layers} layers")
+        if fan_in_fan_out:
+            t = t.t()
+        tensors.setdefault((layer, PROJ_INDEX[proj]), {})[ab] = t
     if not tensors:
-        raise AdapterError(f"adapter {name!r}: no LoRA tensors in {weights_file}")
+        raise AdapterError(f"adapter {name!r}: no LoRA tensors in {folder.path}/adapter_model.safetensors")
 
     ranks = [0] * len(PROJECTIONS)
     module_ranks: dict[tuple[int, int], int] = {}
@@ -153,4 +176,4 @@ def load_peft_adapter(name: str, path: str | Path, config: ModelConfig, dtype: t
                 fan_in, fan_out = shapes[proj]
                 a_rows[(layer, p)] = torch.zeros(ranks[p], fan_in, dtype=dtype)
                 b_rows[(layer, p)] = torch.zeros(ranks[p], fan_out, dtype=dtype)
-    return HostAdapter(name=name, path=str(folder), ranks=ranks, scaling=scaling, a_rows=a_rows, b_rows=b_rows)
+    return HostAdapter(name=name, path=folder.path, ranks=ranks, scaling=scaling, a_rows=a_rows, b_rows=b_rows)

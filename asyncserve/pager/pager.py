@@ -2,6 +2,12 @@
 
 An adapter is "in use" while running sequences hold a reference; only idle adapters are evicted,
 least recently used first, when the pool needs pages (for KV or for another adapter).
+
+Paging in is two halves: the scheduler (on the event loop) allocates pages and records where each
+row goes; the copy of the rows into the pages waits in ``pending`` until the stepper's thread runs
+``write_pending`` at the start of the next step. All tensor work thus stays in the one thread that
+runs torch (BENCHMARKS.md: a second OpenMP thread team slows every step), and the event loop never
+spends time copying weights.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ class AdapterPager:
         self.resident: OrderedDict[str, DeviceAdapter] = OrderedDict()   # LRU order: oldest first
         self.refs: dict[str, int] = {}
         self.loads_total = 0
+        self.pending: dict[str, tuple[HostAdapter, list[int], list[tuple[int, int]]]] = {}
         self._generation = 0
 
     # ---- host tier ---------------------------------------------------------------------------
@@ -79,7 +86,8 @@ class AdapterPager:
             pages = self.pool.allocate(needed, "adapter")
         except PoolExhausted:
             return None
-        device = self._write(adapter, pages, placements)
+        device = self._place(adapter, pages, placements)
+        self.pending[name] = (adapter, pages, placements)
         self.resident[name] = device
         self.loads_total += 1
         return device
@@ -99,31 +107,43 @@ class AdapterPager:
     def _evict(self, name: str) -> None:
         device = self.resident.pop(name, None)
         if device is not None:
+            self.pending.pop(name, None)
             self.pool.release(device.pages)
 
-    def _write(self, adapter: HostAdapter, pages: list[int], placements: list[tuple[int, int]]) -> DeviceAdapter:
-        """Copy rows into the pages (staged on the host, one copy per page) and record offsets."""
-        cfg, pool = self.config, self.pool
+    def _place(self, adapter: HostAdapter, pages: list[int], placements: list[tuple[int, int]]) -> DeviceAdapter:
+        """Record each row's offset in the pool; the rows are copied later by ``write_pending``."""
+        cfg, page_numel = self.config, self.pool.page_numel
         L, P = cfg.num_layers, len(PROJECTIONS)
         r_max = max(adapter.ranks)
-        a_ptr = torch.zeros(L, P, r_max, dtype=torch.int64)
-        b_ptr = torch.zeros(L, P, r_max, dtype=torch.int64)
-        staging = torch.zeros(len(pages), pool.page_numel, dtype=pool.dtype)
-        i = 0
+        a_ptr = [[[0] * r_max for _ in range(P)] for _ in range(L)]
+        b_ptr = [[[0] * r_max for _ in range(P)] for _ in range(L)]
+        rows = iter(placements)
         for layer in range(L):
             for p in range(P):
-                r = adapter.ranks[p]
-                if r == 0:
-                    continue
-                for rows, ptr in ((adapter.a_rows[(layer, p)], a_ptr), (adapter.b_rows[(layer, p)], b_ptr)):
-                    n = rows.shape[1]
-                    for j in range(r):
-                        page, off = placements[i]
-                        staging[page, off:off + n] = rows[j]
-                        ptr[layer, p, j] = pages[page] * pool.page_numel + off
-                        i += 1
-        pool.data[torch.tensor(pages, device=pool.device)] = staging.to(pool.device)
+                for ptr in (a_ptr, b_ptr):
+                    for j in range(adapter.ranks[p]):
+                        page, off = next(rows)
+                        ptr[layer][p][j] = pages[page] * page_numel + off
         self._generation += 1
-        return DeviceAdapter(name=adapter.name, ranks=list(adapter.ranks), a_ptr=a_ptr.to(pool.device),
-                             b_ptr=b_ptr.to(pool.device), scaling=adapter.scaling.to(pool.device),
-                             pages=pages, generation=self._generation)
+        dev = self.pool.device
+        return DeviceAdapter(name=adapter.name, ranks=list(adapter.ranks),
+                             a_ptr=torch.tensor(a_ptr, dtype=torch.int64, device=dev),
+                             b_ptr=torch.tensor(b_ptr, dtype=torch.int64, device=dev),
+                             scaling=adapter.scaling.to(dev), pages=pages, generation=self._generation)
+
+    def write_pending(self) -> None:
+        """Copy the rows of adapters paged in since the last call (staged on the host, one copy per page).
+        Runs in the stepper's thread before the step that first uses them."""
+        pool = self.pool
+        for adapter, pages, placements in self.pending.values():
+            staging = torch.zeros(len(pages), pool.page_numel, dtype=pool.dtype)
+            rows = iter(placements)
+            for layer in range(self.config.num_layers):
+                for p in range(len(PROJECTIONS)):
+                    for table in (adapter.a_rows, adapter.b_rows):
+                        for j in range(adapter.ranks[p]):
+                            page, off = next(rows)
+                            row = table[(layer, p)][j]
+                            staging[page, off:off + row.shape[0]] = row
+            pool.data[torch.tensor(pages, device=pool.device)] = staging.to(pool.device)
+        self.pending.clear()

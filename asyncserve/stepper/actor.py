@@ -1,10 +1,17 @@
-"""The stepper actor: the only actor that touches the model. Each step runs in a dedicated thread
-so the event loop keeps serving HTTP while the model computes."""
+"""The stepper actor: the only actor that touches the model.
+
+It owns the one thread that runs torch: the engine is built there, every step runs there, and so
+does the tensor half of adapter loading. The event loop keeps serving HTTP meanwhile. One thread
+matters on CPU: each thread that runs torch ops gets its own OpenMP team, and once the process
+has more OpenMP threads than cores, libgomp stops spinning between parallel regions, which made
+every server step ~1.7x slower than the same step offline (BENCHMARKS.md).
+"""
 from __future__ import annotations
 
 import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
 
 from asyncserve.messages import RunStep, Shutdown, StepDone
 from asyncserve.stepper.runner import ModelRunner
@@ -13,14 +20,21 @@ log = logging.getLogger("asyncserve.stepper")
 
 
 class StepperActor:
-    def __init__(self, runner: ModelRunner, scheduler_mailbox: asyncio.Queue):
+    def __init__(self):
+        self.runner: ModelRunner | None = None
+        self.scheduler_mailbox: asyncio.Queue | None = None
+        self.mailbox: asyncio.Queue = asyncio.Queue()
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncserve-torch")
+
+    async def call(self, fn: Callable[..., Any], *args) -> Any:
+        """Run ``fn`` in the torch thread, between steps."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    def attach(self, runner: ModelRunner, scheduler_mailbox: asyncio.Queue) -> None:
         self.runner = runner
         self.scheduler_mailbox = scheduler_mailbox
-        self.mailbox: asyncio.Queue = asyncio.Queue()
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncserve-step")
 
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
         try:
             while True:
                 msg = await self.mailbox.get()
@@ -28,11 +42,13 @@ class StepperActor:
                     return
                 assert isinstance(msg, RunStep)
                 try:
-                    result = await loop.run_in_executor(self._thread, self.runner.run, msg.plan)
-                    done = StepDone(msg.step_id, msg.plan, result=result)
+                    done = StepDone(msg.step_id, msg.plan, result=await self.call(self.runner.run, msg.plan))
                 except Exception as e:          # a failed step fails its requests, not the server
                     log.exception("step %d raised", msg.step_id)
                     done = StepDone(msg.step_id, msg.plan, error=e)
                 self.scheduler_mailbox.put_nowait(done)
         finally:
-            self._thread.shutdown(wait=True)
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        self._thread.shutdown(wait=True)

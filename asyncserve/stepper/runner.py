@@ -49,6 +49,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
+        self.pager.write_pending()
         inputs, lora_batch, rows = self._prepare(plan)
         self.lora.begin_step(lora_batch)
         logits = forward(self.weights, self.config, self.rope, self.pool.kv_view(), inputs, self.lora)
