@@ -25,7 +25,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument("--lora-backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--max-running", type=int, default=64)
-    p.add_argument("--max-step-tokens", type=int, default=512)
+    p.add_argument("--max-step-tokens", type=int, default=None, help="per-step token budget (default: 256 on CPU, 512 on GPU)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--pool-mem", default=None, help="unified pool size, e.g. 2GiB (default: 2GiB on CPU, "
                                                     "85%% of free memory on CUDA)")

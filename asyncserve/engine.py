@@ -73,7 +73,8 @@ class Engine:
         if config.policy not in POLICIES:
             raise ValueError(f"unknown policy {config.policy!r}; choose one of {sorted(POLICIES)}")
         self.scheduler = Scheduler(self.pool, self.pager, self.tokenizer, POLICIES[config.policy](),
-                                   max_running=config.max_running, max_step_tokens=config.max_step_tokens,
+                                   max_running=config.max_running,
+                                   max_step_tokens=config.resolved_max_step_tokens(self.device),
                                    max_model_len=self.max_model_len)
         self._seeds = random.Random(config.seed)
         log.info("model %s: %d layers, %s on %s, LoRA backend %s; pool %d pages x %.1f KiB = %.2f GiB",

@@ -146,7 +146,7 @@ def main() -> None:
     ap.add_argument("--systems", default="ours,ours-base,hf-grouped,hf-mixed")
     ap.add_argument("--in-flight", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--step-tokens", type=int, default=512)
+    ap.add_argument("--step-tokens", type=int, default=None, help="default: the engine's per-device default")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                     help="W1 prescribes bfloat16; CPUs without AMX/AVX512-BF16 run float32 faster")
