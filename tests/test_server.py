@@ -291,3 +291,40 @@ def test_sigterm_finishes_in_flight_stream_and_exits_zero(tiny_model):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_all_torch_work_runs_in_the_stepper_thread(tiny_model, adapter_root, monkeypatch):
+    """Engine build, steps, adapter tensors and page copies share one thread: every thread that runs
+    torch ops gets its own OpenMP team, and more OpenMP threads than cores made each server step
+    ~1.7x slower than offline (BENCHMARKS.md)."""
+    import asyncserve.pager.actor as pager_actor
+    import asyncserve.server as server_module
+    from asyncserve.pager.pager import AdapterPager
+    from asyncserve.stepper.runner import ModelRunner
+
+    threads_seen: dict[str, set[int]] = {}
+
+    def record(label, fn):
+        def wrapped(*args, **kwargs):
+            threads_seen.setdefault(label, set()).add(threading.get_ident())
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(server_module, "Engine", record("engine", server_module.Engine))
+    monkeypatch.setattr(ModelRunner, "run", record("step", ModelRunner.run))
+    monkeypatch.setattr(AdapterPager, "write_pending", record("page copy", AdapterPager.write_pending))
+    monkeypatch.setattr(pager_actor, "build_host_adapter", record("adapter tensors", pager_actor.build_host_adapter))
+    st = ServerThread(Config(model=str(tiny_model.root), dtype="float32", device="cpu", served_model_name="tiny",
+                             adapter_root=str(adapter_root)))
+    try:
+        status, text, _ = st.request("POST", "/v1/load_lora_adapter", {"lora_name": "late", "lora_path": "late"})
+        assert status == 200, text
+        for model in ("tiny", "late"):
+            status, body, _ = st.request("POST", "/v1/completions", {"model": model, "prompt": PROMPTS[0],
+                                                                     "max_tokens": 3})
+            assert status == 200, body
+    finally:
+        st.stop()
+    assert set(threads_seen) == {"engine", "step", "page copy", "adapter tensors"}
+    torch_threads = set().union(*threads_seen.values())
+    assert len(torch_threads) == 1 and st.thread.ident not in torch_threads and threading.get_ident() not in torch_threads
