@@ -24,7 +24,8 @@ class Linear:
 
 
 class OneDnnLinear(Linear):
-    """W reordered once into oneDNN's blocked layout; only the reordered copy is kept."""
+    """W reordered once into oneDNN's blocked layout; only the reordered copy is kept
+    (``self.weight.to_dense()`` gives W back exactly, e.g. to merge an adapter into it)."""
 
     def __init__(self, weight: torch.Tensor):
         super().__init__(weight)
