@@ -19,6 +19,10 @@ class Linear:
         self.out_features, self.in_features = weight.shape
         self.nbytes = weight.numel() * weight.element_size()
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)                            # x: [T, in] -> [T, out]
 

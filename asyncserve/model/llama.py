@@ -83,11 +83,11 @@ def _check_shapes(config: ModelConfig, embed: torch.Tensor, layer: LayerWeights,
     h = config.hidden_size
     expected = {
         "embed_tokens": (tuple(embed.shape), (config.vocab_size, h)),
-        "q/k/v_proj": ((layer.qkv.out_features, layer.qkv.in_features), (config.q_size + 2 * config.kv_size, h)),
-        "o_proj": ((layer.o.out_features, layer.o.in_features), (h, config.q_size)),
-        "gate/up_proj": ((layer.gate_up.out_features, layer.gate_up.in_features), (2 * config.intermediate_size, h)),
-        "down_proj": ((layer.down.out_features, layer.down.in_features), (h, config.intermediate_size)),
-        "lm_head": ((lm_head.out_features, lm_head.in_features), (config.vocab_size, h)),
+        "q/k/v_proj": (layer.qkv.shape, (config.q_size + 2 * config.kv_size, h)),
+        "o_proj": (layer.o.shape, (h, config.q_size)),
+        "gate/up_proj": (layer.gate_up.shape, (2 * config.intermediate_size, h)),
+        "down_proj": (layer.down.shape, (h, config.intermediate_size)),
+        "lm_head": (lm_head.shape, (config.vocab_size, h)),
     }
     for name, (shape, want) in expected.items():
         if shape != want:

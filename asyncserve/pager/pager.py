@@ -110,25 +110,25 @@ class AdapterPager:
             self.pending.pop(name, None)
             self.pool.release(device.pages)
 
+    def _packed_rows(self, adapter: HostAdapter):
+        """(layer, projection, 0 for A / 1 for B^T, j, row) in pool packing order (HostAdapter.row_lengths)."""
+        for layer in range(self.config.num_layers):
+            for p in range(len(PROJECTIONS)):
+                for ab, table in enumerate((adapter.a_rows, adapter.b_rows)):
+                    for j in range(adapter.ranks[p]):
+                        yield layer, p, ab, j, table[(layer, p)][j]
+
     def _place(self, adapter: HostAdapter, pages: list[int], placements: list[tuple[int, int]]) -> DeviceAdapter:
         """Record each row's offset in the pool; the rows are copied later by ``write_pending``."""
-        cfg, page_numel = self.config, self.pool.page_numel
-        L, P = cfg.num_layers, len(PROJECTIONS)
-        r_max = max(adapter.ranks)
-        a_ptr = [[[0] * r_max for _ in range(P)] for _ in range(L)]
-        b_ptr = [[[0] * r_max for _ in range(P)] for _ in range(L)]
-        rows = iter(placements)
-        for layer in range(L):
-            for p in range(P):
-                for ptr in (a_ptr, b_ptr):
-                    for j in range(adapter.ranks[p]):
-                        page, off = next(rows)
-                        ptr[layer][p][j] = pages[page] * page_numel + off
+        L, P, r_max = self.config.num_layers, len(PROJECTIONS), max(adapter.ranks)
+        ptr = [[[[0] * r_max for _ in range(P)] for _ in range(L)] for _ in range(2)]   # [A|B][L][P][r]
+        for (layer, p, ab, j, _), (page, off) in zip(self._packed_rows(adapter), placements):
+            ptr[ab][layer][p][j] = pages[page] * self.pool.page_numel + off
         self._generation += 1
         dev = self.pool.device
         return DeviceAdapter(name=adapter.name, ranks=list(adapter.ranks),
-                             a_ptr=torch.tensor(a_ptr, dtype=torch.int64, device=dev),
-                             b_ptr=torch.tensor(b_ptr, dtype=torch.int64, device=dev),
+                             a_ptr=torch.tensor(ptr[0], dtype=torch.int64, device=dev),
+                             b_ptr=torch.tensor(ptr[1], dtype=torch.int64, device=dev),
                              scaling=adapter.scaling.to(dev), pages=pages, generation=self._generation)
 
     def write_pending(self) -> None:
@@ -137,13 +137,7 @@ class AdapterPager:
         pool = self.pool
         for adapter, pages, placements in self.pending.values():
             staging = torch.zeros(len(pages), pool.page_numel, dtype=pool.dtype)
-            rows = iter(placements)
-            for layer in range(self.config.num_layers):
-                for p in range(len(PROJECTIONS)):
-                    for table in (adapter.a_rows, adapter.b_rows):
-                        for j in range(adapter.ranks[p]):
-                            page, off = next(rows)
-                            row = table[(layer, p)][j]
-                            staging[page, off:off + row.shape[0]] = row
+            for (*_, row), (page, off) in zip(self._packed_rows(adapter), placements):
+                staging[page, off:off + row.shape[0]] = row
             pool.data[torch.tensor(pages, device=pool.device)] = staging.to(pool.device)
         self.pending.clear()
