@@ -52,7 +52,7 @@ def test_default_model_config(smollm2, smollm2_transformers, smollm2_gguf):
     assert c.max_position == hf.max_position_embeddings == 8192
     assert c.tie_word_embeddings and hf.tie_word_embeddings
     assert c.bos_token_id == 1 and c.eos_token_ids == [2] == smollm2.tokenizer.eos_token_ids
-    assert c.name == "Smollm2 135M 8k Lc100K Mix1 Ep2"      # general.name
+    assert c.name == "SmolLM2-135M-Instruct.Q4_1"            # the file's stem, not general.name's free text
     assert smollm2.source == str(smollm2_gguf) and default_model_path() == smollm2_gguf
 
 
@@ -109,7 +109,7 @@ def test_tiny_gguf_weights_equal_transformers(tmp_path):
     assert (c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers) == (vocab, hidden, inter, 2)
     assert (c.num_heads, c.num_kv_heads, c.head_dim, c.max_position) == (heads, kv_heads, head_dim, 256)
     assert c.rope_theta == 50000.0 and c.rope_scaling == {"rope_type": "linear", "factor": 2.0}
-    assert not c.tie_word_embeddings and c.name == "tiny"           # no general.name: the file stem
+    assert not c.tie_word_embeddings and c.name == "tiny"           # the file stem
     reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).state_dict()
     assert set(loaded.weights) == set(reference) == set(originals)
     for name, weight in loaded.weights.items():

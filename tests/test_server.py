@@ -134,11 +134,14 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "tiny", "prompt": [10**9]}, 400, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": 7}, 400, "stop"),
     ("/v1/completions", {"model": "tiny", "prompt": "word " * 600}, 400, "prompt"),        # longer than context
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 10**6}, 400, "max_tokens"),  # past context
     ("/v1/completions", {"model": "no-such-adapter", "prompt": "x"}, 404, "model"),
     ("/v1/completions", {"model": "tiny", "prompt": "x" * 70_000}, 413, None),            # body over the limit
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, 400, None),
     ("/v1/chat/completions", {"model": "tiny", "messages": "hello"}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                              "max_completion_tokens": 10**6}, 400, "max_completion_tokens"),
     ("/v1/chat/completions", {"model": "r1_qv", "messages": [{"role": "user", "content": "x"}],
                               "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "../../etc"}, 400, "lora_path"),

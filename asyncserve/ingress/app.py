@@ -87,6 +87,19 @@ def _new_sequence(server, prompt_ids: list[int], params, adapter: str | None):
                        if e.param in ("prompt", "max_tokens", "messages") else "invalid_value") from None
 
 
+def _max_tokens(server, prompt_ids: list[int], requested: int | None, default: int | None, param: str) -> int:
+    """The request's max_tokens: an explicit one that overflows the context is a 400 (as in vLLM and
+    OpenAI); the default is cut to the room the prompt leaves."""
+    room = server.engine.max_model_len - len(prompt_ids)
+    if requested is None:
+        return max(1, room if default is None else min(default, room))
+    if room > 0 and requested > room:
+        raise ApiError(400, f"this model's context is {server.engine.max_model_len} tokens: the prompt's "
+                       f"{len(prompt_ids)} plus {param}={requested} do not fit; ask for at most {room}",
+                       param=param, code="context_length_exceeded")
+    return requested
+
+
 def _submit(server, seq) -> asyncio.Queue:
     waiting = len(server.engine.scheduler.waiting) + server.scheduler.mailbox.qsize()
     if waiting >= server.config.max_waiting:
@@ -174,7 +187,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     tok = server.engine.tokenizer
     prompt_ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
     prompt_text = prompt if isinstance(prompt, str) else None
-    params = sampling_params(req, req.max_tokens if req.max_tokens is not None else 16, req.logprobs)
+    max_tokens = _max_tokens(server, prompt_ids, req.max_tokens, 16, "max_tokens")
+    params = sampling_params(req, max_tokens, req.logprobs)
     seq = _new_sequence(server, prompt_ids, params, adapter)
     stream = _submit(server, seq)
     rid, created = f"cmpl-{seq.request_id}", now()
@@ -271,9 +285,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs", code="invalid_value")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    if max_tokens is None:
-        max_tokens = max(1, server.engine.max_model_len - len(prompt_ids))
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = _max_tokens(server, prompt_ids, requested, None, param)
     params = sampling_params(req, max_tokens, logprobs)
     seq = _new_sequence(server, prompt_ids, params, adapter)
     stream = _submit(server, seq)

@@ -78,7 +78,7 @@ def _model_config(fields: dict[str, Any], path: Path, vocab_size: int, tied: boo
         rope_scaling=_rope_scaling(llama),
         max_position=llama("context_length", ModelConfig.max_position),
         tie_word_embeddings=tied,
-        name=_value(fields, "general.name", path, None) or path.stem,
+        name=path.stem,          # an id clients can type; general.name is free text with spaces
     )
 
 
