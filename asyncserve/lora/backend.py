@@ -15,18 +15,24 @@ projection's output columns, with the scaling folded in. Then, for all tokens at
 
 Three ops per group whatever the number of adapters, costing tokens x sum(ranks): on CPU it beats
 gathers and per-adapter loops for the handful of adapters a step usually carries
-(scripts/bench_kernels.py). With many distinct adapters that product grows quadratically, so per
-step and group the backend switches to a segmented loop — per adapter, its tokens times its own
-A and B columns of the same stacks — when that costs less (``_loop_is_cheaper``). The stacks are gathered from the pool pages when the active set changes and kept
-until it changes again; they are a working copy bounded by the running adapters, the pool pages
-remain the storage. The Triton backend (lora/triton_backend.py) reads the pages in place instead.
+(scripts/bench_kernels.py). The two GEMMs go through ``make_linear``, i.e. with the stacks
+reordered once into oneDNN's blocked layout on CPU, as the base projections are. With many
+distinct adapters that product grows quadratically, so per step and group the backend switches to
+a segmented loop — per adapter, its tokens times its own A and B columns of the same stacks — when
+that costs less (``_loop_is_cheaper``, with the cost of a turn measured on the device). The stacks are
+gathered from the pool pages when the active set changes and kept until it changes again; they are
+a working copy bounded by the running adapters, the pool pages remain the storage. The Triton
+backend (lora/triton_backend.py) reads the pages in place instead.
 """
 from __future__ import annotations
+
+import time
 
 import torch
 
 from asyncserve.lora.batch import GROUPS, PROJ_INDEX, LoraBatch
 from asyncserve.model.config import ModelConfig
+from asyncserve.model.linear import Linear, make_linear
 from asyncserve.pager.pool import PagedPool
 
 
@@ -59,11 +65,43 @@ def group_layout(config: ModelConfig) -> dict[str, list[tuple[str, int, int, int
     return layout
 
 
-# Fixed cost of one adapter's turn in the segmented loop, in multiply-adds of stacked GEMM work
-# it is worth: ~45 us against ~30 ps/MAC of skinny fp32 GEMM on 2 server cores (bench_kernels.py
-# --dtype float32, BENCHMARKS.md); a GPU launch is worth far more arithmetic, so there the single
-# stacked GEMM nearly always wins (as measured on an H100).
-LOOP_OVERHEAD_MACS = {"cpu": 1_500_000, "cuda": 20_000_000}
+# A GPU launch is worth far more arithmetic than a CPU call, so there the single stacked GEMM nearly
+# always wins (multiply-adds one launch is worth, as measured on an H100).
+CUDA_TURN_MACS = 20_000_000
+_turn_macs: dict[tuple[torch.dtype, int, int], float] = {}
+
+
+def loop_turn_macs(device: torch.device, dtype: torch.dtype, fan_in: int, fan_out: int) -> float:
+    """What one adapter's turn in the segmented loop costs beyond its own multiply-adds, in
+    multiply-adds of stacked GEMM work that take as long.
+
+    Measured once per process, dtype and shape on CPU, where it varies too much for a constant:
+    skinny GEMMs, gathers and scatters run far below the stacked GEMM's rate, and how far depends on
+    the instruction set and dtype (SmolLM2's qkv on a Zen5 core pair: ~2 M in fp32, ~13 M in bf16)."""
+    if device.type != "cpu":
+        return CUDA_TURN_MACS
+    key = (dtype, fan_in, fan_out)
+    if key not in _turn_macs:
+        tokens, rank, stack_rank, stack_tokens = 16, 16, 128, 256
+        x = torch.randn(2 * tokens, fan_in, dtype=dtype)
+        y = torch.zeros(2 * tokens, fan_out, dtype=dtype)
+        a, b = torch.randn(fan_in, rank, dtype=dtype), torch.randn(rank, fan_out, dtype=dtype)
+        rows = torch.arange(0, 2 * tokens, 2)
+        turn = _median_seconds(lambda: y.index_add_(0, rows, (x.index_select(0, rows) @ a) @ b))
+        xs, a_s = torch.randn(stack_tokens, fan_in, dtype=dtype), torch.randn(fan_in, stack_rank, dtype=dtype)
+        seconds_per_mac = _median_seconds(lambda: torch.mm(xs, a_s)) / (stack_tokens * fan_in * stack_rank)
+        _turn_macs[key] = max(turn / seconds_per_mac - tokens * rank * (fan_in + fan_out), 0.0)
+    return _turn_macs[key]
+
+
+def _median_seconds(fn, repeats: int = 15) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[repeats // 2]
 
 
 class TorchLoraBackend(LoraBackend):
@@ -77,10 +115,14 @@ class TorchLoraBackend(LoraBackend):
         self.layout = group_layout(config)
         self.num_layers = config.num_layers
         self.mode = mode
+        self.turn_macs = {group: loop_turn_macs(pool.device, pool.dtype, rows[0][1], sum(r[2] for r in rows))
+                          for group, rows in self.layout.items()}
         self._set_key: tuple | None = None
         # group -> (A_stack [L, in, R], B_stack [L, R, out], column owner [R] int64,
         #           per step adapter its column range (c0, c1) in the stacks, None if untargeted)
         self._stacks: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]] = {}
+        # group -> per layer (x -> x @ A_stack, s -> s @ B_stack) for the stacked plan
+        self._linears: dict[str, list[tuple[Linear, Linear]]] = {}
         # group -> ("stacked", mask [tokens, R]) or ("loop", [(token rows, c0, c1)])
         self._plans: dict[str, tuple[str, object]] = {}
 
@@ -95,26 +137,29 @@ class TorchLoraBackend(LoraBackend):
         key = tuple((a.name, a.generation) for a in batch.adapters)
         if key != self._set_key:
             self._stacks = {g: s for g in GROUPS if (s := self._build_stack(batch, g)) is not None}
+            self._linears = {}
             self._set_key = key
         rows = adapter_rows(batch)
         token_adapter = None
         for group, (a_stack, b_stack, owner, ranges) in self._stacks.items():
             loop = [(rows[i], *ranges[i]) for i in rows if ranges[i] is not None]
-            if self._loop_is_cheaper(batch, a_stack, b_stack, loop):
+            if self._loop_is_cheaper(group, batch, a_stack, b_stack, loop):
                 self._plans[group] = ("loop", loop)
             else:
                 if token_adapter is None:
                     token_adapter = batch.token_adapter().long()
+                if group not in self._linears:
+                    self._linears[group] = [(make_linear(a.t()), make_linear(b.t())) for a, b in zip(a_stack, b_stack)]
                 # mask: [tokens, R]
                 self._plans[group] = ("stacked", (token_adapter[:, None] == owner[None, :]).to(a_stack.dtype))
 
-    def _loop_is_cheaper(self, batch: LoraBatch, a_stack: torch.Tensor, b_stack: torch.Tensor, loop: list) -> bool:
+    def _loop_is_cheaper(self, group: str, batch: LoraBatch, a_stack: torch.Tensor, b_stack: torch.Tensor, loop: list) -> bool:
         if self.mode != "auto":
             return self.mode == "loop"
         width = a_stack.shape[1] + b_stack.shape[2]                       # in + out
         stacked = batch.num_tokens * a_stack.shape[2] * width
         per_adapter = sum(_count(token_rows) * (c1 - c0) * width for token_rows, c0, c1 in loop)
-        return per_adapter + len(loop) * LOOP_OVERHEAD_MACS.get(a_stack.device.type, 0) < stacked
+        return per_adapter + len(loop) * self.turn_macs[group] < stacked
 
     def _build_stack(self, batch: LoraBatch, group: str):
         flat = self.pool.flat
@@ -161,12 +206,13 @@ class TorchLoraBackend(LoraBackend):
         if plan is None:
             return
         kind, data = plan
-        a_stack, b_stack = self._stacks[group][0][layer], self._stacks[group][1][layer]
         if kind == "stacked":
-            s = torch.mm(x, a_stack)              # [tokens, R]
+            shrink, expand = self._linears[group][layer]
+            s = shrink(x)                         # [tokens, R]
             s.mul_(data)
-            y.addmm_(s, b_stack)
+            y.add_(expand(s))
             return
+        a_stack, b_stack = self._stacks[group][0][layer], self._stacks[group][1][layer]
         for token_rows, c0, c1 in data:
             if isinstance(token_rows, slice):     # the adapter's tokens are contiguous
                 y[token_rows].addmm_(x[token_rows] @ a_stack[:, c0:c1], b_stack[c0:c1])
