@@ -17,6 +17,7 @@ import pytest
 
 from asyncserve import LLM, SamplingParams
 from asyncserve.config import Config
+from asyncserve.messages import Abort, Submit
 from server_harness import ServerThread
 
 PROMPTS = ["the fox jumps over", "adapters serve many models", "batch token step rank lazy dog"]
@@ -199,6 +200,32 @@ def test_disconnecting_stream_clients_leave_no_kv_pages(srv):
     assert srv.metric("asyncserve_pool_pages", 'kind="kv"') == 0
     assert srv.metric("asyncserve_running_requests") == 0
     assert srv.metric("asyncserve_requests_total", 'model="tiny",status="abort"') >= 1
+
+
+@pytest.mark.parametrize("max_tokens, reason", [(1, "length"), (400, "abort")])
+def test_abort_while_in_the_running_step(srv, max_tokens, reason):
+    """An abort that arrives while the request's step runs is applied after the step: a request that
+    step finished still gets its last tokens and finish reason, any other ends with "abort"."""
+    scheduler = srv.server.scheduler
+
+    async def scenario():
+        seq = srv.server.engine.make_sequence([5, 6, 7, 8], SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                                              None)
+        stream: asyncio.Queue = asyncio.Queue()
+        scheduler.mailbox.put_nowait(Submit(seq, stream))
+        while seq.request_id not in scheduler._in_flight:
+            await asyncio.sleep(0)
+        scheduler.mailbox.put_nowait(Abort(seq.request_id))
+        events = [await asyncio.wait_for(stream.get(), 30)]
+        while not events[-1].finished:
+            events.append(await asyncio.wait_for(stream.get(), 30))
+        return events
+
+    events = srv.call(scenario())
+    assert events[-1].finish_reason == reason
+    if reason == "length":
+        assert sum(len(e.token_ids) for e in events) == 1
+    assert srv.metric("asyncserve_running_requests") == 0
 
 
 def test_runtime_load_and_unload_while_others_stream(srv, client, offline, tiny_model):

@@ -29,6 +29,7 @@ class SchedulerActor:
         self.streams: dict[str, asyncio.Queue] = {}
         self._in_flight: set[str] = set()       # request ids in the running step
         self._deferred: list[Abort] = []
+        self._finished_updates: list[SeqUpdate] = []   # of the last step, published once the next one is sent
         self._step_id = 0
         self._stepping = False
         self._stopping = False
@@ -44,6 +45,10 @@ class SchedulerActor:
             while not self.mailbox.empty():
                 self._handle(self.mailbox.get_nowait())
             self._maybe_step()
+            # tokens go out after the next step is on its way: the stream handlers they wake then
+            # run while the model computes instead of before it starts
+            updates, self._finished_updates = self._finished_updates, []
+            self._publish(updates)
             if self._stopping and self.idle:
                 return
 
@@ -93,7 +98,7 @@ class SchedulerActor:
                 self._abort(Abort(chunk.seq.request_id, reason="error"), error=f"internal error: {done.error!r}")
         else:
             self.metrics.step.observe(done.result.duration_s)
-            self._publish(self.engine.scheduler.postprocess(done.plan, done.result.sampled))
+            self._finished_updates += self.engine.scheduler.postprocess(done.plan, done.result.sampled)
         for abort in self._deferred:
             self._abort(abort)
         self._deferred = []
@@ -132,9 +137,9 @@ class SchedulerActor:
 
     def _abort(self, abort: Abort, error: str | None = None) -> None:
         seq = self.engine.abort(abort.request_id)
-        stream = self.streams.pop(abort.request_id, None)
-        if seq is None:
+        if seq is None:          # unknown, or finished by the last step: its stream gets that update
             return
+        stream = self.streams.pop(abort.request_id, None)
         self._record_finish(seq, abort.reason, time.monotonic())
         if stream is not None:
             stream.put_nowait(TokenEvent(request_id=seq.request_id, token_ids=[], text="", finished=True,
