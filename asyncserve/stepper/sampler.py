@@ -49,7 +49,8 @@ class SampleOutput:
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
     """One token per row. logits: [rows, vocab] (float32; lower precision is upcast), not modified."""
     if all(_is_plain_greedy(row) for row in rows):
-        return SampleOutput(logits.argmax(-1).tolist(), None, None)
+        # upcast first: CPU argmax over bf16 is ~3.5x slower than the copy and an fp32 argmax
+        return SampleOutput(logits.float().argmax(-1).tolist(), None, None)
 
     tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     greedy = [i for i, row in enumerate(rows) if row.params.greedy]
