@@ -140,6 +140,8 @@ def test_cpu_bf16_decode_attention_equals_sdpa():
     ctx = torch.tensor([1, 5, 12, 7, 2])
     mask = (torch.arange(pages_per_seq * block)[None, :] < ctx[:, None])[:, None, None, :]
     q = torch.randn(n, nh, hd, generator=g).bfloat16()
-    got = _decode_attention(q, k_cache, v_cache, pages, mask)
+    bias = torch.zeros(n, 1, pages_per_seq * block, dtype=torch.bfloat16).masked_fill_(~mask.view(n, 1, -1),
+                                                                                     float("-inf"))
+    got = _decode_attention(q, k_cache, v_cache, pages, bias)
     expected = _decode_attention(q.double(), k_cache.double(), v_cache.double(), pages, mask)   # SDPA
     torch.testing.assert_close(got.double(), expected, rtol=0.0, atol=0.02)

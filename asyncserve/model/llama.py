@@ -186,6 +186,10 @@ def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, 
     kv_rows = kv.view(-1, kv_size)
     use_lora = lora.active
 
+    decode_mask = inp.decode_mask
+    if inp.num_decode and _bmm_decode(w.embed):      # once per step: the bmm path adds it as a bias
+        decode_mask = torch.zeros(decode_mask.shape, dtype=w.embed.dtype, device=decode_mask.device
+                                  ).masked_fill_(~decode_mask, float("-inf")).view(inp.num_decode, 1, -1)
     h = F.embedding(inp.input_ids, w.embed)                       # [T, hidden]
     for li, lw in enumerate(w.layers):
         x = F.rms_norm(h, (h.shape[-1],), lw.input_norm, eps)
@@ -198,7 +202,7 @@ def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, 
         k_row = inp.write_rows + li * block
         kv_rows.index_copy_(0, k_row, k.reshape(T, kv_size))
         kv_rows.index_copy_(0, k_row + num_layers * block, v)
-        attn = attention(q, k, v.view(T, nkv, hd), kv[:, 0, li], kv[:, 1, li], inp)   # [T, q]
+        attn = attention(q, k, v.view(T, nkv, hd), kv[:, 0, li], kv[:, 1, li], inp, decode_mask)   # [T, q]
         o = lw.o(attn)
         if use_lora:
             lora.apply(li, "o", attn, o)
@@ -222,45 +226,51 @@ def _gather_context(cache: torch.Tensor, pages: torch.Tensor, n: int, nkv: int, 
     return cache.index_select(0, pages).view(n, -1, nkv, hd).transpose(1, 2)
 
 
+def _bmm_decode(x: torch.Tensor) -> bool:
+    """Whether decode attention for tensors like ``x`` runs as the block-diagonal bmm's below."""
+    return x.device.type == "cpu" and x.dtype == torch.bfloat16
+
+
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,
                       mask: torch.Tensor) -> torch.Tensor:
     """q: [n, nh, hd]; k_cache, v_cache: [pool pages, block, kv_size] of one layer; pages: [n * p] the
-    block tables padded to p pages; mask: [n, 1, 1, p * block] bool (True = attend) -> [n, nh, hd]."""
+    block tables padded to p pages; mask: for SDPA [n, 1, 1, p * block] bool (True = attend), for the
+    bmm path [n, 1, p * block] additive (0 or -inf) in q's dtype. Returns [n, nh, hd]."""
     n, nh, hd = q.shape
     kv_size = k_cache.shape[-1]
     nkv = kv_size // hd
-    if q.device.type != "cpu" or q.dtype != torch.bfloat16:
+    if not _bmm_decode(q):
         kc = _gather_context(k_cache, pages, n, nkv, hd)                    # [n, nkv, ctx, hd]
         vc = _gather_context(v_cache, pages, n, nkv, hd)
         return F.scaled_dot_product_attention(q.unsqueeze(2), kc, vc, attn_mask=mask, enable_gqa=True).squeeze(2)
     # On CPU, SDPA with one query row is 6x slower in bf16 than in fp32 (885 vs 154 us at 16 decodes,
     # 128 context, SmolLM2's heads; Zen5, 2 threads). Two bmm's over the gathered rows as they lie
-    # ([n, ctx, nkv * hd]) take 140 us, and avoid the per-head copies of K and V that grouped
+    # ([n, ctx, nkv * hd]) take 125 us, and avoid the per-head copies of K and V that grouped
     # matmuls make (184 us): head h's query sits in the columns of its KV head h // group, zeros
     # elsewhere, and its output is that block of the product (3x the multiply-adds, a few M).
     group = nh // nkv
     k = k_cache.index_select(0, pages).view(n, -1, kv_size)                    # [n, ctx, nkv * hd]
     v = v_cache.index_select(0, pages).view(n, -1, kv_size)
-    blocks = torch.eye(nkv, dtype=q.dtype, device=q.device).view(1, nkv, 1, nkv, 1)
-    q_blocks = (q.view(n, nkv, group, 1, hd) * blocks).view(n, nh, kv_size)    # [n, nh, nkv * hd]
-    scores = torch.bmm(q_blocks, k.transpose(1, 2)).float() * hd ** -0.5        # [n, nh, ctx]
-    scores.masked_fill_(~mask.view(n, 1, -1), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    blocks = (torch.eye(nkv, dtype=q.dtype, device=q.device) * hd ** -0.5).view(1, nkv, 1, nkv, 1)
+    q_blocks = (q.view(n, nkv, group, 1, hd) * blocks).view(n, nh, kv_size)    # [n, nh, nkv * hd], scaled
+    scores = torch.baddbmm(mask, q_blocks, k.transpose(1, 2))                   # [n, nh, ctx]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = torch.bmm(probs, v).view(n, nkv, group, nkv, hd)      # [n, query's KV head, group, KV head, hd]
     return out.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(n, nh, hd)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              inp: StepInputs) -> torch.Tensor:
+              inp: StepInputs, decode_mask: torch.Tensor) -> torch.Tensor:
     """q: [T, nh, hd]; k, v: [T, nkv, hd] of this step (already written to the cache);
-    k_cache, v_cache: [pages, block, kv_size] of this layer. Returns [T, nh * hd]."""
+    k_cache, v_cache: [pages, block, kv_size] of this layer; decode_mask: as _decode_attention takes it.
+    Returns [T, nh * hd]."""
     T, nh, hd = q.shape
     nkv = k.shape[1]
     out = torch.empty(T, nh, hd, dtype=q.dtype, device=q.device)
     nd = inp.num_decode
     if nd:
         # all decodes at once: gather their pages, padded to the longest context, mask the rest
-        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, inp.decode_pages, inp.decode_mask)
+        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, inp.decode_pages, decode_mask)
     for chunk in inp.prefills:
         s, e = chunk.start, chunk.end
         qc = q[s:e].transpose(0, 1)                               # [nh, n, hd]
