@@ -33,12 +33,18 @@ def adapter_of(i: int, adapters: dict) -> str:
     return f"a{i % len(adapters)}"
 
 
-def run_ours(prompts, adapters, use_adapters: bool, args) -> dict:
-    from asyncserve import LLM, SamplingParams
+def build_ours(adapters, args):
+    """One engine for both of our systems: the base-model run simply names no adapter."""
+    from asyncserve import LLM
 
-    llm = LLM(model=args.model, adapters=adapters if use_adapters else {}, dtype=args.dtype, device=args.device,
-              lora_backend=args.lora_backend, max_running=args.in_flight, max_step_tokens=args.step_tokens,
-              threads=args.threads)
+    return LLM(model=args.model, adapters=adapters, dtype=args.dtype, device=args.device,
+               lora_backend=args.lora_backend, max_running=args.in_flight, max_step_tokens=args.step_tokens,
+               threads=args.threads)
+
+
+def run_ours(llm, prompts, adapters, use_adapters: bool, args) -> dict:
+    from asyncserve import SamplingParams
+
     ids = [llm.tokenizer.encode(p) for p in prompts]
     names = [adapter_of(i, adapters) for i in range(len(prompts))] if use_adapters else None
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
@@ -108,11 +114,9 @@ def profile_ours(prompts, adapters, args) -> None:
     """Per-op time of decode steps at batch 16 (torch profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from asyncserve import LLM, SamplingParams
+    from asyncserve import SamplingParams
 
-    llm = LLM(model=args.model, adapters=adapters, dtype=args.dtype, device=args.device,
-              lora_backend=args.lora_backend, max_running=args.in_flight, max_step_tokens=args.step_tokens,
-              threads=args.threads)
+    llm = build_ours(adapters, args)
     ids = [llm.tokenizer.encode(p) for p in prompts[:16]]
     names = [adapter_of(i, adapters) for i in range(16)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -134,6 +138,12 @@ def profile_ours(prompts, adapters, args) -> None:
     print(prof.key_averages().table(sort_by=sort, row_limit=25))
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run of median throughput (the upper middle one for an even count)."""
+    ordered = sorted(runs, key=lambda r: r["tok_s"])
+    return dict(ordered[len(ordered) // 2])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bench-dir", type=Path, default=REPO.parent / "shared" / "bench")
@@ -150,6 +160,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                     help="W1 prescribes bfloat16; CPUs without AMX/AVX512-BF16 run float32 faster")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run ours and ours-base alternately this many times in one process and report "
+                         "medians: a VM whose speed drifts within minutes then biases neither")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--json-out", type=Path)
     args = ap.parse_args()
@@ -159,17 +172,25 @@ def main() -> None:
         profile_ours(prompts, adapters, args)
         return
     print(f"load average before: {os.getloadavg()}")
+    systems = args.systems.split(",")
+    ours = [name for name in systems if name in ("ours", "ours-base")]
+    llm = build_ours(adapters, args) if ours else None
     runners = {
-        "ours": lambda: run_ours(prompts, adapters, True, args),
-        "ours-base": lambda: run_ours(prompts, adapters, False, args),
+        "ours": lambda: run_ours(llm, prompts, adapters, True, args),
+        "ours-base": lambda: run_ours(llm, prompts, adapters, False, args),
         "hf-grouped": lambda: run_hf(prompts, adapters, False, args),
         "hf-mixed": lambda: run_hf(prompts, adapters, True, args),
     }
-    results = {}
-    for name in args.systems.split(","):
-        results[name] = runners[name]()
-        r = results[name]
+    runs: dict[str, list[dict]] = {name: [] for name in systems}
+    schedule = [name for _ in range(args.rounds) for name in ours] + [n for n in systems if n not in ours]
+    for name in schedule:
+        r = runners[name]()
+        runs[name].append(r)
         print(f"{name:12s} {r['output_tokens']:6d} tokens in {r['wall_s']:6.2f} s = {r['tok_s']:7.1f} tok/s", flush=True)
+    results = {name: {**median_run(rs), "runs": rs} for name, rs in runs.items()}
+    if args.rounds > 1:
+        for name in ours:
+            print(f"{name:12s} median of {args.rounds}: {results[name]['tok_s']:7.1f} tok/s")
     if "ours" in results and "ours-base" in results:
         overhead = results["ours-base"]["tok_s"] / results["ours"]["tok_s"] - 1
         print(f"LoRA overhead vs base: {100 * overhead:.1f}%")

@@ -16,13 +16,14 @@ projection's output columns, with the scaling folded in. Then, for all tokens at
 Three ops per group whatever the number of adapters, costing tokens x sum(ranks): on CPU it beats
 gathers and per-adapter loops for the handful of adapters a step usually carries
 (scripts/bench_kernels.py). The two GEMMs go through ``make_linear``, i.e. with the stacks
-reordered once into oneDNN's blocked layout on CPU, as the base projections are. With many
-distinct adapters that product grows quadratically, so per step and group the backend switches to
-a segmented loop — per adapter, its tokens times its own A and B columns of the same stacks — when
-that costs less (``_loop_is_cheaper``, with the cost of a turn measured on the device). The stacks are
-gathered from the pool pages when the active set changes and kept until it changes again; they are
-a working copy bounded by the running adapters, the pool pages remain the storage. The Triton
-backend (lora/triton_backend.py) reads the pages in place instead.
+reordered once into oneDNN's blocked layout on CPU, as the base projections are. That product
+grows with every adapter in the step — quadratically with many distinct ones, and by the adapter
+count for long prefill segments — so per step and group the backend switches to a segmented loop
+when that costs less: per run of one adapter's consecutive rows, those rows times its own A and B
+columns of the same stacks (``_loop_is_cheaper``, with the cost of a turn measured on the device).
+The stacks are gathered from the pool pages when the active set changes and kept until it changes
+again; they are a working copy bounded by the running adapters, the pool pages remain the storage.
+The Triton backend (lora/triton_backend.py) reads the pages in place instead.
 """
 from __future__ import annotations
 
@@ -72,12 +73,12 @@ _turn_macs: dict[tuple[torch.dtype, int, int], float] = {}
 
 
 def loop_turn_macs(device: torch.device, dtype: torch.dtype, fan_in: int, fan_out: int) -> float:
-    """What one adapter's turn in the segmented loop costs beyond its own multiply-adds, in
-    multiply-adds of stacked GEMM work that take as long.
+    """What one span's turn in the segmented loop (two GEMMs on a slice of rows) costs beyond its own
+    multiply-adds, in multiply-adds of stacked GEMM work that take as long.
 
     Measured once per process, dtype and shape on CPU, where it varies too much for a constant:
-    skinny GEMMs, gathers and scatters run far below the stacked GEMM's rate, and how far depends on
-    the instruction set and dtype (SmolLM2's qkv on a Zen5 core pair: ~2 M in fp32, ~13 M in bf16)."""
+    skinny GEMMs run far below the stacked GEMM's rate, and how far depends on the instruction set
+    and dtype."""
     if device.type != "cpu":
         return CUDA_TURN_MACS
     key = (dtype, fan_in, fan_out)
@@ -86,8 +87,8 @@ def loop_turn_macs(device: torch.device, dtype: torch.dtype, fan_in: int, fan_ou
         x = torch.randn(2 * tokens, fan_in, dtype=dtype)
         y = torch.zeros(2 * tokens, fan_out, dtype=dtype)
         a, b = torch.randn(fan_in, rank, dtype=dtype), torch.randn(rank, fan_out, dtype=dtype)
-        rows = torch.arange(0, 2 * tokens, 2)
-        turn = _median_seconds(lambda: y.index_add_(0, rows, (x.index_select(0, rows) @ a) @ b))
+        rows = slice(tokens // 2, tokens // 2 + tokens)
+        turn = _median_seconds(lambda: y[rows].addmm_(x[rows] @ a, b))
         xs, a_s = torch.randn(stack_tokens, fan_in, dtype=dtype), torch.randn(fan_in, stack_rank, dtype=dtype)
         seconds_per_mac = _median_seconds(lambda: torch.mm(xs, a_s)) / (stack_tokens * fan_in * stack_rank)
         _turn_macs[key] = max(turn / seconds_per_mac - tokens * rank * (fan_in + fan_out), 0.0)
@@ -123,7 +124,7 @@ class TorchLoraBackend(LoraBackend):
         self._stacks: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]] = {}
         # group -> per layer (x -> x @ A_stack, s -> s @ B_stack) for the stacked plan
         self._linears: dict[str, list[tuple[Linear, Linear]]] = {}
-        # group -> ("stacked", mask [tokens, R]) or ("loop", [(token rows, c0, c1)])
+        # group -> ("stacked", mask [tokens, R]) or ("loop", [(row spans, c0, c1)])
         self._plans: dict[str, tuple[str, object]] = {}
 
     @property
@@ -139,10 +140,10 @@ class TorchLoraBackend(LoraBackend):
             self._stacks = {g: s for g in GROUPS if (s := self._build_stack(batch, g)) is not None}
             self._linears = {}
             self._set_key = key
-        rows = adapter_rows(batch)
+        spans = adapter_spans(batch)
         token_adapter = None
         for group, (a_stack, b_stack, owner, ranges) in self._stacks.items():
-            loop = [(rows[i], *ranges[i]) for i in rows if ranges[i] is not None]
+            loop = [(spans[i], *ranges[i]) for i in spans if ranges[i] is not None]
             if self._loop_is_cheaper(group, batch, a_stack, b_stack, loop):
                 self._plans[group] = ("loop", loop)
             else:
@@ -158,8 +159,9 @@ class TorchLoraBackend(LoraBackend):
             return self.mode == "loop"
         width = a_stack.shape[1] + b_stack.shape[2]                       # in + out
         stacked = batch.num_tokens * a_stack.shape[2] * width
-        per_adapter = sum(_count(token_rows) * (c1 - c0) * width for token_rows, c0, c1 in loop)
-        return per_adapter + len(loop) * self.turn_macs[group] < stacked
+        per_adapter = sum((sl.stop - sl.start) * (c1 - c0) * width for rows, c0, c1 in loop for sl in rows)
+        turns = sum(len(rows) for rows, _, _ in loop)
+        return per_adapter + turns * self.turn_macs[group] < stacked
 
     def _build_stack(self, batch: LoraBatch, group: str):
         flat = self.pool.flat
@@ -213,28 +215,22 @@ class TorchLoraBackend(LoraBackend):
             y.add_(expand(s))
             return
         a_stack, b_stack = self._stacks[group][0][layer], self._stacks[group][1][layer]
-        for token_rows, c0, c1 in data:
-            if isinstance(token_rows, slice):     # the adapter's tokens are contiguous
-                y[token_rows].addmm_(x[token_rows] @ a_stack[:, c0:c1], b_stack[c0:c1])
-            else:
-                y.index_add_(0, token_rows, (x.index_select(0, token_rows) @ a_stack[:, c0:c1]) @ b_stack[c0:c1])
+        for rows, c0, c1 in data:
+            for sl in rows:
+                y[sl].addmm_(x[sl] @ a_stack[:, c0:c1], b_stack[c0:c1])
 
 
-def adapter_rows(batch: LoraBatch) -> dict[int, slice | torch.Tensor]:
-    """Per step adapter with tokens: its token rows, a slice when contiguous, else an index tensor."""
-    spans: dict[int, list[tuple[int, int]]] = {}
+def adapter_spans(batch: LoraBatch) -> dict[int, list[slice]]:
+    """Per step adapter with tokens: its runs of consecutive token rows (the scheduler groups each
+    adapter's decodes and its prefill chunks, so usually one or two)."""
+    spans: dict[int, list[slice]] = {}
     for s, a in enumerate(batch.seg_adapter):
         lo, hi = batch.seg_starts[s], batch.seg_starts[s + 1]
-        if a >= 0 and hi > lo:
-            spans.setdefault(a, []).append((lo, hi))
-    rows: dict[int, slice | torch.Tensor] = {}
-    for a, parts in spans.items():
-        if all(parts[k][1] == parts[k + 1][0] for k in range(len(parts) - 1)):
-            rows[a] = slice(parts[0][0], parts[-1][1])
+        if a < 0 or hi <= lo:
+            continue
+        runs = spans.setdefault(a, [])
+        if runs and runs[-1].stop == lo:
+            runs[-1] = slice(runs[-1].start, hi)
         else:
-            rows[a] = torch.cat([torch.arange(lo, hi) for lo, hi in parts]).to(batch.device)
-    return rows
-
-
-def _count(token_rows: slice | torch.Tensor) -> int:
-    return token_rows.stop - token_rows.start if isinstance(token_rows, slice) else token_rows.numel()
+            runs.append(slice(lo, hi))
+    return spans
