@@ -154,7 +154,8 @@ class TorchLoraBackend(LoraBackend):
                 # mask: [tokens, R]
                 self._plans[group] = ("stacked", (token_adapter[:, None] == owner[None, :]).to(a_stack.dtype))
 
-    def _loop_is_cheaper(self, group: str, batch: LoraBatch, a_stack: torch.Tensor, b_stack: torch.Tensor, loop: list) -> bool:
+    def _loop_is_cheaper(self, group: str, batch: LoraBatch, a_stack: torch.Tensor, b_stack: torch.Tensor,
+                         loop: list) -> bool:
         if self.mode != "auto":
             return self.mode == "loop"
         width = a_stack.shape[1] + b_stack.shape[2]                       # in + out
