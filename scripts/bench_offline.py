@@ -191,15 +191,16 @@ def main() -> None:
     if args.rounds > 1:
         for name in ours:
             print(f"{name:12s} median of {args.rounds}: {results[name]['tok_s']:7.1f} tok/s")
+    overhead = None
     if "ours" in results and "ours-base" in results:
         # per round, from the two runs next to each other in time; then the median round
         per_round = sorted(b["tok_s"] / a["tok_s"] - 1 for a, b in zip(runs["ours"], runs["ours-base"]))
         overhead = per_round[len(per_round) // 2]
         rounds = f" (median of rounds: {', '.join(f'{100 * o:.1f}%' for o in per_round)})" if args.rounds > 1 else ""
         print(f"LoRA overhead vs base: {100 * overhead:.1f}%{rounds}")
-        results["lora_overhead"] = overhead
     if args.json_out:
-        args.json_out.write_text(json.dumps({"load_before": os.getloadavg(), "results": results}, indent=2))
+        args.json_out.write_text(json.dumps({"load_before": os.getloadavg(), "results": results,
+                                              "lora_overhead": overhead}, indent=2))
 
 
 if __name__ == "__main__":

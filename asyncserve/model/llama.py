@@ -6,6 +6,7 @@ group by the batched-LoRA backend. KV lives in the unified pool's pages (pager/p
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -231,6 +232,12 @@ def _bmm_decode(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.bfloat16
 
 
+@functools.lru_cache(maxsize=8)
+def _query_blocks(nkv: int, hd: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[1, nkv, 1, nkv, 1]: the scaled identity that places each query in its KV head's columns."""
+    return (torch.eye(nkv, dtype=dtype, device=device) * hd ** -0.5).view(1, nkv, 1, nkv, 1)
+
+
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,
                       mask: torch.Tensor) -> torch.Tensor:
     """q: [n, nh, hd]; k_cache, v_cache: [pool pages, block, kv_size] of one layer; pages: [n * p] the
@@ -251,7 +258,7 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     group = nh // nkv
     k = k_cache.index_select(0, pages).view(n, -1, kv_size)                    # [n, ctx, nkv * hd]
     v = v_cache.index_select(0, pages).view(n, -1, kv_size)
-    blocks = (torch.eye(nkv, dtype=q.dtype, device=q.device) * hd ** -0.5).view(1, nkv, 1, nkv, 1)
+    blocks = _query_blocks(nkv, hd, q.dtype, q.device)
     q_blocks = (q.view(n, nkv, group, 1, hd) * blocks).view(n, nh, kv_size)    # [n, nh, nkv * hd], scaled
     scores = torch.baddbmm(mask, q_blocks, k.transpose(1, 2))                   # [n, nh, ctx]
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
