@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from asyncserve import LLM, SamplingParams
-from asyncserve.model.llama import _decode_attention
+from asyncserve.model.llama import PrefillChunk, StepInputs, attention, plan_attention
 from reference import ADAPTERS, TEST_DEVICE, assert_greedy_matches, reference_greedy
 
 NEW_TOKENS = 12
@@ -129,19 +129,33 @@ def test_bf16_close_to_fp32(tiny):
     assert sum(prefix) / len(prefix) >= 0.7, f"mean agreeing prefix {sum(prefix) / len(prefix):.2f}"
 
 
-def test_cpu_bf16_decode_attention_equals_sdpa():
-    """The bf16 CPU decode path (block-diagonal bmm's over the gathered pages) against SDPA in
-    float64 on the same inputs: GQA, padded block tables, contexts of 1 to all padded pages."""
+def test_cpu_bf16_attention_equals_sdpa():
+    """The bf16 CPU attention (bmm's: block-diagonal queries over the decodes' gathered pages, stacked
+    query groups per prefill chunk) against SDPA in float64 on the same inputs: GQA, padded block
+    tables, decode contexts of 1 to all padded pages, a causal chunk from position 0 and one that
+    continues a sequence; two layers in a row, since the query blocks are reused."""
     g = torch.Generator().manual_seed(0)
-    n, nh, nkv, hd, block, pages_per_seq = 5, 6, 2, 16, 4, 3
-    k_cache = torch.randn(20, block, nkv * hd, generator=g).bfloat16()
-    v_cache = torch.randn(20, block, nkv * hd, generator=g).bfloat16()
-    pages = torch.randint(0, 20, (n * pages_per_seq,), generator=g)
+    nh, nkv, hd, block, pages_per_seq, pool_pages = 6, 2, 16, 4, 3, 20
     ctx = torch.tensor([1, 5, 12, 7, 2])
+    nd = len(ctx)
+    chunks = [(0, 5), (6, 4)]                       # (first_pos, tokens)
+    T = nd + sum(n for _, n in chunks)
+    prefills, start = [], nd
+    for first_pos, n in chunks:
+        table = torch.randperm(pool_pages, generator=g)[:pages_per_seq]
+        prefills.append(PrefillChunk(start, start + n, first_pos, table))
+        start += n
     mask = (torch.arange(pages_per_seq * block)[None, :] < ctx[:, None])[:, None, None, :]
-    q = torch.randn(n, nh, hd, generator=g).bfloat16()
-    bias = torch.zeros(n, 1, pages_per_seq * block, dtype=torch.bfloat16).masked_fill_(~mask.view(n, 1, -1),
-                                                                                     float("-inf"))
-    got = _decode_attention(q, k_cache, v_cache, pages, bias)
-    expected = _decode_attention(q.double(), k_cache.double(), v_cache.double(), pages, mask)   # SDPA
-    torch.testing.assert_close(got.double(), expected, rtol=0.0, atol=0.02)
+    inp = StepInputs(input_ids=torch.zeros(T, dtype=torch.int64), positions=torch.zeros(T, dtype=torch.int64),
+                     write_rows=torch.zeros(T, dtype=torch.int64), num_decode=nd,
+                     decode_pages=torch.randint(0, pool_pages, (nd * pages_per_seq,), generator=g),
+                     decode_mask=mask, prefills=prefills, sample_index=torch.zeros(0, dtype=torch.int64))
+    bmm = plan_attention(inp, nh, nkv, hd, torch.bfloat16)
+    sdpa = plan_attention(inp, nh, nkv, hd, torch.float64)
+    assert bmm.bmm and not sdpa.bmm
+    for _ in range(2):
+        q, k, v = (torch.randn(T, heads, hd, generator=g).bfloat16() for heads in (nh, nkv, nkv))
+        k_cache, v_cache = (torch.randn(pool_pages, block, nkv * hd, generator=g).bfloat16() for _ in "kv")
+        got = attention(q, k, v, k_cache, v_cache, inp, bmm)
+        expected = attention(*(t.double() for t in (q, k, v, k_cache, v_cache)), inp, sdpa)
+        torch.testing.assert_close(got.double(), expected, rtol=0.0, atol=0.02)

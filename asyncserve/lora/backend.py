@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from asyncserve.lora.batch import GROUPS, PROJ_INDEX, LoraBatch
+from asyncserve.lora.batch import GROUPS, PROJ_INDEX, DeviceAdapter, LoraBatch
 from asyncserve.model.config import ModelConfig
 from asyncserve.model.linear import Linear, make_linear
 from asyncserve.pager.pool import PagedPool
@@ -119,8 +119,8 @@ class TorchLoraBackend(LoraBackend):
         self.turn_macs = {group: loop_turn_macs(pool.device, pool.dtype, rows[0][1], sum(r[2] for r in rows))
                           for group, rows in self.layout.items()}
         self._set_key: tuple | None = None
-        # group -> (A_stack [L, in, R], B_stack [L, R, out], column owner [R] int64,
-        #           per step adapter its column range (c0, c1) in the stacks, None if untargeted)
+        # group -> (A_stack [L, in, R], B_stack [L, R, out], column owner [R] int64 (place in the stacks),
+        #           per place its column range (c0, c1) in the stacks, None if untargeted)
         self._stacks: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]] = {}
         # group -> per layer (x -> x @ A_stack, s -> s @ B_stack) for the stacked plan
         self._linears: dict[str, list[tuple[Linear, Linear]]] = {}
@@ -135,24 +135,30 @@ class TorchLoraBackend(LoraBackend):
         self._plans = {}
         if batch is None or batch.empty:
             return
-        key = tuple((a.name, a.generation) for a in batch.adapters)
+        # The stacks hold the active set in a fixed order (by name), so a step that lists the same
+        # adapters in another order (e.g. once the oldest request has finished) reuses them.
+        order = sorted(range(len(batch.adapters)), key=lambda i: batch.adapters[i].name)
+        key = tuple((batch.adapters[i].name, batch.adapters[i].generation) for i in order)
         if key != self._set_key:
-            self._stacks = {g: s for g in GROUPS if (s := self._build_stack(batch, g)) is not None}
+            adapters = [batch.adapters[i] for i in order]
+            self._stacks = {g: s for g in GROUPS if (s := self._build_stack(adapters, g)) is not None}
             self._linears = {}
             self._set_key = key
+        place = {i: pos for pos, i in enumerate(order)}             # step adapter -> its place in the stacks
         spans = adapter_spans(batch)
-        token_adapter = None
+        token_place = None
         for group, (a_stack, b_stack, owner, ranges) in self._stacks.items():
-            loop = [(spans[i], *ranges[i]) for i in spans if ranges[i] is not None]
+            loop = [(spans[i], *ranges[place[i]]) for i in spans if ranges[place[i]] is not None]
             if self._loop_is_cheaper(group, batch, a_stack, b_stack, loop):
                 self._plans[group] = ("loop", loop)
             else:
-                if token_adapter is None:
-                    token_adapter = batch.token_adapter().long()
+                if token_place is None:
+                    lookup = torch.tensor([place[i] for i in range(len(order))] + [-1], device=owner.device)
+                    token_place = lookup[batch.token_adapter().long()]           # -1 (no LoRA) stays -1
                 if group not in self._linears:
                     self._linears[group] = [(make_linear(a.t()), make_linear(b.t())) for a, b in zip(a_stack, b_stack)]
                 # mask: [tokens, R]
-                self._plans[group] = ("stacked", (token_adapter[:, None] == owner[None, :]).to(a_stack.dtype))
+                self._plans[group] = ("stacked", (token_place[:, None] == owner[None, :]).to(a_stack.dtype))
 
     def _loop_is_cheaper(self, group: str, batch: LoraBatch, a_stack: torch.Tensor, b_stack: torch.Tensor,
                          loop: list) -> bool:
@@ -164,12 +170,12 @@ class TorchLoraBackend(LoraBackend):
         turns = sum(len(rows) for rows, _, _ in loop)
         return per_adapter + turns * self.turn_macs[group] < stacked
 
-    def _build_stack(self, batch: LoraBatch, group: str):
+    def _build_stack(self, adapters: list[DeviceAdapter], group: str):
         flat = self.pool.flat
         a_offsets, b_offsets, b_cols, owners, scales, ranges = [], [], [], [], [], []
         rows_in = None
         width = 0
-        for i, adapter in enumerate(batch.adapters):
+        for i, adapter in enumerate(adapters):
             c0 = width
             for proj, fan_in, fan_out, col in self.layout[group]:
                 p = PROJ_INDEX[proj]

@@ -6,7 +6,6 @@ group by the batched-LoRA backend. KV lives in the unified pool's pages (pager/p
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -187,10 +186,10 @@ def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, 
     kv_rows = kv.view(-1, kv_size)
     use_lora = lora.active
 
-    decode_mask = inp.decode_mask
-    if inp.num_decode and _bmm_decode(w.embed):      # once per step: the bmm path adds it as a bias
-        decode_mask = torch.zeros(decode_mask.shape, dtype=w.embed.dtype, device=decode_mask.device
-                                  ).masked_fill_(~decode_mask, float("-inf")).view(inp.num_decode, 1, -1)
+    step_attention = plan_attention(inp, nh, nkv, hd, w.embed.dtype)
+    # KV rows this step writes, per layer: K rows then V rows, [layers, 2T]
+    layer_rows = inp.write_rows + block * torch.arange(num_layers, device=inp.write_rows.device)[:, None]
+    layer_rows = torch.cat([layer_rows, layer_rows + num_layers * block], dim=1)
     h = F.embedding(inp.input_ids, w.embed)                       # [T, hidden]
     for li, lw in enumerate(w.layers):
         x = F.rms_norm(h, (h.shape[-1],), lw.input_norm, eps)
@@ -200,10 +199,8 @@ def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, 
         qk = apply_rope(qkv[:, :q_size + kv_size].view(T, nh + nkv, hd), cos, sin)
         q, k = qk[:, :nh], qk[:, nh:]                              # [T, nh, hd], [T, nkv, hd]
         v = qkv[:, q_size + kv_size:]
-        k_row = inp.write_rows + li * block
-        kv_rows.index_copy_(0, k_row, k.reshape(T, kv_size))
-        kv_rows.index_copy_(0, k_row + num_layers * block, v)
-        attn = attention(q, k, v.view(T, nkv, hd), kv[:, 0, li], kv[:, 1, li], inp, decode_mask)   # [T, q]
+        kv_rows.index_copy_(0, layer_rows[li], torch.cat([k.reshape(T, kv_size), v]))
+        attn = attention(q, k, v.view(T, nkv, hd), kv[:, 0, li], kv[:, 1, li], inp, step_attention)   # [T, q]
         o = lw.o(attn)
         if use_lora:
             lora.apply(li, "o", attn, o)
@@ -227,70 +224,115 @@ def _gather_context(cache: torch.Tensor, pages: torch.Tensor, n: int, nkv: int, 
     return cache.index_select(0, pages).view(n, -1, nkv, hd).transpose(1, 2)
 
 
-def _bmm_decode(x: torch.Tensor) -> bool:
-    """Whether decode attention for tensors like ``x`` runs as the block-diagonal bmm's below."""
-    return x.device.type == "cpu" and x.dtype == torch.bfloat16
+def _bmm_attention(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether attention runs as the bmm's below rather than SDPA. On CPU, SDPA is far slower in bf16
+    than in fp32 (one query row, 16 decodes, 128 context, SmolLM2's heads: 885 vs 154 us; a 64-token
+    causal prefill: 160-213 us where the bmm's take 100; Zen5, 2 threads)."""
+    return device.type == "cpu" and dtype == torch.bfloat16
 
 
-@functools.lru_cache(maxsize=8)
-def _query_blocks(nkv: int, hd: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """[1, nkv, 1, nkv, 1]: the scaled identity that places each query in its KV head's columns."""
-    return (torch.eye(nkv, dtype=dtype, device=device) * hd ** -0.5).view(1, nkv, 1, nkv, 1)
+@dataclass
+class StepAttention:
+    """What attention needs in every layer of a step, built once per step by plan_attention."""
+    bmm: bool                           # _bmm_attention(): the bmm forms instead of SDPA
+    decode_pages: torch.Tensor          # [n * p] int64: the decodes' block tables padded to p pages
+    decode_mask: torch.Tensor           # SDPA: [n, 1, 1, p * block] bool (True = attend); bmm: [n, 1, p * block]
+                                        # additive bias (0 or -inf) in the queries' dtype
+    q_blocks: torch.Tensor | None       # bmm: [n, nkv, group, nkv, hd], zero but for the diagonal blocks
+    prefill_masks: list[torch.Tensor | None]   # per chunk: bmm: [group * n, ctx] additive bias;
+                                               # SDPA: [n, ctx] bool, None for a causal chunk from position 0
 
 
-def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,
-                      mask: torch.Tensor) -> torch.Tensor:
-    """q: [n, nh, hd]; k_cache, v_cache: [pool pages, block, kv_size] of one layer; pages: [n * p] the
-    block tables padded to p pages; mask: for SDPA [n, 1, 1, p * block] bool (True = attend), for the
-    bmm path [n, 1, p * block] additive (0 or -inf) in q's dtype. Returns [n, nh, hd]."""
+def plan_attention(inp: StepInputs, num_heads: int, num_kv_heads: int, head_dim: int,
+                   dtype: torch.dtype) -> StepAttention:
+    device = inp.input_ids.device
+    bmm = _bmm_attention(device, dtype)
+    group = num_heads // num_kv_heads
+    masks = []
+    for chunk in inp.prefills:
+        n = chunk.end - chunk.start
+        ctx = chunk.first_pos + n
+        if not bmm and chunk.first_pos == 0:
+            masks.append(None)
+            continue
+        qpos = torch.arange(chunk.first_pos, ctx, device=device)
+        attend = torch.arange(ctx, device=device)[None, :] <= qpos[:, None]        # [n, ctx]
+        masks.append(_bias(attend, dtype).repeat(group, 1) if bmm else attend)
+    mask, q_blocks = inp.decode_mask, None
+    if bmm and inp.num_decode:
+        n = inp.num_decode
+        mask = _bias(mask, dtype).view(n, 1, -1)
+        q_blocks = torch.zeros(n, num_kv_heads, group, num_kv_heads, head_dim, dtype=dtype, device=device)
+    return StepAttention(bmm, inp.decode_pages, mask, q_blocks, masks)
+
+
+def _bias(attend: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool mask (True = attend) -> additive bias, 0 or -inf."""
+    return torch.zeros(attend.shape, dtype=dtype, device=attend.device).masked_fill_(~attend, float("-inf"))
+
+
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: StepAttention) -> torch.Tensor:
+    """q: [n, nh, hd]; k_cache, v_cache: [pool pages, block, kv_size] of one layer. Returns [n, nh, hd]."""
     n, nh, hd = q.shape
     kv_size = k_cache.shape[-1]
     nkv = kv_size // hd
-    if not _bmm_decode(q):
-        kc = _gather_context(k_cache, pages, n, nkv, hd)                    # [n, nkv, ctx, hd]
-        vc = _gather_context(v_cache, pages, n, nkv, hd)
-        return F.scaled_dot_product_attention(q.unsqueeze(2), kc, vc, attn_mask=mask, enable_gqa=True).squeeze(2)
-    # On CPU, SDPA with one query row is 6x slower in bf16 than in fp32 (885 vs 154 us at 16 decodes,
-    # 128 context, SmolLM2's heads; Zen5, 2 threads). Two bmm's over the gathered rows as they lie
-    # ([n, ctx, nkv * hd]) take 125 us, and avoid the per-head copies of K and V that grouped
-    # matmuls make (184 us): head h's query sits in the columns of its KV head h // group, zeros
-    # elsewhere, and its output is that block of the product (3x the multiply-adds, a few M).
+    if not a.bmm:
+        kc = _gather_context(k_cache, a.decode_pages, n, nkv, hd)                 # [n, nkv, ctx, hd]
+        vc = _gather_context(v_cache, a.decode_pages, n, nkv, hd)
+        return F.scaled_dot_product_attention(q.unsqueeze(2), kc, vc, attn_mask=a.decode_mask,
+                                              enable_gqa=True).squeeze(2)
+    # Two bmm's over the gathered rows as they lie ([n, ctx, nkv * hd]) avoid the per-head copies of K
+    # and V that grouped matmuls make (125 vs 184 us): head h's query sits in the columns of its KV
+    # head h // group, zeros elsewhere, and its output is that block of the product (3x the
+    # multiply-adds, a few M). Only the diagonal blocks of q_blocks are written, so the zeros stay.
     group = nh // nkv
-    k = k_cache.index_select(0, pages).view(n, -1, kv_size)                    # [n, ctx, nkv * hd]
-    v = v_cache.index_select(0, pages).view(n, -1, kv_size)
-    blocks = _query_blocks(nkv, hd, q.dtype, q.device)
-    q_blocks = (q.view(n, nkv, group, 1, hd) * blocks).view(n, nh, kv_size)    # [n, nh, nkv * hd], scaled
-    scores = torch.baddbmm(mask, q_blocks, k.transpose(1, 2))                   # [n, nh, ctx]
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    k = k_cache.index_select(0, a.decode_pages).view(n, -1, kv_size)             # [n, ctx, nkv * hd]
+    v = v_cache.index_select(0, a.decode_pages).view(n, -1, kv_size)
+    a.q_blocks.diagonal(dim1=1, dim2=3).copy_(q.view(n, nkv, group, hd).permute(0, 2, 3, 1))
+    scores = torch.baddbmm(a.decode_mask, a.q_blocks.view(n, nh, kv_size), k.transpose(1, 2), alpha=hd ** -0.5)
+    probs = torch.softmax(scores, dim=-1)                       # [n, nh, ctx]: bf16 in and out, fp32 inside
     out = torch.bmm(probs, v).view(n, nkv, group, nkv, hd)      # [n, query's KV head, group, KV head, hd]
     return out.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(n, nh, hd)
 
 
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                       bmm: bool) -> torch.Tensor:
+    """One sequence's chunk. q: [n, nh, hd]; k, v: [ctx, nkv, hd], the chunk's last; mask: as
+    StepAttention.prefill_masks. Returns [n, nh, hd]."""
+    n, nh, hd = q.shape
+    nkv = k.shape[1]
+    if not bmm:
+        qc, kc, vc = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)   # heads first
+        oc = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+        return oc.transpose(0, 1)
+    # per KV head, its group's queries stacked as rows: no copies of K or V per query head
+    group = nh // nkv
+    qs = q.view(n, nkv, group, hd).permute(1, 2, 0, 3).reshape(nkv, group * n, hd)
+    scores = torch.baddbmm(mask, qs, k.permute(1, 2, 0), alpha=hd ** -0.5)       # [nkv, group * n, ctx]
+    out = torch.bmm(torch.softmax(scores, dim=-1), v.transpose(0, 1))           # [nkv, group * n, hd]
+    return out.view(nkv, group, n, hd).permute(2, 0, 1, 3).reshape(n, nh, hd)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              inp: StepInputs, decode_mask: torch.Tensor) -> torch.Tensor:
+              inp: StepInputs, a: StepAttention) -> torch.Tensor:
     """q: [T, nh, hd]; k, v: [T, nkv, hd] of this step (already written to the cache);
-    k_cache, v_cache: [pages, block, kv_size] of this layer; decode_mask: as _decode_attention takes it.
-    Returns [T, nh * hd]."""
+    k_cache, v_cache: [pages, block, kv_size] of this layer. Returns [T, nh * hd]."""
     T, nh, hd = q.shape
     nkv = k.shape[1]
-    out = torch.empty(T, nh, hd, dtype=q.dtype, device=q.device)
     nd = inp.num_decode
+    if nd == T:
+        return _decode_attention(q, k_cache, v_cache, a).view(T, nh * hd)
+    out = torch.empty(T, nh, hd, dtype=q.dtype, device=q.device)
     if nd:
         # all decodes at once: gather their pages, padded to the longest context, mask the rest
-        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, inp.decode_pages, decode_mask)
-    for chunk in inp.prefills:
+        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, a)
+    for chunk, mask in zip(inp.prefills, a.prefill_masks):
         s, e = chunk.start, chunk.end
-        qc = q[s:e].transpose(0, 1)                               # [nh, n, hd]
         if chunk.first_pos == 0:
-            # the whole context is this chunk: attend to the fresh k/v, causal
-            kc, vc = k[s:e].transpose(0, 1), v[s:e].transpose(0, 1)
-            oc = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True)
+            kc, vc = k[s:e], v[s:e]          # the whole context is this chunk
         else:
             ctx = chunk.first_pos + (e - s)
-            kc = _gather_context(k_cache, chunk.block_table, 1, nkv, hd)[0, :, :ctx]
-            vc = _gather_context(v_cache, chunk.block_table, 1, nkv, hd)[0, :, :ctx]
-            qpos = torch.arange(chunk.first_pos, ctx, device=q.device)
-            mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]   # [n, ctx]
-            oc = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=True)
-        out[s:e] = oc.transpose(0, 1)
+            kc = k_cache.index_select(0, chunk.block_table).view(-1, nkv, hd)[:ctx]
+            vc = v_cache.index_select(0, chunk.block_table).view(-1, nkv, hd)[:ctx]
+        out[s:e] = _prefill_attention(q[s:e], kc, vc, mask, a.bmm)
     return out.view(T, nh * hd)
