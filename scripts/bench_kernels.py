@@ -194,7 +194,8 @@ def make_impl(name: str, case: Case):
             out = torch.bmm(v, w.b_dense[used, :r]) * scales           # [n, longest, h]
             y.add_(out[group, slot])
     elif name in ("stacked_masked", "torch_auto"):
-        backend = TorchLoraBackend(w.pool, w.config, mode="stacked" if name == "stacked_masked" else "auto")
+        backend = TorchLoraBackend(w.pool, w.config, mode="stacked" if name == "stacked_masked" else "auto",
+                                   pack_after_steps=1)   # a set that lasts, as in steady serving
         backend.begin_step(case.batch)                  # stacks and masks: once per step, untimed
 
         def run():

@@ -315,19 +315,24 @@ def test_triton_backend_matches_torch_backend(mode):
     assert not backend.active
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("decode", [True, False])
-def test_torch_backend_loop_equals_stacked(decode, dtype):
-    """The segmented per-adapter loop (plain GEMMs on the stacks) and the stacked-masked GEMM
-    (through make_linear: oneDNN's reordered copies on CPU) give the same deltas."""
+def test_torch_backend_loop_equals_stacked(decode, dtype, packed):
+    """The segmented per-adapter loop (plain GEMMs on the stacks) and the stacked-masked GEMM, over
+    the stacks as they are or (packed, once a set has lasted) make_linear's copies, which on CPU
+    are oneDNN's reordered layout, give the same deltas."""
     seed = new_seed()
     g = torch.Generator().manual_seed(seed)
     pool = make_pool(dtype, num_pages=2000)
     batch = make_step(g, pool, decode=decode)
-    stacked, loop = TorchLoraBackend(pool, TINY, mode="stacked"), TorchLoraBackend(pool, TINY, mode="loop")
-    stacked.begin_step(batch)
+    stacked = TorchLoraBackend(pool, TINY, mode="stacked", pack_after_steps=2)
+    loop = TorchLoraBackend(pool, TINY, mode="loop")
+    for _ in range(2 if packed else 1):
+        stacked.begin_step(batch)
     loop.begin_step(batch)
     assert {kind for kind, _ in loop._plans.values()} == {"loop"}
+    assert {is_packed for is_packed, _ in stacked._linears.values()} == {packed}
     layout = group_layout(TINY)
     for layer in range(TINY.num_layers):
         for group in GROUPS:

@@ -15,14 +15,16 @@ projection's output columns, with the scaling folded in. Then, for all tokens at
 
 Three ops per group whatever the number of adapters, costing tokens x sum(ranks): on CPU it beats
 gathers and per-adapter loops for the handful of adapters a step usually carries
-(scripts/bench_kernels.py). The two GEMMs go through ``make_linear``, i.e. with the stacks
-reordered once into oneDNN's blocked layout on CPU, as the base projections are. That product
+(scripts/bench_kernels.py). Once the active set has lasted PACK_AFTER_STEPS steps, the two GEMMs
+go through ``make_linear``, i.e. with the stacks reordered into oneDNN's blocked layout on CPU, as
+the base projections are. That product
 grows with every adapter in the step — quadratically with many distinct ones, and by the adapter
 count for long prefill segments — so per step and group the backend switches to a segmented loop
 when that costs less: per run of one adapter's consecutive rows, those rows times its own A and B
 columns of the same stacks (``_loop_is_cheaper``, with the cost of a turn measured on the device).
-The stacks are gathered from the pool pages when the active set changes and kept until it changes
-again; they are a working copy bounded by the running adapters, the pool pages remain the storage.
+The stacks are gathered from the pool pages when the active set (in any order) changes and kept
+until it changes again; they are a working copy bounded by the running adapters, the pool pages
+remain the storage.
 The Triton backend (lora/triton_backend.py) reads the pages in place instead.
 """
 from __future__ import annotations
@@ -69,6 +71,10 @@ def group_layout(config: ModelConfig) -> dict[str, list[tuple[str, int, int, int
 # A GPU launch is worth far more arithmetic than a CPU call, so there the single stacked GEMM nearly
 # always wins (multiply-adds one launch is worth, as measured on an H100).
 CUDA_TURN_MACS = 20_000_000
+# Reordering a set's stacks for oneDNN takes ~14 ms (W1's four adapters, SmolLM2, Zen5) and saves
+# ~0.46 ms per decode step, so it waits until the set has lasted a while: with many distinct
+# adapters the set changes every few steps, and each change would pay it again.
+PACK_AFTER_STEPS = 32
 _turn_macs: dict[tuple[torch.dtype, int, int], float] = {}
 
 
@@ -86,9 +92,9 @@ def loop_turn_macs(device: torch.device, dtype: torch.dtype, fan_in: int, fan_ou
         tokens, rank, stack_rank, stack_tokens = 16, 16, 128, 256
         x = torch.randn(2 * tokens, fan_in, dtype=dtype)
         y = torch.zeros(2 * tokens, fan_out, dtype=dtype)
-        a, b = torch.randn(fan_in, rank, dtype=dtype), torch.randn(rank, fan_out, dtype=dtype)
+        a, b = torch.randn(rank, fan_in, dtype=dtype), torch.randn(rank, fan_out, dtype=dtype)   # as in the stacks
         rows = slice(tokens // 2, tokens // 2 + tokens)
-        turn = _median_seconds(lambda: y[rows].addmm_(x[rows] @ a, b))
+        turn = _median_seconds(lambda: y[rows].addmm_(x[rows] @ a.t(), b))
         xs, a_s = torch.randn(stack_tokens, fan_in, dtype=dtype), torch.randn(fan_in, stack_rank, dtype=dtype)
         seconds_per_mac = _median_seconds(lambda: torch.mm(xs, a_s)) / (stack_tokens * fan_in * stack_rank)
         _turn_macs[key] = max(turn / seconds_per_mac - tokens * rank * (fan_in + fan_out), 0.0)
@@ -108,7 +114,8 @@ def _median_seconds(fn, repeats: int = 15) -> float:
 class TorchLoraBackend(LoraBackend):
     name = "torch"
 
-    def __init__(self, pool: PagedPool, config: ModelConfig, mode: str = "auto"):
+    def __init__(self, pool: PagedPool, config: ModelConfig, mode: str = "auto",
+                 pack_after_steps: int = PACK_AFTER_STEPS):
         """mode: "auto" (per step and group, whichever costs less), "stacked" or "loop"."""
         if mode not in ("auto", "stacked", "loop"):
             raise ValueError(f"mode must be 'auto', 'stacked' or 'loop', got {mode!r}")
@@ -116,14 +123,16 @@ class TorchLoraBackend(LoraBackend):
         self.layout = group_layout(config)
         self.num_layers = config.num_layers
         self.mode = mode
+        self.pack_after_steps = pack_after_steps
         self.turn_macs = {group: loop_turn_macs(pool.device, pool.dtype, rows[0][1], sum(r[2] for r in rows))
                           for group, rows in self.layout.items()}
         self._set_key: tuple | None = None
-        # group -> (A_stack [L, in, R], B_stack [L, R, out], column owner [R] int64 (place in the stacks),
-        #           per place its column range (c0, c1) in the stacks, None if untargeted)
+        # group -> (A_stack [L, R, in], B_stack [L, R, out] with the scaling folded in, column owner [R]
+        #           int64 (place in the stacks), per place its column range (c0, c1), None if untargeted)
         self._stacks: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]] = {}
-        # group -> per layer (x -> x @ A_stack, s -> s @ B_stack) for the stacked plan
-        self._linears: dict[str, list[tuple[Linear, Linear]]] = {}
+        # group -> (packed, per layer (x -> x @ A_stack^T, s -> s @ B_stack)) for the stacked plan
+        self._linears: dict[str, tuple[bool, list[tuple[Linear, Linear]]]] = {}
+        self._set_steps = 0                     # steps the active set has lasted
         # group -> ("stacked", mask [tokens, R]) or ("loop", [(row spans, c0, c1)])
         self._plans: dict[str, tuple[str, object]] = {}
 
@@ -143,7 +152,9 @@ class TorchLoraBackend(LoraBackend):
             adapters = [batch.adapters[i] for i in order]
             self._stacks = {g: s for g in GROUPS if (s := self._build_stack(adapters, g)) is not None}
             self._linears = {}
-            self._set_key = key
+            self._set_key, self._set_steps = key, 0
+        self._set_steps += 1
+        packed = self._set_steps >= self.pack_after_steps
         place = {i: pos for pos, i in enumerate(order)}             # step adapter -> its place in the stacks
         spans = adapter_spans(batch)
         token_place = None
@@ -155,8 +166,8 @@ class TorchLoraBackend(LoraBackend):
                 if token_place is None:
                     lookup = torch.tensor([place[i] for i in range(len(order))] + [-1], device=owner.device)
                     token_place = lookup[batch.token_adapter().long()]           # -1 (no LoRA) stays -1
-                if group not in self._linears:
-                    self._linears[group] = [(make_linear(a.t()), make_linear(b.t())) for a, b in zip(a_stack, b_stack)]
+                if self._linears.get(group, (None,))[0] != packed:
+                    self._linears[group] = (packed, _stack_linears(a_stack, b_stack, packed))
                 # mask: [tokens, R]
                 self._plans[group] = ("stacked", (token_place[:, None] == owner[None, :]).to(a_stack.dtype))
 
@@ -171,43 +182,41 @@ class TorchLoraBackend(LoraBackend):
         return per_adapter + turns * self.turn_macs[group] < stacked
 
     def _build_stack(self, adapters: list[DeviceAdapter], group: str):
+        """The set's rows of ``group`` gathered from the pool, as _stacks holds them, or None if no
+        adapter targets the group. One gather for A and one per projection for B."""
         flat = self.pool.flat
-        a_offsets, b_offsets, b_cols, owners, scales, ranges = [], [], [], [], [], []
-        rows_in = None
+        device = flat.device
+        layout = self.layout[group]
+        a_offsets, owners, ranges = [], [], []
+        b_parts = {proj: ([], [], []) for proj, _, _, _ in layout}   # B row offsets, scalings, stack rows
         width = 0
         for i, adapter in enumerate(adapters):
             c0 = width
-            for proj, fan_in, fan_out, col in self.layout[group]:
+            for proj, _, _, _ in layout:
                 p = PROJ_INDEX[proj]
                 r = adapter.ranks[p]
                 if r == 0:
                     continue
-                a_offsets.append(adapter.a_ptr[:, p, :r])          # [L, r]
-                b_offsets.append(adapter.b_ptr[:, p, :r])
+                a_offsets.append(adapter.a_ptr[:, p, :r])                    # [L, r]
+                offsets, scales, stack_rows = b_parts[proj]
+                offsets.append(adapter.b_ptr[:, p, :r])
                 scales.append(adapter.scaling[:, p, None].expand(-1, r))
-                b_cols.append(torch.full((r,), col, dtype=torch.int64))
+                stack_rows.extend(range(width, width + r))
                 owners.append(torch.full((r,), i, dtype=torch.int64))
-                rows_in = fan_in
                 width += r
             ranges.append((c0, width) if width > c0 else None)
         if not a_offsets:
             return None
-        device = flat.device
-        a_off = torch.cat(a_offsets, dim=1)                        # [L, R]
-        # [L, in, R]: x @ A_stack, measured as fast as F.linear at these tiny widths (oneDNN reorders lose here)
-        a_stack = flat[a_off[..., None] + torch.arange(rows_in, device=device)].transpose(1, 2).contiguous()
-        out_total = sum(fan_out for _, _, fan_out, _ in self.layout[group])
-        b_stack = torch.zeros(self.num_layers, a_off.shape[1], out_total, dtype=flat.dtype, device=device)
-        scale = torch.cat(scales, dim=1).to(device)                # [L, R]
-        col0 = torch.cat(b_cols)
-        r0 = 0
-        for offsets, cols in zip(b_offsets, col0.split([o.shape[1] for o in b_offsets])):
-            r = offsets.shape[1]
-            fan_out = next(fo for _, _, fo, c in self.layout[group] if c == int(cols[0]))
-            rows = flat[offsets[..., None] + torch.arange(fan_out, device=device)]   # [L, r, out_p]
-            scaled = rows.float() * scale[:, r0:r0 + r, None]
-            b_stack[:, r0:r0 + r, int(cols[0]):int(cols[0]) + fan_out] = scaled.to(flat.dtype)
-            r0 += r
+        a_stack = _rows(flat, torch.cat(a_offsets, dim=1), layout[0][1])       # [L, R, in]
+        out_total = sum(fan_out for _, _, fan_out, _ in layout)
+        b_stack = torch.zeros(self.num_layers, width, out_total, dtype=flat.dtype, device=device)
+        for proj, _, fan_out, col in layout:
+            offsets, scales, stack_rows = b_parts[proj]
+            if not offsets:
+                continue
+            rows = _rows(flat, torch.cat(offsets, dim=1), fan_out)             # [L, R_p, out_p]
+            scaled = rows.float() * torch.cat(scales, dim=1).to(device)[..., None]
+            b_stack[:, torch.tensor(stack_rows, device=device), col:col + fan_out] = scaled.to(flat.dtype)
         return a_stack, b_stack, torch.cat(owners).to(device), ranges
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -216,7 +225,7 @@ class TorchLoraBackend(LoraBackend):
             return
         kind, data = plan
         if kind == "stacked":
-            shrink, expand = self._linears[group][layer]
+            shrink, expand = self._linears[group][1][layer]
             s = shrink(x)                         # [tokens, R]
             s.mul_(data)
             y.add_(expand(s))
@@ -224,7 +233,21 @@ class TorchLoraBackend(LoraBackend):
         a_stack, b_stack = self._stacks[group][0][layer], self._stacks[group][1][layer]
         for rows, c0, c1 in data:
             for sl in rows:
-                y[sl].addmm_(x[sl] @ a_stack[:, c0:c1], b_stack[c0:c1])
+                y[sl].addmm_(x[sl] @ a_stack[c0:c1].t(), b_stack[c0:c1])
+
+
+def _stack_linears(a_stack: torch.Tensor, b_stack: torch.Tensor, packed: bool) -> list[tuple[Linear, Linear]]:
+    """Per layer, the stacked plan's shrink and expand: over views of the stacks, or (packed) over
+    make_linear's copies, which on CPU are oneDNN's reordered layout."""
+    make = make_linear if packed else Linear
+    return [(make(a), make(b.t())) for a, b in zip(a_stack, b_stack)]
+
+
+def _rows(flat: torch.Tensor, offsets: torch.Tensor, width: int) -> torch.Tensor:
+    """flat[offsets[..., None] + arange(width)], i.e. the ``width`` elements at each offset, gathered
+    through a view of flat's overlapping windows rather than an index tensor of every element."""
+    windows = flat.as_strided((flat.numel() - width + 1, width), (1, 1))
+    return windows.index_select(0, offsets.reshape(-1)).view(*offsets.shape, width)
 
 
 def adapter_spans(batch: LoraBatch) -> dict[int, list[slice]]:
