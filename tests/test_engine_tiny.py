@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from asyncserve import LLM, SamplingParams
+from asyncserve.lora.backend import TorchLoraBackend
 from asyncserve.model.llama import PrefillChunk, StepInputs, attention, plan_attention
 from reference import ADAPTERS, TEST_DEVICE, assert_greedy_matches, reference_greedy
 
@@ -43,13 +44,20 @@ def references(base, paths, cases):
     return refs
 
 
-def test_all_adapters_and_base_in_one_generate_call(tiny):
+@pytest.mark.parametrize("packed_at_once", [False, True])
+def test_all_adapters_and_base_in_one_generate_call(tiny, packed_at_once):
+    """packed_at_once: the torch backend packs every active set at its first step, so on CPU the
+    stacked shrink rides on the base GEMMs (otherwise only sets that last 32 steps do)."""
     root, tok, base, paths = tiny
     prompts = prompts_for(tok, 4, seed=1)
     cases = [(ids, adapter) for ids in prompts for adapter in [None, *ADAPTERS]]
     refs = references(base, paths, cases)
     llm = LLM(model=str(root), adapters={k: str(v) for k, v in paths.items()}, dtype="float32",
               device=TEST_DEVICE, max_step_tokens=24)
+    lora = llm.engine.runner.lora
+    fusing = packed_at_once and isinstance(lora, TorchLoraBackend) and TEST_DEVICE == "cpu"
+    if fusing:
+        lora.pack_after_steps = 1
     outs = llm.generate([c[0] for c in cases], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True),
                         adapters=[c[1] for c in cases])
     exact = 0
@@ -63,6 +71,8 @@ def test_all_adapters_and_base_in_one_generate_call(tiny):
     changed = sum(o.token_ids != base_tokens[tuple(c[0])] for c, o in zip(cases, outs) if c[1] is not None)
     assert changed >= len(ADAPTERS) * len(prompts) // 2
     assert llm.engine.pool.counts().kv == 0
+    if fusing:
+        assert any(f is not None for f in lora._fused.values())
 
 
 def test_small_pool_evicts_and_repages_adapters_with_identical_outputs(tiny):

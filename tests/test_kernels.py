@@ -26,6 +26,7 @@ from asyncserve.lora.backend import TorchLoraBackend, group_layout  # noqa: E402
 from asyncserve.lora.batch import GROUPS, PROJECTIONS, DeviceAdapter, LoraBatch  # noqa: E402
 from asyncserve.lora.triton_backend import SGMV_MAX_SEGMENT, TritonLoraBackend  # noqa: E402
 from asyncserve.model.config import ModelConfig  # noqa: E402
+from asyncserve.model.linear import make_linear, onednn_packs  # noqa: E402
 from asyncserve.pager.pool import PagedPool, plan_row_packing  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -442,3 +443,31 @@ def test_torch_backend_reuses_stacks_when_a_step_lists_its_adapters_in_another_o
             backend.apply(layer, group, x, y)
             torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-4,
                                        msg=lambda m: f"{m}\nlayer={layer} group={group} seed={seed}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_backend_project_with_the_shrink_on_the_base_gemm(dtype):
+    """Once a set is packed, project() runs x @ [W; A_stack]^T in one GEMM (where oneDNN packs the
+    dtype): its output equals the base projection plus the unfused backend's deltas."""
+    seed = new_seed()
+    g = torch.Generator().manual_seed(seed)
+    pool = make_pool(dtype, num_pages=2000)
+    batch = make_step(g, pool, decode=True)
+    fused = TorchLoraBackend(pool, TINY, mode="stacked", pack_after_steps=1)
+    reference = TorchLoraBackend(pool, TINY, mode="stacked")
+    fused.begin_step(batch)
+    reference.begin_step(batch)
+    layout = group_layout(TINY)
+    for layer in range(TINY.num_layers):
+        for group in GROUPS:
+            fan_in, fan_out = layout[group][0][1], sum(row[2] for row in layout[group])
+            base = make_linear((torch.randn(fan_out, fan_in, generator=g) * fan_in ** -0.5).to(DEVICE, dtype))
+            x = torch.randn(batch.num_tokens, fan_in, generator=g).to(DEVICE, dtype)
+            expected = base(x)
+            reference.apply(layer, group, x, expected)
+            got = fused.project(layer, group, x, base)
+            scale = 1.0 if dtype == torch.float32 else float(expected.abs().max())
+            tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.0, atol=0.01 * scale)
+            torch.testing.assert_close(got, expected, **tol, msg=lambda m: f"{m}\nlayer={layer} group={group} seed={seed}")
+    was_fused = [f is not None for f in fused._fused.values()]
+    assert was_fused and all(was_fused) == onednn_packs(pool.device, dtype)

@@ -26,10 +26,14 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)                            # x: [T, in] -> [T, out]
 
+    def dense_weight(self) -> torch.Tensor:
+        """W [out, in] exactly as given."""
+        return self.weight
+
 
 class OneDnnLinear(Linear):
     """W reordered once into oneDNN's blocked layout; only the reordered copy is kept
-    (``self.weight.to_dense()`` gives W back exactly, e.g. to merge an adapter into it)."""
+    (``dense_weight()`` gives W back exactly, e.g. to merge an adapter into it)."""
 
     def __init__(self, weight: torch.Tensor):
         super().__init__(weight)
@@ -37,6 +41,9 @@ class OneDnnLinear(Linear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.weight.to_dense()
 
 
 def onednn_packs(device: torch.device, dtype: torch.dtype) -> bool:

@@ -1,8 +1,9 @@
 """Llama-family decoder as plain functions over a flat batch of tokens (gpt-fast style).
 
 A step's tokens from many sequences are concatenated: decode tokens first (one per sequence), then
-prefill chunks. Base projections run once for all tokens; the LoRA part is added per projection
-group by the batched-LoRA backend. KV lives in the unified pool's pages (pager/pool.py).
+prefill chunks. Base projections run once for all tokens; when a step has LoRA tokens, the
+batched-LoRA backend runs each projection group (base and LoRA, which it may fuse). KV lives in
+the unified pool's pages (pager/pool.py).
 """
 from __future__ import annotations
 
@@ -193,27 +194,19 @@ def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, 
     h = F.embedding(inp.input_ids, w.embed)                       # [T, hidden]
     for li, lw in enumerate(w.layers):
         x = F.rms_norm(h, (h.shape[-1],), lw.input_norm, eps)
-        qkv = lw.qkv(x)                                          # [T, q + 2kv]
-        if use_lora:
-            lora.apply(li, "qkv", x, qkv)
+        qkv = lora.project(li, "qkv", x, lw.qkv) if use_lora else lw.qkv(x)       # [T, q + 2kv]
         qk = apply_rope(qkv[:, :q_size + kv_size].view(T, nh + nkv, hd), cos, sin)
         q, k = qk[:, :nh], qk[:, nh:]                              # [T, nh, hd], [T, nkv, hd]
         v = qkv[:, q_size + kv_size:]
         kv_rows.index_copy_(0, layer_rows[li], torch.cat([k.reshape(T, kv_size), v]))
         attn = attention(q, k, v.view(T, nkv, hd), kv[:, 0, li], kv[:, 1, li], inp, step_attention)   # [T, q]
-        o = lw.o(attn)
-        if use_lora:
-            lora.apply(li, "o", attn, o)
+        o = lora.project(li, "o", attn, lw.o) if use_lora else lw.o(attn)
         h = h + o
         x = F.rms_norm(h, (h.shape[-1],), lw.post_norm, eps)
-        gu = lw.gate_up(x)                                       # [T, 2 inter]
-        if use_lora:
-            lora.apply(li, "gate_up", x, gu)
+        gu = lora.project(li, "gate_up", x, lw.gate_up) if use_lora else lw.gate_up(x)   # [T, 2 inter]
         gate, up = gu.chunk(2, dim=-1)
         act = F.silu(gate) * up
-        d = lw.down(act)
-        if use_lora:
-            lora.apply(li, "down", act, d)
+        d = lora.project(li, "down", act, lw.down) if use_lora else lw.down(act)
         h = h + d
     hs = F.rms_norm(h[inp.sample_index], (h.shape[-1],), w.norm, eps)
     return w.lm_head(hs)
