@@ -145,7 +145,8 @@ class TorchLoraBackend(LoraBackend):
         # group -> (packed, per layer (x -> x @ A_stack^T, s -> s @ B_stack)) for the stacked plan
         self._linears: dict[str, tuple[bool, list[tuple[Linear, Linear]]]] = {}
         self._set_steps = 0                     # steps the active set has lasted
-        # (group, layer) -> Linear over [W; A_stack] (or None: not fused), built once packed
+        # (group, layer) -> Linear over [W; A_stack] (or None: not fused), built once packed; cleared
+        # with the stacks (whatever changes the base weights, e.g. merging an adapter, must clear it too)
         self._fused: dict[tuple[str, int], Linear | None] = {}
         # group -> ("stacked", mask [tokens, R]) or ("loop", [(row spans, c0, c1)])
         self._plans: dict[str, tuple[str, object]] = {}
