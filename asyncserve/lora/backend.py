@@ -10,7 +10,7 @@ group, all their A rows into one matrix ``A_stack [R, in]`` (R = sum of ranks of
 projections over the active adapters) and all B^T rows into ``B_stack [R, out]`` placed at each
 projection's output columns, with the scaling folded in. Then, for all tokens at once:
 
-    s = x @ A_stack            # [tokens, R]
+    s = x @ A_stack^T          # [tokens, R]
     s *= mask                  # mask[t, j] = 1 if column j belongs to token t's adapter
     y += s @ B_stack           # one GEMM; other adapters' columns contribute zero
 
@@ -18,14 +18,14 @@ Three ops per group whatever the number of adapters, costing tokens x sum(ranks)
 gathers and per-adapter loops for the handful of adapters a step usually carries
 (scripts/bench_kernels.py). Once the active set has lasted PACK_AFTER_STEPS steps, the two GEMMs
 go through ``make_linear``, i.e. with the stacks reordered into oneDNN's blocked layout on CPU, as
-the base projections are. That product
-grows with every adapter in the step — quadratically with many distinct ones, and by the adapter
-count for long prefill segments — so per step and group the backend switches to a segmented loop
-when that costs less: per run of one adapter's consecutive rows, those rows times its own A and B
-columns of the same stacks (``_loop_is_cheaper``, with the cost of a turn measured on the device).
-The stacks are gathered from the pool pages when the active set (in any order) changes and kept
-until it changes again; they are a working copy bounded by the running adapters, the pool pages
-remain the storage.
+the base projections are, and for small base weights ``project`` makes the shrink part of the
+base GEMM (x @ [W; A_stack]^T). The stacked product grows with every adapter in the step —
+quadratically with many distinct ones, and by the adapter count for long prefill segments — so
+per step and group the backend switches to a segmented loop when that costs less: per run of one
+adapter's consecutive rows, those rows times its own A and B columns of the same stacks
+(``_loop_is_cheaper``, with the cost of a turn measured on the device). The stacks are gathered
+from the pool pages when the active set (in any order) changes and kept until it changes again;
+they are a working copy bounded by the running adapters, the pool pages remain the storage.
 The Triton backend (lora/triton_backend.py) reads the pages in place instead.
 """
 from __future__ import annotations
@@ -57,7 +57,7 @@ class LoraBackend:
 
     @property
     def active(self) -> bool:
-        """False when no token of this step has a device LoRA: the model then skips apply()."""
+        """False when no token of this step has a device LoRA: the model then skips the backend."""
         raise NotImplementedError
 
 
