@@ -238,6 +238,7 @@ class StepAttention:
 
 def plan_attention(inp: StepInputs, num_heads: int, num_kv_heads: int, head_dim: int,
                    dtype: torch.dtype) -> StepAttention:
+    """The step's masks (and the bmm path's query blocks), once for all layers."""
     device = inp.input_ids.device
     bmm = _bmm_attention(device, dtype)
     group = num_heads // num_kv_heads
