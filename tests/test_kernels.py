@@ -316,6 +316,14 @@ def test_triton_backend_matches_torch_backend(mode):
     assert not backend.active
 
 
+def backend_tolerance(dtype: torch.dtype, expected: torch.Tensor) -> dict:
+    """Two torch-backend paths on the same step: in bf16 both round the shrink to bf16, then differ
+    in where the expand is rounded (a few ulps of the output's scale)."""
+    if dtype == torch.float32:
+        return dict(rtol=1e-5, atol=1e-4)
+    return dict(rtol=0.0, atol=0.01 * float(expected.abs().max()))
+
+
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("decode", [True, False])
@@ -342,9 +350,7 @@ def test_torch_backend_loop_equals_stacked(decode, dtype, packed):
             expected = y.clone()
             stacked.apply(layer, group, x, expected)
             loop.apply(layer, group, x, y)
-            # bf16: both round the shrink to bf16, then differ in where the expand is rounded (a few ulps)
-            scale = 1.0 if dtype == torch.float32 else float(expected.abs().max())
-            tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.0, atol=0.01 * scale)
+            tol = backend_tolerance(dtype, expected)
             torch.testing.assert_close(y, expected, **tol,
                                        msg=lambda m: f"{m}\nlayer={layer} group={group} seed={seed}")
 
@@ -466,8 +472,7 @@ def test_torch_backend_project_with_the_shrink_on_the_base_gemm(dtype):
             expected = base(x)
             reference.apply(layer, group, x, expected)
             got = fused.project(layer, group, x, base)
-            scale = 1.0 if dtype == torch.float32 else float(expected.abs().max())
-            tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.0, atol=0.01 * scale)
+            tol = backend_tolerance(dtype, expected)
             torch.testing.assert_close(got, expected, **tol, msg=lambda m: f"{m}\nlayer={layer} group={group} seed={seed}")
     was_fused = [f is not None for f in fused._fused.values()]
     assert was_fused and all(was_fused) == onednn_packs(pool.device, dtype)
