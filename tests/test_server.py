@@ -15,6 +15,7 @@ import aiohttp
 import openai
 import pytest
 
+import asyncserve
 from asyncserve import LLM, SamplingParams
 from asyncserve.config import Config
 from asyncserve.messages import Abort, Submit
@@ -119,6 +120,62 @@ def test_sampling_extensions_seed_stop_and_logprobs(client, offline):
     assert r.usage.completion_tokens == 6
 
 
+def test_several_prompts_and_n_samples_in_one_request(client, offline):
+    """Choices are numbered prompt by prompt, n per prompt; each equals the same sample asked alone
+    (sample j of a request with seed s is seeded s + j); usage counts each prompt once."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    expected = offline.generate(PROMPTS[:2], params, adapters="r8_attn_rs")
+    kw = dict(model="r8_attn_rs", prompt=PROMPTS[:2], n=2, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    r = client.completions.create(**kw)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [expected[0].text] * 2 + [expected[1].text] * 2
+    assert r.usage.prompt_tokens == sum(len(e.prompt_token_ids) for e in expected)
+    assert r.usage.completion_tokens == 4 * 6
+    texts, finishes, chunks = {}, {}, list(client.completions.create(**kw, stream=True,
+                                                                     stream_options={"include_usage": True}))
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            finishes[choice.index] = choice.finish_reason or finishes.get(choice.index)
+    assert texts == {i: c.text for i, c in enumerate(r.choices)}
+    assert finishes == {i: "length" for i in range(4)}
+    assert chunks[-1].usage.completion_tokens == 4 * 6 and not chunks[-1].choices
+
+    sampled = dict(model="tiny", prompt=PROMPTS[2], max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True})
+    both = client.completions.create(**sampled, n=3, seed=77).choices
+    alone = [client.completions.create(**sampled, seed=77 + j).choices[0].text for j in range(3)]
+    assert [c.text for c in both] == alone
+    assert len(set(alone)) > 1, "the samples of one request must not all be the same"
+
+    messages = [{"role": "user", "content": "the fox jumps"}]
+    exp = offline.chat(messages, params, adapters="r1_qv")[0]
+    kw = dict(model="r1_qv", messages=messages, n=2, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    c = client.chat.completions.create(**kw)
+    assert [x.message.content for x in c.choices] == [exp.text] * 2 and c.usage.completion_tokens == 12
+    assert c.usage.prompt_tokens == len(exp.prompt_token_ids)
+    texts, roles = {}, {}
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            roles[choice.index] = roles.get(choice.index) or choice.delta.role
+    assert texts == {0: exp.text, 1: exp.text} and roles == {0: "assistant", 1: "assistant"}
+
+
+def test_tokenize_detokenize_and_version(srv, offline):
+    """vLLM's utility endpoints: token ids as the engine sees them, for a prompt and for messages."""
+    tok = offline.tokenizer
+    status, out, _ = srv.request("POST", "/tokenize", {"model": "r1_qv", "prompt": PROMPTS[0]})
+    assert status == 200 and out["tokens"] == tok.encode(PROMPTS[0]) and out["count"] == len(out["tokens"])
+    assert out["max_model_len"] == offline.engine.max_model_len
+    messages = [{"role": "user", "content": "the fox jumps"}]
+    status, out, _ = srv.request("POST", "/tokenize", {"messages": messages})
+    assert status == 200 and out["tokens"] == offline.chat(messages, SamplingParams(max_tokens=1))[0].prompt_token_ids
+    status, back, _ = srv.request("POST", "/detokenize", {"model": "tiny", "tokens": tok.encode(PROMPTS[1])})
+    assert status == 200 and back["prompt"] == tok.decode(tok.encode(PROMPTS[1]))
+    status, out, _ = srv.request("GET", "/version")
+    assert status == 200 and out["version"] == asyncserve.__version__
+
+
 BAD_REQUESTS = [
     # (path, raw body or dict, expected status, param that must be named, if any)
     ("/v1/completions", b"{not json", 400, None),
@@ -129,7 +186,11 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "temperature": -0.5}, 400, "temperature"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 3}, 400, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": ["x", "y"], "n": 129}, 400, "n"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": -1}, 400, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": ["x", 5]}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": ["x", ""]}, 400, "prompt"),                # one bad of two
     ("/v1/completions", {"model": "tiny", "prompt": "x", "logprobs": 50}, 400, "logprobs"),
     ("/v1/completions", {"model": "tiny", "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": [10**9]}, 400, "prompt"),
@@ -145,6 +206,10 @@ BAD_REQUESTS = [
                               "max_completion_tokens": 10**6}, 400, "max_completion_tokens"),
     ("/v1/chat/completions", {"model": "r1_qv", "messages": [{"role": "user", "content": "x"}],
                               "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/tokenize", {"model": "tiny"}, 400, "prompt"),
+    ("/tokenize", {"model": "nope", "prompt": "x"}, 404, "model"),
+    ("/detokenize", {"model": "tiny", "tokens": [1, 10**9]}, 400, "tokens"),
+    ("/detokenize", {"model": "tiny", "tokens": "1 2"}, 400, "tokens"),
     ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "../../etc"}, 400, "lora_path"),
     ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/etc"}, 400, "lora_path"),
     ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "escape"}, 400, "lora_path"),   # symlink out
@@ -178,6 +243,8 @@ def test_disconnecting_stream_clients_leave_no_kv_pages(srv):
     async def one(session, i):
         body = {"model": ["tiny", "r1_qv", "r2_mlp"][i % 3], "prompt": PROMPTS[i % 3], "max_tokens": 400,
                 "temperature": 0, "ignore_eos": True, "stream": True}
+        if i % 4 == 0:              # four sequences in one stream: two prompts, two samples each
+            body.update(prompt=PROMPTS[:2], n=2)
         async with session.post(srv.base + "/v1/completions", json=body) as resp:
             assert resp.status == 200
             got = 0
@@ -191,6 +258,16 @@ def test_disconnecting_stream_clients_leave_no_kv_pages(srv):
         async with aiohttp.ClientSession() as session:
             await asyncio.gather(*(one(session, i) for i in range(20)))
 
+    def aborted() -> float:
+        total = 0.0
+        for model in ("tiny", "r1_qv", "r2_mlp"):
+            try:
+                total += srv.metric("asyncserve_requests_total", f'model="{model}",status="abort"')
+            except KeyError:              # no request of that model aborted yet
+                pass
+        return total
+
+    aborted_before = aborted()
     asyncio.run(main())
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -199,7 +276,7 @@ def test_disconnecting_stream_clients_leave_no_kv_pages(srv):
         time.sleep(0.1)
     assert srv.metric("asyncserve_pool_pages", 'kind="kv"') == 0
     assert srv.metric("asyncserve_running_requests") == 0
-    assert srv.metric("asyncserve_requests_total", 'model="tiny",status="abort"') >= 1
+    assert aborted() - aborted_before == 15 + 5 * 4      # every sequence of every stream
 
 
 @pytest.mark.parametrize("max_tokens, reason", [(1, "length"), (400, "abort")])

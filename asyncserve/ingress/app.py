@@ -1,12 +1,15 @@
 """The HTTP ingress actor: an aiohttp app speaking OpenAI's API with server-sent events.
 
-Handlers validate and tokenize, hand a Sequence to the scheduler actor, then relay that request's
-TokenEvents to the client. A client that goes away (handler cancelled, or a write that fails)
-aborts its request; the scheduler frees its pages after the current step.
+Handlers validate and tokenize, hand one Sequence per choice (each prompt of a completion request,
+n samples of each) to the scheduler actor, then relay the sequences' TokenEvents to the client. A
+client that goes away (handler cancelled, or a write that fails) aborts all of them; the scheduler
+frees their pages after the current step.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import json
 import logging
 import time
@@ -16,12 +19,15 @@ from pathlib import Path
 from aiohttp import web
 
 from asyncserve.engine import RequestError
-from asyncserve.ingress.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, LoadLoraRequest,
-                                         UnloadLoraRequest, decode_body, now, prompt_of, sampling_params, usage)
+from asyncserve import __version__
+from asyncserve.ingress.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                         LoadLoraRequest, TokenizeRequest, UnloadLoraRequest, decode_body, now,
+                                         prompts_of, sampling_params, usage)
 from asyncserve.messages import Abort, LoadAdapter, Submit, TokenEvent, UnloadAdapter
 
 log = logging.getLogger("asyncserve.ingress")
 SERVER_KEY = web.AppKey("server", object)
+MAX_N = 128                      # samples per prompt, as OpenAI allows
 
 
 # ---- errors, auth and limits -----------------------------------------------------------------------
@@ -100,14 +106,44 @@ def _max_tokens(server, prompt_ids: list[int], requested: int | None, default: i
     return requested
 
 
-def _submit(server, seq) -> asyncio.Queue:
+class _Choice:
+    """One sequence of a request (one sample of one of its prompts), answered as ``choices[index]``."""
+
+    def __init__(self, index: int, seq, prefix: str = ""):
+        self.index, self.seq = index, seq
+        self.stream: asyncio.Queue | None = None    # its TokenEvents, once submitted
+        self.prefix = prefix                         # owed before its first text (the echoed prompt)
+        self.offset = 0                              # characters of text sent (logprobs' text_offset)
+        self.num_output_tokens = 0
+
+
+def _sample_params(params, sample: int):
+    """The ``sample``-th of n samples: a request's seed s gives its samples seeds s, s+1, ..., so each
+    is reproducible on its own and they differ."""
+    if sample == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=params.seed + sample)
+
+
+def _num_samples(req) -> int:
+    if not 1 <= req.n <= MAX_N:
+        raise ApiError(400, f"n must be between 1 and {MAX_N}, got {req.n}", param="n", code="invalid_value")
+    return req.n
+
+
+def _submit(server, choices: list[_Choice]) -> None:
+    """Hand the choices' sequences to the scheduler: all of them, or none (429 / 400)."""
+    limit = server.config.max_waiting
+    if len(choices) > limit:
+        raise ApiError(400, f"the request asks for {len(choices)} sequences (prompts x n); this server queues at "
+                       f"most {limit}", param="n", code="invalid_value")
     waiting = len(server.engine.scheduler.waiting) + server.scheduler.mailbox.qsize()
-    if waiting >= server.config.max_waiting:
+    if waiting + len(choices) > limit:
         raise ApiError(429, f"the server is overloaded ({waiting} requests waiting); retry later",
                        code="overloaded", headers={"Retry-After": "1"})
-    stream: asyncio.Queue = asyncio.Queue()
-    server.scheduler.mailbox.put_nowait(Submit(seq, stream))
-    return stream
+    for choice in choices:
+        choice.stream = asyncio.Queue()
+        server.scheduler.mailbox.put_nowait(Submit(choice.seq, choice.stream))
 
 
 def _token_text(tokenizer, token_id: int) -> str:
@@ -138,6 +174,22 @@ async def _relay(server, seq, stream: asyncio.Queue, model: str, on_event) -> No
         if status == "abort":
             server.scheduler.mailbox.put_nowait(Abort(seq.request_id))
         _log_finish(server, seq, model, status, t0, first, n_out)
+
+
+async def _relay_all(server, choices: list[_Choice], model: str, on_event) -> None:
+    """_relay every choice, ``on_event(choice, event)``; if one fails (its client write) or the handler
+    is cancelled, the others are cancelled too, which aborts their sequences."""
+    if len(choices) == 1:
+        choice = choices[0]
+        await _relay(server, choice.seq, choice.stream, model, functools.partial(on_event, choice))
+        return
+    tasks = [asyncio.ensure_future(_relay(server, c.seq, c.stream, model, functools.partial(on_event, c)))
+             for c in choices]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 class _Collected:
@@ -183,16 +235,19 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if req.suffix:
         raise ApiError(400, "suffix is not supported", param="suffix", code="invalid_value")
     adapter = _adapter_for(server, req.model)
-    prompt = prompt_of(req)
+    n = _num_samples(req)
     tok = server.engine.tokenizer
-    prompt_ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    prompt_text = prompt if isinstance(prompt, str) else None
-    max_tokens = _max_tokens(server, prompt_ids, req.max_tokens, 16, "max_tokens")
-    params = sampling_params(req, max_tokens, req.logprobs)
-    seq = _new_sequence(server, prompt_ids, params, adapter)
-    stream = _submit(server, seq)
-    rid, created = f"cmpl-{seq.request_id}", now()
-    echo = (prompt_text if prompt_text is not None else tok.decode(prompt_ids)) if req.echo else ""
+    choices, prompt_tokens = [], 0
+    for prompt in prompts_of(req):
+        prompt_ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        params = sampling_params(req, _max_tokens(server, prompt_ids, req.max_tokens, 16, "max_tokens"), req.logprobs)
+        echo = (prompt if isinstance(prompt, str) else tok.decode(prompt_ids)) if req.echo else ""
+        for sample in range(n):
+            seq = _new_sequence(server, prompt_ids, _sample_params(params, sample), adapter)
+            choices.append(_Choice(len(choices), seq, prefix=echo))
+        prompt_tokens += len(prompt_ids)
+    _submit(server, choices)
+    rid, created = f"cmpl-{choices[0].seq.request_id}", now()
 
     def logprobs_block(event: TokenEvent, offset: int) -> dict | None:
         if req.logprobs is None or not event.token_ids:
@@ -208,46 +263,50 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
     if req.stream:
         resp = await _start_sse(request)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        state = {"offset": 0, "prefix": echo}    # the echoed prompt goes out with the first chunk
 
-        async def on_event(event: TokenEvent):
+        async def on_event(choice: _Choice, event: TokenEvent):
             if event.error:
                 await _send(resp, ApiError(500, event.error, code="internal_error").body())
-            text, state["prefix"] = state["prefix"] + event.text, ""
+            text, choice.prefix = choice.prefix + event.text, ""      # the echoed prompt goes out first
             if text or event.token_ids or event.finished:
-                choice = {"index": 0, "text": text, "logprobs": logprobs_block(event, state["offset"] + len(text)
-                                                                                - len(event.text)),
-                          "finish_reason": event.finish_reason if event.finished else None}
-                state["offset"] += len(text)
+                lp = logprobs_block(event, choice.offset + len(text) - len(event.text))
+                choice.offset += len(text)
                 await _send(resp, {"id": rid, "object": "text_completion", "created": created, "model": req.model,
-                                   "choices": [choice]})
+                                   "choices": [{"index": choice.index, "text": text, "logprobs": lp,
+                                                "finish_reason": event.finish_reason if event.finished else None}]})
             if event.finished:
-                if include_usage:
-                    await _send(resp, {"id": rid, "object": "text_completion", "created": created,
-                                       "model": req.model, "choices": [],
-                                       "usage": usage(len(prompt_ids), event.num_output_tokens)})
-                await _send(resp, "[DONE]")
+                choice.num_output_tokens = event.num_output_tokens
 
-        await _relay(server, seq, stream, req.model, on_event)
+        await _relay_all(server, choices, req.model, on_event)
+        if req.stream_options and req.stream_options.include_usage:
+            await _send(resp, {"id": rid, "object": "text_completion", "created": created, "model": req.model,
+                               "choices": [], "usage": _usage(prompt_tokens, choices)})
+        await _send(resp, "[DONE]")
         return resp
 
-    collected = _Collected(echo)
-    await _relay(server, seq, stream, req.model, collected.add)
-    collected.raise_error()
-    lp = None
-    if req.logprobs is not None:
-        lp = logprobs_block(TokenEvent(seq.request_id, collected.tokens, "", logprobs=collected.logprobs,
-                                       top_logprobs=collected.top), len(echo))
-    return web.json_response({
-        "id": rid, "object": "text_completion", "created": created, "model": req.model,
-        "choices": [{"index": 0, "text": collected.text, "logprobs": lp, "finish_reason": collected.finish}],
-        "usage": usage(len(prompt_ids), collected.n)})
+    collected = [_Collected(choice.prefix) for choice in choices]
+    await _relay_all(server, choices, req.model, lambda choice, event: collected[choice.index].add(event))
+    out = []
+    for choice, c in zip(choices, collected):
+        c.raise_error()
+        choice.num_output_tokens = c.n
+        lp = None
+        if req.logprobs is not None:
+            lp = logprobs_block(TokenEvent(choice.seq.request_id, c.tokens, "", logprobs=c.logprobs,
+                                           top_logprobs=c.top), len(choice.prefix))
+        out.append({"index": choice.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish})
+    return web.json_response({"id": rid, "object": "text_completion", "created": created, "model": req.model,
+                              "choices": out, "usage": _usage(prompt_tokens, choices)})
+
+
+def _usage(prompt_tokens: int, choices: list[_Choice]) -> dict:
+    """Each prompt's tokens counted once however many samples it has, as OpenAI does."""
+    return usage(prompt_tokens, sum(choice.num_output_tokens for choice in choices))
 
 
 # ---- /v1/chat/completions --------------------------------------------------------------------------
 
-def _chat_messages(req: ChatCompletionRequest) -> list[dict]:
+def _chat_messages(req: ChatCompletionRequest | TokenizeRequest) -> list[dict]:
     if not req.messages:
         raise ApiError(400, "messages must not be empty", param="messages", code="invalid_value")
     out = []
@@ -268,6 +327,18 @@ def _chat_messages(req: ChatCompletionRequest) -> list[dict]:
     return out
 
 
+def _chat_prompt_ids(tok, req: ChatCompletionRequest | TokenizeRequest, add_special_tokens: bool = False
+                     ) -> list[int]:
+    """The conversation rendered through the model's chat template, as token ids."""
+    try:
+        text = tok.apply_chat_template(_chat_messages(req), add_generation_prompt=req.add_generation_prompt)
+    except ApiError:
+        raise
+    except Exception as e:      # template errors (raise_exception in the template, no template, ...)
+        raise ApiError(400, f"cannot apply the chat template: {e}", param="messages", code="invalid_value") from None
+    return tok.encode(text, add_special_tokens=add_special_tokens)
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     server = _server(request)
     req = decode_body(await request.read(), ChatCompletionRequest)
@@ -275,13 +346,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise ApiError(400, "tools are not supported", param="tools", code="invalid_value")
     adapter = _adapter_for(server, req.model)
     tok = server.engine.tokenizer
-    try:
-        text = tok.apply_chat_template(_chat_messages(req), add_generation_prompt=req.add_generation_prompt)
-    except ApiError:
-        raise
-    except Exception as e:      # template errors (raise_exception in the template, no template, ...)
-        raise ApiError(400, f"cannot apply the chat template: {e}", param="messages", code="invalid_value") from None
-    prompt_ids = tok.encode(text, add_special_tokens=False)
+    prompt_ids = _chat_prompt_ids(tok, req)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs", code="invalid_value")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -289,9 +354,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = _max_tokens(server, prompt_ids, requested, None, param)
     params = sampling_params(req, max_tokens, logprobs)
-    seq = _new_sequence(server, prompt_ids, params, adapter)
-    stream = _submit(server, seq)
-    rid, created = f"chatcmpl-{seq.request_id}", now()
+    choices = [_Choice(sample, _new_sequence(server, prompt_ids, _sample_params(params, sample), adapter))
+               for sample in range(_num_samples(req))]
+    _submit(server, choices)
+    rid, created = f"chatcmpl-{choices[0].seq.request_id}", now()
 
     def logprobs_content(token_ids: list[int], lps: list[float], tops: list) -> list[dict]:
         def entry(t: int, lp: float) -> dict:
@@ -302,41 +368,43 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
     if req.stream:
         resp = await _start_sse(request)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        def chunk(delta: dict, finish: str | None, lp=None) -> dict:
+        def chunk(choice: _Choice, delta: dict, finish: str | None, lp=None) -> dict:
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
+                    "choices": [{"index": choice.index, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
 
-        await _send(resp, chunk({"role": "assistant", "content": ""}, None))
+        for choice in choices:
+            await _send(resp, chunk(choice, {"role": "assistant", "content": ""}, None))
 
-        async def on_event(event: TokenEvent):
+        async def on_event(choice: _Choice, event: TokenEvent):
             if event.error:
                 await _send(resp, ApiError(500, event.error, code="internal_error").body())
             lp = ({"content": logprobs_content(event.token_ids, event.logprobs, event.top_logprobs)}
                   if req.logprobs and event.token_ids else None)
             if event.text or lp:
-                await _send(resp, chunk({"content": event.text}, None, lp))
+                await _send(resp, chunk(choice, {"content": event.text}, None, lp))
             if event.finished:
-                await _send(resp, chunk({}, event.finish_reason))
-                if include_usage:
-                    await _send(resp, {"id": rid, "object": "chat.completion.chunk", "created": created,
-                                       "model": req.model, "choices": [],
-                                       "usage": usage(len(prompt_ids), event.num_output_tokens)})
-                await _send(resp, "[DONE]")
+                choice.num_output_tokens = event.num_output_tokens
+                await _send(resp, chunk(choice, {}, event.finish_reason))
 
-        await _relay(server, seq, stream, req.model, on_event)
+        await _relay_all(server, choices, req.model, on_event)
+        if req.stream_options and req.stream_options.include_usage:
+            await _send(resp, {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
+                               "choices": [], "usage": _usage(len(prompt_ids), choices)})
+        await _send(resp, "[DONE]")
         return resp
 
-    collected = _Collected()
-    await _relay(server, seq, stream, req.model, collected.add)
-    collected.raise_error()
-    lp = {"content": logprobs_content(collected.tokens, collected.logprobs, collected.top)} if req.logprobs else None
-    return web.json_response({
-        "id": rid, "object": "chat.completion", "created": created, "model": req.model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": collected.text}, "logprobs": lp,
-                     "finish_reason": collected.finish}],
-        "usage": usage(len(prompt_ids), collected.n)})
+    collected = [_Collected() for _ in choices]
+    await _relay_all(server, choices, req.model, lambda choice, event: collected[choice.index].add(event))
+    out = []
+    for choice, c in zip(choices, collected):
+        c.raise_error()
+        choice.num_output_tokens = c.n
+        lp = {"content": logprobs_content(c.tokens, c.logprobs, c.top)} if req.logprobs else None
+        out.append({"index": choice.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
+                    "finish_reason": c.finish})
+    return web.json_response({"id": rid, "object": "chat.completion", "created": created, "model": req.model,
+                              "choices": out, "usage": _usage(len(prompt_ids), choices)})
 
 
 # ---- models, adapters, health, metrics -------------------------------------------------------------
@@ -401,6 +469,39 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
     return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
 
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's /tokenize: {"prompt"} or {"messages"} -> {"count", "max_model_len", "tokens"}."""
+    server = _server(request)
+    req = decode_body(await request.read(), TokenizeRequest)
+    if req.model is not None:
+        _adapter_for(server, req.model)
+    tok = server.engine.tokenizer
+    if (req.prompt is None) == (req.messages is None):
+        raise ApiError(400, "send either prompt or messages", param="prompt", code="invalid_value")
+    if req.prompt is not None:
+        tokens = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+    else:
+        tokens = _chat_prompt_ids(tok, req, add_special_tokens=bool(req.add_special_tokens))
+    return web.json_response({"count": len(tokens), "max_model_len": server.engine.max_model_len, "tokens": tokens})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """vLLM's /detokenize: {"tokens"} -> {"prompt"}."""
+    server = _server(request)
+    req = decode_body(await request.read(), DetokenizeRequest)
+    if req.model is not None:
+        _adapter_for(server, req.model)
+    vocab = server.engine.model_config.vocab_size
+    bad = [t for t in req.tokens if not 0 <= t < vocab]
+    if bad:
+        raise ApiError(400, f"token id {bad[0]} is out of range [0, {vocab})", param="tokens", code="invalid_value")
+    return web.json_response({"prompt": server.engine.tokenizer.decode(req.tokens)})
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": __version__})
+
+
 async def health(request: web.Request) -> web.Response:
     server = request.app[SERVER_KEY]
     if server.failed:
@@ -425,6 +526,9 @@ def build_app(server, api_key: str | None, max_body_bytes: int) -> web.Applicati
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
     app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", version)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app

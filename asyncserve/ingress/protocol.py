@@ -64,7 +64,7 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=False, kw_only=True)
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
-    prompt: Union[str, list]          # str, [token ids], [str] or [[token ids]]: checked by prompt_of()
+    prompt: Union[str, list]          # str, [token ids], [str] or [[token ids]]: checked by prompts_of()
     logprobs: Union[int, None] = None
     echo: bool = False
     best_of: Union[int, None] = None
@@ -84,6 +84,20 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     top_logprobs: Union[int, None] = None
     tools: Union[list[dict], None] = None
     add_generation_prompt: bool = True
+
+
+class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
+    """vLLM's /tokenize: a completion prompt, or chat messages rendered through the chat template."""
+    model: Union[str, None] = None
+    prompt: Union[str, None] = None
+    messages: Union[list[ChatMessage], None] = None
+    add_special_tokens: Union[bool, None] = None      # default: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
+    model: Union[str, None] = None
+    tokens: list[int]
 
 
 class LoadLoraRequest(msgspec.Struct, forbid_unknown_fields=False):
@@ -110,8 +124,6 @@ def decode_body(raw: bytes, kind: type):
 
 
 def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    if req.n != 1:
-        raise ApiError(400, "only n=1 is supported", param="n", code="invalid_value")
     if req.logit_bias:
         raise ApiError(400, "logit_bias is not supported", param="logit_bias", code="invalid_value")
     fields = {
@@ -130,18 +142,19 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int 
         raise ApiError(400, str(e), param=param, code="invalid_value") from None
 
 
-def prompt_of(req: CompletionRequest) -> str | list[int]:
-    """The one prompt of a completion request, as text or token ids."""
+def prompts_of(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completion request, each as text or token ids: ``prompt`` is one prompt (a
+    string or a list of token ids) or a non-empty list of them."""
     prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise ApiError(400, "send one prompt per request (a list of several prompts is not supported)",
+    batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+    for p in batch:
+        if isinstance(p, list) and not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            raise ApiError(400, "prompt must be a string, a list of token ids, or a list of those",
                            param="prompt", code="invalid_value")
-        prompt = prompt[0]
-    if isinstance(prompt, list) and not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        raise ApiError(400, "prompt must be a string, a list of token ids, or a list holding one of those",
-                       param="prompt", code="invalid_value")
-    return prompt
+        if not isinstance(p, (str, list)):
+            raise ApiError(400, "prompt must be a string, a list of token ids, or a list of those",
+                           param="prompt", code="invalid_value")
+    return batch
 
 
 def now() -> int:

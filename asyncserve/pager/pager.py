@@ -26,6 +26,7 @@ class AdapterPager:
         self.pool = pool
         self.config = config
         self.host: dict[str, HostAdapter] = {}
+        self._footprints: dict[str, int] = {}       # pages each host adapter takes when resident
         self.resident: OrderedDict[str, DeviceAdapter] = OrderedDict()   # LRU order: oldest first
         self.refs: dict[str, int] = {}
         self.loads_total = 0
@@ -40,19 +41,21 @@ class AdapterPager:
         if needed > self.pool.num_pages:
             raise ValueError(f"adapter {adapter.name!r} needs {needed} pages, the pool has {self.pool.num_pages}")
         self.host[adapter.name] = adapter
+        self._footprints[adapter.name] = needed
 
     def unregister(self, name: str) -> None:
         """Forget an adapter; its pages go back once no running sequence uses it."""
         if name not in self.host:
             raise KeyError(name)
         del self.host[name]
+        del self._footprints[name]
         if self.refs.get(name, 0) == 0:
             self._evict(name)
 
     # ---- device tier -------------------------------------------------------------------------
     def footprint(self, name: str) -> int:
-        """Pages the adapter occupies when resident."""
-        return plan_row_packing(self.host[name].row_lengths(self.config), self.pool.page_numel)[0]
+        """Pages the adapter occupies when resident (asked for every request it serves)."""
+        return self._footprints[name]
 
     def pages_needed(self, name: str) -> int:
         """Pages paging the adapter in would take now (0 when already resident)."""
