@@ -145,7 +145,7 @@ class Engine:
         if not plan:
             return self.fail_unschedulable()
         result: StepResult = self.runner.run(plan)
-        return self.scheduler.postprocess(plan, result.sampled)
+        return self.scheduler.postprocess(plan, result.sampled, result.prompt_logprobs)
 
     def fail_unschedulable(self) -> list[SeqUpdate]:
         """Nothing runs and nothing can be admitted: the head request cannot fit even alone."""

@@ -24,6 +24,9 @@ class RequestOutput:
     finish_reason: str | None = None
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # params.prompt_logprobs: entry j is prompt token j + 1's (the first token has none)
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class LLM:
@@ -69,9 +72,11 @@ class LLM:
                 if update.finished:
                     out.finish_reason = update.finish_reason
         for seq in order:
+            out = outputs[seq.request_id]
             if seq.params.logprobs is not None:
-                out = outputs[seq.request_id]
                 out.logprobs, out.top_logprobs = seq.logprobs, seq.top_logprobs
+            if seq.params.prompt_logprobs is not None:
+                out.prompt_logprobs, out.prompt_top_logprobs = seq.prompt_logprobs, seq.prompt_top_logprobs
         return [outputs[seq.request_id] for seq in order]
 
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,

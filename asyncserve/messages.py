@@ -43,6 +43,9 @@ class TokenEvent(msgspec.Struct):
     finish_reason: str | None = None
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # with the first token, when asked: the prompt's, from its second token on (Sequence.prompt_logprobs)
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None

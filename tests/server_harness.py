@@ -53,6 +53,20 @@ class ServerThread:
         except ValueError:
             return status, raw.decode(errors="replace"), hdrs
 
+    def stream(self, path: str, body: dict) -> list[dict]:
+        """The JSON chunks of a server-sent-event response, up to [DONE] (which must come)."""
+        req = urllib.request.Request(self.base + path, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        chunks = []
+        with urllib.request.urlopen(req, timeout=60) as r:
+            for line in r:
+                if line.startswith(b"data: "):
+                    data = line[len(b"data: "):].strip()
+                    if data == b"[DONE]":
+                        return chunks
+                    chunks.append(json.loads(data))
+        raise AssertionError("the stream ended without data: [DONE]")
+
     def metric(self, name: str, labels: str = "") -> float:
         _, text, _ = self.request("GET", "/metrics")
         key = f"{name}{{{labels}}}" if labels else name

@@ -169,3 +169,64 @@ def test_cpu_bf16_attention_equals_sdpa():
         got = attention(q, k, v, k_cache, v_cache, inp, bmm)
         expected = attention(*(t.double() for t in (q, k, v, k_cache, v_cache)), inp, sdpa)
         torch.testing.assert_close(got.double(), expected, rtol=0.0, atol=0.02)
+
+
+def test_prompt_logprobs_equal_transformers_across_chunks_and_adapters(tiny):
+    """prompt_logprobs: every prompt token after the first scored from the tokens before it, as
+    log_softmax of transformers+PEFT's logits over the whole prompt; prompts split into chunks of 8
+    (one sequence scored across several steps, beside others' decodes)."""
+    from peft import PeftModel
+
+    root, tok, base, paths = tiny
+    prompts = prompts_for(tok, 3, seed=7)
+    prompts = [p for p in prompts if len(p) > 10] + [tok.encode("the")]       # long ones, and one of one token
+    cases = [(ids, adapter) for ids in prompts for adapter in (None, "r8_attn_rs", "r2_mlp")]
+    llm = LLM(model=str(root), adapters={k: str(v) for k, v in paths.items()}, dtype="float32",
+              device=TEST_DEVICE, max_step_tokens=8)
+    outs = llm.generate([c[0] for c in cases], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True,
+                                                              prompt_logprobs=3), adapters=[c[1] for c in cases])
+    for (ids, adapter), out in zip(cases, outs):
+        model = base if adapter is None else PeftModel.from_pretrained(base, paths[adapter]).eval()
+        with torch.no_grad():
+            ref = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)      # [len, vocab]
+        if adapter is not None:
+            model.unload()
+        assert len(out.prompt_logprobs) == len(ids) - 1 == len(out.prompt_top_logprobs)
+        if len(ids) == 1:
+            continue
+        want = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+        torch.testing.assert_close(torch.tensor(out.prompt_logprobs), want, atol=2e-4, rtol=0)
+        for j, top in enumerate(out.prompt_top_logprobs):
+            values, top_ids = ref[j].topk(3)
+            assert len(top) == 3
+            torch.testing.assert_close(torch.tensor([v for _, v in top]), values, atol=2e-4, rtol=0)
+            assert [t for t, _ in top] == top_ids.tolist() or float(values[0] - values[-1]) < 1e-3
+    assert outs[0].logprobs is None and llm.engine.pool.counts().kv == 0
+
+
+def test_preempted_sequences_recompute_to_the_same_tokens_and_prompt_logprobs(tiny):
+    """A pool too small for every running sequence's KV: decodes preempt the newest sequences, which
+    are recomputed from their tokens when readmitted (cancel + recompute) and end as if never
+    preempted, with each prompt token scored once."""
+    root, tok, base, paths = tiny
+    prompts = [p for p in prompts_for(tok, 12, seed=9) if len(p) > 12][:6]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    adapters = [None, "r8_attn_rs"] * 3
+    loaded = {"r8_attn_rs": str(paths["r8_attn_rs"])}
+    roomy = LLM(model=str(root), adapters=loaded, dtype="float32", device=TEST_DEVICE)
+    expected = roomy.generate(prompts, params, adapters=adapters)
+    engine = roomy.engine
+    page = engine.pool.page_numel * engine.pool.data.element_size()
+    need = [engine.pool.pages_for_tokens(len(p) + 40) for p in prompts]
+    pages = engine.pager.footprint("r8_attn_rs") + sum(sorted(need)[-3:])    # about three sequences at a time
+    small = LLM(model=str(root), adapters=loaded, dtype="float32", device=TEST_DEVICE, pool_mem=pages * page)
+    seqs = []
+    add = small.engine.add
+    small.engine.add = lambda seq: (seqs.append(seq), add(seq))[1]
+    got = small.generate(prompts, params, adapters=adapters)
+    assert sum(seq.num_preemptions for seq in seqs) > 0, "the pool should have forced preemptions"
+    for out, exp in zip(got, expected):
+        assert out.token_ids == exp.token_ids
+        assert len(out.prompt_logprobs) == len(exp.prompt_token_ids) - 1
+        torch.testing.assert_close(out.prompt_logprobs, exp.prompt_logprobs, atol=1e-5, rtol=0)
+    assert small.engine.pool.counts().kv == 0

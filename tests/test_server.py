@@ -161,6 +161,35 @@ def test_several_prompts_and_n_samples_in_one_request(client, offline):
     assert texts == {0: exp.text, 1: exp.text} and roles == {0: "assistant", 1: "assistant"}
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(srv, offline):
+    """lm-eval-harness's loglikelihood request: token-id prompts, echo, logprobs=1, max_tokens=1. Each
+    choice lists the prompt's tokens then the generated one; the first has no logprob, the others
+    equal the offline engine's prompt_logprobs."""
+    tok = offline.tokenizer
+    prompts = [tok.encode(PROMPTS[0]), tok.encode(PROMPTS[2])]
+    expected = offline.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+                                                        prompt_logprobs=1, logprobs=1), adapters="r1_qv")
+    body = {"model": "r1_qv", "prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0,
+            "ignore_eos": True}
+    status, out, _ = srv.request("POST", "/v1/completions", body)
+    assert status == 200, out
+    for choice, ids, exp in zip(out["choices"], prompts, expected):
+        lp = choice["logprobs"]
+        assert lp["tokens"] == [tok.decode([t], skip_special_tokens=False) for t in ids + exp.token_ids]
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        scored = lp["token_logprobs"][1:len(ids)]
+        assert max(abs(a - b) for a, b in zip(scored, exp.prompt_logprobs)) < 1e-5
+        assert abs(lp["token_logprobs"][-1] - exp.logprobs[0]) < 1e-5
+        assert all(len(top) == 1 for top in lp["top_logprobs"][1:])
+        assert lp["text_offset"][0] == 0 and choice["text"] == tok.decode(ids) + exp.text
+    chunks = srv.stream("/v1/completions", {**body, "stream": True})
+    firsts = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            firsts.setdefault(choice["index"], choice["logprobs"])
+    assert firsts == {0: out["choices"][0]["logprobs"], 1: out["choices"][1]["logprobs"]}
+
+
 def test_tokenize_detokenize_and_version(srv, offline):
     """vLLM's utility endpoints: token ids as the engine sees them, for a prompt and for messages."""
     tok = offline.tokenizer

@@ -197,6 +197,7 @@ class _Collected:
 
     def __init__(self, prefix: str = ""):
         self.text, self.tokens, self.logprobs, self.top = prefix, [], [], []
+        self.prompt_logprobs, self.prompt_top = None, None
         self.finish, self.n, self.error = None, 0, None
 
     async def add(self, event: TokenEvent) -> None:
@@ -205,6 +206,8 @@ class _Collected:
         if event.logprobs:
             self.logprobs += event.logprobs
             self.top += event.top_logprobs
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs, self.prompt_top = event.prompt_logprobs, event.prompt_top_logprobs
         if event.finished:
             self.finish, self.n, self.error = event.finish_reason, event.num_output_tokens, event.error
 
@@ -240,7 +243,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     choices, prompt_tokens = [], 0
     for prompt in prompts_of(req):
         prompt_ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        params = sampling_params(req, _max_tokens(server, prompt_ids, req.max_tokens, 16, "max_tokens"), req.logprobs)
+        # echo with logprobs scores the echoed prompt too (as vLLM does; lm-eval's loglikelihood relies on it)
+        params = sampling_params(req, _max_tokens(server, prompt_ids, req.max_tokens, 16, "max_tokens"), req.logprobs,
+                                 req.logprobs if req.echo else None)
         echo = (prompt if isinstance(prompt, str) else tok.decode(prompt_ids)) if req.echo else ""
         for sample in range(n):
             seq = _new_sequence(server, prompt_ids, _sample_params(params, sample), adapter)
@@ -249,17 +254,22 @@ async def completions(request: web.Request) -> web.StreamResponse:
     _submit(server, choices)
     rid, created = f"cmpl-{choices[0].seq.request_id}", now()
 
-    def logprobs_block(event: TokenEvent, offset: int) -> dict | None:
+    def logprobs_block(event: TokenEvent, offset: int, prompt_ids: list[int]) -> dict | None:
+        """The event's tokens from text offset ``offset``, after the prompt's when the event carries
+        its logprobs (echo: the first prompt token has none)."""
         if req.logprobs is None or not event.token_ids:
             return None
-        tokens = [_token_text(tok, t) for t in event.token_ids]
+        ids, lps, tops = event.token_ids, event.logprobs, event.top_logprobs
+        if event.prompt_logprobs is not None:
+            ids, lps = prompt_ids + ids, [None] + event.prompt_logprobs + lps
+            tops = [None] + event.prompt_top_logprobs + tops
+        tokens = [_token_text(tok, t) for t in ids]
         offsets, pos = [], offset
         for t in tokens:
             offsets.append(pos)
             pos += len(t)
-        return {"tokens": tokens, "token_logprobs": event.logprobs,
-                "top_logprobs": [{_token_text(tok, i): lp for i, lp in top} for top in event.top_logprobs],
-                "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": lps, "text_offset": offsets,
+                "top_logprobs": [None if top is None else {_token_text(tok, i): lp for i, lp in top} for top in tops]}
 
     if req.stream:
         resp = await _start_sse(request)
@@ -269,7 +279,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 await _send(resp, ApiError(500, event.error, code="internal_error").body())
             text, choice.prefix = choice.prefix + event.text, ""      # the echoed prompt goes out first
             if text or event.token_ids or event.finished:
-                lp = logprobs_block(event, choice.offset + len(text) - len(event.text))
+                scored_echo = event.prompt_logprobs is not None         # its tokens start at the echo
+                lp = logprobs_block(event, choice.offset + (0 if scored_echo else len(text) - len(event.text)),
+                                    choice.seq.prompt_ids)
                 choice.offset += len(text)
                 await _send(resp, {"id": rid, "object": "text_completion", "created": created, "model": req.model,
                                    "choices": [{"index": choice.index, "text": text, "logprobs": lp,
@@ -292,8 +304,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
         choice.num_output_tokens = c.n
         lp = None
         if req.logprobs is not None:
-            lp = logprobs_block(TokenEvent(choice.seq.request_id, c.tokens, "", logprobs=c.logprobs,
-                                           top_logprobs=c.top), len(choice.prefix))
+            event = TokenEvent(choice.seq.request_id, c.tokens, "", logprobs=c.logprobs, top_logprobs=c.top,
+                               prompt_logprobs=c.prompt_logprobs, prompt_top_logprobs=c.prompt_top)
+            lp = logprobs_block(event, 0 if c.prompt_logprobs is not None else len(choice.prefix),
+                                choice.seq.prompt_ids)
         out.append({"index": choice.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish})
     return web.json_response({"id": rid, "object": "text_completion", "created": created, "model": req.model,
                               "choices": out, "usage": _usage(prompt_tokens, choices)})

@@ -123,13 +123,15 @@ def decode_body(raw: bytes, kind: type):
         raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
 
-def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     if req.logit_bias:
         raise ApiError(400, "logit_bias is not supported", param="logit_bias", code="invalid_value")
     fields = {
         "max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
         "min_p": req.min_p, "min_tokens": req.min_tokens, "seed": req.seed, "stop": req.stop,
         "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos, "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
         "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
         "repetition_penalty": req.repetition_penalty, "include_stop_str_in_output": req.include_stop_str_in_output,
         "skip_special_tokens": req.skip_special_tokens,

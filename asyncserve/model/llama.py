@@ -165,7 +165,7 @@ class StepInputs:
     decode_pages: torch.Tensor     # [num_decode * max_pages] int64: block tables padded with page 0
     decode_mask: torch.Tensor      # [num_decode, 1, 1, max_pages * block] bool: True = attend
     prefills: list[PrefillChunk]
-    sample_index: torch.Tensor     # [n_sample] int64: tokens whose next-token logits are needed
+    sample_index: torch.Tensor     # [n] int64: tokens whose next-token logits are needed (sampled, then scored)
 
 
 # ---- forward -------------------------------------------------------------------------------------

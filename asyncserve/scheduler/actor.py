@@ -98,7 +98,8 @@ class SchedulerActor:
                 self._abort(Abort(chunk.seq.request_id, reason="error"), error=f"internal error: {done.error!r}")
         else:
             self.metrics.step.observe(done.result.duration_s)
-            self._finished_updates += self.engine.scheduler.postprocess(done.plan, done.result.sampled)
+            self._finished_updates += self.engine.scheduler.postprocess(done.plan, done.result.sampled,
+                                                                        done.result.prompt_logprobs)
         for abort in self._deferred:
             self._abort(abort)
         self._deferred = []
@@ -119,11 +120,15 @@ class SchedulerActor:
             if stream is None:
                 continue
             lp = seq.params.logprobs is not None
+            first = bool(u.new_token_ids) and len(seq.output_ids) == len(u.new_token_ids)
+            prompt_lp = first and seq.params.prompt_logprobs is not None
             stream.put_nowait(TokenEvent(
                 request_id=seq.request_id, token_ids=u.new_token_ids, text=u.new_text, finished=u.finished,
                 finish_reason=u.finish_reason,
                 logprobs=seq.logprobs[-len(u.new_token_ids):] if lp and u.new_token_ids else None,
                 top_logprobs=seq.top_logprobs[-len(u.new_token_ids):] if lp and u.new_token_ids else None,
+                prompt_logprobs=seq.prompt_logprobs if prompt_lp else None,
+                prompt_top_logprobs=seq.prompt_top_logprobs if prompt_lp else None,
                 num_prompt_tokens=len(seq.prompt_ids), num_output_tokens=len(seq.output_ids)))
             if u.finished:
                 del self.streams[seq.request_id]

@@ -195,13 +195,19 @@ class Scheduler:
         self.detoks.pop(seq.request_id, None)
 
     # ---- postprocess ------------------------------------------------------------------------
-    def postprocess(self, plan: StepPlan, sampled: SampleOutput) -> list[SeqUpdate]:
+    def postprocess(self, plan: StepPlan, sampled: SampleOutput, prompt_logprobs: dict | None = None
+                    ) -> list[SeqUpdate]:
+        """prompt_logprobs: StepResult.prompt_logprobs."""
         updates = []
         i = 0
         for chunk in plan.chunks:
             seq = chunk.seq
             samples = chunk.samples
             seq.num_computed += chunk.num_tokens
+            if prompt_logprobs and seq.request_id in prompt_logprobs:
+                lps, tops = prompt_logprobs[seq.request_id]
+                seq.prompt_logprobs += lps
+                seq.prompt_top_logprobs += tops
             if not samples:
                 continue
             token = sampled.token_ids[i]

@@ -29,6 +29,9 @@ class Sequence:
     num_preemptions: int = 0
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # params.prompt_logprobs: entry j is prompt token j + 1's, as predicted from the tokens before it
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     first_token_time: float | None = None
 
     @property

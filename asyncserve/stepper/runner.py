@@ -5,7 +5,7 @@ Only this object touches the model weights; the server's stepper runs ``run`` in
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,7 +16,7 @@ from asyncserve.model.llama import LlamaWeights, PrefillChunk, Rope, StepInputs,
 from asyncserve.pager.pager import AdapterPager
 from asyncserve.pager.pool import PagedPool
 from asyncserve.scheduler.scheduler import StepPlan
-from asyncserve.stepper.sampler import SampleOutput, SamplingRow, sample
+from asyncserve.stepper.sampler import SampleOutput, SamplingRow, sample, token_logprobs
 
 
 @dataclass
@@ -24,6 +24,15 @@ class StepResult:
     sampled: SampleOutput
     duration_s: float
     num_tokens: int
+    # request id -> logprobs and top logprobs of the prompt tokens this step's chunk predicted
+    prompt_logprobs: dict[str, tuple[list[float], list[list[tuple[int, float]]]]] = field(default_factory=dict)
+
+
+@dataclass
+class PromptRows:
+    """The step's rows whose logits score prompt tokens (params.prompt_logprobs), after the sampled rows."""
+    targets: list[int] = field(default_factory=list)              # per row: the prompt token it predicts
+    owners: list[tuple[str, int, int]] = field(default_factory=list)   # (request id, rows, top-N) per chunk
 
 
 def make_lora_backend(name: str, pool: PagedPool, config: ModelConfig) -> LoraBackend:
@@ -50,17 +59,29 @@ class ModelRunner:
     def run(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
         self.pager.write_pending()
-        inputs, lora_batch, rows = self._prepare(plan)
+        inputs, lora_batch, rows, prompt_rows = self._prepare(plan)
         self.lora.begin_step(lora_batch)
         logits = forward(self.weights, self.config, self.rope, self.pool.kv_view(), inputs, self.lora)
-        sampled = sample(logits, rows)
+        sampled = sample(logits[:len(rows)], rows)
+        prompt_logprobs = self._prompt_logprobs(logits[len(rows):], prompt_rows) if prompt_rows.owners else {}
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return StepResult(sampled, time.perf_counter() - t0, plan.num_tokens)
+        return StepResult(sampled, time.perf_counter() - t0, plan.num_tokens, prompt_logprobs)
 
-    def _prepare(self, plan: StepPlan) -> tuple[StepInputs, LoraBatch | None, list[SamplingRow]]:
+    @staticmethod
+    def _prompt_logprobs(logits: torch.Tensor, prompt_rows: PromptRows) -> dict:
+        widths = [n for _, count, n in prompt_rows.owners for _ in range(count)]
+        chosen, tops = token_logprobs(logits, torch.tensor(prompt_rows.targets), widths)
+        out, i = {}, 0
+        for request_id, count, _ in prompt_rows.owners:
+            out[request_id] = (chosen[i:i + count], tops[i:i + count])
+            i += count
+        return out
+
+    def _prepare(self, plan: StepPlan) -> tuple[StepInputs, LoraBatch | None, list[SamplingRow], PromptRows]:
         bs = self.pool.block_size
         ids, positions, write_rows, sample_index, rows = [], [], [], [], []
+        prompt_index, prompt_rows = [], PromptRows()
         prefills = []
         seg_starts, seg_adapter, adapters, adapter_index = [0], [], [], {}
         nd = len(plan.decodes)
@@ -74,6 +95,15 @@ class ModelRunner:
             if chunk.samples:
                 sample_index.append(len(ids) - 1)
                 rows.append(SamplingRow(seq.params, seq.prompt_ids, seq.output_ids, self.eos_token_ids, seq.seed))
+            if seq.params.prompt_logprobs is not None:
+                # each position's logits score the next prompt token; a sequence recomputed after a
+                # preemption skips the tokens it already has
+                first = max(seq.num_computed, len(seq.prompt_logprobs))
+                last = min(seq.num_computed + chunk.num_tokens, len(seq.prompt_ids) - 1)
+                if last > first:
+                    prompt_index += range(start + first - seq.num_computed, start + last - seq.num_computed)
+                    prompt_rows.targets += seq.prompt_ids[first + 1:last + 1]
+                    prompt_rows.owners.append((seq.request_id, last - first, seq.params.prompt_logprobs))
             if i >= nd:
                 prefills.append(PrefillChunk(start, len(ids), seq.num_computed,
                                              torch.tensor(seq.block_table, dtype=torch.int64, device=self.device)))
@@ -108,10 +138,10 @@ class ModelRunner:
             decode_pages=decode_pages.to(dev),
             decode_mask=mask[:, None, None, :].to(dev),
             prefills=prefills,
-            sample_index=torch.tensor(sample_index, dtype=torch.int64, device=dev),
+            sample_index=torch.tensor(sample_index + prompt_index, dtype=torch.int64, device=dev),
         )
         lora_batch = None
         if adapters:
             lora_batch = LoraBatch(adapters=adapters, seg_starts=seg_starts, seg_adapter=seg_adapter,
                                    num_tokens=len(ids), device=dev, num_decode=nd)
-        return inputs, lora_batch, rows
+        return inputs, lora_batch, rows, prompt_rows

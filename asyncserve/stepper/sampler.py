@@ -71,16 +71,32 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
         return SampleOutput(token_ids, None, None)
     logprobs: list[float | None] = [None] * len(rows)
     top_logprobs: list[list[tuple[int, float]]] = [[] for _ in rows]
-    raw = logits[asked].float().log_softmax(-1)  # [asked, vocab]
-    chosen = raw.gather(1, tokens[asked].unsqueeze(1)).squeeze(1).tolist()
-    widest = min(max(rows[i].params.logprobs for i in asked), raw.shape[1])
-    top_values, top_ids = raw.topk(widest, dim=-1)  # [asked, widest], descending
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    chosen, tops = token_logprobs(logits[asked], tokens[asked], [rows[i].params.logprobs for i in asked])
     for j, i in enumerate(asked):
-        logprobs[i] = chosen[j]
-        n = rows[i].params.logprobs
-        top_logprobs[i] = list(zip(top_ids[j][:n], top_values[j][:n]))
+        logprobs[i], top_logprobs[i] = chosen[j], tops[j]
     return SampleOutput(token_ids, logprobs, top_logprobs)
+
+
+# rows log-softmaxed at once by token_logprobs: bounds its float32 copy (a long prompt's logprobs
+# would otherwise take prompt length x vocab x 4 bytes)
+LOGPROB_ROWS = 256
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, widths: list[int]
+                   ) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """Per row of raw logits [rows, vocab]: the log-probability of token_ids[row], and the row's
+    widths[row] most likely (token id, log-probability), best first."""
+    chosen: list[float] = []
+    tops: list[list[tuple[int, float]]] = []
+    for lo in range(0, logits.shape[0], LOGPROB_ROWS):
+        hi = min(lo + LOGPROB_ROWS, logits.shape[0])
+        raw = logits[lo:hi].float().log_softmax(-1)                       # [rows, vocab]
+        chosen += raw.gather(1, token_ids[lo:hi, None].to(raw.device)).squeeze(1).tolist()
+        widest = min(max(widths[lo:hi]), raw.shape[1])
+        top_values, top_ids = raw.topk(widest, dim=-1)                    # [rows, widest], descending
+        for ids, values, n in zip(top_ids.tolist(), top_values.tolist(), widths[lo:hi]):
+            tops.append(list(zip(ids[:n], values[:n])))
+    return chosen, tops
 
 
 def apply_penalties_(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
