@@ -114,10 +114,13 @@ class Engine:
             raise RequestError(f"adapter {adapter!r} is not loaded", "model", 404)
         if not prompt_ids:
             raise RequestError("the prompt is empty", "prompt")
-        bad = [t for t in prompt_ids if not 0 <= t < self.model_config.vocab_size]
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
-            raise RequestError(f"prompt token id {bad[0]} is out of range [0, {self.model_config.vocab_size})",
-                               "prompt")
+            raise RequestError(f"prompt token id {bad[0]} is out of range [0, {vocab})", "prompt")
+        bad = [t for t in params.logit_bias if t >= vocab]
+        if bad:
+            raise RequestError(f"logit_bias names token id {bad[0]}, past the vocabulary ({vocab} tokens)", "logit_bias")
         if len(prompt_ids) >= self.max_model_len:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this model's context is "
                                f"{self.max_model_len} tokens, leaving no room to generate", "prompt")

@@ -210,12 +210,14 @@ def reference_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
         logits[token] = value / p.repetition_penalty if value > 0 else value * p.repetition_penalty
     for token, count in Counter(row.output_ids).items():
         logits[token] -= p.frequency_penalty * count + p.presence_penalty
+    for token, bias in p.logit_bias.items():
+        logits[token] += bias
     return logits
 
 
 def test_penalties_match_reference():
     vocab = 50
-    padded = random_logits(4, vocab + 14, seed=5)
+    padded = random_logits(5, vocab + 14, seed=5)
     logits = padded[:, :vocab]  # a non-contiguous view, as a padded vocab would give
     before = logits.clone()
     rows = [
@@ -224,12 +226,14 @@ def test_penalties_match_reference():
         make_row(prompt=[7, 8, 9], output=[9, 9, 10, 11, 11], temperature=0.0,
                  repetition_penalty=0.8, presence_penalty=-0.4, frequency_penalty=1.5),
         make_row(prompt=[1, 2], output=[3], temperature=0.0),
+        make_row(prompt=[1, 2], output=[2], temperature=0.0, repetition_penalty=1.2, logit_bias={2: 30.0, 4: -100}),
     ]
     penalised = logits.contiguous()
     apply_penalties_(penalised, rows)
     expected = torch.stack([reference_penalties(logits[i], row) for i, row in enumerate(rows)])
     assert torch.allclose(penalised, expected, atol=1e-6)
     assert sample(logits, rows).token_ids == expected.argmax(-1).tolist()
+    assert sample(logits, rows).token_ids[-1] == 2          # the bias wins over the repetition penalty
     assert torch.equal(logits, before)
 
 
@@ -298,6 +302,8 @@ def test_sampling_params_defaults_and_normalisation():
         ("logprobs", -1),
         ("stop_token_ids", [5, -1]),
         ("stop", ["ok", ""]),
+        ("logit_bias", {5: 101.0}),
+        ("logit_bias", {-1: 1.0}),
         ("seed", 1.5),
     ],
 )

@@ -111,6 +111,10 @@ def test_sampling_extensions_seed_stop_and_logprobs(client, offline):
     assert len(lp.token_logprobs) == 4 and all(x <= 0 for x in lp.token_logprobs)
     assert all(len(t) == 3 for t in lp.top_logprobs)
     assert all(abs(max(t.values()) - x) < 1e-4 for t, x in zip(lp.top_logprobs, lp.token_logprobs))  # greedy
+    r = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=16, temperature=2.0, seed=5, logprobs=0,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs                      # sampled: OpenAI lists the token itself beside the top N
+    assert all(t == {s: x} for t, s, x in zip(lp.top_logprobs, lp.tokens, lp.token_logprobs))
     c = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
                                        temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
     assert len(c.choices[0].logprobs.content) == 3
@@ -118,6 +122,10 @@ def test_sampling_extensions_seed_stop_and_logprobs(client, offline):
     r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0,
                                   extra_body={"min_tokens": 6, "stop_token_ids": [5], "top_k": 1})
     assert r.usage.completion_tokens == 6
+    favourite = offline.tokenizer.encode(" fox")[0]
+    r = client.completions.create(model="r1_qv", prompt=PROMPTS[1], max_tokens=5, temperature=0.8, seed=3,
+                                  logit_bias={str(favourite): 100}, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == offline.tokenizer.decode([favourite] * 5)
 
 
 def test_several_prompts_and_n_samples_in_one_request(client, offline):
@@ -180,7 +188,8 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(srv, offline):
         scored = lp["token_logprobs"][1:len(ids)]
         assert max(abs(a - b) for a, b in zip(scored, exp.prompt_logprobs)) < 1e-5
         assert abs(lp["token_logprobs"][-1] - exp.logprobs[0]) < 1e-5
-        assert all(len(top) == 1 for top in lp["top_logprobs"][1:])
+        for token, value, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+            assert 1 <= len(top) <= 2 and top[token] == value       # the best token, and the token itself
         assert lp["text_offset"][0] == 0 and choice["text"] == tok.decode(ids) + exp.text
     chunks = srv.stream("/v1/completions", {**body, "stream": True})
     firsts = {}
@@ -224,6 +233,9 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "tiny", "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": [10**9]}, 400, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": 7}, 400, "stop"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "logit_bias": {"7": 500}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "logit_bias": {"100000": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"model": "tiny", "prompt": "word " * 600}, 400, "prompt"),        # longer than context
     ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 10**6}, 400, "max_tokens"),  # past context
     ("/v1/completions", {"model": "no-such-adapter", "prompt": "x"}, 404, "model"),

@@ -256,7 +256,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
     def logprobs_block(event: TokenEvent, offset: int, prompt_ids: list[int]) -> dict | None:
         """The event's tokens from text offset ``offset``, after the prompt's when the event carries
-        its logprobs (echo: the first prompt token has none)."""
+        its logprobs (echo: the first prompt token has none). As in OpenAI's completions, each
+        top_logprobs entry also holds the token itself: up to logprobs + 1 items."""
         if req.logprobs is None or not event.token_ids:
             return None
         ids, lps, tops = event.token_ids, event.logprobs, event.top_logprobs
@@ -268,8 +269,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
         for t in tokens:
             offsets.append(pos)
             pos += len(t)
-        return {"tokens": tokens, "token_logprobs": lps, "text_offset": offsets,
-                "top_logprobs": [None if top is None else {_token_text(tok, i): lp for i, lp in top} for top in tops]}
+        top_dicts = [None if top is None else {**{_token_text(tok, i): v for i, v in top}, text: lp}
+                     for top, text, lp in zip(tops, tokens, lps)]
+        return {"tokens": tokens, "token_logprobs": lps, "text_offset": offsets, "top_logprobs": top_dicts}
 
     if req.stream:
         resp = await _start_sse(request)

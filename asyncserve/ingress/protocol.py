@@ -125,13 +125,15 @@ def decode_body(raw: bytes, kind: type):
 
 def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None,
                     prompt_logprobs: int | None = None) -> SamplingParams:
-    if req.logit_bias:
-        raise ApiError(400, "logit_bias is not supported", param="logit_bias", code="invalid_value")
+    try:
+        logit_bias = {int(token): bias for token, bias in (req.logit_bias or {}).items()}
+    except ValueError:
+        raise ApiError(400, "logit_bias keys must be token ids", param="logit_bias", code="invalid_value") from None
     fields = {
         "max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
         "min_p": req.min_p, "min_tokens": req.min_tokens, "seed": req.seed, "stop": req.stop,
         "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos, "logprobs": logprobs,
-        "prompt_logprobs": prompt_logprobs,
+        "prompt_logprobs": prompt_logprobs, "logit_bias": logit_bias,
         "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
         "repetition_penalty": req.repetition_penalty, "include_stop_str_in_output": req.include_stop_str_in_output,
         "skip_special_tokens": req.skip_special_tokens,

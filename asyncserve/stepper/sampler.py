@@ -101,7 +101,8 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, widths: list[i
 
 def apply_penalties_(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     """In place: repetition penalty (HF/vLLM: prompt + output tokens), frequency and presence
-    penalties (OpenAI: output tokens), then min_tokens masking. logits: [rows, vocab], contiguous."""
+    penalties (OpenAI: output tokens), logit_bias, then min_tokens masking. logits: [rows, vocab],
+    contiguous."""
     vocab = logits.shape[1]
     device = logits.device
     flat = logits.view(-1)  # row i, token t lives at i * vocab + t
@@ -123,6 +124,9 @@ def apply_penalties_(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         presence = _per_row(rows, "presence_penalty", device)[index // vocab]
         flat[index] -= frequency * counts + presence
     for i, row in enumerate(rows):
+        if row.params.logit_bias:                  # ids checked against the vocab by Engine.make_sequence
+            bias = row.params.logit_bias
+            logits[i, list(bias)] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=device)
         banned = _min_tokens_banned(row, vocab)
         if banned:
             logits[i, banned] = float("-inf")
