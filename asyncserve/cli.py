@@ -32,6 +32,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     p.add_argument("--policy", default="fcfs")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="recompute every prompt, even when an earlier one began with the same blocks")
 
 
 def _config(args):
@@ -40,7 +42,8 @@ def _config(args):
     return Config(model=args.model, adapters=_adapter_pairs(args.adapter), device=args.device, dtype=args.dtype,
                   lora_backend=args.lora_backend, max_running=args.max_running,
                   max_step_tokens=args.max_step_tokens, max_model_len=args.max_model_len, pool_mem=args.pool_mem,
-                  block_size=args.block_size, threads=args.threads, policy=args.policy)
+                  block_size=args.block_size, threads=args.threads, policy=args.policy,
+                  prefix_caching=args.prefix_caching)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -35,6 +35,7 @@ class Config:
     block_size: int = 16
     threads: int | None = None               # torch intra-op threads on CPU
     policy: str = "fcfs"
+    prefix_caching: bool = True              # reuse the KV of full blocks of earlier prompts (per adapter)
     seed: int | None = None                  # seeds drawn for requests without one
     # server
     host: str = "127.0.0.1"

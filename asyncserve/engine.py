@@ -44,6 +44,7 @@ class PoolStats:
     adapter: int
     adapters_resident: int
     adapters_registered: int
+    cached: int                # free pages still holding prefix-cache blocks
 
 
 class Engine:
@@ -75,7 +76,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, self.pager, self.tokenizer, POLICIES[config.policy](),
                                    max_running=config.max_running,
                                    max_step_tokens=config.resolved_max_step_tokens(self.device),
-                                   max_model_len=self.max_model_len)
+                                   max_model_len=self.max_model_len, prefix_caching=config.prefix_caching)
         self._seeds = random.Random(config.seed)
         log.info("model %s: %d layers, %s on %s, LoRA backend %s; pool %d pages x %.1f KiB = %.2f GiB",
                  self.model_name, mc.num_layers, self.dtype, self.device, self.lora_backend_name,
@@ -161,5 +162,5 @@ class Engine:
 
     def pool_stats(self) -> PoolStats:
         c = self.pool.counts()
-        return PoolStats(c.total, c.free, c.kv, c.adapter, len(self.pager.resident), len(self.pager.host))
+        return PoolStats(c.total, c.free, c.kv, c.adapter, len(self.pager.resident), len(self.pager.host), c.cached)
 

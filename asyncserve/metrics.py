@@ -25,7 +25,15 @@ class Metrics:
         self.adapters_loaded = Gauge("asyncserve_adapters_loaded", "Adapters per memory tier", ["tier"], registry=r)
         self.adapter_loads = Counter("asyncserve_adapter_loads", "Adapters paged into the device pool", registry=r)
         self.generated_tokens = Counter("asyncserve_generated_tokens", "Output tokens generated", registry=r)
+        self.prefix_queried = Counter("asyncserve_prefix_cache_queried_tokens",
+                                      "Prompt tokens of admissions that looked up the prefix cache", registry=r)
+        self.prefix_hits = Counter("asyncserve_prefix_cache_hit_tokens", "Of those, tokens whose KV was cached",
+                                   registry=r)
+        self.prefix_cached_pages = Gauge("asyncserve_prefix_cache_pages",
+                                         "Free pool pages still holding cached blocks (counted in kind=free)",
+                                         registry=r)
         self._adapter_loads_seen = 0
+        self._prefix_seen = (0, 0)
 
     def observe_engine(self, engine) -> None:
         """Refresh the gauges from the engine's state (called after each step and on scrape)."""
@@ -40,6 +48,11 @@ class Metrics:
         loads = engine.pager.loads_total
         self.adapter_loads.inc(loads - self._adapter_loads_seen)
         self._adapter_loads_seen = loads
+        self.prefix_cached_pages.set(s.cached)
+        queried, hits = engine.scheduler.prefix_queried_tokens, engine.scheduler.prefix_hit_tokens
+        self.prefix_queried.inc(queried - self._prefix_seen[0])
+        self.prefix_hits.inc(hits - self._prefix_seen[1])
+        self._prefix_seen = (queried, hits)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

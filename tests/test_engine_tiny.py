@@ -204,13 +204,15 @@ def test_prompt_logprobs_equal_transformers_across_chunks_and_adapters(tiny):
     assert outs[0].logprobs is None and llm.engine.pool.counts().kv == 0
 
 
-def test_preempted_sequences_recompute_to_the_same_tokens_and_prompt_logprobs(tiny):
+@pytest.mark.parametrize("prompt_logprobs", [None, 1])
+def test_preempted_sequences_recompute_to_the_same_tokens_and_prompt_logprobs(tiny, prompt_logprobs):
     """A pool too small for every running sequence's KV: decodes preempt the newest sequences, which
-    are recomputed from their tokens when readmitted (cancel + recompute) and end as if never
-    preempted, with each prompt token scored once."""
+    are recomputed from their tokens when readmitted (cancel + recompute, from their blocks still in
+    the prefix cache when not asked for prompt logprobs) and end as if never preempted, with each
+    prompt token scored once."""
     root, tok, base, paths = tiny
     prompts = [p for p in prompts_for(tok, 12, seed=9) if len(p) > 12][:6]
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, prompt_logprobs=prompt_logprobs)
     adapters = [None, "r8_attn_rs"] * 3
     loaded = {"r8_attn_rs": str(paths["r8_attn_rs"])}
     roomy = LLM(model=str(root), adapters=loaded, dtype="float32", device=TEST_DEVICE)
@@ -225,8 +227,53 @@ def test_preempted_sequences_recompute_to_the_same_tokens_and_prompt_logprobs(ti
     small.engine.add = lambda seq: (seqs.append(seq), add(seq))[1]
     got = small.generate(prompts, params, adapters=adapters)
     assert sum(seq.num_preemptions for seq in seqs) > 0, "the pool should have forced preemptions"
+    if prompt_logprobs is None:
+        assert small.engine.scheduler.prefix_hit_tokens > 0, "readmissions should find their blocks cached"
     for out, exp in zip(got, expected):
         assert out.token_ids == exp.token_ids
-        assert len(out.prompt_logprobs) == len(exp.prompt_token_ids) - 1
-        torch.testing.assert_close(out.prompt_logprobs, exp.prompt_logprobs, atol=1e-5, rtol=0)
+        if prompt_logprobs is not None:
+            assert len(out.prompt_logprobs) == len(exp.prompt_token_ids) - 1
+            torch.testing.assert_close(out.prompt_logprobs, exp.prompt_logprobs, atol=1e-5, rtol=0)
     assert small.engine.pool.counts().kv == 0
+
+
+def test_prefix_cache_reuses_blocks_per_adapter_with_reference_tokens(tiny, tmp_path):
+    """Prompts sharing a 40-token prefix: later ones take its cached blocks (three full blocks of 16)
+    and still produce transformers+PEFT's tokens. Blocks are per adapter, and per load of a name."""
+    import shutil
+
+    root, tok, base, paths = tiny
+    rng = random.Random(11)
+    prefix = [rng.randrange(3, len(tok)) for _ in range(40)]
+    prompts = [prefix + [rng.randrange(3, len(tok)) for _ in range(rng.randint(1, 12))] for _ in range(4)]
+    cases = [(ids, adapter) for adapter in (None, "r8_attn_rs", "r16_patterns") for ids in prompts]
+    refs = references(base, paths, cases)
+    swapped = tmp_path / "swapped"                    # other weights, to be loaded under the name r8_attn_rs
+    shutil.copytree(paths["r16_patterns"], swapped)
+    llm = LLM(model=str(root), adapters={k: str(v) for k, v in paths.items()}, dtype="float32", device=TEST_DEVICE)
+    scheduler = llm.engine.scheduler
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+    def run(selected):
+        hits = scheduler.prefix_hit_tokens
+        outs = llm.generate([cases[i][0] for i in selected], params, adapters=[cases[i][1] for i in selected])
+        for i, out in zip(selected, outs):
+            assert_greedy_matches(out.token_ids, refs[i], tie_tol=1e-3, label=f"case {i}")
+        return scheduler.prefix_hit_tokens - hits
+
+    assert run([0]) == 0                                   # a cold cache
+    assert run([1, 2, 3]) == 3 * 32                        # blocks 0 and 1 hit; block 2 holds tokens past the prefix
+    assert run([4]) == 0                                   # the same tokens under an adapter: not the base's KV
+    assert run([5, 6, 7, 8]) == 3 * 32                     # ... but its own, and not r16's
+    assert llm.engine.pool.counts().cached > 0 and llm.engine.pool.counts().kv == 0
+    exact = prefix[:32]                                    # two full blocks: the second is recomputed for its
+    first = llm.generate([exact], params)[0]               # last token's logits
+    hits = scheduler.prefix_hit_tokens
+    assert llm.generate([exact], params)[0].token_ids == first.token_ids
+    assert scheduler.prefix_hit_tokens - hits == 16
+    llm.unload_adapter("r8_attn_rs")
+    llm.load_adapter("r8_attn_rs", str(swapped))
+    hits = scheduler.prefix_hit_tokens
+    got = llm.generate([prompts[0]], params, adapters="r8_attn_rs")[0]
+    assert scheduler.prefix_hit_tokens == hits, "a reloaded name must not reuse the old weights' KV"
+    assert got.token_ids == llm.generate([prompts[0]], params, adapters="r16_patterns")[0].token_ids

@@ -49,3 +49,31 @@ def test_evicting_before_the_copy_drops_it(tiny_model):
     pool.data[pages] = 7.0
     pager.write_pending()
     assert (pool.data[pages] == 7.0).all()
+
+
+def test_pool_shares_caches_and_reclaims_kv_blocks():
+    """KV pages with a registered block: shared by reference count, cached (and counted free) once
+    no sequence holds them, reclaimed least recently used first when the free list runs out."""
+    from asyncserve.pager.pool import PagedPool
+
+    pool = PagedPool(4, num_layers=1, block_size=2, num_kv_heads=1, head_dim=4, dtype=torch.float32, device="cpu")
+    a, b = pool.allocate(2, "kv")
+    pool.register_block(a, "A")
+    pool.register_block(b, "B")
+    pool.register_block(b, "A")                   # a key keeps its first page
+    assert pool.cached_block("A") == a
+    pool.share(a)                                 # a second sequence holds page a
+    pool.release([a, b])
+    assert pool.counts().kv == 1 and pool.counts().cached == 1 and pool.num_free == 3
+    pool.release([a])
+    assert pool.counts().kv == 0 and pool.counts().cached == 2 and pool.num_free == 4
+    pool.share(b)                                 # a hit on a cached page brings it back
+    assert pool.counts().kv == 1 and pool.counts().cached == 1
+    pool.release([b])                             # b is now the most recently used
+    pages = pool.allocate(3, "adapter")           # two free pages, then the oldest cached block (a)
+    assert a in pages and pool.cached_block("A") is None and pool.cached_block("B") == b
+    try:
+        pool.release([b])
+        raise AssertionError("a cached page is not held; releasing it again must fail")
+    except RuntimeError:
+        pass

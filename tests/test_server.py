@@ -387,6 +387,22 @@ def test_metrics_exposes_the_documented_names(srv):
         assert name in text, name
 
 
+def test_prefix_cache_hits_over_http(srv, offline):
+    """A second request whose prompt starts with the first one's full blocks reuses their KV (the
+    hit counter grows by whole blocks) and answers as the offline engine does."""
+    long_prompt = " ".join(PROMPTS) * 3
+    hits = srv.metric("asyncserve_prefix_cache_hit_tokens_total")
+    body = {"model": "r16_patterns", "prompt": long_prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    first = srv.request("POST", "/v1/completions", body)[1]
+    second = srv.request("POST", "/v1/completions", {**body, "prompt": long_prompt + " fox"})[1]
+    gained = srv.metric("asyncserve_prefix_cache_hit_tokens_total") - hits
+    assert gained >= 16 and gained % 16 == 0
+    assert srv.metric("asyncserve_prefix_cache_queried_tokens_total") >= gained
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    expected = offline.generate([long_prompt, long_prompt + " fox"], params, adapters="r16_patterns")
+    assert [first["choices"][0]["text"], second["choices"][0]["text"]] == [e.text for e in expected]
+
+
 def test_api_key_required_when_set(tiny_model):
     st = ServerThread(Config(model=str(tiny_model.root), dtype="float32", device="cpu", api_key="s3cret"))
     try:

@@ -27,6 +27,8 @@ class AdapterPager:
         self.config = config
         self.host: dict[str, HostAdapter] = {}
         self._footprints: dict[str, int] = {}       # pages each host adapter takes when resident
+        self._registrations: dict[str, int] = {}    # name -> which load of a name this is (see registration)
+        self._registered_total = 0
         self.resident: OrderedDict[str, DeviceAdapter] = OrderedDict()   # LRU order: oldest first
         self.refs: dict[str, int] = {}
         self.loads_total = 0
@@ -42,6 +44,8 @@ class AdapterPager:
             raise ValueError(f"adapter {adapter.name!r} needs {needed} pages, the pool has {self.pool.num_pages}")
         self.host[adapter.name] = adapter
         self._footprints[adapter.name] = needed
+        self._registered_total += 1
+        self._registrations[adapter.name] = self._registered_total
 
     def unregister(self, name: str) -> None:
         """Forget an adapter; its pages go back once no running sequence uses it."""
@@ -49,6 +53,7 @@ class AdapterPager:
             raise KeyError(name)
         del self.host[name]
         del self._footprints[name]
+        del self._registrations[name]
         if self.refs.get(name, 0) == 0:
             self._evict(name)
 
@@ -56,6 +61,12 @@ class AdapterPager:
     def footprint(self, name: str) -> int:
         """Pages the adapter occupies when resident (asked for every request it serves)."""
         return self._footprints[name]
+
+    def registration(self, name: str) -> int | None:
+        """Tells loads of one name apart: an adapter unloaded and loaded again (maybe other weights
+        under the same name) gets a new number, so nothing computed with the old one is reused.
+        None once unloaded."""
+        return self._registrations.get(name)
 
     def pages_needed(self, name: str) -> int:
         """Pages paging the adapter in would take now (0 when already resident)."""

@@ -19,12 +19,20 @@ the two as the load changes.
   so kernels read weights in place, non-contiguously, with a different rank per adapter. Waste is
   under one page per adapter plus the row tails.
 
+Prefix caching: a KV page that holds a full block of tokens can be registered under that block's
+key (its tokens, everything before them and the adapter, see Scheduler). Sequences whose prompts
+start with the same blocks share such pages (a reference count per KV page); once no sequence
+holds one it stays cached, counted as free and reclaimed least recently used first when the free
+list runs out.
+
 Page size is the KV block, ``num_layers * 2 * block_size * kv_size`` elements, which must be at least
 the longest weight row (the intermediate size) — true for every Llama with block_size >= 1 here.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Hashable
 
 import torch
 
@@ -36,9 +44,10 @@ class PoolExhausted(RuntimeError):
 @dataclass
 class PoolCounts:
     total: int
-    free: int
-    kv: int
+    free: int              # includes the cached pages
+    kv: int                # KV pages held by sequences
     adapter: int
+    cached: int = 0        # KV pages no sequence holds, kept for the prefix cache
 
 
 class PagedPool:
@@ -58,9 +67,13 @@ class PagedPool:
         self.data = torch.zeros(num_pages, self.page_numel, dtype=dtype, device=self.device)
         # LIFO free list: recently freed pages are reused first (warm in cache)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
-        self._kind = ["free"] * num_pages
+        self._kind = ["free"] * num_pages          # free | kv | adapter | cached
         self._kv_pages = 0
         self._adapter_pages = 0
+        self._refs = [0] * num_pages                # KV pages: how many sequences hold each
+        self._block_of: dict[int, Hashable] = {}    # page -> key of the cached block it holds
+        self._page_of: dict[Hashable, int] = {}     # key -> page
+        self._cached: OrderedDict[int, None] = OrderedDict()   # held by no sequence, LRU first
 
     @classmethod
     def page_bytes(cls, num_layers: int, block_size: int, kv_size: int, dtype: torch.dtype) -> int:
@@ -69,26 +82,65 @@ class PagedPool:
     # ---- allocation -------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages an allocation can take: free ones and cached ones."""
+        return len(self._free) + len(self._cached)
 
     def allocate(self, n: int, kind: str) -> list[int]:
-        """Take ``n`` pages for ``kind`` ("kv" or "adapter"); all or nothing."""
-        if n > len(self._free):
-            raise PoolExhausted(f"need {n} pages, {len(self._free)} free")
-        pages = [self._free.pop() for _ in range(n)]
+        """Take ``n`` pages for ``kind`` ("kv" or "adapter"); all or nothing. Free pages go first,
+        then the least recently used cached blocks are dropped."""
+        if n > self.num_free:
+            raise PoolExhausted(f"need {n} pages, {self.num_free} free")
+        pages = [self._free.pop() if self._free else self._uncache() for _ in range(n)]
         for p in pages:
             self._kind[p] = kind
+            self._refs[p] = 1 if kind == "kv" else 0
         self._count(kind, n)
         return pages
 
     def release(self, pages: list[int]) -> None:
+        """Give pages back; a KV page another sequence still holds stays, one holding a cached block
+        becomes cached."""
         for p in pages:
             kind = self._kind[p]
-            if kind == "free":
+            if kind in ("free", "cached"):
                 raise RuntimeError(f"page {p} released twice")
-            self._kind[p] = "free"
+            if kind == "kv":
+                self._refs[p] -= 1
+                if self._refs[p] > 0:
+                    continue
             self._count(kind, -1)
-            self._free.append(p)
+            if p in self._block_of:
+                self._kind[p] = "cached"
+                self._cached[p] = None
+            else:
+                self._kind[p] = "free"
+                self._free.append(p)
+
+    # ---- prefix cache -----------------------------------------------------------------------
+    def cached_block(self, key: Hashable) -> int | None:
+        """The page holding the block registered under ``key``, if any."""
+        return self._page_of.get(key)
+
+    def share(self, page: int) -> None:
+        """One more sequence holds this KV page (a prefix-cache hit)."""
+        if self._kind[page] == "cached":
+            del self._cached[page]
+            self._kind[page] = "kv"
+            self._count("kv", 1)
+        elif self._kind[page] != "kv":
+            raise RuntimeError(f"page {page} holds no KV block")
+        self._refs[page] += 1
+
+    def register_block(self, page: int, key: Hashable) -> None:
+        """Record that KV page ``page`` holds the full block ``key`` (the first page to do so keeps it)."""
+        if key not in self._page_of and page not in self._block_of:
+            self._page_of[key] = page
+            self._block_of[page] = key
+
+    def _uncache(self) -> int:
+        page, _ = self._cached.popitem(last=False)
+        del self._page_of[self._block_of.pop(page)]
+        return page
 
     def _count(self, kind: str, n: int) -> None:
         if kind == "kv":
@@ -99,7 +151,7 @@ class PagedPool:
             raise ValueError(f"unknown page kind {kind!r}")
 
     def counts(self) -> PoolCounts:
-        return PoolCounts(self.num_pages, len(self._free), self._kv_pages, self._adapter_pages)
+        return PoolCounts(self.num_pages, self.num_free, self._kv_pages, self._adapter_pages, len(self._cached))
 
     # ---- views ------------------------------------------------------------------------------
     def kv_view(self) -> torch.Tensor:

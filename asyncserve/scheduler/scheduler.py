@@ -6,6 +6,13 @@ while their adapter can be paged in and their first chunk's KV pages fit. A deco
 free page evicts idle adapters, then preempts the most recently admitted sequence, whose pages
 return to the pool; it is recomputed from its tokens when readmitted (Punica's cancel+recompute).
 postprocess() appends sampled tokens, applies stop conditions and frees finished sequences.
+
+Prefix caching (vLLM's automatic prefix caching, per adapter): once a full block of a sequence's
+tokens has its KV computed, its page is registered under a key naming the block's tokens, the
+blocks before it and the adapter (which load of it). A sequence admitted later whose tokens start
+with registered blocks takes those pages as they are (shared, read-only: a sequence writes only
+past its cached prefix) and computes from there, always at least its last token, which gives the
+logits to sample from. Requests that want prompt logprobs compute every prompt token.
 """
 from __future__ import annotations
 
@@ -61,7 +68,7 @@ class SeqUpdate:
 
 class Scheduler:
     def __init__(self, pool: PagedPool, pager: AdapterPager, tokenizer: Tokenizer, policy: SchedulingPolicy,
-                 max_running: int, max_step_tokens: int, max_model_len: int):
+                 max_running: int, max_step_tokens: int, max_model_len: int, prefix_caching: bool = True):
         self.pool = pool
         self.pager = pager
         self.tokenizer = tokenizer
@@ -75,6 +82,9 @@ class Scheduler:
         self.requests: dict[str, Sequence] = {}
         # keep a few pages free so running decodes rarely have to preempt right after an admission
         self.watermark = max(1, pool.num_pages // 100)
+        self.prefix_caching = prefix_caching
+        self.prefix_queried_tokens = 0          # prompt tokens of admissions that looked up the cache
+        self.prefix_hit_tokens = 0              # of those, tokens found cached
 
     # ---- requests --------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -124,8 +134,8 @@ class Scheduler:
         for seq in self.policy.admission_order(list(self.waiting), resident):
             if budget <= 0 or len(self.running) >= self.max_running:
                 break
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            if not self._admit(seq, n):
+            n = self._admit(seq, budget)
+            if not n:
                 break
             chunk = ScheduledChunk(seq, n)
             (plan.decodes if not seq.in_prefill and n == 1 else plan.prefills).append(chunk)
@@ -135,21 +145,67 @@ class Scheduler:
         plan.prefills.sort(key=key)
         return plan
 
-    def _admit(self, seq: Sequence, first_chunk: int) -> bool:
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Admit seq with a first chunk of at most ``budget`` tokens past its cached prefix; returns the
+        chunk's size, 0 if it does not fit now."""
         if seq.adapter is not None:
             if self.pager.ensure_resident(seq.adapter) is None:
-                return False
+                return 0
             self.pager.acquire(seq.adapter)      # held from here so making room for KV cannot evict it
+        seq.block_table = self._cached_prefix(seq)
+        seq.num_registered_blocks = len(seq.block_table)
+        seq.num_computed = len(seq.block_table) * self.pool.block_size
+        first_chunk = min(seq.num_tokens - seq.num_computed, budget)
         kv_pages = self.pool.pages_for_tokens(seq.num_computed + first_chunk) - len(seq.block_table)
         if self.pool.num_free - kv_pages < self.watermark and not self.pager.make_room(kv_pages + self.watermark):
+            self.pool.release(seq.block_table)
+            seq.block_table, seq.num_computed = [], 0
             if seq.adapter is not None:
                 self.pager.release(seq.adapter)
-            return False
+            return 0
         seq.block_table += self.pool.allocate(kv_pages, "kv")
         self.waiting.remove(seq)
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
-        return True
+        return first_chunk
+
+    # ---- prefix cache ----------------------------------------------------------------------
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Pages of the longest run of seq's first blocks that is cached, now held by seq too."""
+        if not self.prefix_caching:
+            return []
+        if seq.cache_root is None:
+            registration = 0 if seq.adapter is None else self.pager.registration(seq.adapter)
+            if registration is None:          # unloaded while running: not worth caching for
+                return []
+            seq.cache_root = (seq.adapter, registration)
+        if seq.params.prompt_logprobs is not None:     # every prompt token's logits are wanted
+            return []
+        pages = []
+        for i in range((seq.num_tokens - 1) // self.pool.block_size):    # the last token is always computed
+            page = self.pool.cached_block(self._block_key(seq, i))
+            if page is None:
+                break
+            self.pool.share(page)
+            pages.append(page)
+        self.prefix_queried_tokens += seq.num_tokens
+        self.prefix_hit_tokens += len(pages) * self.pool.block_size
+        return pages
+
+    def _block_key(self, seq: Sequence, i: int) -> tuple:
+        """Block i's key: (block i-1's key hashed, or the cache root for block 0; block i's tokens)."""
+        keys, bs = seq.block_keys, self.pool.block_size
+        while len(keys) <= i:
+            j = len(keys)
+            keys.append((hash(keys[-1]) if keys else seq.cache_root, tuple(seq.tokens(j * bs, (j + 1) * bs))))
+        return keys[i]
+
+    def _register_blocks(self, seq: Sequence) -> None:
+        """Offer seq's newly completed blocks to the cache."""
+        full = seq.num_computed // self.pool.block_size
+        for i in range(seq.num_registered_blocks, full):
+            self.pool.register_block(seq.block_table[i], self._block_key(seq, i))
+        seq.num_registered_blocks = max(seq.num_registered_blocks, full)
 
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Pages for ``num_tokens`` KV entries, evicting idle adapters if needed; no preemption."""
@@ -204,6 +260,8 @@ class Scheduler:
             seq = chunk.seq
             samples = chunk.samples
             seq.num_computed += chunk.num_tokens
+            if seq.cache_root is not None and not seq.finished:
+                self._register_blocks(seq)
             if prompt_logprobs and seq.request_id in prompt_logprobs:
                 lps, tops = prompt_logprobs[seq.request_id]
                 seq.prompt_logprobs += lps

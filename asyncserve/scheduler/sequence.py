@@ -33,6 +33,11 @@ class Sequence:
     prompt_logprobs: list[float] = field(default_factory=list)
     prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     first_token_time: float | None = None
+    # prefix cache (Scheduler): what block 0's key hangs from (None: not cached), the keys of the
+    # full blocks so far, and how many of this sequence's pages are registered under them
+    cache_root: tuple | None = None
+    block_keys: list[tuple] = field(default_factory=list)
+    num_registered_blocks: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -41,6 +46,11 @@ class Sequence:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def tokens(self, lo: int, hi: int) -> list[int]:
+        """token_ids[lo:hi] without building token_ids."""
+        n = len(self.prompt_ids)
+        return self.prompt_ids[lo:hi] + self.output_ids[max(lo - n, 0):max(hi - n, 0)]
 
     def token_at(self, i: int) -> int:
         n = len(self.prompt_ids)
