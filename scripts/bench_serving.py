@@ -27,7 +27,8 @@ import aiohttp
 import numpy as np
 from tqdm import tqdm
 
-from workloads import PUNICA_KINDS, Request, adapters_needed, punica_mix, slora_synthetic, w1
+from workloads import (PUNICA_KINDS, Request, adapters_needed, punica_mix, slora_synthetic, w1,
+                       with_shared_prefix)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BENCH_DIR = REPO_ROOT.parent / "shared" / "bench"
@@ -353,6 +354,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="with --list-adapters: print name=DIR, DIRs assigned round robin (vLLM --lora-modules syntax)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    parser.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                        help="lead every prompt with one common text of N tokens (exercises prefix caches)")
 
     synthetic = parser.add_argument_group("synthetic workloads (slora, punica-*)")
     synthetic.add_argument("--seed", type=int, default=42)
@@ -383,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"base model (from /models): {base_model_name}", file=sys.stderr)
     generator, workload_arguments = workload_generator(args, base_model_name)
     requests = generator(**workload_arguments)
+    if args.shared_prefix:
+        requests = with_shared_prefix(requests, args.shared_prefix, args.seed)
 
     if args.list_adapters:
         for k, name in enumerate(adapters_needed(requests, base_model_name)):

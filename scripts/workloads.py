@@ -12,6 +12,7 @@ of exact length instead (the completions endpoint of vLLM accepts them; not ever
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -221,3 +222,15 @@ def punica_mix(
         )
         for i in range(n_requests)
     ]
+
+
+def with_shared_prefix(requests: list[Request], n_tokens: int, seed: int = 0) -> list[Request]:
+    """The same requests, each prompt led by one common n-token text (a system prompt, say), which a
+    server's prefix cache can compute once. Text prompts only: token-id prompts would need the model's
+    vocabulary size."""
+    if any(r.prompt is None for r in requests):
+        raise ValueError("a shared prefix needs text prompts")
+    prefix = " ".join(np.random.default_rng(seed).choice(_COMMON_WORDS, size=n_tokens))
+    return [dataclasses.replace(r, prompt=f"{prefix} {r.prompt}",
+                                prompt_len=None if r.prompt_len is None else r.prompt_len + n_tokens)
+            for r in requests]

@@ -137,6 +137,19 @@ def test_w1_has_64_requests_cycling_four_adapters() -> None:
     assert {r.model for r in workloads.w1(SHARED_BENCH_DIR, "smollm2", use_adapters=False)} == {"smollm2"}
 
 
+def test_shared_prefix_leads_every_prompt_with_the_same_words() -> None:
+    requests = workloads.w1(SHARED_BENCH_DIR, "smollm2")
+    led = workloads.with_shared_prefix(requests, 100, seed=3)
+    prefix = led[0].prompt.split()[:100]
+    assert all(r.prompt.split()[:100] == prefix and r.prompt.split()[100:] == q.prompt.split()
+               for r, q in zip(led, requests))
+    assert all(r.prompt_len == q.prompt_len + 100 and r.model == q.model for r, q in zip(led, requests))
+    assert set(prefix) <= set(workloads._COMMON_WORDS)
+    with pytest.raises(ValueError):
+        workloads.with_shared_prefix(workloads.slora_synthetic(4, 1.0, 2.0, 1.0, (8, 16), (8, 16), num_requests=2,
+                                                               prompt_vocab_size=5000), 4)
+
+
 # ---------------------------------------------------------------- client against a fake server
 
 
