@@ -37,9 +37,11 @@ def build_ours(adapters, args):
     """One engine for both of our systems: the base-model run simply names no adapter."""
     from asyncserve import LLM
 
+    # W1 measures computing every prompt: rounds and --repeat send its prompts again, which the
+    # prefix cache would otherwise serve from the first round's blocks
     return LLM(model=args.model, adapters=adapters, dtype=args.dtype, device=args.device,
                lora_backend=args.lora_backend, max_running=args.in_flight, max_step_tokens=args.step_tokens,
-               threads=args.threads)
+               threads=args.threads, prefix_caching=False)
 
 
 def run_ours(llm, prompts, adapters, use_adapters: bool, args) -> dict:

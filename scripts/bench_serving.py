@@ -7,6 +7,9 @@ HTTP + SSE through aiohttp, so its own overhead is small and the same for every 
 
     python scripts/bench_serving.py --base-url http://127.0.0.1:8000/v1 --workload w1 \
         --json-out w1.json --plot w1.png
+
+Servers with a prefix cache (asyncserve, vLLM) answer a repeated run's prompts from the blocks of the
+run before: measure a fixed workload such as W1 on a freshly started server, or with the cache off.
 """
 from __future__ import annotations
 
