@@ -138,7 +138,7 @@ def test_w1_has_64_requests_cycling_four_adapters() -> None:
 
 
 def test_shared_prefix_leads_every_prompt_with_the_same_words() -> None:
-    requests = workloads.w1(SHARED_BENCH_DIR, "smollm2")
+    requests = workloads.punica_mix("uniform", 20, seed=1)
     led = workloads.with_shared_prefix(requests, 100, seed=3)
     prefix = led[0].prompt.split()[:100]
     assert all(r.prompt.split()[:100] == prefix and r.prompt.split()[100:] == q.prompt.split()
