@@ -22,8 +22,8 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 import kernels  # noqa: E402
-from asyncserve.lora.backend import TorchLoraBackend, group_layout  # noqa: E402
-from asyncserve.lora.batch import GROUPS, PROJECTIONS, DeviceAdapter, LoraBatch  # noqa: E402
+from asyncserve.lora.backend import TorchLoraBackend, adapter_spans, group_layout  # noqa: E402
+from asyncserve.lora.batch import GROUPS, PROJ_INDEX, PROJECTIONS, DeviceAdapter, LoraBatch  # noqa: E402
 from asyncserve.lora.triton_backend import SGMV_MAX_SEGMENT, TritonLoraBackend  # noqa: E402
 from asyncserve.model.config import ModelConfig  # noqa: E402
 from asyncserve.model.linear import make_linear, onednn_packs  # noqa: E402
@@ -375,6 +375,30 @@ def test_torch_backend_loops_over_many_distinct_adapters():
     backend = TorchLoraBackend(pool_big, big)
     backend.begin_step(LoraBatch(adapters, list(range(33)), list(range(32)), 32, DEVICE, num_decode=32))
     assert backend._plans["qkv"][0] == "loop"
+
+
+def test_torch_backend_chooses_by_the_documented_costs():
+    """auto picks the loop exactly when its multiply-adds (each span's rows x its own rank x (in + out))
+    plus one measured turn cost per span come to less than the stacked GEMMs' (tokens x R x (in + out))."""
+    g = torch.Generator().manual_seed(0)
+    pool = make_pool(torch.float32, num_pages=2000)
+    batch = make_step(g, pool, decode=False)
+    backend = TorchLoraBackend(pool, TINY)
+    layout = group_layout(TINY)
+    for group, rows in layout.items():
+        fan_in, fan_out = rows[0][1], sum(r[2] for r in rows)
+        ranks = [sum(a.ranks[PROJ_INDEX[proj]] for proj, *_ in rows) for a in batch.adapters]
+        if not any(ranks):
+            continue
+        spans = adapter_spans(batch)
+        own = sum((sl.stop - sl.start) * ranks[i] for i, runs in spans.items() for sl in runs if ranks[i])
+        turns = sum(len(runs) for i, runs in spans.items() if ranks[i])
+        stacked = batch.num_tokens * sum(ranks) * (fan_in + fan_out)
+        even = (stacked - own * (fan_in + fan_out)) / turns          # the turn cost where both are equal
+        for turn, kind in ((even * 0.9, "loop"), (even * 1.1, "stacked")):
+            backend.turn_macs = {name: turn for name in layout}
+            backend.begin_step(batch)
+            assert backend._plans[group][0] == kind, (group, turn, even)
 
 
 def test_triton_backend_kernel_choice():

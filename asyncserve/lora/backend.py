@@ -190,8 +190,8 @@ class TorchLoraBackend(LoraBackend):
                          loop: list) -> bool:
         if self.mode != "auto":
             return self.mode == "loop"
-        width = a_stack.shape[1] + b_stack.shape[2]                       # in + out
-        stacked = batch.num_tokens * a_stack.shape[2] * width
+        rank, width = a_stack.shape[1], a_stack.shape[2] + b_stack.shape[2]     # R; in + out
+        stacked = batch.num_tokens * rank * width
         per_adapter = sum((sl.stop - sl.start) * (c1 - c0) * width for rows, c0, c1 in loop for sl in rows)
         turns = sum(len(rows) for rows, _, _ in loop)
         return per_adapter + turns * self.turn_macs[group] < stacked
