@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
+import random
 import shutil
 import signal
 import socket
@@ -271,6 +273,48 @@ def test_bad_requests_get_openai_error_shape_and_server_stays_healthy(srv, path,
     assert srv.request("GET", "/health")[0] == 200
     ok, out, _ = srv.request("POST", "/v1/completions", {"model": "tiny", "prompt": "the", "max_tokens": 2})
     assert ok == 200 and out["usage"]["completion_tokens"] >= 1
+
+
+FUZZ_VALUES = {
+    "max_tokens": [1, 3, 0, -2, 10**6, "3", None], "temperature": [0, 0.7, 2.5, -1, "hot"], "top_p": [0.5, 0.0, 2],
+    "top_k": [0, 1, 4, -1, -3], "n": [1, 2, 0, 500], "stream": [True, False, "yes"],
+    "stream_options": [{"include_usage": True}, {}, [], None], "stop": ["e", ["o", "x"], [], [""], 5],
+    "seed": [0, 7, -3, 2**70, 1.5], "logprobs": [0, 2, 21, True, None], "top_logprobs": [0, 2, 50],
+    "echo": [True, False], "logit_bias": [{"5": 10}, {"3": -100}, {"x": 1}, {"5": 1000}, []],
+    "min_tokens": [0, 2, 99], "ignore_eos": [True, 1], "stop_token_ids": [[1, 2], [], [-1], "1"],
+    "presence_penalty": [0.5, 3], "repetition_penalty": [1.2, 0], "min_p": [0.1, 2],
+    "prompt": ["", "x", ["a", "b"], [[1, 2], [3]], [1, 2, 3], ["a", [1]], [True], {}, [[]], None],
+    "messages": [[{"role": "user", "content": [{"type": "text", "text": "hi"}]}], [{"role": "assistant", "content": None}],
+                 [{"role": "user"}], [{"content": "x"}], [], "hi", [{"role": "user", "content": [{"type": "image"}]}]],
+    "model": ["tiny", "r1_qv", "nope", "", 3], "tokens": [[1, 2], [], [-5], "ab"], "add_generation_prompt": [False, "no"],
+}
+
+
+def test_fuzzed_requests_get_4xx_or_a_whole_answer(srv):
+    """Random mixes of valid and invalid values for every field, on every generation endpoint: each
+    answer is a 4xx in OpenAI's error shape or a complete 200 (a stream ends with [DONE] and holds
+    no error event), and afterwards the server is healthy and holds no KV pages."""
+    rng = random.Random(1234)
+    paths = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
+    statuses = collections.Counter()
+    for _ in range(300):
+        body = {"model": "tiny", "prompt": "the fox", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        for field in rng.sample(sorted(FUZZ_VALUES), rng.randint(1, 4)):
+            body[field] = rng.choice(FUZZ_VALUES[field])
+        if rng.random() < 0.2:
+            del body[rng.choice(sorted(body))]
+        status, out, _ = srv.request("POST", rng.choice(paths), body)
+        statuses[status] += 1
+        if status == 200:
+            assert not isinstance(out, str) or ("[DONE]" in out and '"error"' not in out), out[:500]
+        else:
+            assert 400 <= status < 500 and set(out["error"]) == {"message", "type", "param", "code"}, (status, out)
+    assert statuses[200] >= 30 and sum(statuses.values()) > statuses[200] >= 30, statuses
+    assert srv.request("GET", "/health")[0] == 200
+    deadline = time.monotonic() + 30
+    while srv.metric("asyncserve_running_requests") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert srv.metric("asyncserve_pool_pages", 'kind="kv"') == 0
 
 
 def test_unknown_route_and_method(srv):
