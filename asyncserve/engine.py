@@ -121,7 +121,8 @@ class Engine:
             raise RequestError(f"prompt token id {bad[0]} is out of range [0, {vocab})", "prompt")
         bad = [t for t in params.logit_bias if t >= vocab]
         if bad:
-            raise RequestError(f"logit_bias names token id {bad[0]}, past the vocabulary ({vocab} tokens)", "logit_bias")
+            raise RequestError(f"logit_bias names token id {bad[0]}, past the vocabulary ({vocab} tokens)",
+                               "logit_bias")
         if len(prompt_ids) >= self.max_model_len:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this model's context is "
                                f"{self.max_model_len} tokens, leaving no room to generate", "prompt")

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-from asyncserve.engine import RequestError
 from asyncserve import __version__
+from asyncserve.engine import RequestError
 from asyncserve.ingress.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                          LoadLoraRequest, TokenizeRequest, UnloadLoraRequest, decode_body, now,
                                          prompts_of, sampling_params, usage)
