@@ -273,6 +273,14 @@ TINY = ModelConfig(vocab_size=64, hidden_size=48, intermediate_size=80, num_laye
                    num_kv_heads=2, head_dim=12)
 
 
+def seeded_step(dtype: torch.dtype, decode: bool) -> tuple[int, torch.Generator, PagedPool, LoraBatch]:
+    """A fresh seed (printed by failing tests), its generator, a pool and a random step in it."""
+    seed = new_seed()
+    g = torch.Generator().manual_seed(seed)
+    pool = make_pool(dtype, num_pages=2000)
+    return seed, g, pool, make_step(g, pool, decode=decode)
+
+
 def make_step(g: torch.Generator, pool: PagedPool, decode: bool) -> LoraBatch:
     shapes = [TINY.projection_shapes()[name] for name in PROJECTIONS]
     free = torch.randperm(pool.num_pages, generator=g).tolist()
@@ -291,10 +299,7 @@ def make_step(g: torch.Generator, pool: PagedPool, decode: bool) -> LoraBatch:
 @pytest.mark.parametrize("mode", ["decode", "mbgmm", "sgmv"])
 def test_triton_backend_matches_torch_backend(mode):
     """Every group and layer of a random step: fused output columns, untargeted projections, -1 segments."""
-    seed = new_seed()
-    g = torch.Generator().manual_seed(seed)
-    pool = make_pool(torch.float32, num_pages=2000)
-    batch = make_step(g, pool, decode=mode == "decode")
+    seed, g, pool, batch = seeded_step(torch.float32, decode=mode == "decode")
     reference = TorchLoraBackend(pool, TINY)
     backend = TritonLoraBackend(pool, TINY, prefill_kernel="sgmv" if mode == "sgmv" else "mbgmm")
     reference.begin_step(batch)
@@ -331,10 +336,7 @@ def test_torch_backend_loop_equals_stacked(decode, dtype, packed):
     """The segmented per-adapter loop (plain GEMMs on the stacks) and the stacked-masked GEMM, over
     the stacks as they are or (packed, once a set has lasted) make_linear's copies, which on CPU
     are oneDNN's reordered layout, give the same deltas."""
-    seed = new_seed()
-    g = torch.Generator().manual_seed(seed)
-    pool = make_pool(dtype, num_pages=2000)
-    batch = make_step(g, pool, decode=decode)
+    seed, g, pool, batch = seeded_step(dtype, decode=decode)
     stacked = TorchLoraBackend(pool, TINY, mode="stacked", pack_after_steps=2)
     loop = TorchLoraBackend(pool, TINY, mode="loop")
     for _ in range(2 if packed else 1):
@@ -449,10 +451,7 @@ def test_generate_with_triton_backend_equals_torch_backend(tiny_model):
 def test_torch_backend_reuses_stacks_when_a_step_lists_its_adapters_in_another_order(mode):
     """Same adapters, same tokens, the step's adapter table permuted: the stacks are not rebuilt and
     every delta equals that of a fresh backend."""
-    seed = new_seed()
-    g = torch.Generator().manual_seed(seed)
-    pool = make_pool(torch.float32, num_pages=2000)
-    batch = make_step(g, pool, decode=False)
+    seed, g, pool, batch = seeded_step(torch.float32, decode=False)
     perm = [2, 0, 1]                                      # new table position -> old
     new_index = {old: new for new, old in enumerate(perm)}
     permuted = LoraBatch([batch.adapters[i] for i in perm], batch.seg_starts,
@@ -479,10 +478,7 @@ def test_torch_backend_reuses_stacks_when_a_step_lists_its_adapters_in_another_o
 def test_torch_backend_project_with_the_shrink_on_the_base_gemm(dtype):
     """Once a set is packed, project() runs x @ [W; A_stack]^T in one GEMM (where oneDNN packs the
     dtype): its output equals the base projection plus the unfused backend's deltas."""
-    seed = new_seed()
-    g = torch.Generator().manual_seed(seed)
-    pool = make_pool(dtype, num_pages=2000)
-    batch = make_step(g, pool, decode=True)
+    seed, g, pool, batch = seeded_step(dtype, decode=True)
     fused = TorchLoraBackend(pool, TINY, mode="stacked", pack_after_steps=1)
     reference = TorchLoraBackend(pool, TINY, mode="stacked")
     fused.begin_step(batch)

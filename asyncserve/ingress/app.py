@@ -179,10 +179,6 @@ async def _relay(server, seq, stream: asyncio.Queue, model: str, on_event) -> No
 async def _relay_all(server, choices: list[_Choice], model: str, on_event) -> None:
     """_relay every choice, ``on_event(choice, event)``; if one fails (its client write) or the handler
     is cancelled, the others are cancelled too, which aborts their sequences."""
-    if len(choices) == 1:
-        choice = choices[0]
-        await _relay(server, choice.seq, choice.stream, model, functools.partial(on_event, choice))
-        return
     tasks = [asyncio.ensure_future(_relay(server, c.seq, c.stream, model, functools.partial(on_event, c)))
              for c in choices]
     try:
