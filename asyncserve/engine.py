@@ -23,6 +23,7 @@ from asyncserve.scheduler.policy import POLICIES
 from asyncserve.scheduler.scheduler import Scheduler, SeqUpdate
 from asyncserve.scheduler.sequence import Sequence
 from asyncserve.stepper.runner import ModelRunner, StepResult, make_lora_backend
+from asyncserve.structured import GuideCompiler, StructuredOutputError
 
 log = logging.getLogger("asyncserve.engine")
 
@@ -78,6 +79,7 @@ class Engine:
                                    max_step_tokens=config.resolved_max_step_tokens(self.device),
                                    max_model_len=self.max_model_len, prefix_caching=config.prefix_caching)
         self._seeds = random.Random(config.seed)
+        self.guides = GuideCompiler(self.tokenizer)
         log.info("model %s: %d layers, %s on %s, LoRA backend %s; pool %d pages x %.1f KiB = %.2f GiB",
                  self.model_name, mc.num_layers, self.dtype, self.device, self.lora_backend_name,
                  num_pages, page_bytes / 1024, num_pages * page_bytes / 2**30)
@@ -131,9 +133,15 @@ class Engine:
         if self.pool.pages_for_tokens(total) + adapter_pages > self.pool.num_pages:
             raise RequestError(f"prompt + max_tokens = {total} tokens need more KV memory than the pool "
                                f"holds ({self.pool.num_pages * self.pool.block_size} tokens)", "max_tokens")
+        guide = None
+        if params.structured_outputs is not None:
+            try:
+                guide = self.guides.guide(params.structured_outputs)
+            except StructuredOutputError as e:
+                raise RequestError(str(e), "structured_outputs") from None
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         return Sequence(request_id=request_id or uuid.uuid4().hex, prompt_ids=list(prompt_ids), params=params,
-                        adapter=adapter, seed=seed, arrival=arrival)
+                        adapter=adapter, seed=seed, arrival=arrival, guide=guide)
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)

@@ -10,6 +10,30 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
 
 
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on the generated text (vLLM's StructuredOutputsParams): exactly one of these."""
+    json: dict | str | None = None       # a JSON schema, as an object or as JSON text
+    regex: str | None = None             # the whole output matches it (Rust regex syntax)
+    choice: tuple[str, ...] | None = None   # the output is one of these strings
+    json_object: bool = False            # any JSON object
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [name for name in ("json", "regex", "choice") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"structured outputs take exactly one of json, regex, choice, json_object; got "
+                             f"{', '.join(given) or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"a JSON schema must be an object or its JSON text, got {type(self.json).__name__}")
+        if self.regex is not None and not (isinstance(self.regex, str) and self.regex):
+            raise ValueError("regex must be a non-empty string")
+        if self.choice is not None and not (self.choice and all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("choice must be a non-empty list of non-empty strings")
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -30,6 +54,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
+    structured_outputs: StructuredOutputs | None = None  # held to a schema, expression or choice list
     n: int = 1
 
     def __post_init__(self) -> None:

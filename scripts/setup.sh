@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-if ! .venv/bin/python -c "import asyncserve, torch, transformers, peft, openai" 2>/dev/null; then
+if ! .venv/bin/python -c "import asyncserve, torch, transformers, peft, openai, outlines_core" 2>/dev/null; then
     .venv/bin/pip install -q --upgrade pip
     .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q "torch==2.13.0"
     .venv/bin/pip install -q -e ".[test,bench]"

@@ -66,3 +66,23 @@ def test_smollm2_adapters_and_base_in_one_generate_call(smol):
     # the tokenizer agrees with transformers' GGUF tokenizer on the prompts and the outputs decode the same
     assert [llm.tokenizer.encode(p) for p in PROMPTS] == prompts
     assert outs[0].text == tok.decode(outs[0].token_ids, skip_special_tokens=True)
+
+
+def test_smollm2_json_schema_output_is_the_asked_json():
+    """Structured outputs on the real model's 49k byte-level vocabulary, through its chat template."""
+    import json
+
+    from asyncserve.sampling_params import StructuredOutputs
+
+    schema = {"type": "object", "required": ["name", "age", "indoor"],
+              "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
+                             "indoor": {"type": "boolean"}}}
+    llm = LLM(model=None, dtype="float32", device="cpu")
+    conversations = [[{"role": "user", "content": "Describe a cat called Tom, aged 3, who lives indoors, as JSON."}],
+                     [{"role": "user", "content": "Give me a JSON object about a dog named Rex."}]]
+    outs = llm.chat(conversations, SamplingParams(max_tokens=60, temperature=0.0,
+                                                  structured_outputs=StructuredOutputs(json=schema)))
+    values = [json.loads(out.text) for out in outs]
+    assert [out.finish_reason for out in outs] == ["stop", "stop"]
+    assert values[0] == {"name": "Tom", "age": 3, "indoor": True}
+    assert values[1]["name"] == "Rex" and isinstance(values[1]["age"], int) and isinstance(values[1]["indoor"], bool)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import os
 import random
 import shutil
@@ -21,6 +22,7 @@ import asyncserve
 from asyncserve import LLM, SamplingParams
 from asyncserve.config import Config
 from asyncserve.messages import Abort, Submit
+from asyncserve.sampling_params import StructuredOutputs
 from server_harness import ServerThread
 
 PROMPTS = ["the fox jumps over", "adapters serve many models", "batch token step rank lazy dog"]
@@ -201,6 +203,48 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(srv, offline):
     assert firsts == {0: out["choices"][0]["logprobs"], 1: out["choices"][1]["logprobs"]}
 
 
+STATUS_SCHEMA = {"type": "object", "required": ["ok", "level"],
+                 "properties": {"ok": {"type": "boolean"}, "level": {"enum": ["low", "mid", "high"]}}}
+STRUCTURED_FIELDS = [   # (request fields, the same constraint for the offline engine)
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "status", "schema": STATUS_SCHEMA}}},
+     StructuredOutputs(json=STATUS_SCHEMA)),
+    ({"response_format": {"type": "json_object", "schema": STATUS_SCHEMA}}, StructuredOutputs(json=STATUS_SCHEMA)),
+    ({"response_format": {"type": "json_object"}}, StructuredOutputs(json_object=True)),
+    ({"guided_json": json.dumps(STATUS_SCHEMA)}, StructuredOutputs(json=STATUS_SCHEMA)),
+    ({"structured_outputs": {"regex": "[a-z]{2,5}-[0-9]{2}"}}, StructuredOutputs(regex="[a-z]{2,5}-[0-9]{2}")),
+    ({"guided_regex": "(yes|no)!"}, StructuredOutputs(regex="(yes|no)!")),
+    ({"guided_choice": ["lazy dog", "quick fox"]}, StructuredOutputs(choice=["lazy dog", "quick fox"])),
+]
+
+
+def test_structured_outputs_equal_offline_engine_streaming_and_not(client, offline):
+    """OpenAI's response_format (json_schema; json_object, plain or with LoRAX's schema), vLLM's
+    structured_outputs and guided_* fields: the offline engine's constrained text, chat and completions."""
+    messages = [{"role": "user", "content": "the fox jumps"}]
+    for model in ("tiny", "r8_attn_rs"):
+        adapter = None if model == "tiny" else model
+        for fields, spec in STRUCTURED_FIELDS:
+            params = SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=spec)
+            exp = offline.chat(messages, params, adapters=adapter)[0]
+            kw = dict(model=model, messages=messages, max_tokens=40, temperature=0)
+            if "response_format" in fields:
+                kw["response_format"] = fields["response_format"]
+            else:
+                kw["extra_body"] = fields
+            r = client.chat.completions.create(**kw)
+            assert r.choices[0].message.content == exp.text, fields
+            assert r.choices[0].finish_reason == exp.finish_reason
+            if spec.json is not None and exp.finish_reason == "stop":
+                assert json.loads(exp.text)["level"] in ("low", "mid", "high")
+            stream = client.chat.completions.create(**kw, stream=True)
+            assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == exp.text
+            exp = offline.generate([PROMPTS[1]], params, adapters=adapter)[0]
+            r = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=40, temperature=0, n=2,
+                                          extra_body=fields)
+            assert [c.text for c in r.choices] == [exp.text] * 2
+    assert any(c.finish_reason == "stop" for c in r.choices)
+
+
 def test_tokenize_detokenize_and_version(srv, offline):
     """vLLM's utility endpoints: token ids as the engine sees them, for a prompt and for messages."""
     tok = offline.tokenizer
@@ -249,6 +293,18 @@ BAD_REQUESTS = [
                               "max_completion_tokens": 10**6}, 400, "max_completion_tokens"),
     ("/v1/chat/completions", {"model": "r1_qv", "messages": [{"role": "user", "content": "x"}],
                               "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "xml"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_schema"}}, 400, "response_format"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "response_format": "json"}, 400, "response_format"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "guided_regex": "(unclosed"}, 400, "guided_regex"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "guided_json": {"type": "no-such-type"}}, 400, "guided_json"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "guided_choice": []}, 400, "guided_choice"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "guided_regex": "a", "guided_choice": ["b"]}, 400,
+     "guided_choice"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400,
+     "structured_outputs"),
     ("/tokenize", {"model": "tiny"}, 400, "prompt"),
     ("/tokenize", {"model": "nope", "prompt": "x"}, 404, "model"),
     ("/detokenize", {"model": "tiny", "tokens": [1, 10**9]}, 400, "tokens"),
@@ -286,6 +342,8 @@ FUZZ_VALUES = {
     "prompt": ["", "x", ["a", "b"], [[1, 2], [3]], [1, 2, 3], ["a", [1]], [True], {}, [[]], None],
     "messages": [[{"role": "user", "content": [{"type": "text", "text": "hi"}]}], [{"role": "assistant", "content": None}],
                  [{"role": "user"}], [{"content": "x"}], [], "hi", [{"role": "user", "content": [{"type": "image"}]}]],
+    "response_format": [{"type": "json_object"}, {"type": "text"}, {"type": "bogus"}, "x"],
+    "guided_choice": [["yes", "no"], [], [""]], "guided_regex": ["[a-z]{1,3}", "("],
     "model": ["tiny", "r1_qv", "nope", "", 3], "tokens": [[1, 2], [], [-5], "ab"], "add_generation_prompt": [False, "no"],
 }
 

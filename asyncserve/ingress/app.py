@@ -22,8 +22,10 @@ from asyncserve import __version__
 from asyncserve.engine import RequestError
 from asyncserve.ingress.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                          LoadLoraRequest, TokenizeRequest, UnloadLoraRequest, decode_body, now,
-                                         prompts_of, sampling_params, usage)
+                                         prompts_of, sampling_params, structured_outputs_of, usage)
 from asyncserve.messages import Abort, LoadAdapter, Submit, TokenEvent, UnloadAdapter
+from asyncserve.sampling_params import StructuredOutputs
+from asyncserve.structured import StructuredOutputError
 
 log = logging.getLogger("asyncserve.ingress")
 SERVER_KEY = web.AppKey("server", object)
@@ -91,6 +93,18 @@ def _new_sequence(server, prompt_ids: list[int], params, adapter: str | None):
         raise ApiError(e.status, str(e), param=e.param,
                        code="model_not_found" if e.status == 404 else "context_length_exceeded"
                        if e.param in ("prompt", "max_tokens", "messages") else "invalid_value") from None
+
+
+async def _structured_outputs(server, req) -> StructuredOutputs | None:
+    """The request's output constraint, with its automaton built in a worker thread (seconds for a
+    large one), so that make_sequence finds it cached and the event loop never waits on it."""
+    spec, param = structured_outputs_of(req)
+    if spec is not None:
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, server.engine.guides.index, spec)
+        except StructuredOutputError as e:
+            raise ApiError(400, f"{param}: {e}", param=param, code="invalid_value") from None
+    return spec
 
 
 def _max_tokens(server, prompt_ids: list[int], requested: int | None, default: int | None, param: str) -> int:
@@ -235,13 +249,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise ApiError(400, "suffix is not supported", param="suffix", code="invalid_value")
     adapter = _adapter_for(server, req.model)
     n = _num_samples(req)
+    structured = await _structured_outputs(server, req)
     tok = server.engine.tokenizer
     choices, prompt_tokens = [], 0
     for prompt in prompts_of(req):
         prompt_ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
         # echo with logprobs scores the echoed prompt too (as vLLM does; lm-eval's loglikelihood relies on it)
         params = sampling_params(req, _max_tokens(server, prompt_ids, req.max_tokens, 16, "max_tokens"), req.logprobs,
-                                 req.logprobs if req.echo else None)
+                                 req.logprobs if req.echo else None, structured)
         echo = (prompt if isinstance(prompt, str) else tok.decode(prompt_ids)) if req.echo else ""
         for sample in range(n):
             seq = _new_sequence(server, prompt_ids, _sample_params(params, sample), adapter)
@@ -365,7 +380,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = _max_tokens(server, prompt_ids, requested, None, param)
-    params = sampling_params(req, max_tokens, logprobs)
+    params = sampling_params(req, max_tokens, logprobs, structured=await _structured_outputs(server, req))
     choices = [_Choice(sample, _new_sequence(server, prompt_ids, _sample_params(params, sample), adapter))
                for sample in range(_num_samples(req))]
     _submit(server, choices)

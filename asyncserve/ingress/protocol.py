@@ -10,7 +10,7 @@ from typing import Union
 
 import msgspec
 
-from asyncserve.sampling_params import SamplingParams
+from asyncserve.sampling_params import SamplingParams, StructuredOutputs
 
 
 class ApiError(Exception):
@@ -38,6 +38,28 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=False):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=False):
+    name: str = ""
+    schema: Union[dict, None] = None
+    strict: Union[bool, None] = None
+    description: Union[str, None] = None
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=False):
+    """OpenAI's response_format; LoRAX also sends {"type": "json_object", "schema": {...}}."""
+    type: str
+    json_schema: Union[JsonSchemaFormat, None] = None
+    schema: Union[dict, None] = None
+
+
+class StructuredOutputsField(msgspec.Struct, forbid_unknown_fields=False):
+    """vLLM's structured_outputs."""
+    json: Union[dict, str, None] = None
+    regex: Union[str, None] = None
+    choice: Union[list[str], None] = None
+    json_object: Union[bool, None] = None
+
+
 class _SamplingFields(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
     model: str
     max_tokens: Union[int, None] = None
@@ -61,6 +83,12 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=False, kw_only=True)
     repetition_penalty: Union[float, None] = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and older guided_* fields
+    response_format: Union[ResponseFormat, None] = None
+    structured_outputs: Union[StructuredOutputsField, None] = None
+    guided_json: Union[dict, str, None] = None
+    guided_regex: Union[str, None] = None
+    guided_choice: Union[list[str], None] = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -123,8 +151,43 @@ def decode_body(raw: bytes, kind: type):
         raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
 
+def structured_outputs_of(req: _SamplingFields) -> tuple[StructuredOutputs | None, str | None]:
+    """The request's output constraint and the field that gave it (at most one may)."""
+    given = []
+    fmt = req.response_format
+    if fmt is not None:
+        if fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema is None:
+                raise ApiError(400, "response_format of type json_schema needs json_schema.schema",
+                               param="response_format", code="invalid_value")
+            given.append(("response_format", {"json": fmt.json_schema.schema}))
+        elif fmt.type == "json_object":
+            given.append(("response_format", {"json": fmt.schema} if fmt.schema is not None else {"json_object": True}))
+        elif fmt.type != "text":
+            raise ApiError(400, f"response_format.type must be text, json_object or json_schema, got {fmt.type!r}",
+                           param="response_format", code="invalid_value")
+    so = req.structured_outputs
+    if so is not None:
+        given.append(("structured_outputs", {"json": so.json, "regex": so.regex, "choice": so.choice,
+                                             "json_object": bool(so.json_object)}))
+    for name, field in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice")):
+        if getattr(req, name) is not None:
+            given.append((name, {field: getattr(req, name)}))
+    if len(given) > 1:
+        raise ApiError(400, f"give one output constraint, not {' and '.join(name for name, _ in given)}",
+                       param=given[1][0], code="invalid_value")
+    if not given:
+        return None, None
+    param, fields = given[0]
+    try:
+        return StructuredOutputs(**fields), param
+    except ValueError as e:
+        raise ApiError(400, f"{param}: {e}", param=param, code="invalid_value") from None
+
+
 def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None, structured: StructuredOutputs | None = None
+                    ) -> SamplingParams:
     try:
         logit_bias = {int(token): bias for token, bias in (req.logit_bias or {}).items()}
     except ValueError:
@@ -136,7 +199,7 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int 
         "prompt_logprobs": prompt_logprobs, "logit_bias": logit_bias,
         "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
         "repetition_penalty": req.repetition_penalty, "include_stop_str_in_output": req.include_stop_str_in_output,
-        "skip_special_tokens": req.skip_special_tokens,
+        "skip_special_tokens": req.skip_special_tokens, "structured_outputs": structured,
     }
     kwargs = {k: v for k, v in fields.items() if v is not None}
     try:

@@ -285,7 +285,12 @@ class Scheduler:
         text = detok.add(token)
         n_out = len(seq.output_ids)
         reason = None
-        if detok.stopped_by is not None:
+        # a guide allows the end-of-sequence token only where its text is complete: that ends the
+        # sequence whatever ignore_eos and min_tokens say
+        guide_done = seq.guide is not None and token in self.tokenizer.eos_token_ids
+        if seq.guide is not None and not guide_done:
+            seq.guide.advance(token, return_tokens=False)
+        if detok.stopped_by is not None or guide_done:
             reason = "stop"
         elif n_out >= p.min_tokens and (token in p.stop_token_ids or
                                         (not p.ignore_eos and token in self.tokenizer.eos_token_ids)):

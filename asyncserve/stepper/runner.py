@@ -94,7 +94,8 @@ class ModelRunner:
                 write_rows.append(seq.block_table[pos // bs] * self._row_stride + pos % bs)
             if chunk.samples:
                 sample_index.append(len(ids) - 1)
-                rows.append(SamplingRow(seq.params, seq.prompt_ids, seq.output_ids, self.eos_token_ids, seq.seed))
+                rows.append(SamplingRow(seq.params, seq.prompt_ids, seq.output_ids, self.eos_token_ids, seq.seed,
+                                        seq.guide))
             if seq.params.prompt_logprobs is not None:
                 # each position's logits score the next prompt token; a sequence recomputed after a
                 # preemption skips the tokens it already has

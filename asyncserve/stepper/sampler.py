@@ -1,8 +1,8 @@
 """Batched sampler: turns one model step's logits into one token per row.
 
-Order follows vLLM: penalties and min_tokens masking, then greedy argmax or
-temperature -> top-k -> top-p -> min-p -> random draw. Logprobs are taken from the raw
-logits, as vLLM's default.
+Order follows vLLM: penalties and min_tokens masking, the structured-output mask, then greedy
+argmax or temperature -> top-k -> top-p -> min-p -> random draw. Logprobs are taken from the
+raw logits, as vLLM's default.
 
 Randomness: each seeded row draws a single uniform from the SplitMix64 stream of its seed
 at position len(output_ids), and samples by inverse CDF over its own (vocab-ordered)
@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncserve.sampling_params import SamplingParams
+from asyncserve.structured import allowed_tokens
 
 # Top-k/top-p thresholds are read off each row's `prefix` largest weights; the prefix grows by
 # this factor until the nucleus fits, so a full-vocab sort only happens for very flat rows.
@@ -35,6 +36,7 @@ class SamplingRow:
     output_ids: list[int]  # tokens generated so far (drives penalties, min_tokens, the seed position)
     eos_token_ids: list[int]
     seed: int  # the request's seed (params.seed, or one drawn at arrival when None)
+    guide: object | None = None  # the sequence's structured-output Guide (structured.py), if constrained
 
 
 @dataclass
@@ -59,10 +61,12 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
     if greedy:
         part = logits[greedy].float()  # [greedy, vocab]
         apply_penalties_(part, [rows[i] for i in greedy])
+        apply_guides_(part, [rows[i] for i in greedy], logits[greedy])
         tokens[greedy] = part.argmax(-1)
     if sampled:
         part = logits[sampled].float()  # [sampled, vocab]
         apply_penalties_(part, [rows[i] for i in sampled])
+        apply_guides_(part, [rows[i] for i in sampled], logits[sampled])
         tokens[sampled] = _draw(part, [rows[i] for i in sampled])
     token_ids = tokens.tolist()
 
@@ -132,6 +136,22 @@ def apply_penalties_(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             logits[i, banned] = float("-inf")
 
 
+def apply_guides_(logits: torch.Tensor, rows: list[SamplingRow], raw: torch.Tensor) -> None:
+    """In place: -inf for every token a row's structured-output guide does not allow next.
+    logits: [rows, vocab] after penalties; raw: the same rows before them. Where penalties and
+    min_tokens leave a row nothing its guide allows (e.g. the text is complete but min_tokens bans
+    the end-of-sequence token), the guide wins: that row is its raw logits under the guide's mask."""
+    guided = [i for i, row in enumerate(rows) if row.guide is not None]
+    if not guided:
+        return
+    allowed = allowed_tokens([rows[i].guide for i in guided], logits.shape[1]).to(logits.device)   # [guided, vocab]
+    part = logits[guided].masked_fill_(~allowed, float("-inf"))
+    dead = torch.isneginf(part).all(-1)
+    if dead.any():
+        part[dead] = raw[guided][dead].float().masked_fill_(~allowed[dead], float("-inf"))
+    logits[guided] = part
+
+
 def truncation_thresholds(
     weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
 ) -> torch.Tensor:
@@ -161,6 +181,7 @@ def _is_plain_greedy(row: SamplingRow) -> bool:
         params.greedy
         and params.logprobs is None
         and not params.has_penalties
+        and row.guide is None
         and not _min_tokens_banned(row, None)
     )
 
