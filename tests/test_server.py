@@ -15,6 +15,7 @@ import threading
 import time
 
 import aiohttp
+import msgspec
 import openai
 import pytest
 
@@ -203,6 +204,13 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(srv, offline):
     assert firsts == {0: out["choices"][0]["logprobs"], 1: out["choices"][1]["logprobs"]}
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "required": ["city", "unit"],
+                   "properties": {"city": {"enum": ["Paris", "Oslo"]}, "unit": {"enum": ["c", "f"]}}}}}
+SEARCH = {"type": "function", "function": {
+    "name": "search", "parameters": {"type": "object", "required": ["q"],
+                                     "properties": {"q": {"type": "string", "pattern": "^[a-z]{1,6}$"}}}}}
 STATUS_SCHEMA = {"type": "object", "required": ["ok", "level"],
                  "properties": {"ok": {"type": "boolean"}, "level": {"enum": ["low", "mid", "high"]}}}
 STRUCTURED_FIELDS = [   # (request fields, the same constraint for the offline engine)
@@ -243,6 +251,86 @@ def test_structured_outputs_equal_offline_engine_streaming_and_not(client, offli
                                           extra_body=fields)
             assert [c.text for c in r.choices] == [exp.text] * 2
     assert any(c.finish_reason == "stop" for c in r.choices)
+
+
+def _tool_plan(body: dict):
+    from asyncserve.ingress.protocol import ChatCompletionRequest
+    from asyncserve.ingress.tools import tool_plan
+
+    return tool_plan(msgspec.convert(body, ChatCompletionRequest))
+
+
+def test_tool_calls_for_a_named_function_and_required_equal_offline_engine(client, offline):
+    """A named tool_choice gives one call whose arguments are the offline engine's text under the
+    function's schema (streamed as argument deltas after a first one naming the call); "required"
+    gives calls parsed from an array of {name, parameters}; "none" leaves a plain answer."""
+    messages = [{"role": "user", "content": "the fox jumps"}]
+    kw = dict(messages=messages, max_tokens=60, temperature=0, tools=[WEATHER, SEARCH])
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for model in ("tiny", "r8_attn_rs"):
+        adapter = None if model == "tiny" else model
+        params = SamplingParams(max_tokens=60, temperature=0.0,
+                                structured_outputs=StructuredOutputs(json=WEATHER["function"]["parameters"]))
+        exp = offline.chat(messages, params, adapters=adapter)[0]
+        assert exp.finish_reason == "stop" and json.loads(exp.text)["city"] in ("Paris", "Oslo")
+        r = client.chat.completions.create(model=model, tool_choice=named, **kw)
+        message, = [c.message for c in r.choices]
+        assert message.content is None and r.choices[0].finish_reason == "stop"
+        call, = message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name == "get_weather" and call.function.arguments == exp.text
+        deltas = [d for c in client.chat.completions.create(model=model, tool_choice=named, stream=True, **kw)
+                  if c.choices for d in c.choices[0].delta.tool_calls or []]
+        assert deltas[0].id.startswith("call_") and deltas[0].function.name == "get_weather"
+        assert all(d.id is None and d.index == 0 for d in deltas[1:])
+        assert "".join(d.function.arguments for d in deltas) == exp.text
+
+        body = {"model": model, "tool_choice": "required", "parallel_tool_calls": False, **kw}
+        params = SamplingParams(max_tokens=60, temperature=0.0, structured_outputs=_tool_plan(body).constraint)
+        exp = offline.chat(messages, params, adapters=adapter)[0]
+        expected = [(item["name"], item["parameters"]) for item in json.loads(exp.text)]
+        r = client.chat.completions.create(model=model, tool_choice="required", parallel_tool_calls=False, **kw)
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls] == expected
+        chunks = [c for c in client.chat.completions.create(model=model, tool_choice="required", stream=True,
+                                                            parallel_tool_calls=False, **kw) if c.choices]
+        streamed = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+        assert [(d.function.name, json.loads(d.function.arguments)) for d in streamed] == expected
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        assert {name for name, _ in expected} <= {"get_weather", "search"}
+
+    plain = offline.chat(messages, SamplingParams(max_tokens=8, temperature=0.0))[0]
+    r = client.chat.completions.create(model="tiny", tool_choice="none", **{**kw, "max_tokens": 8})
+    assert r.choices[0].message.content == plain.text and not r.choices[0].message.tool_calls
+    history = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": '{"city": "Oslo", "unit": "c"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"}]
+    r = client.chat.completions.create(model="tiny", messages=history, max_tokens=4, temperature=0)
+    assert r.choices[0].message.content == offline.chat(history, SamplingParams(max_tokens=4, temperature=0.0))[0].text
+
+
+def test_templates_see_the_tools_and_tool_calls(offline):
+    from asyncserve.ingress.app import _chat_prompt_ids
+    from asyncserve.ingress.protocol import ChatCompletionRequest
+    from asyncserve.ingress.tools import template_tools
+    from asyncserve.model.tokenizer import Tokenizer
+
+    base = offline.tokenizer
+    template = ("{% for t in tools %}[{{ t.function.name }}: {{ t.function.parameters | tojson }}]{% endfor %}"
+                "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+                "{% for c in m.tool_calls or [] %}<call {{ c.function.name }}>{% endfor %}"
+                "{% if m.tool_call_id %}<for {{ m.tool_call_id }}>{% endif %}|{% endfor %}")
+    tok = Tokenizer(base.backend, special_tokens=base.special_tokens, chat_template=template)
+    req = msgspec.convert({"model": "tiny", "tools": [WEATHER], "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                              "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]}, ChatCompletionRequest)
+    text = tok.decode(_chat_prompt_ids(tok, req, tools=template_tools(req)))
+    assert text == ('[get_weather: ' + json.dumps(WEATHER["function"]["parameters"]) + ']user:hi|'
+                    'assistant:<call get_weather>|tool:sunny<for c1>|')
 
 
 def test_tokenize_detokenize_and_version(srv, offline):
@@ -305,6 +393,21 @@ BAD_REQUESTS = [
      "guided_choice"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400,
      "structured_outputs"),
+    *[("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], **fields}, 400, param)
+      for fields, param in [
+          ({"tools": [WEATHER]}, "tool_choice"),                                     # "auto" needs a parser
+          ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
+          ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+          ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+          ({"tool_choice": "required"}, "tool_choice"),
+          ({"tools": [{**WEATHER, "type": "retrieval"}], "tool_choice": "required"}, "tools[0].type"),
+          ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools[1].function.name"),
+          ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+           "response_format"),
+          ({"tools": [WEATHER], "tool_choice": "required", "logprobs": True}, "logprobs"),
+          ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "no-such-type"}}}],
+            "tool_choice": "required"}, "tools"),
+      ]],
     ("/tokenize", {"model": "tiny"}, 400, "prompt"),
     ("/tokenize", {"model": "nope", "prompt": "x"}, 404, "model"),
     ("/detokenize", {"model": "tiny", "tokens": [1, 10**9]}, 400, "tokens"),
@@ -344,6 +447,8 @@ FUZZ_VALUES = {
                  [{"role": "user"}], [{"content": "x"}], [], "hi", [{"role": "user", "content": [{"type": "image"}]}]],
     "response_format": [{"type": "json_object"}, {"type": "text"}, {"type": "bogus"}, "x"],
     "guided_choice": [["yes", "no"], [], [""]], "guided_regex": ["[a-z]{1,3}", "("],
+    "tools": [[WEATHER], [SEARCH, WEATHER], [{"type": "function"}], "x"],
+    "tool_choice": ["required", "none", "auto", {"type": "function", "function": {"name": "search"}}, 3],
     "model": ["tiny", "r1_qv", "nope", "", 3], "tokens": [[1, 2], [], [-5], "ab"], "add_generation_prompt": [False, "no"],
 }
 

@@ -23,6 +23,7 @@ from asyncserve.engine import RequestError
 from asyncserve.ingress.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                          LoadLoraRequest, TokenizeRequest, UnloadLoraRequest, decode_body, now,
                                          prompts_of, sampling_params, structured_outputs_of, usage)
+from asyncserve.ingress.tools import ToolPlan, new_call_id, template_tools, tool_call, tool_plan
 from asyncserve.messages import Abort, LoadAdapter, Submit, TokenEvent, UnloadAdapter
 from asyncserve.sampling_params import StructuredOutputs
 from asyncserve.structured import StructuredOutputError
@@ -95,10 +96,15 @@ def _new_sequence(server, prompt_ids: list[int], params, adapter: str | None):
                        if e.param in ("prompt", "max_tokens", "messages") else "invalid_value") from None
 
 
-async def _structured_outputs(server, req) -> StructuredOutputs | None:
+async def _structured_outputs(server, req, tools: ToolPlan | None = None) -> StructuredOutputs | None:
     """The request's output constraint, with its automaton built in a worker thread (seconds for a
     large one), so that make_sequence finds it cached and the event loop never waits on it."""
     spec, param = structured_outputs_of(req)
+    if tools is not None:
+        if spec is not None:
+            raise ApiError(400, f"tool calls already constrain the output; {param} cannot be added", param=param,
+                           code="invalid_value")
+        spec, param = tools.constraint, "tools"
     if spec is not None:
         try:
             await asyncio.get_running_loop().run_in_executor(None, server.engine.guides.index, spec)
@@ -129,6 +135,8 @@ class _Choice:
         self.prefix = prefix                         # owed before its first text (the echoed prompt)
         self.offset = 0                              # characters of text sent (logprobs' text_offset)
         self.num_output_tokens = 0
+        self.tool_text = ""                          # tool_choice "required": the output, parsed at its end
+        self.tool_call_id: str | None = None         # a named tool_choice: the streamed call's id
 
 
 def _sample_params(params, sample: int):
@@ -350,15 +358,22 @@ def _chat_messages(req: ChatCompletionRequest | TokenizeRequest) -> list[dict]:
                                    param=f"messages[{i}].content", code="invalid_value")
                 texts.append(part["text"])
             content = "".join(texts)
-        out.append({"role": m.role, "content": content or ""})
+        message = {"role": m.role, "content": content or ""}
+        if m.tool_calls is not None:
+            message["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
     return out
 
 
-def _chat_prompt_ids(tok, req: ChatCompletionRequest | TokenizeRequest, add_special_tokens: bool = False
-                     ) -> list[int]:
-    """The conversation rendered through the model's chat template, as token ids."""
+def _chat_prompt_ids(tok, req: ChatCompletionRequest | TokenizeRequest, add_special_tokens: bool = False,
+                     tools: list[dict] | None = None) -> list[int]:
+    """The conversation (and the tools, for templates that show them) rendered through the model's chat
+    template, as token ids."""
     try:
-        text = tok.apply_chat_template(_chat_messages(req), add_generation_prompt=req.add_generation_prompt)
+        text = tok.apply_chat_template(_chat_messages(req), add_generation_prompt=req.add_generation_prompt,
+                                       tools=tools)
     except ApiError:
         raise
     except Exception as e:      # template errors (raise_exception in the template, no template, ...)
@@ -369,18 +384,19 @@ def _chat_prompt_ids(tok, req: ChatCompletionRequest | TokenizeRequest, add_spec
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     server = _server(request)
     req = decode_body(await request.read(), ChatCompletionRequest)
-    if req.tools:
-        raise ApiError(400, "tools are not supported", param="tools", code="invalid_value")
+    tools = tool_plan(req)
+    if tools is not None and req.logprobs:
+        raise ApiError(400, "logprobs are not supported with tool calls", param="logprobs", code="invalid_value")
     adapter = _adapter_for(server, req.model)
     tok = server.engine.tokenizer
-    prompt_ids = _chat_prompt_ids(tok, req)
+    prompt_ids = _chat_prompt_ids(tok, req, tools=template_tools(req))
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs", code="invalid_value")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = _max_tokens(server, prompt_ids, requested, None, param)
-    params = sampling_params(req, max_tokens, logprobs, structured=await _structured_outputs(server, req))
+    params = sampling_params(req, max_tokens, logprobs, structured=await _structured_outputs(server, req, tools))
     choices = [_Choice(sample, _new_sequence(server, prompt_ids, _sample_params(params, sample), adapter))
                for sample in range(_num_samples(req))]
     _submit(server, choices)
@@ -406,13 +422,32 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         async def on_event(choice: _Choice, event: TokenEvent):
             if event.error:
                 await _send(resp, ApiError(500, event.error, code="internal_error").body())
-            lp = ({"content": logprobs_content(event.token_ids, event.logprobs, event.top_logprobs)}
-                  if req.logprobs and event.token_ids else None)
-            if event.text or lp:
-                await _send(resp, chunk(choice, {"content": event.text}, None, lp))
+            finish = event.finish_reason
+            if tools is None:
+                lp = ({"content": logprobs_content(event.token_ids, event.logprobs, event.top_logprobs)}
+                      if req.logprobs and event.token_ids else None)
+                if event.text or lp:
+                    await _send(resp, chunk(choice, {"content": event.text}, None, lp))
+            elif tools.function is not None and event.text:
+                # a named function: its arguments stream as they come, the first delta naming the call
+                call = {"index": 0, "function": {"arguments": event.text}}
+                if choice.tool_call_id is None:
+                    choice.tool_call_id = new_call_id()
+                    call = {"index": 0, **tool_call(tools.function, event.text, choice.tool_call_id)}
+                await _send(resp, chunk(choice, {"tool_calls": [call]}, None))
+            elif tools.function is None:
+                # "required": the array of calls is parsed once whole
+                choice.tool_text += event.text
+                if event.finished:
+                    calls = tools.calls(choice.tool_text)
+                    if calls is None:
+                        delta = {"content": choice.tool_text}
+                    else:
+                        delta, finish = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, "tool_calls"
+                    await _send(resp, chunk(choice, delta, None))
             if event.finished:
                 choice.num_output_tokens = event.num_output_tokens
-                await _send(resp, chunk(choice, {}, event.finish_reason))
+                await _send(resp, chunk(choice, {}, finish))
 
         await _relay_all(server, choices, req.model, on_event)
         if req.stream_options and req.stream_options.include_usage:
@@ -428,8 +463,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         c.raise_error()
         choice.num_output_tokens = c.n
         lp = {"content": logprobs_content(c.tokens, c.logprobs, c.top)} if req.logprobs else None
-        out.append({"index": choice.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
-                    "finish_reason": c.finish})
+        message, finish = {"role": "assistant", "content": c.text}, c.finish
+        calls = tools.calls(c.text) if tools is not None else None
+        if calls is not None:
+            message = {"role": "assistant", "content": None, "tool_calls": calls}
+            finish = finish if tools.function is not None else "tool_calls"
+        out.append({"index": choice.index, "message": message, "logprobs": lp, "finish_reason": finish})
     return web.json_response({"id": rid, "object": "chat.completion", "created": created, "model": req.model,
                               "choices": out, "usage": _usage(len(prompt_ids), choices)})
 

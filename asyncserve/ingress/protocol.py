@@ -103,6 +103,28 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
     role: str
     content: Union[str, list[dict], None] = None
     name: Union[str, None] = None
+    tool_calls: Union[list[dict], None] = None      # an assistant's earlier calls
+    tool_call_id: Union[str, None] = None           # a tool message's answer to one
+
+
+class FunctionDefinition(msgspec.Struct, forbid_unknown_fields=False):
+    name: str
+    description: Union[str, None] = None
+    parameters: Union[dict, None] = None            # a JSON schema of the arguments
+
+
+class Tool(msgspec.Struct, forbid_unknown_fields=False):
+    function: FunctionDefinition
+    type: str = "function"
+
+
+class FunctionName(msgspec.Struct, forbid_unknown_fields=False):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=False):
+    function: FunctionName
+    type: str = "function"
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -110,7 +132,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: Union[int, None] = None
     logprobs: bool = False
     top_logprobs: Union[int, None] = None
-    tools: Union[list[dict], None] = None
+    tools: Union[list[Tool], None] = None
+    tool_choice: Union[str, NamedToolChoice, None] = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
 
 
