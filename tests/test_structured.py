@@ -200,3 +200,29 @@ def test_unsupported_tokenizer_is_a_clear_error():
     tok = Tokenizer(backend, special_tokens={"eos_token": "</s>"})
     with pytest.raises(StructuredOutputError, match="byte-level BPE or SentencePiece"):
         token_bytes(tok)
+
+
+def test_preempted_constrained_sequences_end_as_if_never_preempted(llm, tiny_model):
+    """A pool for about three sequences at a time: preempted constrained sequences are recomputed
+    from their tokens and keep their guides' state, so they end with the roomy pool's tokens."""
+    tok = llm.tokenizer
+    rng = random.Random(3)
+    prompts = [tok.encode(" ".join(rng.choice(CORPUS).split()[:rng.randint(4, 12)])) for _ in range(6)]
+    params = SamplingParams(max_tokens=40, temperature=0.8, seed=11,
+                            structured_outputs=StructuredOutputs(regex="[a-z]+( [a-z]+)*"))
+    adapters = [None, "r8_attn_rs"] * 3
+    expected = llm.generate(prompts, params, adapters=adapters)
+    engine = llm.engine
+    page = engine.pool.page_numel * engine.pool.data.element_size()
+    need = sorted(engine.pool.pages_for_tokens(len(p) + 40) for p in prompts)
+    small = LLM(model=str(tiny_model.root), adapters={"r8_attn_rs": str(tiny_model.adapters["r8_attn_rs"])},
+                dtype="float32", device=TEST_DEVICE,
+                pool_mem=(engine.pager.footprint("r8_attn_rs") + sum(need[-3:])) * page)
+    seqs = []
+    add = small.engine.add
+    small.engine.add = lambda seq: (seqs.append(seq), add(seq))[1]
+    got = small.generate(prompts, params, adapters=adapters)
+    assert sum(seq.num_preemptions for seq in seqs) > 0, "the pool should have forced preemptions"
+    assert [out.token_ids for out in got] == [out.token_ids for out in expected]
+    for out in got:     # a whole match, or one cut by max_tokens
+        assert regex.fullmatch("[a-z]+( [a-z]+)*", out.text, partial=out.finish_reason == "length"), out.text
