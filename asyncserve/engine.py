@@ -79,7 +79,7 @@ class Engine:
                                    max_step_tokens=config.resolved_max_step_tokens(self.device),
                                    max_model_len=self.max_model_len, prefix_caching=config.prefix_caching)
         self._seeds = random.Random(config.seed)
-        self.guides = GuideCompiler(self.tokenizer)
+        self.guides = GuideCompiler(self.tokenizer, self.device)
         log.info("model %s: %d layers, %s on %s, LoRA backend %s; pool %d pages x %.1f KiB = %.2f GiB",
                  self.model_name, mc.num_layers, self.dtype, self.device, self.lora_backend_name,
                  num_pages, page_bytes / 1024, num_pages * page_bytes / 2**30)

@@ -5,6 +5,7 @@ spellings outlines-core's vocabulary is built from."""
 import json
 import random
 
+import outlines_core
 import pytest
 import regex
 import torch
@@ -226,3 +227,28 @@ def test_preempted_constrained_sequences_end_as_if_never_preempted(llm, tiny_mod
     assert [out.token_ids for out in got] == [out.token_ids for out in expected]
     for out in got:     # a whole match, or one cut by max_tokens
         assert regex.fullmatch("[a-z]+( [a-z]+)*", out.text, partial=out.finish_reason == "length"), out.text
+
+
+def test_state_biases_are_cached_within_their_byte_bound(llm, monkeypatch):
+    """Each automaton state's bias is the outlines-core mask (0 where allowed, -inf elsewhere), the
+    same whether computed or taken from the cache, and the cache stays within its byte bound."""
+    import asyncserve.structured as structured
+
+    tok = llm.tokenizer
+    vocab = llm.engine.model_config.vocab_size
+    monkeypatch.setattr(structured, "CACHED_BIAS_BYTES", 3 * vocab * 4)
+    compiler = structured.GuideCompiler(tok)
+    spec = StructuredOutputs(choice=CHOICES)
+    text = tok.encode("quick fox", add_special_tokens=False)
+    for _ in range(2):                     # the second walk revisits the first's states
+        guide, reference = compiler.guide(spec), outlines_core.Guide(compiler.index(spec))
+        for token in text + [None]:
+            allowed = torch.zeros(vocab, dtype=torch.bool)
+            allowed[reference.get_tokens()] = True
+            assert torch.equal(guide.bias(vocab) == 0, allowed)
+            assert torch.isneginf(guide.bias(vocab)[~allowed]).all()
+            if token is not None:
+                guide.advance(token)
+                reference.advance(token)
+        assert len(compiler.biases) == 3
+    assert compiler.biases.nbytes == 3 * vocab * 4

@@ -289,7 +289,7 @@ class Scheduler:
         # sequence whatever ignore_eos and min_tokens say
         guide_done = seq.guide is not None and token in self.tokenizer.eos_token_ids
         if seq.guide is not None and not guide_done:
-            seq.guide.advance(token, return_tokens=False)
+            seq.guide.advance(token)
         if detok.stopped_by is not None or guide_done:
             reason = "stop"
         elif n_out >= p.min_tokens and (token in p.stop_token_ids or

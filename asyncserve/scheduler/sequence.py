@@ -33,7 +33,7 @@ class Sequence:
     prompt_logprobs: list[float] = field(default_factory=list)
     prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     first_token_time: float | None = None
-    # params.structured_outputs: the outlines-core Guide this sequence walks (state = its output so far)
+    # params.structured_outputs: its walk over the constraint's automaton (structured.SequenceGuide)
     guide: object | None = None
     # prefix cache (Scheduler): what block 0's key hangs from (None: not cached), the keys of the
     # full blocks so far, and how many of this sequence's pages are registered under them

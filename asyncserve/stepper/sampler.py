@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncserve.sampling_params import SamplingParams
-from asyncserve.structured import allowed_tokens
+from asyncserve.structured import SequenceGuide
 
 # Top-k/top-p thresholds are read off each row's `prefix` largest weights; the prefix grows by
 # this factor until the nucleus fits, so a full-vocab sort only happens for very flat rows.
@@ -36,7 +36,7 @@ class SamplingRow:
     output_ids: list[int]  # tokens generated so far (drives penalties, min_tokens, the seed position)
     eos_token_ids: list[int]
     seed: int  # the request's seed (params.seed, or one drawn at arrival when None)
-    guide: object | None = None  # the sequence's structured-output Guide (structured.py), if constrained
+    guide: SequenceGuide | None = None  # the sequence's structured-output guide, if constrained
 
 
 @dataclass
@@ -141,15 +141,14 @@ def apply_guides_(logits: torch.Tensor, rows: list[SamplingRow], raw: torch.Tens
     logits: [rows, vocab] after penalties; raw: the same rows before them. Where penalties and
     min_tokens leave a row nothing its guide allows (e.g. the text is complete but min_tokens bans
     the end-of-sequence token), the guide wins: that row is its raw logits under the guide's mask."""
-    guided = [i for i, row in enumerate(rows) if row.guide is not None]
-    if not guided:
-        return
-    allowed = allowed_tokens([rows[i].guide for i in guided], logits.shape[1]).to(logits.device)   # [guided, vocab]
-    part = logits[guided].masked_fill_(~allowed, float("-inf"))
-    dead = torch.isneginf(part).all(-1)
-    if dead.any():
-        part[dead] = raw[guided][dead].float().masked_fill_(~allowed[dead], float("-inf"))
-    logits[guided] = part
+    for i, row in enumerate(rows):
+        if row.guide is None:
+            continue
+        bias = row.guide.bias(logits.shape[1])                  # [vocab]: 0 or -inf
+        logits[i].add_(bias)
+        # min_tokens' bans are the only -inf before this, so only they can leave a row nothing
+        if _min_tokens_banned(row, None) and logits[i].amax() == float("-inf"):
+            logits[i].copy_(raw[i]).add_(bias)
 
 
 def truncation_thresholds(
