@@ -58,7 +58,8 @@ class RequestResult:
     error: str | None = None
 
 
-def build_payload(request: Request, endpoint: str) -> dict:
+def build_payload(request: Request, endpoint: str, extra_body: dict | None = None) -> dict:
+    """The request's JSON; extra_body's fields are added to it (e.g. a response_format)."""
     payload = {
         "model": request.model,
         "max_tokens": request.max_tokens,
@@ -73,7 +74,7 @@ def build_payload(request: Request, endpoint: str) -> dict:
         payload["messages"] = [{"role": "user", "content": request.prompt}]
     else:
         payload["prompt"] = request.prompt if request.prompt is not None else request.prompt_token_ids
-    return payload
+    return {**payload, **(extra_body or {})}
 
 
 def chunk_text(event: dict, endpoint: str) -> str:
@@ -127,10 +128,11 @@ async def receive_stream(
 
 
 async def send_request(
-    session: aiohttp.ClientSession, url: str, headers: dict, request: Request, endpoint: str, run_start: float
+    session: aiohttp.ClientSession, url: str, headers: dict, request: Request, endpoint: str, run_start: float,
+    extra_body: dict | None = None,
 ) -> RequestResult:
     result = RequestResult(request.index, request.model, request.prompt_len, request.max_tokens)
-    payload = build_payload(request, endpoint)
+    payload = build_payload(request, endpoint, extra_body)
     start = time.perf_counter()
     result.start_s = start - run_start
     try:
@@ -160,6 +162,7 @@ async def run_requests(
     max_in_flight: int,
     request_timeout_s: float,
     show_progress: bool = True,
+    extra_body: dict | None = None,
 ) -> list[RequestResult]:
     """Closed loop: max_in_flight workers take requests in index order, a new one when one ends.
     Open loop: each request is sent at its arrival time (relative to the first), however many are in flight."""
@@ -172,7 +175,7 @@ async def run_requests(
         run_start = time.perf_counter()
 
         async def send_and_record(request: Request) -> None:
-            result = await send_request(session, url, headers, request, endpoint, run_start)
+            result = await send_request(session, url, headers, request, endpoint, run_start, extra_body)
             results.append(result)
             progress.update(1)
             if result.error:
@@ -357,6 +360,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="with --list-adapters: print name=DIR, DIRs assigned round robin (vLLM --lora-modules syntax)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    parser.add_argument("--extra-body", type=json.loads, default=None, metavar="JSON",
+                        help='fields added to every request, e.g. \'{"response_format": {"type": "json_object"}}\'')
     parser.add_argument("--shared-prefix", type=int, default=0, metavar="N",
                         help="lead every prompt with one common text of N tokens (exercises prefix caches)")
 
@@ -408,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     results = asyncio.run(
         run_requests(requests, url, args.api_key, args.endpoint, open_loop, args.max_in_flight,
-                     args.request_timeout, show_progress=not args.no_progress)
+                     args.request_timeout, show_progress=not args.no_progress, extra_body=args.extra_body)
     )
     loadavg_after = os.getloadavg()
     summary = summarize(results, slos)
@@ -431,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
                 "loop": "open" if open_loop else "closed",
                 "max_in_flight": None if open_loop else args.max_in_flight,
                 "base_model_name": base_model_name,
+                "extra_body": args.extra_body,
             },
             "machine": {
                 "loadavg_before": list(loadavg_before),

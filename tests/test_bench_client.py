@@ -292,16 +292,18 @@ def test_client_closed_loop_w1_timings_tokens_and_json(tmp_path: Path) -> None:
     assert plot.stat().st_size > 0
 
 
-def test_w1_base_finds_the_served_base_model(tmp_path: Path) -> None:
+def test_w1_base_finds_the_served_base_model_and_adds_extra_body(tmp_path: Path) -> None:
     bench_dir, json_out = tmp_path / "bench", tmp_path / "base.json"
     write_w1_prompts(bench_dir)
+    extra = {"response_format": {"type": "json_object"}, "temperature": 0.5}
     with FakeOpenAIServer(0.0, 0.0) as server:
         argv = ["--base-url", server.base_url, "--workload", "w1-base", "--bench-dir", str(bench_dir),
-                "--json-out", str(json_out), "--no-progress"]
+                "--json-out", str(json_out), "--no-progress", "--extra-body", json.dumps(extra)]
         assert bench_serving.main(argv) == 0
     assert {p["model"] for p in server.payloads} == {"served-base"}
+    assert all(p["response_format"] == {"type": "json_object"} and p["temperature"] == 0.5 for p in server.payloads)
     report = json.loads(json_out.read_text())
-    assert report["config"]["base_model_name"] == "served-base"
+    assert report["config"]["base_model_name"] == "served-base" and report["config"]["extra_body"] == extra
     assert report["summary"]["completed"] == 64 and report["summary"]["output_tokens"] == 64 * 64
 
 
