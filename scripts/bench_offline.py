@@ -113,19 +113,22 @@ def run_hf(prompts, adapters, mixed: bool, args) -> dict:
 
 
 def profile_ours(prompts, adapters, args) -> None:
-    """Per-op time of decode steps at batch 16 (torch profiler)."""
+    """Per-op time of 20 decode steps at batch 16 (torch profiler), after 44 that reach the steady
+    state (prefill done, the adapter set's stacks packed): W1's adapters, or the base model when
+    --systems is ours-base."""
     from torch.profiler import ProfilerActivity, profile
 
     from asyncserve import SamplingParams
 
     llm = build_ours(adapters, args)
     ids = [llm.tokenizer.encode(p) for p in prompts[:16]]
-    names = [adapter_of(i, adapters) for i in range(16)]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    base = args.systems == "ours-base"
+    names = [None if base else adapter_of(i, adapters) for i in range(16)]
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     engine = llm.engine
     for i, p in enumerate(ids):
         engine.add(engine.make_sequence(p, params, names[i]))
-    for _ in range(4):          # prefill and first decodes
+    for _ in range(44):
         engine.step()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
     with profile(activities=activities) as prof:
@@ -137,7 +140,7 @@ def profile_ours(prompts, adapters, args) -> None:
         wall = time.perf_counter() - t0
     print(f"decode steps: {steps}, {1000 * wall / steps:.1f} ms/step at batch 16")
     sort = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=sort, row_limit=25))
+    print(prof.key_averages().table(sort_by=sort, row_limit=30))
 
 
 def median_run(runs: list[dict]) -> dict:
