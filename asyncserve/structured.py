@@ -7,12 +7,16 @@ end). Each sequence walks its own guide over the shared Index: the sampler adds 
 guide's state (-inf for every token it does not allow, the end-of-sequence token allowed only where
 the text may end), and the scheduler advances the guide with the token sampled. Indexes are cached
 by expression, since building one walks the whole vocabulary: ~25 ms for a small schema, ~5 s for
-any JSON object on SmolLM2's 49k tokens. The build releases the GIL, so the server runs it in a
+any JSON object on SmolLM2's 49k tokens. The build runs in a child process with memory and time
+limits (a few expressions have automata that grow exponentially), which the server waits for in a
 worker thread.
 """
 from __future__ import annotations
 
 import json
+import pickle
+import subprocess
+import sys
 import threading
 from collections import OrderedDict
 
@@ -26,6 +30,10 @@ from asyncserve.sampling_params import StructuredOutputs
 CACHED_INDEXES = 32
 # Memory for the logit biases of automaton states (196 KB each on a 49k vocabulary).
 CACHED_BIAS_BYTES = 64 * 2**20
+# Limits of the child process that builds an automaton (guide_build.py): any JSON object takes
+# ~4.8 s and ~240 MB on SmolLM2's vocabulary.
+BUILD_SECONDS = 60
+BUILD_MEMORY_BYTES = 2**30
 # Characters Rust's regex syntax treats as operators (regex_syntax::is_meta_character).
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~")
 
@@ -100,7 +108,7 @@ class GuideCompiler:
         self.tokenizer = tokenizer
         self.eos_token_id = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
         self.biases = BiasCache(torch.device(device))
-        self._vocabulary = None
+        self._token_bytes: dict[bytes, list[int]] | None = None
         self._indexes: OrderedDict[str, outlines_core.Index] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -113,12 +121,9 @@ class GuideCompiler:
                 return self._indexes[regex]
             if self.eos_token_id is None:
                 raise StructuredOutputError("structured outputs need a model with an end-of-sequence token")
-            if self._vocabulary is None:
-                self._vocabulary = outlines_core.Vocabulary(self.eos_token_id, token_bytes(self.tokenizer))
-            try:
-                index = outlines_core.Index(regex, self._vocabulary)
-            except (ValueError, TypeError) as e:
-                raise StructuredOutputError(f"cannot build the constraint's automaton: {e}") from None
+            if self._token_bytes is None:
+                self._token_bytes = token_bytes(self.tokenizer)
+            index = build_index(regex, self.eos_token_id, self._token_bytes)
             self._indexes[regex] = index
             if len(self._indexes) > CACHED_INDEXES:
                 self._indexes.popitem(last=False)
@@ -127,6 +132,30 @@ class GuideCompiler:
     def guide(self, spec: StructuredOutputs) -> SequenceGuide:
         """A fresh walk over the constraint's automaton, for one sequence."""
         return SequenceGuide(outlines_core.Guide(self.index(spec)), constraint_regex(spec), self.biases)
+
+
+def build_index(regex: str, eos_token_id: int, vocabulary: dict[bytes, list[int]]) -> outlines_core.Index:
+    """outlines_core.Index(regex, vocabulary), built in a child process (guide_build.py) under
+    BUILD_MEMORY_BYTES of address space and BUILD_SECONDS."""
+    request = pickle.dumps((regex, eos_token_id, vocabulary, BUILD_MEMORY_BYTES))
+    child = subprocess.Popen([sys.executable, "-m", "asyncserve.guide_build"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = child.communicate(request, timeout=BUILD_SECONDS)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        raise StructuredOutputError(f"the constraint's automaton takes more than {BUILD_SECONDS} s to build; "
+                                    "simplify it") from None
+    reason = err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit status {child.returncode}"]
+    if child.returncode == 2:
+        raise StructuredOutputError(f"cannot build the constraint's automaton: {reason[0]}")
+    if child.returncode < 0 or b"memory" in err.lower():        # Rust aborts when an allocation fails
+        raise StructuredOutputError(f"the constraint's automaton needs more than {BUILD_MEMORY_BYTES // 2**20} MiB "
+                                    f"to build; simplify it")
+    if child.returncode != 0:
+        raise StructuredOutputError(f"building the constraint's automaton failed: {reason[0]}")
+    return pickle.loads(out)
 
 
 class SequenceGuide:

@@ -388,6 +388,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "tiny", "prompt": "x", "response_format": "json"}, 400, "response_format"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "guided_regex": "(unclosed"}, 400, "guided_regex"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "guided_json": {"type": "no-such-type"}}, 400, "guided_json"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "guided_regex": "(a|b)*a(a|b){22}"}, 400,   # automaton
+     "guided_regex"),                                                                            # past 1 GiB
     ("/v1/completions", {"model": "tiny", "prompt": "x", "guided_choice": []}, 400, "guided_choice"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "guided_regex": "a", "guided_choice": ["b"]}, 400,
      "guided_choice"),

@@ -252,3 +252,22 @@ def test_state_biases_are_cached_within_their_byte_bound(llm, monkeypatch):
                 reference.advance(token)
         assert len(compiler.biases) == 3
     assert compiler.biases.nbytes == 3 * vocab * 4
+
+
+def test_automata_too_large_or_slow_to_build_are_refused(llm, monkeypatch):
+    """The automaton of (a|b)*a(a|b){22} has millions of states: its build, in a child process,
+    runs out of its address space and is refused, as is one past the build deadline; the engine
+    keeps serving."""
+    import asyncserve.structured as structured
+    from asyncserve.engine import RequestError
+
+    ids = llm.tokenizer.encode("the fox")
+    monkeypatch.setattr(structured, "BUILD_MEMORY_BYTES", 256 * 2**20)
+    with pytest.raises(RequestError, match="needs more than 256 MiB"):
+        llm.engine.make_sequence(ids, SamplingParams(structured_outputs=StructuredOutputs(regex="(a|b)*a(a|b){22}")),
+                                 None)
+    monkeypatch.setattr(structured, "BUILD_SECONDS", 0.001)
+    with pytest.raises(RequestError, match="takes more than 0.001 s"):
+        llm.engine.make_sequence(ids, SamplingParams(structured_outputs=StructuredOutputs(regex="[a-z]{1,50}")), None)
+    out = llm.generate([ids], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
