@@ -110,24 +110,34 @@ class GuideCompiler:
         self.biases = BiasCache(torch.device(device))
         self._token_bytes: dict[bytes, list[int]] | None = None
         self._indexes: OrderedDict[str, outlines_core.Index] = OrderedDict()
-        self._lock = threading.Lock()
+        self._cache_lock = threading.Lock()       # held only to read or change _indexes
+        self._build_lock = threading.Lock()       # one build at a time: each may take a core and 1 GiB
 
     def index(self, spec: StructuredOutputs) -> outlines_core.Index:
-        """The constraint's Index, built on first use (may take seconds: call it off the event loop)."""
+        """The constraint's Index, built on first use (may take seconds: call it off the event loop).
+        A cached one never waits for another constraint's build."""
         regex = constraint_regex(spec)
-        with self._lock:
-            if regex in self._indexes:
-                self._indexes.move_to_end(regex)
-                return self._indexes[regex]
+        if (index := self._cached(regex)) is not None:
+            return index
+        with self._build_lock:
+            if (index := self._cached(regex)) is not None:      # built while this thread waited
+                return index
             if self.eos_token_id is None:
                 raise StructuredOutputError("structured outputs need a model with an end-of-sequence token")
             if self._token_bytes is None:
                 self._token_bytes = token_bytes(self.tokenizer)
             index = build_index(regex, self.eos_token_id, self._token_bytes)
+        with self._cache_lock:
             self._indexes[regex] = index
             if len(self._indexes) > CACHED_INDEXES:
                 self._indexes.popitem(last=False)
-            return index
+        return index
+
+    def _cached(self, regex: str) -> outlines_core.Index | None:
+        with self._cache_lock:
+            if regex in self._indexes:
+                self._indexes.move_to_end(regex)
+            return self._indexes.get(regex)
 
     def guide(self, spec: StructuredOutputs) -> SequenceGuide:
         """A fresh walk over the constraint's automaton, for one sequence."""

@@ -271,3 +271,38 @@ def test_automata_too_large_or_slow_to_build_are_refused(llm, monkeypatch):
         llm.engine.make_sequence(ids, SamplingParams(structured_outputs=StructuredOutputs(regex="[a-z]{1,50}")), None)
     out = llm.generate([ids], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
     assert len(out.token_ids) == 4
+
+
+def test_a_cached_constraint_never_waits_for_another_ones_build(llm, monkeypatch):
+    """The server looks constraints up on its event loop: while one thread builds an automaton, a
+    cached one is returned at once, and a second build waits for the first."""
+    import threading
+
+    import asyncserve.structured as structured
+
+    compiler = structured.GuideCompiler(llm.tokenizer)
+    cached = StructuredOutputs(choice=["yes", "no"])
+    compiler.index(cached)
+    release, started, built = threading.Event(), threading.Event(), []
+    real_build = structured.build_index
+
+    def slow_build(regex, eos, vocabulary):
+        started.set()
+        assert release.wait(30)
+        built.append(regex)
+        return real_build(regex, eos, vocabulary)
+
+    monkeypatch.setattr(structured, "build_index", slow_build)
+    builders = [threading.Thread(target=compiler.index, args=(StructuredOutputs(regex=rx),)) for rx in ("[a-c]+", "[d-f]+")]
+    builders[0].start()
+    assert started.wait(30)
+    builders[1].start()
+    looked_up = []
+    lookup = threading.Thread(target=lambda: looked_up.append(compiler.guide(cached)))
+    lookup.start()
+    lookup.join(10)
+    assert looked_up and built == [], "the cached lookup waited for the blocked build"
+    release.set()
+    for thread in builders:
+        thread.join(30)
+    assert sorted(built) == ["[a-c]+", "[d-f]+"]
