@@ -121,10 +121,10 @@ class Engine:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"prompt token id {bad[0]} is out of range [0, {vocab})", "prompt")
-        bad = [t for t in params.logit_bias if t >= vocab]
-        if bad:
-            raise RequestError(f"logit_bias names token id {bad[0]}, past the vocabulary ({vocab} tokens)",
-                               "logit_bias")
+        for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or [])):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise RequestError(f"{name} names token id {bad[0]}, past the vocabulary ({vocab} tokens)", name)
         if len(prompt_ids) >= self.max_model_len:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this model's context is "
                                f"{self.max_model_len} tokens, leaving no room to generate", "prompt")
@@ -141,7 +141,18 @@ class Engine:
                 raise RequestError(str(e), "structured_outputs") from None
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         return Sequence(request_id=request_id or uuid.uuid4().hex, prompt_ids=list(prompt_ids), params=params,
-                        adapter=adapter, seed=seed, arrival=arrival, guide=guide)
+                        adapter=adapter, seed=seed, arrival=arrival, guide=guide,
+                        bad_words_ids=self._bad_words_ids(params.bad_words))
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's token ids as it would start the text and after a space (as vLLM bans them)."""
+        out = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)

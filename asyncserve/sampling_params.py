@@ -55,6 +55,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
     structured_outputs: StructuredOutputs | None = None  # held to a schema, expression or choice list
+    allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM)
+    bad_words: list[str] = field(default_factory=list)  # never generated, with or without a leading space (vLLM)
     n: int = 1
 
     def __post_init__(self) -> None:
@@ -67,6 +69,9 @@ class SamplingParams:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias or {})
+        self.bad_words = list(self.bad_words or [])
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self.validate()
 
     def validate(self) -> None:
@@ -112,6 +117,11 @@ class SamplingParams:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.allowed_token_ids is not None and not (
+                self.allowed_token_ids and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids)):
+            raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
+        if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            raise ValueError(f"bad_words must be non-blank strings, got {self.bad_words!r}")
 
     @property
     def greedy(self) -> bool:
@@ -119,6 +129,6 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        """Whether anything changes the logits before sampling (penalties, logit_bias)."""
+        """Whether anything changes the logits before sampling (penalties, logit_bias, allowed or bad tokens)."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-                or bool(self.logit_bias))
+                or bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words))

@@ -20,13 +20,15 @@ from asyncserve.stepper.sampler import (
 EOS = 0
 
 
-def make_row(seed: int = 0, prompt: list[int] | None = None, output: list[int] | None = None, **params) -> SamplingRow:
+def make_row(seed: int = 0, prompt: list[int] | None = None, output: list[int] | None = None,
+             bad_words_ids: list[list[int]] | None = None, **params) -> SamplingRow:
     return SamplingRow(
         params=SamplingParams(**params),
         prompt_ids=list(prompt or []),
         output_ids=list(output or []),
         eos_token_ids=[EOS],
         seed=seed,
+        bad_words_ids=bad_words_ids or [],
     )
 
 
@@ -212,14 +214,20 @@ def reference_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
         logits[token] -= p.frequency_penalty * count + p.presence_penalty
     for token, bias in p.logit_bias.items():
         logits[token] += bias
+    if p.allowed_token_ids is not None:
+        others = torch.ones(logits.shape, dtype=torch.bool)
+        others[p.allowed_token_ids] = False
+        logits[others] = float("-inf")
+    for ids in row.bad_words_ids:        # banned where the output ends with all but the word's last token
+        if len(row.output_ids) >= len(ids) - 1 and row.output_ids[len(row.output_ids) - len(ids) + 1:] == ids[:-1]:
+            logits[ids[-1]] = float("-inf")
     return logits
 
 
 def test_penalties_match_reference():
     vocab = 50
-    padded = random_logits(5, vocab + 14, seed=5)
+    padded = random_logits(9, vocab + 14, seed=5)
     logits = padded[:, :vocab]  # a non-contiguous view, as a padded vocab would give
-    before = logits.clone()
     rows = [
         make_row(prompt=[1, 2, 2, 3], output=[3, 4, 4, 4], temperature=0.0, repetition_penalty=1.3),
         make_row(prompt=[1, 5], output=[5, 5, 6], temperature=0.0, presence_penalty=0.5, frequency_penalty=0.7),
@@ -227,13 +235,23 @@ def test_penalties_match_reference():
                  repetition_penalty=0.8, presence_penalty=-0.4, frequency_penalty=1.5),
         make_row(prompt=[1, 2], output=[3], temperature=0.0),
         make_row(prompt=[1, 2], output=[2], temperature=0.0, repetition_penalty=1.2, logit_bias={2: 30.0, 4: -100}),
+        make_row(output=[3], temperature=0.0, allowed_token_ids=[7, 9, 11], logit_bias={9: 5.0}),
+        # bad words: 12 always; 20 after 13; 30 after 14, 15 (the output ends 15, 14: not banned)
+        make_row(output=[1, 13], temperature=0.0, bad_words_ids=[[12], [13, 20], [14, 15, 30]]),
+        make_row(output=[15, 14], temperature=0.0, bad_words_ids=[[14, 15, 30]]),
+        make_row(output=[14, 15], temperature=0.0, bad_words_ids=[[14, 15, 30], [5, 6, 7]]),
     ]
+    for i, banned in ((6, [12, 20]), (7, [30]), (8, [30])):
+        logits[i, banned] = 50.0                  # the banned tokens would win otherwise
+    before = logits.clone()
     penalised = logits.contiguous()
     apply_penalties_(penalised, rows)
     expected = torch.stack([reference_penalties(logits[i], row) for i, row in enumerate(rows)])
     assert torch.allclose(penalised, expected, atol=1e-6)
     assert sample(logits, rows).token_ids == expected.argmax(-1).tolist()
-    assert sample(logits, rows).token_ids[-1] == 2          # the bias wins over the repetition penalty
+    tokens = sample(logits, rows).token_ids
+    assert tokens[4] == 2          # the bias wins over the repetition penalty
+    assert tokens[5] == 9 and tokens[6] not in (12, 20) and tokens[7] == 30 and tokens[8] != 30
     assert torch.equal(logits, before)
 
 

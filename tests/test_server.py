@@ -333,6 +333,67 @@ def test_templates_see_the_tools_and_tool_calls(offline):
                     'assistant:<call get_weather>|tool:sunny<for c1>|')
 
 
+def test_add_special_tokens_reaches_the_tokenizer(srv, client, monkeypatch):
+    """vLLM's add_special_tokens: True by default for a completion's text, False for chat."""
+    tok = srv.server.engine.tokenizer
+    flags, encode = [], tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text, add_special_tokens=True: (
+        flags.append(add_special_tokens), encode(text, add_special_tokens=add_special_tokens))[1])
+    messages = [{"role": "user", "content": "x"}]
+    client.completions.create(model="tiny", prompt="the fox", max_tokens=1)
+    client.completions.create(model="tiny", prompt="the fox", max_tokens=1, extra_body={"add_special_tokens": False})
+    client.chat.completions.create(model="tiny", messages=messages, max_tokens=1)
+    client.chat.completions.create(model="tiny", messages=messages, max_tokens=1, extra_body={"add_special_tokens": True})
+    assert flags == [True, False, False, True]
+
+
+def test_vllm_fields_allowed_tokens_bad_words_truncation_and_token_ids(client, offline):
+    """allowed_token_ids, bad_words, truncate_prompt_tokens and return_token_ids give the offline
+    engine's tokens for the same parameters and prompt."""
+    tok = offline.tokenizer
+    greedy = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
+    free = offline.generate([PROMPTS[0]], SamplingParams(**greedy), adapters="r2_mlp")[0]
+    allowed = sorted(set(free.token_ids[1:6]))          # the unconstrained run picked tokens 1..5 but not 0
+    # a word the unconstrained run generates
+    word = next(w for w in (tok.decode([t]).strip() for t in free.token_ids) if w.isascii() and w.isalpha())
+    for fields in ({"allowed_token_ids": allowed}, {"bad_words": [word]}):
+        exp = offline.generate([PROMPTS[0]], SamplingParams(**greedy, **fields), adapters="r2_mlp")[0]
+        r = client.completions.create(model="r2_mlp", prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True, **fields})
+        assert r.choices[0].text == exp.text != free.text
+    assert set(exp.token_ids).isdisjoint(ids[0] for ids in (tok.encode(word, add_special_tokens=False),
+                                                            tok.encode(" " + word, add_special_tokens=False))
+                                         if len(ids) == 1)
+
+    ids = tok.encode(PROMPTS[2])
+    exp = offline.generate([ids[-5:]], SamplingParams(**greedy))[0]
+    body = {"model": "tiny", "prompt": PROMPTS[2], "truncate_prompt_tokens": 5, "return_token_ids": True,
+            "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    r = client.completions.create(**{k: v for k, v in body.items() if k in ("model", "prompt", "max_tokens",
+                                                                           "temperature")},
+                                  extra_body={k: body[k] for k in ("truncate_prompt_tokens", "return_token_ids",
+                                                                   "ignore_eos")})
+    assert r.usage.prompt_tokens == 5 and r.choices[0].text == exp.text
+    assert r.choices[0].model_extra["prompt_token_ids"] == ids[-5:]
+    assert r.choices[0].model_extra["token_ids"] == exp.token_ids
+    chunks = [c for c in client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=12, temperature=0,
+                                                   stream=True, extra_body={k: body[k] for k in (
+                                                       "truncate_prompt_tokens", "return_token_ids", "ignore_eos")})]
+    assert [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == exp.token_ids
+    assert chunks[0].choices[0].model_extra["prompt_token_ids"] == ids[-5:]
+
+    messages = [{"role": "user", "content": "the fox jumps"}]
+    exp = offline.chat(messages, SamplingParams(max_tokens=6, temperature=0.0))[0]
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                       extra_body={"return_token_ids": True})
+    assert r.model_extra["prompt_token_ids"] == exp.prompt_token_ids
+    assert r.choices[0].model_extra["token_ids"] == exp.token_ids
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                                 stream=True, extra_body={"return_token_ids": True}))
+    assert chunks[0].model_extra["prompt_token_ids"] == exp.prompt_token_ids
+    assert [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == exp.token_ids
+
+
 def test_tokenize_detokenize_and_version(srv, offline):
     """vLLM's utility endpoints: token ids as the engine sees them, for a prompt and for messages."""
     tok = offline.tokenizer
@@ -410,6 +471,14 @@ BAD_REQUESTS = [
           ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "no-such-type"}}}],
             "tool_choice": "required"}, "tools"),
       ]],
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "priority": 3}, 400, "priority"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "allowed_token_ids": [10**7]}, 400, "allowed_token_ids"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "bad_words": [" "]},
+     400, "bad_words"),
     ("/tokenize", {"model": "tiny"}, 400, "prompt"),
     ("/tokenize", {"model": "nope", "prompt": "x"}, 404, "model"),
     ("/detokenize", {"model": "tiny", "tokens": [1, 10**9]}, 400, "tokens"),
@@ -450,6 +519,8 @@ FUZZ_VALUES = {
     "response_format": [{"type": "json_object"}, {"type": "text"}, {"type": "bogus"}, "x"],
     "guided_choice": [["yes", "no"], [], [""]], "guided_regex": ["[a-z]{1,3}", "("],
     "tools": [[WEATHER], [SEARCH, WEATHER], [{"type": "function"}], "x"],
+    "allowed_token_ids": [[5, 6], [], [-1]], "bad_words": [["fox"], [""], "fox"], "truncate_prompt_tokens": [2, 0, -1],
+    "return_token_ids": [True, 1], "use_beam_search": [False, True],
     "tool_choice": ["required", "none", "auto", {"type": "function", "function": {"name": "search"}}, 3],
     "model": ["tiny", "r1_qv", "nope", "", 3], "tokens": [[1, 2], [], [-5], "ab"], "add_generation_prompt": [False, "no"],
 }
@@ -553,6 +624,30 @@ def test_abort_while_in_the_running_step(srv, max_tokens, reason):
     if reason == "length":
         assert sum(len(e.token_ids) for e in events) == 1
     assert srv.metric("asyncserve_running_requests") == 0
+
+
+@pytest.mark.parametrize("where", ["run", "postprocess"])
+def test_a_failing_step_fails_its_requests_and_the_server_goes_on(srv, monkeypatch, where):
+    """A step that raises in the model's thread, or in its bookkeeping after finishing sequences:
+    its requests answer 500 in OpenAI's shape, and the next request is served."""
+    engine = srv.server.engine
+    owner, name = (engine.runner, "run") if where == "run" else (engine.scheduler, "postprocess")
+    real = getattr(owner, name)
+    failures = []
+
+    def failing(*args):
+        if not failures:
+            failures.append(real(*args))            # postprocess: sequences finish, then the step fails
+            raise RuntimeError("injected")
+        return real(*args)
+
+    monkeypatch.setattr(owner, name, failing)
+    status, out, _ = srv.request("POST", "/v1/completions", {"model": "tiny", "prompt": "the fox", "max_tokens": 1})
+    assert status == 500 and "injected" in out["error"]["message"] and out["error"]["type"] == "server_error"
+    status, out, _ = srv.request("POST", "/v1/completions", {"model": "tiny", "prompt": "the fox", "max_tokens": 2,
+                                                             "ignore_eos": True})
+    assert status == 200 and out["usage"]["completion_tokens"] == 2
+    assert srv.metric("asyncserve_pool_pages", 'kind="kv"') == 0
 
 
 def test_runtime_load_and_unload_while_others_stream(srv, client, offline, tiny_model):

@@ -306,3 +306,26 @@ def test_a_cached_constraint_never_waits_for_another_ones_build(llm, monkeypatch
     for thread in builders:
         thread.join(30)
     assert sorted(built) == ["[a-c]+", "[d-f]+"]
+
+
+def test_the_constraint_wins_over_allowed_tokens_and_bad_words(llm):
+    """allowed_token_ids and bad_words that leave nothing the constraint allows yield to it, and a
+    token outside the constraint (which the sampler never gives) ends that sequence alone."""
+    tok = llm.tokenizer
+    ids = tok.encode("the fox")
+    forbidding = SamplingParams(max_tokens=20, temperature=0.0, allowed_token_ids=[5, 6], bad_words=["quick"],
+                                structured_outputs=StructuredOutputs(choice=["quick fox", "lazy dog"]))
+    outs = llm.generate([ids, ids], forbidding, adapters=[None, "r1_qv"])
+    assert all(out.text in ("quick fox", "lazy dog") and out.finish_reason == "stop" for out in outs)
+
+    engine = llm.engine
+    seqs = [engine.make_sequence(ids, SamplingParams(max_tokens=8, structured_outputs=StructuredOutputs(regex="[a-z]+")),
+                                 None), engine.make_sequence(ids, SamplingParams(max_tokens=8), None)]
+    for seq in seqs:
+        engine.add(seq)
+    engine.step()
+    update = engine.scheduler._append(seqs[0], tok.encode("7", add_special_tokens=False)[0])
+    assert update.finished and update.finish_reason == "stop"
+    while engine.has_unfinished():
+        engine.step()
+    assert len(seqs[1].output_ids) == 8

@@ -22,7 +22,8 @@ from asyncserve import __version__
 from asyncserve.engine import RequestError
 from asyncserve.ingress.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                          LoadLoraRequest, TokenizeRequest, UnloadLoraRequest, decode_body, now,
-                                         prompts_of, sampling_params, structured_outputs_of, usage)
+                                         prompts_of, refuse_unsupported, sampling_params, structured_outputs_of,
+                                         truncated_prompt, usage)
 from asyncserve.ingress.tools import ToolPlan, new_call_id, template_tools, tool_call, tool_plan
 from asyncserve.messages import Abort, LoadAdapter, Submit, TokenEvent, UnloadAdapter
 from asyncserve.sampling_params import StructuredOutputs
@@ -137,6 +138,18 @@ class _Choice:
         self.num_output_tokens = 0
         self.tool_text = ""                          # tool_choice "required": the output, parsed at its end
         self.tool_call_id: str | None = None         # a named tool_choice: the streamed call's id
+        self.prompt_ids_sent = False                 # return_token_ids: the prompt's ids went out
+
+
+def _returned_ids(req, choice: _Choice, token_ids: list[int], with_prompt: bool = True) -> dict:
+    """vLLM's return_token_ids: a choice's new token ids, and its prompt's the first time."""
+    if not req.return_token_ids:
+        return {}
+    out = {"token_ids": token_ids}
+    if with_prompt and not choice.prompt_ids_sent:
+        out["prompt_token_ids"] = choice.seq.prompt_ids
+        choice.prompt_ids_sent = True
+    return out
 
 
 def _sample_params(params, sample: int):
@@ -255,17 +268,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise ApiError(400, "best_of > 1 is not supported", param="best_of", code="invalid_value")
     if req.suffix:
         raise ApiError(400, "suffix is not supported", param="suffix", code="invalid_value")
+    refuse_unsupported(req)
     adapter = _adapter_for(server, req.model)
     n = _num_samples(req)
     structured = await _structured_outputs(server, req)
     tok = server.engine.tokenizer
     choices, prompt_tokens = [], 0
     for prompt in prompts_of(req):
-        prompt_ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        given = tok.encode(prompt, add_special_tokens=req.add_special_tokens) if isinstance(prompt, str) else list(prompt)
+        prompt_ids = truncated_prompt(given, req, server.engine.max_model_len)
         # echo with logprobs scores the echoed prompt too (as vLLM does; lm-eval's loglikelihood relies on it)
         params = sampling_params(req, _max_tokens(server, prompt_ids, req.max_tokens, 16, "max_tokens"), req.logprobs,
                                  req.logprobs if req.echo else None, structured)
-        echo = (prompt if isinstance(prompt, str) else tok.decode(prompt_ids)) if req.echo else ""
+        whole = isinstance(prompt, str) and len(prompt_ids) == len(given)
+        echo = (prompt if whole else tok.decode(prompt_ids)) if req.echo else ""
         for sample in range(n):
             seq = _new_sequence(server, prompt_ids, _sample_params(params, sample), adapter)
             choices.append(_Choice(len(choices), seq, prefix=echo))
@@ -306,7 +322,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 choice.offset += len(text)
                 await _send(resp, {"id": rid, "object": "text_completion", "created": created, "model": req.model,
                                    "choices": [{"index": choice.index, "text": text, "logprobs": lp,
-                                                "finish_reason": event.finish_reason if event.finished else None}]})
+                                                "finish_reason": event.finish_reason if event.finished else None,
+                                                **_returned_ids(req, choice, event.token_ids)}]})
             if event.finished:
                 choice.num_output_tokens = event.num_output_tokens
 
@@ -329,7 +346,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
                                prompt_logprobs=c.prompt_logprobs, prompt_top_logprobs=c.prompt_top)
             lp = logprobs_block(event, 0 if c.prompt_logprobs is not None else len(choice.prefix),
                                 choice.seq.prompt_ids)
-        out.append({"index": choice.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish})
+        out.append({"index": choice.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish,
+                    **_returned_ids(req, choice, c.tokens)})
     return web.json_response({"id": rid, "object": "text_completion", "created": created, "model": req.model,
                               "choices": out, "usage": _usage(prompt_tokens, choices)})
 
@@ -384,12 +402,15 @@ def _chat_prompt_ids(tok, req: ChatCompletionRequest | TokenizeRequest, add_spec
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     server = _server(request)
     req = decode_body(await request.read(), ChatCompletionRequest)
+    refuse_unsupported(req)
     tools = tool_plan(req)
     if tools is not None and req.logprobs:
         raise ApiError(400, "logprobs are not supported with tool calls", param="logprobs", code="invalid_value")
     adapter = _adapter_for(server, req.model)
     tok = server.engine.tokenizer
-    prompt_ids = _chat_prompt_ids(tok, req, tools=template_tools(req))
+    prompt_ids = truncated_prompt(_chat_prompt_ids(tok, req, req.add_special_tokens, template_tools(req)), req,
+                                  server.engine.max_model_len)
+    returned_prompt = {"prompt_token_ids": prompt_ids} if req.return_token_ids else {}
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs", code="invalid_value")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -412,12 +433,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if req.stream:
         resp = await _start_sse(request)
 
-        def chunk(choice: _Choice, delta: dict, finish: str | None, lp=None) -> dict:
+        def chunk(choice: _Choice, delta: dict, finish: str | None, lp=None, token_ids=()) -> dict:
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
-                    "choices": [{"index": choice.index, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
+                    "choices": [{"index": choice.index, "delta": delta, "logprobs": lp, "finish_reason": finish,
+                                 **_returned_ids(req, choice, list(token_ids), with_prompt=False)}]}
 
         for choice in choices:
-            await _send(resp, chunk(choice, {"role": "assistant", "content": ""}, None))
+            await _send(resp, {**chunk(choice, {"role": "assistant", "content": ""}, None), **returned_prompt})
 
         async def on_event(choice: _Choice, event: TokenEvent):
             if event.error:
@@ -426,8 +448,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             if tools is None:
                 lp = ({"content": logprobs_content(event.token_ids, event.logprobs, event.top_logprobs)}
                       if req.logprobs and event.token_ids else None)
-                if event.text or lp:
-                    await _send(resp, chunk(choice, {"content": event.text}, None, lp))
+                if event.text or lp or (req.return_token_ids and event.token_ids):
+                    await _send(resp, chunk(choice, {"content": event.text}, None, lp, event.token_ids))
             elif tools.function is not None and event.text:
                 # a named function: its arguments stream as they come, the first delta naming the call
                 call = {"index": 0, "function": {"arguments": event.text}}
@@ -468,9 +490,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         if calls is not None:
             message = {"role": "assistant", "content": None, "tool_calls": calls}
             finish = finish if tools.function is not None else "tool_calls"
-        out.append({"index": choice.index, "message": message, "logprobs": lp, "finish_reason": finish})
+        out.append({"index": choice.index, "message": message, "logprobs": lp, "finish_reason": finish,
+                    **_returned_ids(req, choice, c.tokens, with_prompt=False)})
     return web.json_response({"id": rid, "object": "chat.completion", "created": created, "model": req.model,
-                              "choices": out, "usage": _usage(len(prompt_ids), choices)})
+                              "choices": out, "usage": _usage(len(prompt_ids), choices), **returned_prompt})
 
 
 # ---- models, adapters, health, metrics -------------------------------------------------------------

@@ -83,6 +83,15 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=False, kw_only=True)
     repetition_penalty: Union[float, None] = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    allowed_token_ids: Union[list[int], None] = None
+    bad_words: Union[list[str], None] = None
+    truncate_prompt_tokens: Union[int, None] = None     # keep only the prompt's last N tokens (-1: the context)
+    return_token_ids: bool = False                      # the prompt's and the choice's token ids too
+    # vLLM fields with no equivalent here, refused rather than ignored
+    use_beam_search: bool = False
+    prompt_logprobs: Union[int, None] = None
+    prompt_embeds: Union[str, list, None] = None
+    priority: int = 0
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and older guided_* fields
     response_format: Union[ResponseFormat, None] = None
     structured_outputs: Union[StructuredOutputsField, None] = None
@@ -93,6 +102,7 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=False, kw_only=True)
 
 class CompletionRequest(_SamplingFields, kw_only=True):
     prompt: Union[str, list]          # str, [token ids], [str] or [[token ids]]: checked by prompts_of()
+    add_special_tokens: bool = True   # to a text prompt (vLLM)
     logprobs: Union[int, None] = None
     echo: bool = False
     best_of: Union[int, None] = None
@@ -132,6 +142,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: Union[int, None] = None
     logprobs: bool = False
     top_logprobs: Union[int, None] = None
+    add_special_tokens: bool = False  # the chat template writes them (vLLM)
     tools: Union[list[Tool], None] = None
     tool_choice: Union[str, NamedToolChoice, None] = None
     parallel_tool_calls: bool = True
@@ -209,6 +220,34 @@ def structured_outputs_of(req: _SamplingFields) -> tuple[StructuredOutputs | Non
         raise ApiError(400, f"{param}: {e}", param=param, code="invalid_value") from None
 
 
+UNSUPPORTED = {   # field: (whether a value asks for it, what to say)
+    "use_beam_search": (lambda v: v, "beam search is not supported"),
+    "prompt_logprobs": (lambda v: v is not None, "prompt_logprobs is not supported; /v1/completions with echo "
+                                                 "and logprobs scores the prompt"),
+    "prompt_embeds": (lambda v: v is not None, "prompt_embeds are not supported"),
+    "priority": (lambda v: v != 0, "priority needs a priority scheduling policy, which this server does not run"),
+}
+
+
+def refuse_unsupported(req: _SamplingFields) -> None:
+    for name, (asks, message) in UNSUPPORTED.items():
+        if asks(getattr(req, name)):
+            raise ApiError(400, message, param=name, code="invalid_value")
+
+
+def truncated_prompt(prompt_ids: list[int], req: _SamplingFields, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last N tokens (N = -1: the context length)."""
+    n = req.truncate_prompt_tokens
+    if n is None:
+        return prompt_ids
+    if n == -1:
+        n = max_model_len
+    if n < 1:
+        raise ApiError(400, f"truncate_prompt_tokens must be -1 or at least 1, got {n}",
+                       param="truncate_prompt_tokens", code="invalid_value")
+    return prompt_ids[-n:]
+
+
 def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None,
                     prompt_logprobs: int | None = None, structured: StructuredOutputs | None = None
                     ) -> SamplingParams:
@@ -224,6 +263,7 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int 
         "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
         "repetition_penalty": req.repetition_penalty, "include_stop_str_in_output": req.include_stop_str_in_output,
         "skip_special_tokens": req.skip_special_tokens, "structured_outputs": structured,
+        "allowed_token_ids": req.allowed_token_ids, "bad_words": req.bad_words,
     }
     kwargs = {k: v for k, v in fields.items() if v is not None}
     try:

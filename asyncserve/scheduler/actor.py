@@ -92,14 +92,22 @@ class SchedulerActor:
     def _finish_step(self, done: StepDone) -> None:
         self._stepping = False
         self._in_flight = set()
-        if done.error is not None:
-            log.error("step %d failed: %r; failing its requests", done.step_id, done.error)
-            for chunk in done.plan.chunks:
-                self._abort(Abort(chunk.seq.request_id, reason="error"), error=f"internal error: {done.error!r}")
-        else:
+        error = done.error
+        if error is None:
             self.metrics.step.observe(done.result.duration_s)
-            self._finished_updates += self.engine.scheduler.postprocess(done.plan, done.result.sampled,
-                                                                        done.result.prompt_logprobs)
+            try:
+                self._finished_updates += self.engine.scheduler.postprocess(done.plan, done.result.sampled,
+                                                                            done.result.prompt_logprobs)
+            except Exception as e:      # a bug in one step's bookkeeping fails its requests, not the server
+                log.exception("postprocessing step %d failed", done.step_id)
+                error = e
+        if error is not None:
+            log.error("step %d failed: %r; failing its requests", done.step_id, error)
+            for chunk in done.plan.chunks:
+                seq = chunk.seq
+                self._abort(Abort(seq.request_id, reason="error"), error=f"internal error: {error!r}")
+                if (stream := self.streams.pop(seq.request_id, None)) is not None:   # finished, unpublished
+                    self._emit_error(seq, stream, f"internal error: {error!r}")
         for abort in self._deferred:
             self._abort(abort)
         self._deferred = []

@@ -16,6 +16,7 @@ logits to sample from. Requests that want prompt logprobs compute every prompt t
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -26,6 +27,8 @@ from asyncserve.pager.pool import PagedPool
 from asyncserve.scheduler.policy import SchedulingPolicy
 from asyncserve.scheduler.sequence import Sequence, SeqStatus
 from asyncserve.stepper.sampler import SampleOutput
+
+log = logging.getLogger("asyncserve.scheduler")
 
 
 @dataclass
@@ -289,7 +292,11 @@ class Scheduler:
         # sequence whatever ignore_eos and min_tokens say
         guide_done = seq.guide is not None and token in self.tokenizer.eos_token_ids
         if seq.guide is not None and not guide_done:
-            seq.guide.advance(token)
+            try:
+                seq.guide.advance(token)
+            except ValueError as e:     # the sampler gives only allowed tokens; never let one request stop the rest
+                log.error("request %s: token %d is outside its constraint (%s); ending it", seq.request_id, token, e)
+                guide_done = True
         if detok.stopped_by is not None or guide_done:
             reason = "stop"
         elif n_out >= p.min_tokens and (token in p.stop_token_ids or

@@ -35,6 +35,7 @@ class Sequence:
     first_token_time: float | None = None
     # params.structured_outputs: its walk over the constraint's automaton (structured.SequenceGuide)
     guide: object | None = None
+    bad_words_ids: list[list[int]] = field(default_factory=list)   # params.bad_words, tokenized
     # prefix cache (Scheduler): what block 0's key hangs from (None: not cached), the keys of the
     # full blocks so far, and how many of this sequence's pages are registered under them
     cache_root: tuple | None = None

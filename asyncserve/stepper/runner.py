@@ -95,7 +95,7 @@ class ModelRunner:
             if chunk.samples:
                 sample_index.append(len(ids) - 1)
                 rows.append(SamplingRow(seq.params, seq.prompt_ids, seq.output_ids, self.eos_token_ids, seq.seed,
-                                        seq.guide))
+                                        seq.guide, seq.bad_words_ids))
             if seq.params.prompt_logprobs is not None:
                 # each position's logits score the next prompt token; a sequence recomputed after a
                 # preemption skips the tokens it already has

@@ -12,7 +12,7 @@ identical on any device, so it can migrate between servers.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,7 @@ class SamplingRow:
     eos_token_ids: list[int]
     seed: int  # the request's seed (params.seed, or one drawn at arrival when None)
     guide: SequenceGuide | None = None  # the sequence's structured-output guide, if constrained
+    bad_words_ids: list[list[int]] = field(default_factory=list)  # params.bad_words as token id sequences
 
 
 @dataclass
@@ -105,8 +106,8 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, widths: list[i
 
 def apply_penalties_(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     """In place: repetition penalty (HF/vLLM: prompt + output tokens), frequency and presence
-    penalties (OpenAI: output tokens), logit_bias, then min_tokens masking. logits: [rows, vocab],
-    contiguous."""
+    penalties (OpenAI: output tokens), logit_bias, allowed_token_ids, bad_words, then min_tokens
+    masking. logits: [rows, vocab], contiguous."""
     vocab = logits.shape[1]
     device = logits.device
     flat = logits.view(-1)  # row i, token t lives at i * vocab + t
@@ -131,23 +132,28 @@ def apply_penalties_(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         if row.params.logit_bias:                  # ids checked against the vocab by Engine.make_sequence
             bias = row.params.logit_bias
             logits[i, list(bias)] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=device)
-        banned = _min_tokens_banned(row, vocab)
+        if row.params.allowed_token_ids is not None:
+            allowed = row.params.allowed_token_ids
+            kept = logits[i, allowed]
+            logits[i] = float("-inf")
+            logits[i, allowed] = kept
+        banned = _min_tokens_banned(row, vocab) + _bad_words_banned(row)
         if banned:
             logits[i, banned] = float("-inf")
 
 
 def apply_guides_(logits: torch.Tensor, rows: list[SamplingRow], raw: torch.Tensor) -> None:
     """In place: -inf for every token a row's structured-output guide does not allow next.
-    logits: [rows, vocab] after penalties; raw: the same rows before them. Where penalties and
-    min_tokens leave a row nothing its guide allows (e.g. the text is complete but min_tokens bans
-    the end-of-sequence token), the guide wins: that row is its raw logits under the guide's mask."""
+    logits: [rows, vocab] after penalties; raw: the same rows before them. Where min_tokens,
+    allowed_token_ids or bad_words leave a row nothing its guide allows (e.g. the text is complete
+    but min_tokens bans the end-of-sequence token), the guide wins: that row is its raw logits
+    under the guide's mask."""
     for i, row in enumerate(rows):
         if row.guide is None:
             continue
         bias = row.guide.bias(logits.shape[1])                  # [vocab]: 0 or -inf
         logits[i].add_(bias)
-        # min_tokens' bans are the only -inf before this, so only they can leave a row nothing
-        if _min_tokens_banned(row, None) and logits[i].amax() == float("-inf"):
+        if logits[i].amax() == float("-inf"):
             logits[i].copy_(raw[i]).add_(bias)
 
 
@@ -193,6 +199,12 @@ def _min_tokens_banned(row: SamplingRow, vocab: int | None) -> list[int]:
     ids = params.stop_token_ids + ([] if params.ignore_eos else row.eos_token_ids)
     # users may name ids past the model's vocab; those can never be sampled anyway
     return [t for t in ids if vocab is None or t < vocab]
+
+
+def _bad_words_banned(row: SamplingRow) -> list[int]:
+    """The last token of each bad word whose other tokens the output ends with (vLLM's rule)."""
+    out = row.output_ids
+    return [ids[-1] for ids in row.bad_words_ids if len(ids) == 1 or out[len(out) - len(ids) + 1:] == ids[:-1]]
 
 
 def _flat_token_counts(row_tokens: list[tuple[int, list[int]]], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
