@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import os
 import sys
+from pathlib import Path
 
 
 def _adapter_pairs(values: list[str]) -> dict[str, str]:
@@ -69,6 +70,11 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
+    held = g.add_mutually_exclusive_group()
+    held.add_argument("--json-schema", default=None, help="hold the output to this JSON schema (JSON text or a file)")
+    held.add_argument("--json-object", action="store_true", help="hold the output to any JSON object")
+    held.add_argument("--regex", default=None, help="hold the output to this regular expression")
+    held.add_argument("--choice", action="append", default=None, help="the output is one of these; repeat")
 
     args = ap.parse_args(argv)
     if args.command == "serve":
@@ -82,10 +88,17 @@ def main(argv: list[str] | None = None) -> None:
         config.max_waiting = args.max_waiting
         run(config)
     else:
-        from asyncserve import LLM, SamplingParams
+        from asyncserve import LLM, SamplingParams, StructuredOutputs
 
+        structured = None
+        if args.json_schema is not None:
+            schema = Path(args.json_schema)
+            structured = StructuredOutputs(json=schema.read_text() if schema.is_file() else args.json_schema)
+        elif args.json_object or args.regex is not None or args.choice:
+            structured = StructuredOutputs(json_object=args.json_object, regex=args.regex, choice=args.choice)
         llm = LLM(**dataclasses.asdict(_config(args)))
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                                structured_outputs=structured)
         if args.chat:
             outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, args.use_adapter)
         else:

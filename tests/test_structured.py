@@ -329,3 +329,26 @@ def test_the_constraint_wins_over_allowed_tokens_and_bad_words(llm):
     while engine.has_unfinished():
         engine.step()
     assert len(seqs[1].output_ids) == 8
+
+
+def test_generate_cli_with_and_without_a_constraint(llm, tiny_model, tmp_path):
+    """`asyncserve generate` prints the offline engine's text, held to --choice, --regex or
+    --json-schema (a file) when given."""
+    import subprocess
+    import sys
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    prompt = "the fox jumps over"
+    cases = [([], None), (["--choice", CHOICES[0], "--choice", CHOICES[1]], StructuredOutputs(choice=CHOICES[:2])),
+             (["--regex", PATTERN], StructuredOutputs(regex=PATTERN)), (["--json-schema", str(schema)],
+                                                                        StructuredOutputs(json=SCHEMA))]
+    for flags, spec in cases:
+        run = subprocess.run([sys.executable, "-m", "asyncserve.cli", "generate", "--model", str(tiny_model.root),
+                              "--dtype", "float32", "--device", "cpu", "--prompt", prompt, "--max-tokens", "40",
+                              "--use-adapter", "r1_qv", "--adapter", f"r1_qv={tiny_model.adapters['r1_qv']}", *flags],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        expected = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=spec),
+                                adapters="r1_qv")[0].text
+        assert run.stdout == expected + "\n"
