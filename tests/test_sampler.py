@@ -340,3 +340,18 @@ def test_validate_rechecks_after_mutation():
     params.top_p = 2.0
     with pytest.raises(ValueError, match="top_p"):
         params.validate()
+
+
+@pytest.mark.parametrize("vocab", [49152, 32000, 384, 1000, 77])
+def test_argmax_rows_is_argmax_with_first_maximum_on_ties(vocab):
+    from asyncserve.stepper.sampler import argmax_rows
+
+    generator = torch.Generator().manual_seed(vocab)
+    for _ in range(20):
+        x = torch.randn(16, vocab, generator=generator)
+        x[torch.arange(16), torch.randint(0, vocab, (16,), generator=generator)] = 9.0
+        x[torch.arange(16), torch.randint(0, vocab, (16,), generator=generator)] = 9.0     # ties, in either order
+        x[3] = float("-inf")
+        x[3, vocab - 1] = 0.0                                                              # the last token alone
+        assert torch.equal(argmax_rows(x), x.argmax(-1))
+        assert torch.equal(argmax_rows(x[:, :vocab - 5]), x[:, :vocab - 5].argmax(-1))    # a strided view

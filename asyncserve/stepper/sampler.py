@@ -52,8 +52,8 @@ class SampleOutput:
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
     """One token per row. logits: [rows, vocab] (float32; lower precision is upcast), not modified."""
     if all(_is_plain_greedy(row) for row in rows):
-        # upcast first: CPU argmax over bf16 is ~3.5x slower than the copy and an fp32 argmax
-        return SampleOutput(logits.float().argmax(-1).tolist(), None, None)
+        # upcast first: CPU argmax over bf16 is ~5x slower than the copy and an fp32 argmax
+        return SampleOutput(argmax_rows(logits.float()).tolist(), None, None)
 
     tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     greedy = [i for i, row in enumerate(rows) if row.params.greedy]
@@ -63,7 +63,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
         part = logits[greedy].float()  # [greedy, vocab]
         apply_penalties_(part, [rows[i] for i in greedy])
         apply_guides_(part, [rows[i] for i in greedy], logits[greedy])
-        tokens[greedy] = part.argmax(-1)
+        tokens[greedy] = argmax_rows(part)
     if sampled:
         part = logits[sampled].float()  # [sampled, vocab]
         apply_penalties_(part, [rows[i] for i in sampled])
@@ -80,6 +80,19 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
     for j, i in enumerate(asked):
         logprobs[i], top_logprobs[i] = chosen[j], tops[j]
     return SampleOutput(token_ids, logprobs, top_logprobs)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1) for x: [rows, vocab], the first maximum on ties. Via each block's max
+    then an argmax within the first block that holds the row's: torch's CPU argmax runs one element
+    at a time (232 us for 16 x 49,152 float32 logits), amax is vectorised (41 us for both stages)."""
+    rows, vocab = x.shape
+    block = next((b for b in (256, 128, 64, 32) if vocab % b == 0), None)
+    if block is None or x.device.type != "cpu":
+        return x.argmax(-1)
+    blocks = x.reshape(rows, vocab // block, block)
+    best = blocks.amax(-1).argmax(-1)                                   # [rows]: the first block with the max
+    return best * block + blocks[torch.arange(rows), best].argmax(-1)
 
 
 # rows log-softmaxed at once by token_logprobs: bounds its float32 copy (a long prompt's logprobs
