@@ -456,7 +456,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 if choice.tool_call_id is None:
                     choice.tool_call_id = new_call_id()
                     call = {"index": 0, **tool_call(tools.function, event.text, choice.tool_call_id)}
-                await _send(resp, chunk(choice, {"tool_calls": [call]}, None))
+                await _send(resp, chunk(choice, {"tool_calls": [call]}, None, token_ids=event.token_ids))
             elif tools.function is None:
                 # "required": the array of calls is parsed once whole
                 choice.tool_text += event.text
