@@ -116,7 +116,9 @@ class GuideCompiler:
     def index(self, spec: StructuredOutputs) -> outlines_core.Index:
         """The constraint's Index, built on first use (may take seconds: call it off the event loop).
         A cached one never waits for another constraint's build."""
-        regex = constraint_regex(spec)
+        return self._index(constraint_regex(spec))
+
+    def _index(self, regex: str) -> outlines_core.Index:
         if (index := self._cached(regex)) is not None:
             return index
         with self._build_lock:
@@ -141,7 +143,8 @@ class GuideCompiler:
 
     def guide(self, spec: StructuredOutputs) -> SequenceGuide:
         """A fresh walk over the constraint's automaton, for one sequence."""
-        return SequenceGuide(outlines_core.Guide(self.index(spec)), constraint_regex(spec), self.biases)
+        regex = constraint_regex(spec)
+        return SequenceGuide(outlines_core.Guide(self._index(regex)), regex, self.biases)
 
 
 def build_index(regex: str, eos_token_id: int, vocabulary: dict[bytes, list[int]]) -> outlines_core.Index:

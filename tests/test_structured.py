@@ -2,6 +2,7 @@
 reference (transformers, fp32, each token checked against the constraint by partial matching with
 Python's `regex` module), sampled outputs that always satisfy their constraint, and the token
 spellings outlines-core's vocabulary is built from."""
+import dataclasses
 import json
 import random
 
@@ -100,7 +101,7 @@ def test_constrained_greedy_equals_brute_force_reference_in_mixed_batches(llm, t
     for ids in prompts:
         for adapter in (None, "r8_attn_rs"):
             for name, (spec, _) in CONSTRAINTS.items():
-                cases.append((ids, adapter, SamplingParams(**{**constrained.__dict__, "structured_outputs": spec})))
+                cases.append((ids, adapter, dataclasses.replace(constrained, structured_outputs=spec)))
                 labels.append(name)
             cases.append((ids, adapter, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)))
             labels.append(None)
