@@ -25,14 +25,18 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument("--lora-backend", default="auto", choices=["auto", "torch", "triton"])
-    p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--max-running", type=int, default=64,
+                   help="most sequences in the running batch at once; more wait in the queue (default: 64)")
     p.add_argument("--max-step-tokens", type=int, default=None, help="per-step token budget (default: 256 on CPU, 512 on GPU)")
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens, at most the model's context (default: the context)")
     p.add_argument("--pool-mem", default=None, help="unified pool size, e.g. 2GiB (default: 2GiB on CPU, "
                                                     "85%% of free memory on CUDA)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
-    p.add_argument("--policy", default="fcfs")
+    p.add_argument("--policy", default="fcfs",
+                   help="the order in which waiting requests are admitted to the batch; fcfs: first come, first "
+                        "served (the only one so far)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="recompute every prompt, even when an earlier one began with the same blocks")
 
@@ -53,13 +57,21 @@ def main(argv: list[str] | None = None) -> None:
 
     s = sub.add_parser("serve", help="run the OpenAI-compatible server")
     _engine_args(s)
-    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--served-model-name", default=None,
+                   help="the base model's name in the API (the `model` field, /v1/models); default: the name in "
+                        "the model's config")
     s.add_argument("--adapter-dir", default=None, help="load every adapter folder inside DIR at startup")
     s.add_argument("--adapter-root", default=None, help="allow /v1/load_lora_adapter for folders inside DIR")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=os.environ.get("ASYNCSERVE_API_KEY"))
-    s.add_argument("--max-waiting", type=int, default=1024)
+    s.add_argument("--max-waiting", type=int, default=1024,
+                   help="queued sequences (prompts x n) beyond this are refused with 429 (default: 1024)")
+    s.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT, let in-flight requests finish for this long, then end them with "
+                        "a 503 error (default: 30)")
+    s.add_argument("--max-body-size", default="4MiB", metavar="SIZE",
+                   help="largest request body, e.g. 4MiB; larger ones get 413 (default: 4MiB)")
     s.add_argument("--log-level", default="INFO")
 
     g = sub.add_parser("generate", help="generate offline and print the outputs")
@@ -79,14 +91,20 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.command == "serve":
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        from asyncserve.config import parse_size
         from asyncserve.server import run
 
         config = _config(args)
         config.served_model_name = args.served_model_name
         config.adapter_dir, config.adapter_root = args.adapter_dir, args.adapter_root
         config.host, config.port, config.api_key = args.host, args.port, args.api_key
-        config.max_waiting = args.max_waiting
-        run(config)
+        config.max_waiting, config.shutdown_grace_s = args.max_waiting, args.shutdown_grace
+        try:
+            config.max_body_bytes = parse_size(args.max_body_size)
+            config.validate()              # wrong paths, names, sizes: exit now, not after loading
+        except ValueError as e:
+            s.error(str(e))
+        sys.exit(run(config))
     else:
         from asyncserve import LLM, SamplingParams, StructuredOutputs
 
@@ -96,7 +114,12 @@ def main(argv: list[str] | None = None) -> None:
             structured = StructuredOutputs(json=schema.read_text() if schema.is_file() else args.json_schema)
         elif args.json_object or args.regex is not None or args.choice:
             structured = StructuredOutputs(json_object=args.json_object, regex=args.regex, choice=args.choice)
-        llm = LLM(**dataclasses.asdict(_config(args)))
+        config = _config(args)
+        try:
+            config.validate()
+        except ValueError as e:
+            g.error(str(e))
+        llm = LLM(**dataclasses.asdict(config))
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                                 structured_outputs=structured)
         if args.chat:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -46,6 +47,40 @@ class Config:
     max_waiting: int = 1024                  # queued requests beyond this get 429
     max_body_bytes: int = 4 * 2**20
     shutdown_grace_s: float = 30.0           # SIGTERM: finish in-flight requests for this long, then abort
+
+    def validate(self) -> None:
+        """Raise ValueError for settings that are wrong before anything loads (missing paths, unknown
+        names, sizes that do not parse, counts below 1): these fail at once, not after the model loads."""
+        from asyncserve.scheduler.policy import POLICIES
+
+        if self.model is not None and not Path(self.model).expanduser().exists():
+            raise ValueError(f"model path {self.model} does not exist")
+        for name, path in self.adapters.items():
+            if not (Path(path).expanduser() / "adapter_config.json").is_file():
+                raise ValueError(f"adapter {name!r}: {path} is not a PEFT adapter folder (no adapter_config.json)")
+        for flag, folder in (("adapter_dir", self.adapter_dir), ("adapter_root", self.adapter_root)):
+            if folder is not None and not Path(folder).expanduser().is_dir():
+                raise ValueError(f"{flag} {folder} is not a folder")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of {sorted(POLICIES)}")
+        if self.dtype != "auto":
+            self.resolved_dtype(torch.device("cpu"))
+        if self.lora_backend != "auto":
+            self.resolved_lora_backend(torch.device("cpu"))
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except RuntimeError:
+                raise ValueError(f"unknown device {self.device!r}; use auto, cpu or cuda[:N]") from None
+        if self.pool_mem is not None and not parse_size(self.pool_mem) > 0:
+            raise ValueError(f"pool_mem must be positive, got {self.pool_mem!r}")
+        for name in ("max_running", "max_step_tokens", "max_model_len", "block_size", "threads", "max_waiting",
+                     "max_body_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"shutdown_grace_s must not be negative, got {self.shutdown_grace_s}")
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -7,30 +7,39 @@ The pager takes LoadAdapter / UnloadAdapter from ingress and Prefetch from the s
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import msgspec
 
+from asyncserve.sequence import Sequence
+from asyncserve.step import Failure, StepPlan, StepResult
+
 
 class Submit(msgspec.Struct):
-    seq: Any                          # scheduler.sequence.Sequence, validated by the ingress
+    seq: Sequence                     # validated by the ingress (Engine.make_sequence)
     stream: asyncio.Queue             # where the scheduler puts this request's TokenEvents
+
+
+def adapter_unloaded(name: str) -> Failure:
+    """A queued request whose adapter was unloaded before it ran. 404 model_not_found, what the same
+    request gets if sent again: a 503 would invite retries that can only end in that 404."""
+    return Failure(f"adapter {name!r} was unloaded before this request ran", 404, "model_not_found")
 
 
 class Abort(msgspec.Struct):
     request_id: str
     reason: str = "abort"
+    failure: Failure | None = None    # set when the server ends the request; None: its client went away
 
 
 class RunStep(msgspec.Struct):
     step_id: int
-    plan: Any                         # scheduler.scheduler.StepPlan
+    plan: StepPlan
 
 
 class StepDone(msgspec.Struct):
     step_id: int
-    plan: Any
-    result: Any = None                # stepper.runner.StepResult
+    plan: StepPlan
+    result: StepResult | None = None
     error: BaseException | None = None
 
 
@@ -48,7 +57,7 @@ class TokenEvent(msgspec.Struct):
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
-    error: str | None = None
+    error: Failure | None = None      # the request failed: the client gets this instead of a finish_reason
 
 
 class LoadAdapter(msgspec.Struct):

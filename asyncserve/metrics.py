@@ -1,7 +1,13 @@
 """Prometheus metrics (names are an interface: dashboards and tests rely on them)."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
@@ -36,23 +42,22 @@ class Metrics:
         self._prefix_seen = (0, 0)
 
     def observe_engine(self, engine) -> None:
-        """Refresh the gauges from the engine's state (called after each step and on scrape)."""
-        s = engine.pool_stats()
+        """Refresh the gauges from the engine's load snapshot (called after each step and on scrape)."""
+        load = engine.load_snapshot()
+        s = load.pool
         self.pool_pages.labels("free").set(s.free)
         self.pool_pages.labels("kv").set(s.kv)
         self.pool_pages.labels("adapter").set(s.adapter)
         self.adapters_loaded.labels("device").set(s.adapters_resident)
         self.adapters_loaded.labels("host").set(s.adapters_registered)
-        self.running.set(len(engine.scheduler.running))
-        self.waiting.set(len(engine.scheduler.waiting))
-        loads = engine.pager.loads_total
-        self.adapter_loads.inc(loads - self._adapter_loads_seen)
-        self._adapter_loads_seen = loads
+        self.running.set(load.running)
+        self.waiting.set(load.waiting)
+        self.adapter_loads.inc(load.adapter_loads_total - self._adapter_loads_seen)
+        self._adapter_loads_seen = load.adapter_loads_total
         self.prefix_cached_pages.set(s.cached)
-        queried, hits = engine.scheduler.prefix_queried_tokens, engine.scheduler.prefix_hit_tokens
-        self.prefix_queried.inc(queried - self._prefix_seen[0])
-        self.prefix_hits.inc(hits - self._prefix_seen[1])
-        self._prefix_seen = (queried, hits)
+        self.prefix_queried.inc(load.prefix_queried_tokens - self._prefix_seen[0])
+        self.prefix_hits.inc(load.prefix_hit_tokens - self._prefix_seen[1])
+        self._prefix_seen = (load.prefix_queried_tokens, load.prefix_hit_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

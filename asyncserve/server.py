@@ -1,8 +1,10 @@
 """One uvloop process of cooperative actors: ingress (aiohttp), scheduler, pager, stepper.
 
 The HTTP server answers at once (/health is 503 while loading); the model loads in the stepper's
-torch thread, then the actors start. SIGINT/SIGTERM: stop accepting, let in-flight requests finish for
-``shutdown_grace_s``, abort the rest, stop the actors, exit 0.
+torch thread, then the actors start. A load that fails (bad model, adapter, pool size, ...) stops the
+server and exits 1 with the reason logged, so a supervisor sees it and can restart it. SIGINT/SIGTERM:
+stop accepting, let in-flight requests finish for ``shutdown_grace_s``, end the rest with a 503
+error, stop the actors, exit 0.
 """
 from __future__ import annotations
 
@@ -14,24 +16,33 @@ from pathlib import Path
 
 from aiohttp import web
 
+from asyncserve.actors.pager import PagerActor
+from asyncserve.actors.scheduler import SchedulerActor
+from asyncserve.actors.stepper import StepperActor
 from asyncserve.config import Config
 from asyncserve.engine import Engine
-from asyncserve.ingress.app import build_app
-from asyncserve.messages import Abort, Shutdown
+from asyncserve.ingress.routes import build_app
+from asyncserve.messages import Abort, Failure, Shutdown
 from asyncserve.metrics import Metrics
-from asyncserve.pager.actor import PagerActor
-from asyncserve.scheduler.actor import SchedulerActor
-from asyncserve.stepper.actor import StepperActor
 
 log = logging.getLogger("asyncserve.server")
 
 
 def adapters_in_dir(folder: str) -> dict[str, str]:
-    """Every sub-folder holding an adapter_config.json, named after the folder."""
+    """Every sub-folder holding an adapter_config.json, named after the folder; other sub-folders are
+    skipped with a warning (hidden ones quietly)."""
     root = Path(folder)
     if not root.is_dir():
         raise ValueError(f"--adapter-dir {folder} is not a folder")
-    return {p.name: str(p) for p in sorted(root.iterdir()) if (p / "adapter_config.json").is_file()}
+    found = {}
+    for p in sorted(root.iterdir()):
+        if not p.is_dir() or p.name.startswith("."):
+            continue
+        if (p / "adapter_config.json").is_file():
+            found[p.name] = str(p)
+        else:
+            log.warning("--adapter-dir: skipping %s: no adapter_config.json", p)
+    return found
 
 
 class Server:
@@ -49,6 +60,7 @@ class Server:
         self._tasks: list[asyncio.Task] = []
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
+        self.loading: asyncio.Task | None = None    # done once the server is ready or has failed
 
     async def start(self) -> None:
         """Serve HTTP now; load the model in a thread and start the actors when it is ready."""
@@ -60,20 +72,21 @@ class Server:
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
         log.info("listening on http://%s:%d", self.config.host, self.port)
-        self._tasks.append(asyncio.create_task(self._load()))
+        self.loading = asyncio.create_task(self._load())
+        self._tasks.append(self.loading)
 
     async def _load(self) -> None:
         config = self.config
         try:
-            if config.adapter_dir:
-                config.adapters = {**adapters_in_dir(config.adapter_dir), **config.adapters}
             self.engine = await self.stepper.call(Engine, config)
+            if config.adapter_dir:
+                await self._load_adapter_dir(config.adapter_dir)
         except Exception as e:
-            log.exception("model loading failed")
+            log.exception("start-up failed")
             self.failed = f"{type(e).__name__}: {e}"
             return
         self.scheduler = SchedulerActor(self.engine, self.metrics)
-        self.stepper.attach(self.engine.runner, self.scheduler.mailbox)
+        self.stepper.attach(self.engine.run, self.scheduler.mailbox)
         self.pager = PagerActor(self.engine, self.scheduler.mailbox, self.stepper)
         self.scheduler.stepper_mailbox = self.stepper.mailbox
         self.scheduler.pager_mailbox = self.pager.mailbox
@@ -82,6 +95,17 @@ class Server:
         self.metrics.observe_engine(self.engine)
         self.ready = True
         log.info("ready: model %s, adapters %s", self.engine.model_name, ", ".join(self.engine.adapter_names) or "-")
+
+    async def _load_adapter_dir(self, folder: str) -> None:
+        """--adapter-dir's adapters; one that cannot load is skipped with a warning (an --adapter given
+        by name is fatal instead, and wins over a folder of the same name)."""
+        for name, path in (await asyncio.to_thread(adapters_in_dir, folder)).items():
+            if name in self.config.adapters:
+                continue
+            try:
+                await self.stepper.call(self.engine.load_adapter, name, path)
+            except Exception as e:         # any reason one folder cannot load: corrupt file, wrong shapes, ...
+                log.warning("--adapter-dir: skipping %s: %s", path, e)
 
     async def stop(self) -> None:
         """Graceful: no new connections, in-flight requests finish (up to the grace period)."""
@@ -97,8 +121,10 @@ class Server:
             deadline = time.monotonic() + self.config.shutdown_grace_s
             while not self.scheduler.idle and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
+            cut = Failure(f"the server shut down before this request finished (grace period "
+                          f"{self.config.shutdown_grace_s:g} s)", 503, "server_shutting_down")
             for rid in list(self.scheduler.streams):
-                self.scheduler.mailbox.put_nowait(Abort(rid))
+                self.scheduler.mailbox.put_nowait(Abort(rid, failure=cut))
             self.scheduler.mailbox.put_nowait(Shutdown())
             self.stepper.mailbox.put_nowait(Shutdown())
             self.pager.mailbox.put_nowait(Shutdown())
@@ -113,18 +139,27 @@ class Server:
         log.info("stopped")
 
 
-async def serve(config: Config) -> None:
+async def serve(config: Config) -> int:
+    """Serve until SIGINT/SIGTERM (exit status 0) or a failed start-up (1)."""
     server = Server(config)
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait([stopping, server.loading], return_when=asyncio.FIRST_COMPLETED)
+    if server.failed:
+        log.error("could not start: %s", server.failed)
+        stopping.cancel()
+        await server.stop()
+        return 1
+    await stopping
     await server.stop()
+    return 0
 
 
-def run(config: Config) -> None:
+def run(config: Config) -> int:
     import uvloop
 
-    uvloop.run(serve(config))
+    return uvloop.run(serve(config))

@@ -14,6 +14,7 @@ worker thread.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -151,8 +152,8 @@ def build_index(regex: str, eos_token_id: int, vocabulary: dict[bytes, list[int]
     """outlines_core.Index(regex, vocabulary), built in a child process (guide_build.py) under
     BUILD_MEMORY_BYTES of address space and BUILD_SECONDS."""
     request = pickle.dumps((regex, eos_token_id, vocabulary, BUILD_MEMORY_BYTES))
-    child = subprocess.Popen([sys.executable, "-m", "asyncserve.guide_build"], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    child = subprocess.Popen([sys.executable, "-m", "asyncserve.guide_build", str(os.getpid())],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         out, err = child.communicate(request, timeout=BUILD_SECONDS)
     except subprocess.TimeoutExpired:

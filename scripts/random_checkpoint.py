@@ -57,7 +57,7 @@ def write_skeleton(like: str | None, out: Path, overrides: dict) -> None:
 
 def random_weights(folder: Path, dtype: torch.dtype, device: torch.device, seed: int) -> int:
     """Random weights for folder/config.json (std 0.02, norms 1) as model.safetensors; returns bytes."""
-    from asyncserve.model.loader import expected_weight_shapes
+    from asyncserve.model.checkpoint import expected_weight_shapes
     from asyncserve.model.loader_hf import model_config
 
     config = model_config(json.loads((folder / "config.json").read_text()), name=folder.name)

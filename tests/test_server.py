@@ -312,7 +312,7 @@ def test_tool_calls_for_a_named_function_and_required_equal_offline_engine(clien
 
 
 def test_templates_see_the_tools_and_tool_calls(offline):
-    from asyncserve.ingress.app import _chat_prompt_ids
+    from asyncserve.ingress.prepare import chat_prompt_ids as _chat_prompt_ids
     from asyncserve.ingress.protocol import ChatCompletionRequest
     from asyncserve.ingress.tools import template_tools
     from asyncserve.model.tokenizer import Tokenizer
@@ -680,15 +680,57 @@ def test_runtime_load_and_unload_while_others_stream(srv, client, offline, tiny_
         client.completions.create(model="late", prompt="x", max_tokens=2)
 
 
-def test_metrics_exposes_the_documented_names(srv):
+def _scrape(srv) -> dict[str, float]:
+    """Every sample of /metrics, keyed by its name and labels as written."""
     _, text, _ = srv.request("GET", "/metrics")
-    for name in ("asyncserve_requests_total", "asyncserve_time_to_first_token_seconds_bucket",
-                 "asyncserve_time_per_output_token_seconds_bucket", "asyncserve_request_latency_seconds_bucket",
-                 "asyncserve_step_duration_seconds_bucket", "asyncserve_running_requests",
-                 "asyncserve_waiting_requests", 'asyncserve_pool_pages{kind="free"}',
-                 'asyncserve_adapters_loaded{tier="device"}', 'asyncserve_adapters_loaded{tier="host"}',
-                 "asyncserve_adapter_loads_total", "asyncserve_generated_tokens_total"):
-        assert name in text, name
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            samples[key] = float(value)
+    return samples
+
+
+def test_metrics_count_what_the_requests_did(srv, offline):
+    """The documented metrics are there and count these requests: tokens generated, finished requests
+    by model and finish reason, one TTFT and latency sample each; the gauges add up once idle."""
+    # a stop token: the first greedy token that did not come before, so the request stops right there
+    first = offline.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0].token_ids
+    k = next(i for i in range(1, len(first)) if first[i] not in first[:i])
+    requests = [("tiny", {"max_tokens": 5}), ("tiny", {"max_tokens": 3}), ("r8_attn_rs", {"max_tokens": 4}),
+                ("tiny", {"max_tokens": 8, "stop_token_ids": [first[k]]}),
+                ("r2_mlp", {"max_tokens": 1})]
+    before = _scrape(srv)
+    finished, generated = collections.Counter(), 0
+    for model, extra in requests:
+        body = {"model": model, "prompt": PROMPTS[0], "temperature": 0, "ignore_eos": True, **extra}
+        status, payload, _ = srv.request("POST", "/v1/completions", body)
+        assert status == 200, payload
+        finished[(model, payload["choices"][0]["finish_reason"])] += 1
+        generated += payload["usage"]["completion_tokens"]
+    assert srv.request("POST", "/v1/completions", {"model": "nope", "prompt": "x"})[0] == 404
+    after = _scrape(srv)
+
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert finished[("tiny", "stop")] == 1 and generated == 5 + 3 + 4 + (k + 1) + 1
+    assert delta("asyncserve_generated_tokens_total") == generated
+    for (model, reason), n in finished.items():
+        assert delta(f'asyncserve_requests_total{{model="{model}",status="{reason}"}}') == n, (model, reason)
+    assert sum(delta(key) for key in after if key.startswith("asyncserve_requests_total{")) == len(requests)
+    assert delta("asyncserve_time_to_first_token_seconds_count") == len(requests)
+    assert delta("asyncserve_request_latency_seconds_count") == len(requests)
+    assert delta("asyncserve_time_per_output_token_seconds_count") == len(requests) - 1     # all but the 1-token one
+    assert 1 <= delta("asyncserve_step_duration_seconds_count") <= generated + len(requests)
+    engine = srv.server.engine
+    assert after["asyncserve_running_requests"] == 0 and after["asyncserve_waiting_requests"] == 0
+    pages = {kind: after[f'asyncserve_pool_pages{{kind="{kind}"}}'] for kind in ("free", "kv", "adapter")}
+    assert pages["kv"] == 0 and sum(pages.values()) == engine.pool.num_pages
+    assert after['asyncserve_adapters_loaded{tier="host"}'] == len(engine.adapter_names)
+    assert 1 <= after['asyncserve_adapters_loaded{tier="device"}'] <= len(engine.adapter_names)
+    assert after["asyncserve_adapter_loads_total"] >= after['asyncserve_adapters_loaded{tier="device"}']
+    assert "asyncserve_prefix_cache_hit_tokens_total" in after and "asyncserve_prefix_cache_pages" in after
 
 
 def test_prefix_cache_hits_over_http(srv, offline):
@@ -765,7 +807,7 @@ def test_all_torch_work_runs_in_the_stepper_thread(tiny_model, adapter_root, mon
     """Engine build, steps, adapter tensors and page copies share one thread: every thread that runs
     torch ops gets its own OpenMP team, and more OpenMP threads than cores made each server step
     ~1.7x slower than offline (BENCHMARKS.md)."""
-    import asyncserve.pager.actor as pager_actor
+    import asyncserve.actors.pager as pager_actor
     import asyncserve.server as server_module
     from asyncserve.pager.pager import AdapterPager
     from asyncserve.stepper.runner import ModelRunner
@@ -781,7 +823,14 @@ def test_all_torch_work_runs_in_the_stepper_thread(tiny_model, adapter_root, mon
     monkeypatch.setattr(server_module, "Engine", record("engine", server_module.Engine))
     monkeypatch.setattr(ModelRunner, "run", record("step", ModelRunner.run))
     monkeypatch.setattr(AdapterPager, "write_pending", record("page copy", AdapterPager.write_pending))
-    monkeypatch.setattr(pager_actor, "build_host_adapter", record("adapter tensors", pager_actor.build_host_adapter))
+    def record_pieces(fn):          # a generator: each piece runs where next() is called
+        def wrapped(*args):
+            for piece in fn(*args):
+                threads_seen.setdefault("adapter tensors", set()).add(threading.get_ident())
+                yield piece
+        return wrapped
+
+    monkeypatch.setattr(pager_actor, "build_in_pieces", record_pieces(pager_actor.build_in_pieces))
     st = ServerThread(Config(model=str(tiny_model.root), dtype="float32", device="cpu", served_model_name="tiny",
                              adapter_root=str(adapter_root)))
     try:

@@ -37,6 +37,7 @@ import torch
 from asyncserve.lora.batch import GROUPS, PROJ_INDEX, DeviceAdapter, LoraBatch
 from asyncserve.model.config import ModelConfig
 from asyncserve.model.linear import Linear, make_linear, onednn_packs
+from asyncserve.pager.adapters import all_finite
 from asyncserve.pager.pool import PagedPool
 
 
@@ -140,8 +141,9 @@ class TorchLoraBackend(LoraBackend):
                           for group, rows in self.layout.items()}
         self._set_key: tuple | None = None
         # group -> (A_stack [L, R, in], B_stack [L, R, out] with the scaling folded in, column owner [R]
-        #           int64 (place in the stacks), per place its column range (c0, c1), None if untargeted)
-        self._stacks: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]] = {}
+        #           int64 (place in the stacks), per place its column range (c0, c1), None if untargeted,
+        #           whether every value of both stacks is finite)
+        self._stacks: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, list, bool]] = {}
         # group -> (packed, per layer (x -> x @ A_stack^T, s -> s @ B_stack)) for the stacked plan
         self._linears: dict[str, tuple[bool, list[tuple[Linear, Linear]]]] = {}
         self._set_steps = 0                     # steps the active set has lasted
@@ -173,9 +175,11 @@ class TorchLoraBackend(LoraBackend):
         place = {i: pos for pos, i in enumerate(order)}             # step adapter -> its place in the stacks
         spans = adapter_spans(batch)
         token_place = None
-        for group, (a_stack, b_stack, owner, ranges) in self._stacks.items():
+        for group, (a_stack, b_stack, owner, ranges, finite) in self._stacks.items():
             loop = [(spans[i], *ranges[place[i]]) for i in spans if ranges[place[i]] is not None]
-            if self._loop_is_cheaper(group, batch, a_stack, b_stack, loop):
+            # a NaN or infinity in one adapter's columns would reach every token through the stacked
+            # GEMMs (the mask multiplies it by 0, and 0 * NaN is NaN); the loop keeps it to that adapter's
+            if not finite or self._loop_is_cheaper(group, batch, a_stack, b_stack, loop):
                 self._plans[group] = ("loop", loop)
             else:
                 if token_place is None:
@@ -232,7 +236,8 @@ class TorchLoraBackend(LoraBackend):
             rows = _rows(flat, torch.cat(offsets, dim=1), fan_out)             # [L, R_p, out_p]
             scaled = rows.float() * torch.cat(scales, dim=1).to(device)[..., None]
             b_stack[:, torch.tensor(stack_rows, device=device), col:col + fan_out] = scaled.to(flat.dtype)
-        return a_stack, b_stack, torch.cat(owners).to(device), ranges
+        finite = all_finite(a_stack) and all_finite(b_stack)
+        return a_stack, b_stack, torch.cat(owners).to(device), ranges, finite
 
     def project(self, layer: int, group: str, x: torch.Tensor, base: Linear) -> torch.Tensor:
         fused = self._fused_linear(layer, group, base)

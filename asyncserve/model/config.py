@@ -1,11 +1,25 @@
 """Architecture description of a Llama-family decoder, filled by the HF and GGUF loaders."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 class ModelLoadError(ValueError):
     """A model folder or file that cannot be served: unsupported architecture, missing file, bad shape."""
+
+
+def read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path} is missing") from None
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} should hold a JSON object")
+    return data
 
 
 @dataclass

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+import kernels.cpu as cpu_kernels
 from asyncserve.lora.backend import LoraBackend
 from asyncserve.model.config import ModelConfig
 from asyncserve.model.linear import Linear, make_linear
@@ -164,6 +165,8 @@ class StepInputs:
     num_decode: int                # the first num_decode tokens are single-token decodes
     decode_pages: torch.Tensor     # [num_decode * max_pages] int64: block tables padded with page 0
     decode_mask: torch.Tensor      # [num_decode, 1, 1, max_pages * block] bool: True = attend
+    decode_padding: torch.Tensor   # [m] int64: the rows of the decodes' gathered context (num_decode *
+                                   # max_pages * block) past their sequence's context, i.e. where decode_mask is False
     prefills: list[PrefillChunk]
     sample_index: torch.Tensor     # [n] int64: tokens whose next-token logits are needed (sampled, then scored)
 
@@ -181,40 +184,67 @@ def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, 
     nh, nkv, hd = config.num_heads, config.num_kv_heads, config.head_dim
     q_size, kv_size = config.q_size, config.kv_size
     eps = config.rms_norm_eps
-    cos, sin = rope.tables(inp.positions)
     # kv_rows: [pages * 2 * layers * block, kv_size]; K of layer l at write_rows + l*block, V at + layers*block
     num_layers, block = kv.shape[2], kv.shape[3]
     kv_rows = kv.view(-1, kv_size)
     use_lora = lora.active
+    native = cpu_kernels.enabled_for(w.embed)   # fused C++ norm, RoPE + KV write, decode attention
 
-    step_attention = plan_attention(inp, nh, nkv, hd, w.embed.dtype)
-    # KV rows this step writes, per layer: K rows then V rows, [layers, 2T]
-    layer_rows = inp.write_rows + block * torch.arange(num_layers, device=inp.write_rows.device)[:, None]
-    layer_rows = torch.cat([layer_rows, layer_rows + num_layers * block], dim=1)
+    step_attention = plan_attention(inp, nh, nkv, hd, w.embed.dtype, native)
+    if not native:
+        cos, sin = rope.tables(inp.positions)
+        # KV rows this step writes, per layer: K rows then V rows, [layers, 2T]
+        layer_rows = inp.write_rows + block * torch.arange(num_layers, device=inp.write_rows.device)[:, None]
+        layer_rows = torch.cat([layer_rows, layer_rows + num_layers * block], dim=1)
     h = F.embedding(inp.input_ids, w.embed)                       # [T, hidden]
+    h, x = _residual_norm(h, None, w.layers[0].input_norm, eps, native)
     for li, lw in enumerate(w.layers):
-        x = F.rms_norm(h, (h.shape[-1],), lw.input_norm, eps)
         qkv = lora.project(li, "qkv", x, lw.qkv) if use_lora else lw.qkv(x)       # [T, q + 2kv]
-        qk = apply_rope(qkv[:, :q_size + kv_size].view(T, nh + nkv, hd), cos, sin)
-        q, k = qk[:, :nh], qk[:, nh:]                              # [T, nh, hd], [T, nkv, hd]
+        if native:
+            # in place in qkv; the layer's K rows start li blocks into a page, its V rows num_layers further
+            cpu_kernels.rope_write_kv(qkv, inp.positions, rope.cos, rope.sin, kv_rows, inp.write_rows,
+                                      li * block, (num_layers + li) * block, nh, nkv)
+            q = qkv[:, :q_size].view(T, nh, hd)
+            k = qkv[:, q_size:q_size + kv_size].view(T, nkv, hd)
+        else:
+            qk = apply_rope(qkv[:, :q_size + kv_size].view(T, nh + nkv, hd), cos, sin)
+            q, k = qk[:, :nh], qk[:, nh:]                          # [T, nh, hd], [T, nkv, hd]
         v = qkv[:, q_size + kv_size:]
-        kv_rows.index_copy_(0, layer_rows[li], torch.cat([k.reshape(T, kv_size), v]))
+        if not native:
+            kv_rows.index_copy_(0, layer_rows[li], torch.cat([k.reshape(T, kv_size), v]))
         attn = attention(q, k, v.view(T, nkv, hd), kv[:, 0, li], kv[:, 1, li], inp, step_attention)   # [T, q]
         o = lora.project(li, "o", attn, lw.o) if use_lora else lw.o(attn)
-        h = h + o
-        x = F.rms_norm(h, (h.shape[-1],), lw.post_norm, eps)
+        h, x = _residual_norm(h, o, lw.post_norm, eps, native)
         gu = lora.project(li, "gate_up", x, lw.gate_up) if use_lora else lw.gate_up(x)   # [T, 2 inter]
         gate, up = gu.chunk(2, dim=-1)
         act = F.silu(gate) * up
         d = lora.project(li, "down", act, lw.down) if use_lora else lw.down(act)
-        h = h + d
+        if li + 1 < len(w.layers):
+            h, x = _residual_norm(h, d, w.layers[li + 1].input_norm, eps, native)
+        else:
+            h = h + d
     hs = F.rms_norm(h[inp.sample_index], (h.shape[-1],), w.norm, eps)
     return w.lm_head(hs)
 
 
-def _gather_context(cache: torch.Tensor, pages: torch.Tensor, n: int, nkv: int, hd: int) -> torch.Tensor:
-    """cache: [pool pages, block, kv_size] of one layer; pages: [n * p] -> [n, nkv, p * block, hd] (a view)."""
-    return cache.index_select(0, pages).view(n, -1, nkv, hd).transpose(1, 2)
+def _residual_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                   native: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, rms_norm(h + delta) * weight), delta None adding nothing. h: [T, hidden]. The native
+    kernel does both in one pass and adds into h in place (it is this step's own activation)."""
+    if native:
+        return h, cpu_kernels.add_rms_norm(h, delta, weight, eps)
+    if delta is not None:
+        h = h + delta
+    return h, F.rms_norm(h, (h.shape[-1],), weight, eps)
+
+
+def _gather_context(cache: torch.Tensor, a: StepAttention) -> torch.Tensor:
+    """The decodes' context rows of one layer's cache [pool pages, block, kv_size], as [n * p * block,
+    kv_size], with the rows past each context zeroed. Those hold whatever the page's earlier owner
+    (another sequence, or an adapter's weights) left there, NaN included: masking their scores to
+    -inf is not enough, as a probability of 0 times a NaN value is NaN."""
+    rows = cache.index_select(0, a.decode_pages).view(-1, cache.shape[-1])
+    return rows.index_fill_(0, a.decode_padding, 0)
 
 
 def _bmm_attention(device: torch.device, dtype: torch.dtype) -> bool:
@@ -228,16 +258,19 @@ def _bmm_attention(device: torch.device, dtype: torch.dtype) -> bool:
 class StepAttention:
     """What attention needs in every layer of a step, built once per step by plan_attention."""
     bmm: bool                           # _bmm_attention(): the bmm forms instead of SDPA
+    native: bool                        # decodes run kernels.cpu.paged_decode_attention (no mask, no gather)
     decode_pages: torch.Tensor          # [n * p] int64: the decodes' block tables padded to p pages
+    decode_padding: torch.Tensor        # StepInputs.decode_padding
     decode_mask: torch.Tensor           # SDPA: [n, 1, 1, p * block] bool (True = attend); bmm: [n, 1, p * block]
                                         # additive bias (0 or -inf) in the queries' dtype
     q_blocks: torch.Tensor | None       # bmm: [n, nkv, group, nkv, hd], zero but for the diagonal blocks
     prefill_masks: list[torch.Tensor | None]   # per chunk: bmm: [group * n, ctx] additive bias;
                                                # SDPA: [n, ctx] bool, None for a causal chunk from position 0
+    decode_lens: torch.Tensor | None = None    # native: [n] int64, each decode's context length
 
 
 def plan_attention(inp: StepInputs, num_heads: int, num_kv_heads: int, head_dim: int,
-                   dtype: torch.dtype) -> StepAttention:
+                   dtype: torch.dtype, native: bool = False) -> StepAttention:
     """The step's masks (and the bmm path's query blocks), once for all layers."""
     device = inp.input_ids.device
     bmm = _bmm_attention(device, dtype)
@@ -253,11 +286,15 @@ def plan_attention(inp: StepInputs, num_heads: int, num_kv_heads: int, head_dim:
         attend = torch.arange(ctx, device=device)[None, :] <= qpos[:, None]        # [n, ctx]
         masks.append(_bias(attend, dtype).repeat(group, 1) if bmm else attend)
     mask, q_blocks = inp.decode_mask, None
+    if native:
+        # a decode's context ends at its own token
+        return StepAttention(bmm, True, inp.decode_pages, inp.decode_padding, mask, None, masks,
+                             inp.positions[:inp.num_decode] + 1)
     if bmm and inp.num_decode:
         n = inp.num_decode
         mask = _bias(mask, dtype).view(n, 1, -1)
         q_blocks = torch.zeros(n, num_kv_heads, group, num_kv_heads, head_dim, dtype=dtype, device=device)
-    return StepAttention(bmm, inp.decode_pages, mask, q_blocks, masks)
+    return StepAttention(bmm, False, inp.decode_pages, inp.decode_padding, mask, q_blocks, masks)
 
 
 def _bias(attend: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -270,9 +307,15 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     n, nh, hd = q.shape
     kv_size = k_cache.shape[-1]
     nkv = kv_size // hd
+    if a.native:      # reads only each decode's own context rows, never the padding
+        out = torch.empty(n, nh, hd, dtype=q.dtype, device=q.device)
+        cpu_kernels.paged_decode_attention(out, q, k_cache, v_cache, a.decode_pages.view(n, -1), a.decode_lens,
+                                           hd ** -0.5)
+        return out
+    k = _gather_context(k_cache, a).view(n, -1, kv_size)                         # [n, ctx, nkv * hd]
+    v = _gather_context(v_cache, a).view(n, -1, kv_size)
     if not a.bmm:
-        kc = _gather_context(k_cache, a.decode_pages, n, nkv, hd)                 # [n, nkv, ctx, hd]
-        vc = _gather_context(v_cache, a.decode_pages, n, nkv, hd)
+        kc, vc = (t.view(n, -1, nkv, hd).transpose(1, 2) for t in (k, v))         # [n, nkv, ctx, hd]
         return F.scaled_dot_product_attention(q.unsqueeze(2), kc, vc, attn_mask=a.decode_mask,
                                               enable_gqa=True).squeeze(2)
     # Two bmm's over the gathered rows as they lie ([n, ctx, nkv * hd]) avoid the per-head copies of K
@@ -280,8 +323,6 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     # head h // group, zeros elsewhere, and its output is that block of the product (3x the
     # multiply-adds, a few M). Only the diagonal blocks of q_blocks are written, so the zeros stay.
     group = nh // nkv
-    k = k_cache.index_select(0, a.decode_pages).view(n, -1, kv_size)             # [n, ctx, nkv * hd]
-    v = v_cache.index_select(0, a.decode_pages).view(n, -1, kv_size)
     a.q_blocks.diagonal(dim1=1, dim2=3).copy_(q.view(n, nkv, group, hd).permute(0, 2, 3, 1))
     scores = torch.baddbmm(a.decode_mask, a.q_blocks.view(n, nh, kv_size), k.transpose(1, 2), alpha=hd ** -0.5)
     probs = torch.softmax(scores, dim=-1)                       # [n, nh, ctx]: bf16 in and out, fp32 inside

@@ -8,8 +8,8 @@ import gguf
 import numpy as np
 import torch
 
+from asyncserve.model.checkpoint import LoadedModel, select_weights
 from asyncserve.model.config import ModelConfig, ModelLoadError
-from asyncserve.model.loader import LoadedModel, select_weights
 from asyncserve.model.tokenizer import Tokenizer
 
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}

@@ -7,8 +7,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from asyncserve.model.config import ModelConfig, ModelLoadError
-from asyncserve.model.loader import LoadedModel, read_json, select_weights
+from asyncserve.model.checkpoint import LoadedModel, select_weights
+from asyncserve.model.config import ModelConfig, ModelLoadError, read_json
 from asyncserve.model.tokenizer import Tokenizer
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")

@@ -18,8 +18,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-from asyncserve.model.config import ModelLoadError
-from asyncserve.model.loader import read_json
+from asyncserve.model.config import ModelLoadError, read_json
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 

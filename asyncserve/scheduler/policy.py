@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from asyncserve.scheduler.sequence import Sequence
+from asyncserve.sequence import Sequence
 
 
 class SchedulingPolicy:

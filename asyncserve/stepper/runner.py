@@ -15,17 +15,8 @@ from asyncserve.model.config import ModelConfig
 from asyncserve.model.llama import LlamaWeights, PrefillChunk, Rope, StepInputs, forward
 from asyncserve.pager.pager import AdapterPager
 from asyncserve.pager.pool import PagedPool
-from asyncserve.scheduler.scheduler import StepPlan
-from asyncserve.stepper.sampler import SampleOutput, SamplingRow, sample, token_logprobs
-
-
-@dataclass
-class StepResult:
-    sampled: SampleOutput
-    duration_s: float
-    num_tokens: int
-    # request id -> logprobs and top logprobs of the prompt tokens this step's chunk predicted
-    prompt_logprobs: dict[str, tuple[list[float], list[list[tuple[int, float]]]]] = field(default_factory=dict)
+from asyncserve.step import StepPlan, StepResult
+from asyncserve.stepper.sampler import SamplingRow, sample, token_logprobs
 
 
 @dataclass
@@ -110,11 +101,11 @@ class ModelRunner:
                                              torch.tensor(seq.block_table, dtype=torch.int64, device=self.device)))
             # LoRA segments: consecutive chunks of one adapter merge into one segment
             a = -1
-            if seq.adapter is not None:
-                if seq.adapter not in adapter_index:
-                    adapter_index[seq.adapter] = len(adapters)
-                    adapters.append(self.pager.resident[seq.adapter])
-                a = adapter_index[seq.adapter]
+            if seq.adapter is not None:         # by load: a reloaded name may run old and new weights at once
+                if seq.adapter_load not in adapter_index:
+                    adapter_index[seq.adapter_load] = len(adapters)
+                    adapters.append(self.pager.resident[seq.adapter_load])
+                a = adapter_index[seq.adapter_load]
             if seg_adapter and seg_adapter[-1] == a:
                 seg_starts[-1] = len(ids)
             else:
@@ -130,6 +121,7 @@ class ModelRunner:
         else:
             decode_pages = torch.zeros(0, dtype=torch.int64)
             mask = torch.zeros(0, bs, dtype=torch.bool)
+        decode_padding = (~mask).view(-1).nonzero().squeeze(1)
         dev = self.device
         inputs = StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
@@ -138,6 +130,7 @@ class ModelRunner:
             num_decode=nd,
             decode_pages=decode_pages.to(dev),
             decode_mask=mask[:, None, None, :].to(dev),
+            decode_padding=decode_padding.to(dev),
             prefills=prefills,
             sample_index=torch.tensor(sample_index + prompt_index, dtype=torch.int64, device=dev),
         )

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncserve.sampling_params import SamplingParams
+from asyncserve.step import Failure, SampleOutput
 from asyncserve.structured import SequenceGuide
 
 # Top-k/top-p thresholds are read off each row's `prefix` largest weights; the prefix grows by
@@ -27,6 +28,12 @@ _PREFIX_GROWTH = 8
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15
+
+# why a row gets no token (SampleOutput.errors)
+NON_FINITE = Failure("the model's output for this request is not finite (NaN or infinity), most likely because "
+                     "of its adapter's weights; it was stopped", 500, "non_finite_logits")
+NO_ALLOWED_TOKEN = Failure("the request's sampling constraints (allowed_token_ids, bad_words, stop_token_ids with "
+                           "min_tokens, logit_bias) leave no token that may come next", 400, "no_allowed_token")
 
 
 @dataclass
@@ -40,22 +47,17 @@ class SamplingRow:
     bad_words_ids: list[list[int]] = field(default_factory=list)  # params.bad_words as token id sequences
 
 
-@dataclass
-class SampleOutput:
-    token_ids: list[int]
-    # logprob of each chosen token; None for rows that did not ask (the whole field is None when none asked)
-    logprobs: list[float | None] | None
-    # top-N (token id, logprob) per row, best first; [] for rows that asked for logprobs=0 or none
-    top_logprobs: list[list[tuple[int, float]]] | None
-
-
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
     """One token per row. logits: [rows, vocab] (float32; lower precision is upcast), not modified."""
     if all(_is_plain_greedy(row) for row in rows):
         # upcast first: CPU argmax over bf16 is ~5x slower than the copy and an fp32 argmax
-        return SampleOutput(argmax_rows(logits.float()).tolist(), None, None)
+        x = logits.float()
+        tokens = argmax_rows(x)
+        token_ids, errors = _valid_ids(tokens, _finite_at(x, tokens), logits)
+        return SampleOutput(token_ids, None, None, errors)
 
     tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    valid = torch.empty(len(rows), dtype=torch.bool, device=logits.device)
     greedy = [i for i, row in enumerate(rows) if row.params.greedy]
     sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
     # each group works on its own copy of its rows, so the caller's logits stay raw for logprobs
@@ -63,23 +65,42 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
         part = logits[greedy].float()  # [greedy, vocab]
         apply_penalties_(part, [rows[i] for i in greedy])
         apply_guides_(part, [rows[i] for i in greedy], logits[greedy])
-        tokens[greedy] = argmax_rows(part)
+        tokens[greedy] = chosen = argmax_rows(part)
+        valid[greedy] = _finite_at(part, chosen)
     if sampled:
         part = logits[sampled].float()  # [sampled, vocab]
         apply_penalties_(part, [rows[i] for i in sampled])
         apply_guides_(part, [rows[i] for i in sampled], logits[sampled])
-        tokens[sampled] = _draw(part, [rows[i] for i in sampled])
-    token_ids = tokens.tolist()
+        tokens[sampled], valid[sampled] = _draw(part, [rows[i] for i in sampled])
+    token_ids, errors = _valid_ids(tokens, valid, logits)
 
     asked = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     if not asked:
-        return SampleOutput(token_ids, None, None)
+        return SampleOutput(token_ids, None, None, errors)
     logprobs: list[float | None] = [None] * len(rows)
     top_logprobs: list[list[tuple[int, float]]] = [[] for _ in rows]
     chosen, tops = token_logprobs(logits[asked], tokens[asked], [rows[i].params.logprobs for i in asked])
     for j, i in enumerate(asked):
         logprobs[i], top_logprobs[i] = chosen[j], tops[j]
-    return SampleOutput(token_ids, logprobs, top_logprobs)
+    return SampleOutput(token_ids, logprobs, top_logprobs, errors)
+
+
+def _finite_at(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """[rows] bool: whether each row's chosen logit is finite. An argmax lands on a NaN or +inf where
+    the row has one (torch ranks NaN above everything), on -inf only where every token is -inf."""
+    return torch.isfinite(x.gather(1, tokens.unsqueeze(1)).squeeze(1))
+
+
+def _valid_ids(tokens: torch.Tensor, valid: torch.Tensor, raw: torch.Tensor
+               ) -> tuple[list[int | None], dict[int, Failure]]:
+    """tokens [rows] as ints, None where not valid, and why each of those is not; raw: the rows' logits
+    as the model gave them."""
+    ids, errors = tokens.tolist(), {}
+    if not bool(valid.all()):
+        for i in (~valid).nonzero().squeeze(1).tolist():
+            ids[i] = None
+            errors[i] = NON_FINITE if not bool(torch.isfinite(raw[i]).all()) else NO_ALLOWED_TOKEN
+    return ids, errors
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -230,13 +251,20 @@ def _per_row(rows: list[SamplingRow], name: str, device: torch.device) -> torch.
     return torch.tensor([getattr(row.params, name) for row in rows], dtype=torch.float32, device=device)
 
 
-def _draw(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def _draw(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
     """Random draw for non-greedy rows. logits: [rows, vocab], a private copy (overwritten).
-    Returns [rows] long."""
+    Returns the tokens [rows] long and whether each row could be drawn from [rows] bool: not where
+    its largest logit is NaN or +inf (so the weights would be NaN), nor -inf (nothing is allowed);
+    those rows get token 0, to be ignored."""
     device = logits.device
     # weights: [rows, vocab], exp((logit - max) / temperature), so each row's largest is 1
     inverse_temperature = 1 / _per_row(rows, "temperature", device).unsqueeze(1)
-    weights = logits.sub_(logits.amax(-1, keepdim=True)).mul_(inverse_temperature).exp_()
+    peak = logits.amax(-1, keepdim=True)                        # NaN where the row has one
+    valid = torch.isfinite(peak.squeeze(1))
+    if not bool(valid.all()):                                   # uniform instead, so the thresholds stay defined
+        logits.masked_fill_(~valid.unsqueeze(1), 0)
+        peak.masked_fill_(~valid.unsqueeze(1), 0)
+    weights = logits.sub_(peak).mul_(inverse_temperature).exp_()
     top_k = torch.tensor([row.params.top_k for row in rows], dtype=torch.long, device=device)
     thresholds = truncation_thresholds(
         weights, top_k, _per_row(rows, "top_p", device), _per_row(rows, "min_p", device)
@@ -249,7 +277,8 @@ def _draw(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     # keep target < total so it lands on a token; a zero-weight token never raises the cdf, so the
     # first cdf entry above the target always belongs to a token with positive weight
     targets = torch.minimum(targets, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, targets.unsqueeze(1), right=True).squeeze(1)
+    tokens = torch.searchsorted(cdf, targets.unsqueeze(1), right=True).squeeze(1)
+    return tokens.masked_fill_(~valid, 0), valid
 
 
 def _rank_thresholds(weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

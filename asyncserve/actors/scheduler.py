@@ -1,8 +1,9 @@
 """The scheduler actor: admission, batch formation and postprocessing, one step in flight at a time.
 
-It owns the engine's Scheduler (waiting queue, running set, KV pages). While the stepper runs a
-step in its thread, this actor keeps taking submissions and aborts; aborts of sequences in the
-running step are applied after the step returns, so their pages are never reused mid-step.
+It drives the engine's schedule() and postprocess() (waiting queue, running set, KV pages); the
+stepper actor runs the step in between. While the stepper runs a step in its thread, this actor
+keeps taking submissions and aborts; aborts of sequences in the running step are applied after the
+step returns, so their pages are never reused mid-step.
 """
 from __future__ import annotations
 
@@ -11,12 +12,25 @@ import logging
 import time
 
 from asyncserve.engine import Engine
-from asyncserve.messages import Abort, Prefetch, RunStep, Shutdown, StepDone, Submit, TokenEvent
+from asyncserve.messages import (
+    Abort,
+    Failure,
+    Prefetch,
+    RunStep,
+    Shutdown,
+    StepDone,
+    Submit,
+    TokenEvent,
+    adapter_unloaded,
+)
 from asyncserve.metrics import Metrics
-from asyncserve.scheduler.scheduler import SeqUpdate
-from asyncserve.scheduler.sequence import Sequence
+from asyncserve.sequence import Sequence
+from asyncserve.step import SeqUpdate
 
 log = logging.getLogger("asyncserve.scheduler")
+
+# 503: another replica, or this one restarted, can serve the request
+SHUTTING_DOWN = Failure("the server is shutting down", 503, "server_shutting_down")
 
 
 class SchedulerActor:
@@ -55,10 +69,10 @@ class SchedulerActor:
     def _handle(self, msg) -> None:
         if isinstance(msg, Submit):
             if self._stopping:
-                self._emit_error(msg.seq, msg.stream, "the server is shutting down")
+                self._emit_error(msg.seq, msg.stream, SHUTTING_DOWN)
                 return
-            if msg.seq.adapter is not None and msg.seq.adapter not in self.engine.pager.host:
-                self._emit_error(msg.seq, msg.stream, f"adapter {msg.seq.adapter!r} was unloaded")
+            if msg.seq.adapter is not None and not self.engine.has_adapter(msg.seq.adapter):
+                self._emit_error(msg.seq, msg.stream, adapter_unloaded(msg.seq.adapter))
                 return
             self.streams[msg.seq.request_id] = msg.stream
             self.engine.add(msg.seq)
@@ -75,7 +89,7 @@ class SchedulerActor:
     def _maybe_step(self) -> None:
         if self._stepping or self.stepper_mailbox is None:
             return
-        plan = self.engine.scheduler.schedule()
+        plan = self.engine.schedule()
         if not plan:
             self._publish(self.engine.fail_unschedulable())
             self.metrics.observe_engine(self.engine)
@@ -84,10 +98,8 @@ class SchedulerActor:
         self._stepping = True
         self._in_flight = {c.seq.request_id for c in plan.chunks}
         self.stepper_mailbox.put_nowait(RunStep(self._step_id, plan))
-        if self.pager_mailbox is not None and self.engine.scheduler.waiting:
-            heads = [s.adapter for s in list(self.engine.scheduler.waiting)[:8] if s.adapter is not None]
-            if heads:
-                self.pager_mailbox.put_nowait(Prefetch(list(dict.fromkeys(heads))))
+        if self.pager_mailbox is not None and (heads := self.engine.prefetch_candidates()):
+            self.pager_mailbox.put_nowait(Prefetch(heads))
 
     def _finish_step(self, done: StepDone) -> None:
         self._stepping = False
@@ -96,8 +108,7 @@ class SchedulerActor:
         if error is None:
             self.metrics.step.observe(done.result.duration_s)
             try:
-                self._finished_updates += self.engine.scheduler.postprocess(done.plan, done.result.sampled,
-                                                                            done.result.prompt_logprobs)
+                self._finished_updates += self.engine.postprocess(done.plan, done.result)
             except Exception as e:      # a bug in one step's bookkeeping fails its requests, not the server
                 log.exception("postprocessing step %d failed", done.step_id)
                 error = e
@@ -137,7 +148,7 @@ class SchedulerActor:
                 top_logprobs=seq.top_logprobs[-len(u.new_token_ids):] if lp and u.new_token_ids else None,
                 prompt_logprobs=seq.prompt_logprobs if prompt_lp else None,
                 prompt_top_logprobs=seq.prompt_top_logprobs if prompt_lp else None,
-                num_prompt_tokens=len(seq.prompt_ids), num_output_tokens=len(seq.output_ids)))
+                num_prompt_tokens=len(seq.prompt_ids), num_output_tokens=len(seq.output_ids), error=u.error))
             if u.finished:
                 del self.streams[seq.request_id]
 
@@ -149,16 +160,23 @@ class SchedulerActor:
             self.metrics.tpot.observe((now - seq.first_token_time) / (n - 1))
 
     def _abort(self, abort: Abort, error: str | None = None) -> None:
+        """End the request; ``error``: an internal error's message (500), else the Abort's failure."""
         seq = self.engine.abort(abort.request_id)
         if seq is None:          # unknown, or finished by the last step: its stream gets that update
             return
         stream = self.streams.pop(abort.request_id, None)
         self._record_finish(seq, abort.reason, time.monotonic())
         if stream is not None:
+            # a stream still read means the client is there: it gets an error, never a finish_reason
+            # "abort" (a client that went away reads nothing)
+            failure = Failure(error) if error is not None else abort.failure or Failure("the request was aborted")
             stream.put_nowait(TokenEvent(request_id=seq.request_id, token_ids=[], text="", finished=True,
                                          finish_reason=abort.reason, num_prompt_tokens=len(seq.prompt_ids),
-                                         num_output_tokens=len(seq.output_ids), error=error))
+                                         num_output_tokens=len(seq.output_ids), error=failure))
 
-    def _emit_error(self, seq: Sequence, stream: asyncio.Queue, message: str) -> None:
+    def _emit_error(self, seq: Sequence, stream: asyncio.Queue, failure: Failure | str) -> None:
+        """End a request that has no (more) place in the scheduler; a str is an internal error's message."""
         stream.put_nowait(TokenEvent(request_id=seq.request_id, token_ids=[], text="", finished=True,
-                                     finish_reason="abort", error=message))
+                                     finish_reason="error", num_prompt_tokens=len(seq.prompt_ids),
+                                     num_output_tokens=len(seq.output_ids),
+                                     error=Failure(failure) if isinstance(failure, str) else failure))

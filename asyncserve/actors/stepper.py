@@ -14,14 +14,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from asyncserve.messages import RunStep, Shutdown, StepDone
-from asyncserve.stepper.runner import ModelRunner
+from asyncserve.step import StepPlan, StepResult
 
 log = logging.getLogger("asyncserve.stepper")
 
 
 class StepperActor:
     def __init__(self):
-        self.runner: ModelRunner | None = None
+        self.run_step: Callable[[StepPlan], StepResult] | None = None     # Engine.run, once loaded
         self.scheduler_mailbox: asyncio.Queue | None = None
         self.mailbox: asyncio.Queue = asyncio.Queue()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncserve-torch")
@@ -30,8 +30,8 @@ class StepperActor:
         """Run ``fn`` in the torch thread, between steps."""
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
-    def attach(self, runner: ModelRunner, scheduler_mailbox: asyncio.Queue) -> None:
-        self.runner = runner
+    def attach(self, run_step: Callable[[StepPlan], StepResult], scheduler_mailbox: asyncio.Queue) -> None:
+        self.run_step = run_step
         self.scheduler_mailbox = scheduler_mailbox
 
     async def run(self) -> None:
@@ -42,7 +42,7 @@ class StepperActor:
                     return
                 assert isinstance(msg, RunStep)
                 try:
-                    done = StepDone(msg.step_id, msg.plan, result=await self.call(self.runner.run, msg.plan))
+                    done = StepDone(msg.step_id, msg.plan, result=await self.call(self.run_step, msg.plan))
                 except Exception as e:          # a failed step fails its requests, not the server
                     log.exception("step %d raised", msg.step_id)
                     done = StepDone(msg.step_id, msg.plan, error=e)

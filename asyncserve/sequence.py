@@ -27,6 +27,8 @@ class Sequence:
     num_computed: int = 0               # tokens whose KV is in the cache
     finish_reason: str | None = None
     num_preemptions: int = 0
+    adapter_load: int | None = None     # while running: which load of the adapter it holds (AdapterPager)
+    adapter_rank: int = 0               # its adapter's largest rank (0: base model), for step-time estimates
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     # params.prompt_logprobs: entry j is prompt token j + 1's, as predicted from the tokens before it

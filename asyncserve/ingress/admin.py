@@ -1,0 +1,125 @@
+"""The small routes: models, runtime adapters, (de)tokenize, version, health, metrics."""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from aiohttp import web
+
+from asyncserve import __version__
+from asyncserve.ingress.prepare import SERVER_KEY, adapter_for, chat_prompt_ids, ready_server
+from asyncserve.ingress.protocol import (ApiError, DetokenizeRequest, LoadLoraRequest, TokenizeRequest,
+                                         UnloadLoraRequest, decode_body)
+from asyncserve.messages import LoadAdapter, UnloadAdapter
+
+
+async def models(request: web.Request) -> web.Response:
+    server = ready_server(request)
+    engine = server.engine
+    base = engine.model_name
+    data = [{"id": base, "object": "model", "created": server.started, "owned_by": "asyncserve", "root": base,
+             "parent": None, "max_model_len": engine.max_model_len}]
+    for name, path in engine.adapter_paths().items():
+        data.append({"id": name, "object": "model", "created": server.started, "owned_by": "asyncserve",
+                     "root": path, "parent": base, "max_model_len": engine.max_model_len})
+    return web.json_response({"object": "list", "data": data})
+
+
+def _inside_root(server, path: str) -> str:
+    root = server.config.adapter_root
+    if root is None:
+        raise ApiError(403, "runtime adapter loading is disabled; start the server with --adapter-root DIR",
+                       param="lora_path", code="forbidden")
+    root_real = Path(root).resolve()
+    candidate = Path(path)
+    if not candidate.is_absolute():
+        candidate = root_real / candidate
+    real = candidate.resolve()          # follows symlinks and '..': what would actually be read
+    if not real.is_relative_to(root_real):
+        raise ApiError(400, f"lora_path must be inside the adapter root {root_real}", param="lora_path",
+                       code="invalid_value")
+    if not real.is_dir():
+        raise ApiError(404, f"no adapter folder at {path!r}", param="lora_path", code="not_found")
+    return str(real)
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    server = ready_server(request)
+    req = decode_body(await request.read(), LoadLoraRequest)
+    if not req.lora_name or req.lora_name == server.engine.model_name:
+        raise ApiError(400, "lora_name must be a new, non-empty name", param="lora_name", code="invalid_value")
+    if server.engine.has_adapter(req.lora_name):
+        raise ApiError(400, f"adapter {req.lora_name!r} is already loaded", param="lora_name", code="invalid_value")
+    path = _inside_root(server, req.lora_path)
+    reply = asyncio.get_running_loop().create_future()
+    server.pager.mailbox.put_nowait(LoadAdapter(req.lora_name, path, reply))
+    try:
+        await reply
+    except ValueError as e:       # AdapterError and friends: the adapter does not fit this model
+        raise ApiError(400, str(e), param="lora_path", code="invalid_value") from None
+    return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    server = ready_server(request)
+    req = decode_body(await request.read(), UnloadLoraRequest)
+    reply = asyncio.get_running_loop().create_future()
+    server.pager.mailbox.put_nowait(UnloadAdapter(req.lora_name, reply))
+    try:
+        await reply
+    except KeyError:
+        raise ApiError(404, f"adapter {req.lora_name!r} is not loaded", param="lora_name",
+                       code="model_not_found") from None
+    return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+
+async def _tokenizer_request(request: web.Request, kind):
+    """A /tokenize or /detokenize body; its optional model must be one that is served."""
+    server = ready_server(request)
+    req = decode_body(await request.read(), kind)
+    if req.model is not None:
+        adapter_for(server, req.model)
+    return server, req
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's /tokenize: {"prompt"} or {"messages"} -> {"count", "max_model_len", "tokens"}."""
+    server, req = await _tokenizer_request(request, TokenizeRequest)
+    tok = server.engine.tokenizer
+    if (req.prompt is None) == (req.messages is None):
+        raise ApiError(400, "send either prompt or messages", param="prompt", code="invalid_value")
+    if req.prompt is not None:
+        tokens = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+    else:
+        tokens = chat_prompt_ids(tok, req, add_special_tokens=bool(req.add_special_tokens))
+    return web.json_response({"count": len(tokens), "max_model_len": server.engine.max_model_len, "tokens": tokens})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """vLLM's /detokenize: {"tokens"} -> {"prompt"}."""
+    server, req = await _tokenizer_request(request, DetokenizeRequest)
+    vocab = server.engine.vocab_size
+    bad = [t for t in req.tokens if not 0 <= t < vocab]
+    if bad:
+        raise ApiError(400, f"token id {bad[0]} is out of range [0, {vocab})", param="tokens", code="invalid_value")
+    return web.json_response({"prompt": server.engine.tokenizer.decode(req.tokens)})
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": __version__})
+
+
+async def health(request: web.Request) -> web.Response:
+    server = request.app[SERVER_KEY]
+    if server.failed:
+        return web.json_response({"status": "failed", "error": server.failed}, status=503)
+    if not server.ready:
+        return web.json_response({"status": "loading"}, status=503)
+    return web.json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    server = request.app[SERVER_KEY]
+    if server.ready:
+        server.metrics.observe_engine(server.engine)
+    return web.Response(body=server.metrics.render(), content_type="text/plain", charset="utf-8")

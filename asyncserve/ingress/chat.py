@@ -1,0 +1,107 @@
+"""/v1/chat/completions: messages through the chat template, chat logprobs, and tool calls."""
+from __future__ import annotations
+
+from aiohttp import web
+
+from asyncserve.ingress.prepare import (adapter_for, chat_prompt_ids, max_tokens, new_sequence, num_samples,
+                                        ready_server, sample_params, structured_outputs)
+from asyncserve.ingress.protocol import (ApiError, ChatCompletionRequest, decode_body, refuse_unsupported,
+                                         sampling_params, truncated_prompt)
+from asyncserve.ingress.relay import Choice, Collected, Reply
+from asyncserve.ingress.tools import ToolPlan, new_call_id, template_tools, tool_call, tool_plan
+from asyncserve.messages import TokenEvent
+
+
+class ChatChoice(Choice):
+    def __init__(self, index: int, seq):
+        super().__init__(index, seq)
+        self.tool_text = ""                          # tool_choice "required": the output, parsed at its end
+        self.tool_call_id: str | None = None         # a named tool_choice: the streamed call's id
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    server = ready_server(request)
+    req = decode_body(await request.read(), ChatCompletionRequest)
+    refuse_unsupported(req)
+    tools = tool_plan(req)
+    if tools is not None and req.logprobs:
+        raise ApiError(400, "logprobs are not supported with tool calls", param="logprobs", code="invalid_value")
+    adapter = adapter_for(server, req.model)
+    prompt_ids = truncated_prompt(chat_prompt_ids(server.engine.tokenizer, req, req.add_special_tokens,
+                                                  template_tools(req)), req, server.engine.max_model_len)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs", code="invalid_value")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = sampling_params(req, max_tokens(server, prompt_ids, requested, None, param), logprobs,
+                             structured=await structured_outputs(server, req, tools))
+    choices = [ChatChoice(sample, new_sequence(server, prompt_ids, sample_params(params, sample), adapter))
+               for sample in range(num_samples(req))]
+    return await ChatReply(server, req, choices, prompt_ids, tools).answer(request)
+
+
+class ChatReply(Reply):
+    id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, server, req: ChatCompletionRequest, choices: list[ChatChoice], prompt_ids: list[int],
+                 tools: ToolPlan | None):
+        super().__init__(server, req, choices, len(prompt_ids))
+        self.tools = tools
+        self.returned_prompt = {"prompt_token_ids": prompt_ids} if req.return_token_ids else {}
+
+    def logprobs_content(self, token_ids: list[int], lps: list[float], tops: list) -> list[dict]:
+        def entry(t: int, lp: float) -> dict:
+            s = self.token_text(t)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+        return [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
+                for t, lp, top in zip(token_ids, lps, tops)]
+
+    def chunk(self, choice: ChatChoice, delta: dict, finish: str | None, lp=None, token_ids=()) -> dict:
+        return self.head(self.chunk_object, [{"index": choice.index, "delta": delta, "logprobs": lp,
+                                              "finish_reason": finish,
+                                              **self.returned_ids(choice, list(token_ids), with_prompt=False)}])
+
+    async def stream_start(self) -> None:
+        for choice in self.choices:
+            await self.send({**self.chunk(choice, {"role": "assistant", "content": ""}, None), **self.returned_prompt})
+
+    async def stream_event(self, choice: ChatChoice, event: TokenEvent) -> None:
+        req, tools, finish = self.req, self.tools, event.finish_reason
+        if tools is None:
+            lp = ({"content": self.logprobs_content(event.token_ids, event.logprobs, event.top_logprobs)}
+                  if req.logprobs and event.token_ids else None)
+            if event.text or lp or (req.return_token_ids and event.token_ids):
+                await self.send(self.chunk(choice, {"content": event.text}, None, lp, event.token_ids))
+        elif tools.function is not None and event.text:
+            # a named function: its arguments stream as they come, the first delta naming the call
+            call = {"index": 0, "function": {"arguments": event.text}}
+            if choice.tool_call_id is None:
+                choice.tool_call_id = new_call_id()
+                call = {"index": 0, **tool_call(tools.function, event.text, choice.tool_call_id)}
+            await self.send(self.chunk(choice, {"tool_calls": [call]}, None, token_ids=event.token_ids))
+        elif tools.function is None:
+            # "required": the array of calls is parsed once whole
+            choice.tool_text += event.text
+            if event.finished:
+                calls = tools.calls(choice.tool_text)
+                if calls is None:
+                    delta = {"content": choice.tool_text}
+                else:
+                    delta, finish = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, "tool_calls"
+                await self.send(self.chunk(choice, delta, None))
+        if event.finished:
+            await self.send(self.chunk(choice, {}, finish))
+
+    def collected_choice(self, choice: ChatChoice, c: Collected) -> dict:
+        lp = {"content": self.logprobs_content(c.tokens, c.logprobs, c.top)} if self.req.logprobs else None
+        message, finish = {"role": "assistant", "content": c.text}, c.finish
+        calls = self.tools.calls(c.text) if self.tools is not None else None
+        if calls is not None:
+            message = {"role": "assistant", "content": None, "tool_calls": calls}
+            finish = finish if self.tools.function is not None else "tool_calls"
+        return {"index": choice.index, "message": message, "logprobs": lp, "finish_reason": finish,
+                **self.returned_ids(choice, c.tokens, with_prompt=False)}
+
+    def body_extra(self) -> dict:
+        return self.returned_prompt

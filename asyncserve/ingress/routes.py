@@ -1,0 +1,80 @@
+"""The HTTP ingress: an aiohttp app speaking OpenAI's API (server-sent events when streaming).
+
+Handlers prepare a request (prepare.py) and relay its sequences' TokenEvents from the scheduler actor
+to the client (relay.py); completions.py and chat.py hold what is particular to each endpoint family,
+admin.py the small routes. Every error reaches the client in OpenAI's shape.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+
+from aiohttp import web
+
+from asyncserve.ingress import admin
+from asyncserve.ingress.chat import chat_completions
+from asyncserve.ingress.completions import completions
+from asyncserve.ingress.prepare import SERVER_KEY
+from asyncserve.ingress.protocol import ApiError
+
+log = logging.getLogger("asyncserve.ingress")
+
+
+def error_response(request: web.Request, err: ApiError) -> web.Response:
+    """The error in OpenAI's shape; each client error is logged in one line (server errors with their
+    traceback where they are caught)."""
+    if err.status < 500:
+        log.info("%s %s -> %d %s: %s", request.method, request.path, err.status, err.code, err.message)
+    return web.json_response(err.body(), status=err.status, headers=err.headers)
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return error_response(request, e)
+    except web.HTTPRequestEntityTooLarge as e:
+        return error_response(request, ApiError(413, f"the request body is too large ({e.text})",
+                                                code="payload_too_large"))
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return error_response(request, ApiError(e.status, e.reason or "error",
+                                                code=e.reason.lower().replace(" ", "_")))
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(request, ApiError(500, "internal server error", code="internal_error"))
+
+
+def auth_middleware(api_key: str | None):
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if api_key and request.path.startswith("/v1/"):
+            # constant time: how long a wrong key takes must not tell how much of it was right
+            given = request.headers.get("Authorization", "").encode(errors="surrogateescape")
+            if not hmac.compare_digest(given, expected):
+                raise ApiError(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
+        return await handler(request)
+    return check
+
+
+def build_app(server, api_key: str | None, max_body_bytes: int) -> web.Application:
+    app = web.Application(middlewares=[errors_middleware, auth_middleware(api_key)], client_max_size=max_body_bytes)
+    app[SERVER_KEY] = server
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", admin.models)
+    app.router.add_post("/v1/load_lora_adapter", admin.load_lora_adapter)
+    app.router.add_post("/v1/unload_lora_adapter", admin.unload_lora_adapter)
+    app.router.add_post("/tokenize", admin.tokenize)
+    app.router.add_post("/detokenize", admin.detokenize)
+    app.router.add_get("/version", admin.version)
+    app.router.add_get("/health", admin.health)
+    app.router.add_get("/metrics", admin.metrics)
+    return app

@@ -1,0 +1,79 @@
+"""The types that define a step, on the ground floor: the scheduler plans a StepPlan, the runner
+computes it into a StepResult, and the scheduler turns that into one SeqUpdate per request. The
+offline loop and the server's actors pass these same objects (messages.py carries them)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+from asyncserve.sequence import Sequence
+
+
+class Failure(msgspec.Struct):
+    """Why the server ended a request it had accepted, as its client sees it: OpenAI's error shape
+    with this HTTP status (the response's, or the error event's in a stream that already began)."""
+    message: str
+    status: int = 500
+    code: str = "internal_error"
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the sequence's known tokens (so a token is sampled)."""
+        return self.seq.num_computed + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class StepPlan:
+    decodes: list[ScheduledChunk] = field(default_factory=list)    # one token each, grouped by adapter
+    prefills: list[ScheduledChunk] = field(default_factory=list)   # grouped by adapter
+
+    @property
+    def chunks(self) -> list[ScheduledChunk]:
+        return self.decodes + self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    def __bool__(self) -> bool:
+        return bool(self.decodes or self.prefills)
+
+
+@dataclass
+class SeqUpdate:
+    """What one step changed for one request: new tokens and text, and whether it ended."""
+    seq: Sequence
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+    error: Failure | None = None        # the request failed (finish_reason "error"): what its client gets
+
+
+@dataclass
+class SampleOutput:
+    # None for a row that leaves nothing to choose (see errors)
+    token_ids: list[int | None]
+    # logprob of each chosen token; None for rows that did not ask (the whole field is None when none asked)
+    logprobs: list[float | None] | None
+    # top-N (token id, logprob) per row, best first; [] for rows that asked for logprobs=0 or none
+    top_logprobs: list[list[tuple[int, float]]] | None
+    # row -> why it has no token: its logits hold NaN or +inf (a corrupt adapter, say), or its own
+    # constraints set every token to -inf; the caller ends those requests with that error
+    errors: dict[int, Failure] = field(default_factory=dict)
+
+
+@dataclass
+class StepResult:
+    sampled: SampleOutput
+    duration_s: float
+    num_tokens: int
+    # request id -> logprobs and top logprobs of the prompt tokens this step's chunk predicted
+    prompt_logprobs: dict[str, tuple[list[float], list[list[tuple[int, float]]]]] = field(default_factory=dict)

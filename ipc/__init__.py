@@ -1,0 +1,71 @@
+"""CPU LoRA workers over POSIX shared memory (CaraServe §4): the host tier's shared arena, the
+layer-wise job protocol, the worker process and the profile that decides when to use them.
+
+Imports nothing from asyncserve, so a worker (``python -m ipc.worker``) starts with torch and numpy
+only. The server process owns every shared object; workers only attach.
+
+Names and hygiene (ipc/names.py)
+    Segments and semaphores are ``/asyncserve-<server pid>-<token>-<what>`` (random token per owner).
+    ``close()`` of an owner unlinks its names; an atexit hook unlinks what is left at a normal exit;
+    ``cleanup_stale()`` (call it at server start) removes those of dead pids, e.g. after SIGKILL.
+
+Host tier (ipc/arena.py)
+    arena = HostArena(capacity_bytes, slots=4096)
+    handle = arena.store(ranks, scaling, a_rows, b_rows)   # HostAdapter's fields; ArenaFull if no room
+    view = arena.view(handle)       # AdapterView: zero-copy a_rows [r, in] / b_rows [r, out] (B^T), so the
+                                    # host copy the pager pages to the device IS the shared one
+    arena.release(handle)           # LRU eviction; handle.nbytes, arena.fits(n), block_bytes(...) to plan
+    arena.close()
+
+Layer-wise jobs (ipc/pool.py)
+    pool = WorkerPool(arena, n, max_tokens=..., max_in=..., max_out=..., dtype=model dtype)
+    pool.wait_ready(timeout)        # at start; afterwards workers join as they come up
+    group = ProjectionGroup(in_features, out_features, ((proj_index, first_column), ...))
+                                    # one per lora.batch GROUPS entry, from lora.backend.group_layout
+    # per layer and group of a step with cold adapters: x_cold = x[cold rows], tasks partition them
+    pool.submit(layer, group, x_cold, [(handle, row0, row1), ...], workers=k)
+    y = base(x)                     # the device computes the base projection meanwhile
+    delta = pool.collect(timeout)   # [cold tokens, out_features] = x·A·B·scaling per task's adapter,
+                                    # projections the adapter does not target are zero; a view valid
+                                    # until the next submit
+    y[cold rows] += delta           # (to the device); those segments carry seg_adapter = -1
+    # CpuAssistError (WorkerDied, WorkerTimeout, JobFailed, NoWorkers): compute those deltas on the
+    # device path instead; a dead or late worker is already being replaced (pool.restarts counts).
+    pool.live                       # ready workers, the asyncserve_cpu_workers gauge
+    pool.close()
+
+Profile and decision (ipc/profile.py)
+    path = profile_path(cache_dir)                     # cache_dir/<cpu model>.json
+    profile = WorkerProfile.load(path) if path.exists() else fit(measure(pool, in_features=.., out_features=..))
+    m = macs_per_token(ranks, shapes)       # Σ rank·(in+out) of a group's projections
+    should_assist(profile, tokens, [(m, device_seconds) per layer job], load_seconds, pool.live)
+        -> AssistDecision(assist, workers, stall_s)      # the --cpu-assist auto rule
+    choose_workers(profile, tokens, m, available, budget_s)
+    ``python -m ipc.profile --out DIR`` records DIR/<cpu model>.json with its command.
+
+Workers compute in float32 (bf16 storage widened per job) and round the delta once; one torch
+thread each. On CUDA, ``submit``'s copy of x into shared memory is a synchronous device-to-host copy
+(CaraServe's fused async copy-and-signal is not done here).
+"""
+from ipc.arena import AdapterHandle, AdapterView, ArenaFull, HostArena, block_bytes
+from ipc.names import cleanup_stale, leftovers
+from ipc.pool import (CpuAssistError, JobFailed, NoWorkers, ProjectionGroup, WorkerDied, WorkerPool,
+                      WorkerTimeout)
+
+_PROFILE = {"AssistDecision", "WorkerProfile", "choose_workers", "fit", "macs_per_token", "measure", "profile_path",
+            "should_assist"}
+
+
+def __getattr__(name: str):
+    # imported on first use, so `python -m ipc.profile` does not find itself already imported
+    if name in _PROFILE:
+        import ipc.profile
+        return getattr(ipc.profile, name)
+    raise AttributeError(f"module 'ipc' has no attribute {name!r}")
+
+
+__all__ = [
+    "AdapterHandle", "AdapterView", "ArenaFull", "HostArena", "block_bytes", "cleanup_stale", "leftovers",
+    "CpuAssistError", "JobFailed", "NoWorkers", "ProjectionGroup", "WorkerDied", "WorkerPool", "WorkerTimeout",
+    *sorted(_PROFILE),
+]

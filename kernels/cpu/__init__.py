@@ -1,0 +1,125 @@
+"""Native CPU kernels for the decode step (C++, built on first use with torch.utils.cpp_extension).
+
+The build is cached per source, torch version, Python version and CPU flags under
+``$XDG_CACHE_HOME/asyncserve/kernels/<key>`` (``~/.cache`` by default) and compiled with
+``-march=native``, so each CPU gets its own vector width (AVX-512, AVX2, ...). ``scripts/setup.sh``
+builds it ahead of the first request. Without a compiler, or if the build fails, ``library()`` is
+None, the model runs its eager torch ops and the log says so once. ``ASYNCSERVE_NATIVE=0`` keeps
+the model on the eager ops (``enabled_for``) without building anything.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).resolve().parent
+SOURCES = ("ops.cpp",)
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
+# -fopenmp links libgomp.so.1, which resolves to the copy torch has loaded: one OpenMP pool
+LDFLAGS = ("-fopenmp",)
+DTYPES = (torch.float32, torch.bfloat16)
+
+_library: ModuleType | None = None
+_error: str | None = None
+_tried = False
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_key() -> str:
+    """What the compiled library depends on: sources, flags, torch, Python and the CPU's features."""
+    h = hashlib.sha256()
+    for path in sorted(SOURCE_DIR.glob("*.[ch]*")):
+        if path.suffix in (".cpp", ".h"):
+            h.update(path.name.encode() + path.read_bytes())
+    for part in (CFLAGS, LDFLAGS, torch.__version__, sys.version, platform.machine(), _cpu_flags()):
+        h.update(repr(part).encode())
+    return h.hexdigest()[:16]
+
+
+def build_dir() -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "asyncserve" / "kernels" / build_key()
+
+
+def library() -> ModuleType | None:
+    """The compiled kernels, built on the first call (None if they cannot be built; see error())."""
+    global _library, _error, _tried
+    if _tried:
+        return _library
+    _tried = True
+    try:
+        from torch.utils import cpp_extension
+
+        folder = build_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        _library = cpp_extension.load(
+            name="asyncserve_cpu_kernels", sources=[str(SOURCE_DIR / s) for s in SOURCES],
+            extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), build_directory=str(folder),
+            verbose=False)
+        log.info("native CPU kernels loaded from %s in %.1f s", folder, time.perf_counter() - start)
+    except Exception as e:   # no compiler, no ninja, a failed build: the eager path runs
+        _error = f"{type(e).__name__}: {e}".strip()
+        log.warning("native CPU kernels unavailable, using eager torch ops (%s)", _error.splitlines()[0])
+    return _library
+
+
+def error() -> str | None:
+    """Why library() is None, once it has been tried."""
+    return _error
+
+
+def disabled() -> bool:
+    return os.environ.get("ASYNCSERVE_NATIVE", "1") == "0"
+
+
+def enabled_for(t: torch.Tensor) -> bool:
+    """Whether the model should run the native kernels on tensors like ``t`` (the weights)."""
+    return t.device.type == "cpu" and t.dtype in DTYPES and not disabled() and library() is not None
+
+
+def _lib() -> ModuleType:
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"native CPU kernels unavailable: {_error}")
+    return lib
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """h: [rows, hidden]; with delta, h += delta in place. Returns rms_norm(h) * weight, new [rows, hidden]."""
+    return _lib().add_rms_norm(h, delta, weight, eps)
+
+
+def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  kv_rows: torch.Tensor, write_rows: torch.Tensor, k_offset: int, v_offset: int,
+                  num_heads: int, num_kv_heads: int) -> None:
+    """qkv: [T, (nh + 2 nkv) hd]: RoPE on its q and k heads in place (cos, sin: [max_pos, hd] tables
+    indexed by positions [T]); then K to kv_rows[write_rows + k_offset] and V to [write_rows + v_offset]."""
+    _lib().rope_write_kv(qkv, positions, cos, sin, kv_rows, write_rows, k_offset, v_offset,
+                        num_heads, num_kv_heads)
+
+
+def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> None:
+    """out, q: [n, nh, hd]; k_cache, v_cache: [pages, block, nkv * hd] of one layer; block_tables:
+    [n, max_pages] int64; context_lens: [n] int64. Attends each query to its first context_lens rows."""
+    _lib().paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens, scale)

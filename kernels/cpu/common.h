@@ -1,0 +1,59 @@
+// Scalar helpers that gcc vectorises at -O3 -march=native: bf16 <-> fp32 and exp on [-87, 0].
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include <c10/util/BFloat16.h>
+
+namespace asyncserve {
+
+using bf16 = c10::BFloat16;
+
+inline float to_float(float x) { return x; }
+
+inline float to_float(bf16 x) {
+  uint32_t bits = uint32_t(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+template <typename T>
+inline T from_float(float f);
+
+template <>
+inline float from_float<float>(float f) { return f; }
+
+// Round to nearest even, as torch does; NaN stays a (quiet) NaN.
+template <>
+inline bf16 from_float<bf16>(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  uint16_t rounded = uint16_t((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+  return bf16(f != f ? uint16_t(0x7fc0) : rounded, bf16::from_bits());
+}
+
+// exp(x) for x <= 0 (softmax after subtracting the max), relative error ~1e-7. Plain arithmetic
+// so that loops over it vectorise: Cody-Waite reduction x = n ln2 + y, |y| <= ln2/2, a degree-7
+// Taylor polynomial for e^y, and 2^n built in the exponent bits. Below -87 it returns ~1.6e-38.
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float round_magic = 12582912.0f;                  // 1.5 * 2^23: adding it rounds to an integer
+  float n = (x * 1.44269504088896341f + round_magic) - round_magic;
+  float y = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+  float p = 1.0f / 5040;
+  p = p * y + 1.0f / 720;
+  p = p * y + 1.0f / 120;
+  p = p * y + 1.0f / 24;
+  p = p * y + 1.0f / 6;
+  p = p * y + 0.5f;
+  p = p * y + 1.0f;
+  p = p * y + 1.0f;
+  int32_t exponent = (int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &exponent, 4);
+  return p * scale;
+}
+
+}  // namespace asyncserve

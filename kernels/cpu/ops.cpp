@@ -1,0 +1,135 @@
+// Python bindings of the native CPU kernels (one translation unit: torch's headers are slow to
+// compile). Each op checks shapes, dtypes and every index it will follow, then releases the GIL.
+#include <torch/extension.h>
+
+#include "attention.h"
+#include "norm.h"
+#include "rope_kv.h"
+
+namespace asyncserve {
+namespace {
+
+template <typename F>
+void dispatch_dtype(const at::Tensor& t, F&& f) {
+  if (t.scalar_type() == at::kFloat) {
+    f(float{});
+  } else if (t.scalar_type() == at::kBFloat16) {
+    f(bf16{});
+  } else {
+    TORCH_CHECK(false, "native kernels take float32 or bfloat16, got ", t.scalar_type());
+  }
+}
+
+void check_like(const at::Tensor& t, const at::Tensor& like, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == like.scalar_type(), name, " has dtype ", t.scalar_type(), ", expected ",
+              like.scalar_type());
+  TORCH_CHECK(t.stride(-1) == 1, name, "'s last dimension must be contiguous");
+}
+
+void check_index(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.is_contiguous(), name,
+              " must be a contiguous int64 CPU tensor");
+}
+
+// h: [rows, hidden]; delta: like h or None; weight: [hidden]. Adds delta into h (in place) when
+// given; returns rms_norm(h) * weight as a new [rows, hidden] tensor.
+at::Tensor add_rms_norm_op(at::Tensor h, c10::optional<at::Tensor> delta, at::Tensor weight, double eps) {
+  check_like(h, h, "h");
+  TORCH_CHECK(h.dim() == 2, "h must be [rows, hidden]");
+  const int64_t rows = h.size(0), hidden = h.size(1);
+  check_like(weight, h, "weight");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden, "weight must be [hidden]");
+  if (delta) {
+    check_like(*delta, h, "delta");
+    TORCH_CHECK(delta->sizes() == h.sizes(), "delta must have h's shape");
+  }
+  at::Tensor out = at::empty({rows, hidden}, h.options());
+  dispatch_dtype(h, [&](auto zero) {
+    using T = decltype(zero);
+    pybind11::gil_scoped_release no_gil;
+    add_rms_norm<T>(h.data_ptr<T>(), h.stride(0), delta ? delta->data_ptr<T>() : nullptr,
+                    delta ? delta->stride(0) : 0, weight.data_ptr<T>(), out.data_ptr<T>(), hidden, rows, hidden,
+                    float(eps));
+  });
+  return out;
+}
+
+// qkv: [tokens, (nh + 2 nkv) hd], rotated in place; positions, write_rows: [tokens];
+// cos, sin: [max_pos, hd]; kv_rows: [rows, nkv hd], the pool's KV rows.
+void rope_write_kv_op(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor kv_rows,
+                      at::Tensor write_rows, int64_t k_offset, int64_t v_offset, int64_t nh, int64_t nkv) {
+  check_like(qkv, qkv, "qkv");
+  TORCH_CHECK(qkv.dim() == 2 && nh > 0 && nkv > 0 && qkv.size(1) % (nh + 2 * nkv) == 0,
+              "qkv must be [tokens, (nh + 2 nkv) * hd]");
+  const int64_t tokens = qkv.size(0), hd = qkv.size(1) / (nh + 2 * nkv);
+  TORCH_CHECK(hd % 2 == 0, "head_dim must be even");
+  check_like(cos, qkv, "cos");
+  check_like(sin, qkv, "sin");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == hd && sin.sizes() == cos.sizes() && sin.strides() == cos.strides(),
+              "cos and sin must be [max_pos, head_dim] with the same strides");
+  check_like(kv_rows, qkv, "kv_rows");
+  TORCH_CHECK(kv_rows.dim() == 2 && kv_rows.size(1) == nkv * hd && kv_rows.is_contiguous(),
+              "kv_rows must be contiguous [rows, nkv * head_dim]");
+  check_index(positions, "positions");
+  check_index(write_rows, "write_rows");
+  TORCH_CHECK(positions.numel() == tokens && write_rows.numel() == tokens, "one position and write row per token");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* rows = write_rows.data_ptr<int64_t>();
+  const int64_t lo = std::min(k_offset, v_offset), hi = std::max(k_offset, v_offset);
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "position ", pos[t], " outside the RoPE table");
+    TORCH_CHECK(rows[t] + lo >= 0 && rows[t] + hi < kv_rows.size(0), "KV row ", rows[t], " outside the pool");
+  }
+  dispatch_dtype(qkv, [&](auto zero) {
+    using T = decltype(zero);
+    pybind11::gil_scoped_release no_gil;
+    rope_write_kv<T>(qkv.data_ptr<T>(), qkv.stride(0), pos, cos.data_ptr<T>(), sin.data_ptr<T>(), cos.stride(0),
+                     kv_rows.data_ptr<T>(), rows, k_offset, v_offset, tokens, nh, nkv, hd);
+  });
+}
+
+// out, q: [n, nh, hd]; k_cache, v_cache: [pages, block, nkv * hd] (one layer, any page and slot
+// strides); tables: [n, max_pages] page ids; context_lens: [n]. Writes attention into out.
+void paged_decode_attention_op(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables,
+                               at::Tensor context_lens, double scale) {
+  check_like(q, q, "q");
+  check_like(out, q, "out");
+  check_like(k_cache, q, "k_cache");
+  check_like(v_cache, q, "v_cache");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [n, num_heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() && v_cache.strides() == k_cache.strides(),
+              "k_cache and v_cache must be [pages, block, kv_size] with the same strides");
+  const DecodeAttentionShape s{q.size(0), q.size(1), k_cache.size(2) / q.size(2), q.size(2), k_cache.size(1)};
+  TORCH_CHECK(s.nkv > 0 && k_cache.size(2) == s.nkv * s.hd && s.nh % s.nkv == 0,
+              "num_heads must be a multiple of the cache's KV heads");
+  check_index(tables, "tables");
+  check_index(context_lens, "context_lens");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == s.n && context_lens.numel() == s.n,
+              "tables must be [n, max_pages] and context_lens [n]");
+  const int64_t* table = tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t width = tables.size(1), pages = k_cache.size(0);
+  for (int64_t i = 0; i < s.n; ++i) {
+    TORCH_CHECK(lens[i] >= 1 && lens[i] <= width * s.block, "context length ", lens[i], " does not fit the block table");
+    for (int64_t p = 0; p < (lens[i] + s.block - 1) / s.block; ++p)
+      TORCH_CHECK(table[i * width + p] >= 0 && table[i * width + p] < pages, "page ", table[i * width + p],
+                  " outside the pool");
+  }
+  dispatch_dtype(q, [&](auto zero) {
+    using T = decltype(zero);
+    pybind11::gil_scoped_release no_gil;
+    paged_decode_attention<T>(out.data_ptr<T>(), out.stride(0), out.stride(1), q.data_ptr<T>(), q.stride(0),
+                              q.stride(1), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), k_cache.stride(0),
+                              k_cache.stride(1), table, width, lens, s, float(scale));
+  });
+}
+
+}  // namespace
+}  // namespace asyncserve
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("add_rms_norm", &asyncserve::add_rms_norm_op, "h += delta (if given); returns rms_norm(h) * weight");
+  m.def("rope_write_kv", &asyncserve::rope_write_kv_op, "RoPE on q and k in place; k and v into the pool");
+  m.def("paged_decode_attention", &asyncserve::paged_decode_attention_op, "decode attention over block tables");
+}

@@ -1,0 +1,132 @@
+"""Native CPU kernels (kernels/cpu) against the eager torch ops they replace in model/llama.py.
+
+    .venv/bin/python scripts/bench_native.py                        # SmolLM2-135M's shapes, bf16, 2 threads
+    .venv/bin/python scripts/bench_native.py --dtype float32 --batch 1 --context 2048
+
+One layer's call of each, for a decode step of --batch sequences whose contexts are drawn around
+--context (SmolLM2-135M by default: 9 query heads, 3 KV heads, head_dim 64, hidden 576, 30 layers,
+block 16, so KV rows are strided as in the pool):
+
+    decode attention   eager: plan_attention's bmm's (bf16) or SDPA (fp32) over gathered pages
+                       native: paged_decode_attention over the block tables
+    add + RMSNorm      eager: h + delta, F.rms_norm          native: add_rms_norm
+    RoPE + KV write    eager: apply_rope, index_copy_        native: rope_write_kv
+
+Prints the median microseconds per call over --repeats calls and the per-step total (x layers).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import kernels.cpu as cpu_kernels  # noqa: E402
+from asyncserve.model.llama import StepInputs, _decode_attention, apply_rope, plan_attention  # noqa: E402
+
+
+def median_us(fn, repeats: int) -> float:
+    for _ in range(max(3, repeats // 10)):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def cpu_name() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--context", type=int, default=256, help="mean context; lengths drawn in [context/2, 3 context/2]")
+    p.add_argument("--heads", type=int, nargs=3, default=[9, 3, 64], metavar=("NH", "NKV", "HD"))
+    p.add_argument("--hidden", type=int, default=576)
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--block", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=300)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    if cpu_kernels.library() is None:
+        sys.exit(f"native kernels unavailable: {cpu_kernels.error()}")
+    g = torch.Generator().manual_seed(0)
+    nh, nkv, hd = args.heads
+    n, block, layers, kv_size = args.batch, args.block, args.layers, nkv * hd
+
+    # the pool as the model sees it, with each sequence's pages scattered over it
+    lens = torch.randint(max(1, args.context // 2), args.context * 3 // 2 + 1, (n,), generator=g)
+    width = int(-(-lens.max() // block))
+    pages = n * width + 1
+    kv = torch.randn(pages, 2, layers, block, kv_size, generator=g).to(dtype)
+    tables = torch.randperm(pages, generator=g)[:n * width].view(n, width)
+    positions = lens - 1
+    mask = (torch.arange(width * block)[None, :] < lens[:, None])[:, None, None, :]
+    inp = StepInputs(input_ids=torch.zeros(n, dtype=torch.int64), positions=positions,
+                     write_rows=tables[:, 0] * (2 * layers * block), num_decode=n,
+                     decode_pages=tables.flatten(), decode_mask=mask, prefills=[],
+                     sample_index=torch.arange(n))
+    eager_plan = plan_attention(inp, nh, nkv, hd, dtype)
+    native_plan = plan_attention(inp, nh, nkv, hd, dtype, native=True)
+    q = torch.randn(n, nh, hd, generator=g).to(dtype)
+    k_cache, v_cache = kv[:, 0, 3], kv[:, 1, 3]
+
+    h = torch.randn(n, args.hidden, generator=g).to(dtype)
+    delta = torch.randn(n, args.hidden, generator=g).to(dtype)
+    weight = torch.randn(args.hidden, generator=g).to(dtype)
+
+    qkv = torch.randn(n, (nh + 2 * nkv) * hd, generator=g).to(dtype)
+    angles = torch.outer(torch.arange(4096, dtype=torch.float32), torch.rand(hd // 2, generator=g))
+    cos, sin = torch.cat([angles, angles], -1).cos().to(dtype), torch.cat([angles, angles], -1).sin().to(dtype)
+    kv_rows = kv.view(-1, kv_size)
+    rows = inp.write_rows + 3 * block
+    layer_rows = torch.cat([rows, rows + layers * block])
+    q_size = nh * hd
+
+    def eager_rope():
+        c, s = cos[positions][:, None, :], sin[positions][:, None, :]   # forward() does this once per step
+        qk = apply_rope(qkv[:, :q_size + kv_size].view(n, nh + nkv, hd), c, s)
+        kv_rows.index_copy_(0, layer_rows, torch.cat([qk[:, nh:].reshape(n, kv_size), qkv[:, q_size + kv_size:]]))
+
+    out = torch.empty(n, nh, hd, dtype=dtype)
+    cases = {
+        "decode attention": (
+            lambda: _decode_attention(q, k_cache, v_cache, eager_plan),
+            lambda: _decode_attention(q, k_cache, v_cache, native_plan)),
+        "add + RMSNorm": (
+            lambda: F.rms_norm(h + delta, (args.hidden,), weight, 1e-5),
+            lambda: cpu_kernels.add_rms_norm(h.clone(), delta, weight, 1e-5)),   # clone: like eager's new h
+        "RoPE + KV write": (
+            eager_rope,
+            lambda: cpu_kernels.rope_write_kv(qkv, positions, cos, sin, kv_rows, inp.write_rows, 3 * block,
+                                              (layers + 3) * block, nh, nkv)),
+    }
+    torch.testing.assert_close(_decode_attention(q, k_cache, v_cache, native_plan).float(),
+                               _decode_attention(q, k_cache, v_cache, eager_plan).float(), atol=2e-2, rtol=0)
+    print(f"# {cpu_name()}, {args.threads} threads, {args.dtype}, {n} decodes, contexts {int(lens.min())}-"
+          f"{int(lens.max())} (mean {float(lens.float().mean()):.0f}), heads {nh}/{nkv}x{hd}, hidden {args.hidden}")
+    print(f"{'kernel':<18} {'eager us':>9} {'native us':>10} {'speedup':>8} {'eager ms/step':>14} {'native ms/step':>15}")
+    per_layer = {"decode attention": 1, "add + RMSNorm": 2, "RoPE + KV write": 1}
+    for name, (eager, native) in cases.items():
+        e, nt = median_us(eager, args.repeats), median_us(native, args.repeats)
+        k = per_layer[name] * layers
+        print(f"{name:<18} {e:9.1f} {nt:10.1f} {e / nt:7.1f}x {e * k / 1e3:14.2f} {nt * k / 1e3:15.2f}")
+
+
+if __name__ == "__main__":
+    main()

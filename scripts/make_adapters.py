@@ -1,0 +1,94 @@
+"""Write N random PEFT LoRA adapters of mixed ranks and target projections for a base model.
+
+What the many-adapter tests and benchmarks serve (S-LoRA's 1,000 adapters): folders DIR/a0000,
+DIR/a0001, ... each with adapter_config.json and adapter_model.safetensors, loadable by asyncserve
+and by PEFT. Adapter i takes a rank and a target set at random (seeded) from --ranks and --targets.
+
+    # 1,000 adapters for the default model (SmolLM2), ranks 8..64, attention-only or all projections
+    python scripts/make_adapters.py 1000 /tmp/adapters --model default
+    # for an HF folder; or --model tiny: the shapes of the tests' tiny Llama (tests/reference.py)
+    python scripts/make_adapters.py 20 /tmp/tiny-adapters --model tiny --ranks 1 4 8 --targets q_proj,v_proj all
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+# tests/reference.py save_tiny_llama's defaults: hidden 64, 2 layers, 4 heads (16 wide), 2 KV heads, 128
+TINY = {"num_layers": 2, "shapes": {"q_proj": (64, 64), "k_proj": (64, 32), "v_proj": (64, 32), "o_proj": (64, 64),
+                                    "gate_proj": (64, 128), "up_proj": (64, 128), "down_proj": (128, 64)}}
+
+
+def model_shapes(model: str) -> tuple[str, int, dict[str, tuple[int, int]]]:
+    """(name, layers, {projection: (in, out)}) of 'tiny', 'default', an HF folder or a GGUF file."""
+    if model == "tiny":
+        return "tiny-llama", TINY["num_layers"], TINY["shapes"]
+    folder = Path(model)
+    if (folder / "config.json").is_file():          # the config alone, no weights read
+        from asyncserve.model.loader_hf import model_config
+        config = model_config(json.loads((folder / "config.json").read_text()), name=folder.name)
+    else:
+        from asyncserve.model.loader import load_model
+        config = load_model(None if model == "default" else model).config
+    return config.name, config.num_layers, config.projection_shapes()
+
+
+def write_adapter(folder: Path, base_name: str, num_layers: int, shapes: dict[str, tuple[int, int]], r: int,
+                  targets: tuple[str, ...], generator: torch.Generator, dtype: torch.dtype) -> None:
+    """One PEFT LoRA folder; B random too (not PEFT's zero init), at a scale where it changes tokens."""
+    tensors = {}
+    for layer in range(num_layers):
+        for module in targets:
+            fan_in, fan_out = shapes[module]
+            key = f"base_model.model.model.layers.{layer}.{'mlp' if module in MLP else 'self_attn'}.{module}"
+            tensors[f"{key}.lora_A.weight"] = (torch.randn(r, fan_in, generator=generator) * fan_in ** -0.5).to(dtype)
+            tensors[f"{key}.lora_B.weight"] = (torch.randn(fan_out, r, generator=generator) * 0.3 / r ** 0.5).to(dtype)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": 2 * r,
+              "target_modules": list(targets), "lora_dropout": 0.0, "bias": "none", "use_rslora": False,
+              "base_model_name_or_path": base_name}
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=1) + "\n")
+
+
+def parse_targets(spec: str) -> tuple[str, ...]:
+    targets = ALL if spec == "all" else tuple(spec.split(","))
+    unknown = set(targets) - set(ALL)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown projections {sorted(unknown)}; choose from {', '.join(ALL)}")
+    return targets
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("count", type=int)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--model", default="default", help="'tiny', 'default', an HF folder or a GGUF file")
+    ap.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32, 64])
+    ap.add_argument("--targets", type=parse_targets, nargs="+",
+                    default=[("q_proj", "k_proj", "v_proj", "o_proj"), ("q_proj", "v_proj"), ALL],
+                    help="target sets to draw from: comma-separated projections, or 'all'")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    base_name, num_layers, shapes = model_shapes(args.model)
+    pick = random.Random(args.seed)
+    generator = torch.Generator().manual_seed(args.seed)
+    t0 = time.perf_counter()
+    for i in range(args.count):
+        write_adapter(args.out / f"a{i:04d}", base_name, num_layers, shapes, pick.choice(args.ranks),
+                      pick.choice(args.targets), generator, getattr(torch, args.dtype))
+    print(f"wrote {args.count} adapters for {base_name} under {args.out} in {time.perf_counter() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()

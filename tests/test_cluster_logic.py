@@ -1,0 +1,384 @@
+"""Cluster mode's plain classes: perf model fit, peer auth, membership, routing, placement, the
+co-migration MILP (against brute force) and the cluster simulator."""
+from __future__ import annotations
+
+import itertools
+import socket
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from asyncserve.cluster.auth import NONCE_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, AuthError, PeerSigner, PeerVerifier
+from asyncserve.cluster.membership import Membership, PeerState
+from asyncserve.cluster.messages import AdapterTiers, Digest
+from asyncserve.cluster.migration import MOVE_PRICE, Candidate, CoMigrator, build_problem, solve
+from asyncserve.cluster.routing import (AdapterPlacement, ClusterView, Consolidate, LeastPending, Local, NodeLoad,
+                                        Random, RankAware, RoundRobin, RouteRequest, Router)
+from asyncserve.perf_model import (PerfCoefficients, QueuedWork, StepSample, fit, pending_seconds,
+                                   predict_step_seconds, request_work_seconds)
+
+COEFFS = PerfCoefficients(beta=0.02, alpha_token=4e-4, alpha_rank=2e-6, load_host_s_per_rank=1e-4,
+                          load_disk_s_per_rank=2e-3, load_disk_fixed_s=0.05)
+
+
+class FakeClock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+# ---- perf model ---------------------------------------------------------------------------------
+def test_fit_recovers_coefficients_and_predicts_steps():
+    rng = np.random.default_rng(0)
+    truth = PerfCoefficients(beta=0.015, alpha_token=3e-4, alpha_rank=5e-6)
+    samples = []
+    for _ in range(40):
+        chunks = [(int(rng.integers(1, 64)), int(rng.choice([8, 16, 64]))) for _ in range(int(rng.integers(1, 8)))]
+        secs = predict_step_seconds(truth, chunks) * (1 + rng.normal(0, 0.01))
+        samples.append(StepSample(sum(n for n, _ in chunks), sum(n * r for n, r in chunks), secs))
+    got = fit(samples)
+    assert got.r2 > 0.99
+    assert got.beta == pytest.approx(truth.beta, rel=0.1)
+    assert got.alpha_token == pytest.approx(truth.alpha_token, rel=0.1)
+    assert got.alpha_rank == pytest.approx(truth.alpha_rank, rel=0.1)
+    # padded kernels: a step costs its tokens times the largest rank
+    padded = PerfCoefficients(beta=0.0, alpha_token=0.0, alpha_rank=1.0, rank_cost="max")
+    assert predict_step_seconds(padded, [(1, 8), (1, 64)]) == 128
+
+
+def test_fit_never_gives_negative_coefficients():
+    # rank work that does not matter, with noise pulling its slope below zero
+    samples = [StepSample(16, 0, 0.0221), StepSample(16, 200, 0.0219), StepSample(200, 0, 0.09), StepSample(200, 3000, 0.0899)]
+    got = fit(samples)
+    assert got.alpha_rank == 0.0 and got.beta > 0 and got.alpha_token > 0
+
+
+def test_pending_seconds_is_the_sum_of_work_shares():
+    queue = [QueuedWork(100, 50, 8), QueuedWork(0, 20, 16), QueuedWork(300, 100, 0)]
+    expected = sum(request_work_seconds(COEFFS, w, 3) for w in queue)
+    assert pending_seconds(COEFFS, queue, max_running=32) == pytest.approx(expected)
+    one = QueuedWork(0, 10, 8)      # alone: ten decode steps of a batch of one
+    assert pending_seconds(COEFFS, [one], 32) == pytest.approx(10 * predict_step_seconds(COEFFS, [(1, 8)]))
+
+
+# ---- auth -----------------------------------------------------------------------------------------
+def test_auth_accepts_good_calls_and_refuses_bad_ones():
+    clock = FakeClock()
+    signer, verifier = PeerSigner("k1", clock), PeerVerifier("k1", window_s=30, clock=clock)
+    body = b'{"node_id":"a"}'
+    good = signer.headers("POST", "/cluster/digest", body)
+    verifier.verify("POST", "/cluster/digest", good, body)
+
+    with pytest.raises(AuthError, match="replayed"):
+        verifier.verify("POST", "/cluster/digest", good, body)
+    with pytest.raises(AuthError, match="missing"):
+        verifier.verify("POST", "/cluster/digest", {}, body)
+    forged = PeerSigner("other key", clock).headers("POST", "/cluster/digest", body)
+    with pytest.raises(AuthError, match="bad signature"):
+        verifier.verify("POST", "/cluster/digest", forged, body)
+    fresh = signer.headers("POST", "/cluster/digest", body)
+    for method, path, b in (("POST", "/cluster/digest", b'{"node_id":"b"}'), ("POST", "/cluster/forward", body),
+                            ("PUT", "/cluster/digest", body)):
+        with pytest.raises(AuthError, match="bad signature"):
+            verifier.verify(method, path, fresh, b)
+    tampered = dict(fresh, **{SIGNATURE_HEADER: fresh[SIGNATURE_HEADER][:-1] + "0"})
+    if tampered[SIGNATURE_HEADER] != fresh[SIGNATURE_HEADER]:
+        with pytest.raises(AuthError):
+            verifier.verify("POST", "/cluster/digest", tampered, body)
+    # the refused calls did not use up its nonce
+    verifier.verify("POST", "/cluster/digest", fresh, body)
+
+    old = signer.headers("POST", "/cluster/digest", body)
+    clock.t += 31
+    with pytest.raises(AuthError, match="stale"):
+        verifier.verify("POST", "/cluster/digest", old, body)
+    future = PeerSigner("k1", FakeClock(clock.t + 31)).headers("POST", "/cluster/digest", body)
+    with pytest.raises(AuthError, match="stale"):
+        verifier.verify("POST", "/cluster/digest", future, body)
+    bad_nonce = dict(signer.headers("POST", "/p", body), **{NONCE_HEADER: "x\ny"})
+    with pytest.raises(AuthError, match="malformed"):
+        verifier.verify("POST", "/p", bad_nonce, body)
+    assert TIMESTAMP_HEADER in good and NONCE_HEADER in good
+
+
+def test_auth_nonce_cache_is_bounded_and_forgets_expired_nonces():
+    clock = FakeClock()
+    signer, verifier = PeerSigner(b"k", clock), PeerVerifier(b"k", window_s=10, max_nonces=2, clock=clock)
+    for _ in range(2):
+        verifier.verify("GET", "/cluster/state", signer.headers("GET", "/cluster/state"), b"")
+    with pytest.raises(AuthError, match="too many"):
+        verifier.verify("GET", "/cluster/state", signer.headers("GET", "/cluster/state"), b"")
+    clock.t += 11
+    verifier.verify("GET", "/cluster/state", signer.headers("GET", "/cluster/state"), b"")
+    assert len(verifier._seen) == 1
+    with pytest.raises(ValueError):
+        PeerVerifier("")
+
+
+# ---- membership -------------------------------------------------------------------------------------
+def _digest(node_id: str, url: str, seq: int = 1, **kw) -> Digest:
+    fields = dict(waiting=0, running=0, pending_seconds=0.0, free_pages=1000, page_tokens=16, max_running=8,
+                  running_rank_sum=0, running_rank_max=0, adapters=AdapterTiers(), coefficients=COEFFS)
+    fields.update(kw)
+    return Digest(node_id=node_id, url=url, seq=seq, timestamp=0.0, **fields)
+
+
+def test_membership_states_dns_and_rejoin():
+    clock = FakeClock(0.0)
+    answers = {"svc": ["10.0.0.1", "10.0.0.2", "10.0.0.9"]}
+
+    def resolver(name, port, type=None):
+        if name not in answers:
+            raise socket.gaierror("no such name")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in answers[name]]
+
+    m = Membership("http://10.0.0.9:8000", "http://h1:8000,dns:svc:8000", gossip_interval_s=0.2,
+                   resolve_every_s=5.0, clock=clock, resolver=resolver)
+    assert m.urls() == ["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://h1:8000"]   # not itself
+    assert all(p.state is PeerState.ALIVE for p in m.peers.values())
+
+    clock.t = 0.59
+    m.refresh()
+    assert len(m.alive()) == 3
+    clock.t = 0.61                                           # three intervals of silence
+    changes = m.refresh()
+    assert {(u, old, new) for u, old, new in changes} == {(u, PeerState.ALIVE, PeerState.SUSPECT) for u in m.urls()}
+    assert m.heard(_digest("b", "http://10.0.0.2:8000", seq=5))
+    assert m.peers["http://10.0.0.2:8000"].state is PeerState.ALIVE
+    assert not m.heard(_digest("b", "http://10.0.0.2:8000", seq=4))           # older than what we have
+    clock.t = 2.01                                           # ten intervals
+    m.refresh()
+    assert m.peers["http://h1:8000"].state is PeerState.DEAD
+    assert m.peers["http://10.0.0.2:8000"].state is PeerState.SUSPECT      # heard at 0.6: 7 intervals
+    assert m.heard(_digest("h", "http://h1:8000", seq=1))                   # a dead peer rejoins by speaking
+    assert m.peers["http://h1:8000"].state is PeerState.ALIVE
+    assert [d.node_id for d in m.alive_digests()] == ["h"]
+
+    m.call_failed("http://h1:8000")                         # slow or garbage: suspect until it speaks
+    assert m.peers["http://h1:8000"].state is PeerState.SUSPECT
+    m.refresh()
+    assert m.peers["http://h1:8000"].state is PeerState.SUSPECT
+    assert m.heard(_digest("h", "http://h1:8000", seq=2))
+    m.refresh()
+    assert m.peers["http://h1:8000"].state is PeerState.ALIVE
+
+    answers["svc"] = ["10.0.0.2", "10.0.0.3", "10.0.0.9"]   # a pod replaced
+    clock.t = 4.9
+    m.refresh()
+    assert "http://10.0.0.3:8000" not in m.peers            # not re-resolved before resolve_every_s
+    clock.t = 5.1
+    changes = m.refresh()
+    assert ("http://10.0.0.3:8000", None, PeerState.ALIVE) in changes
+    assert any(u == "http://10.0.0.1:8000" and new is None for u, _, new in changes)
+    assert set(m.urls()) == {"http://10.0.0.2:8000", "http://10.0.0.3:8000", "http://h1:8000"}
+    del answers["svc"]                                       # DNS failing keeps the table
+    clock.t = 11.0
+    m.refresh()
+    assert set(m.urls()) == {"http://10.0.0.2:8000", "http://10.0.0.3:8000", "http://h1:8000"}
+
+    m.self_id = "me"                                         # our own digest seen through another name
+    assert not m.heard(_digest("me", "http://10.0.0.3:8000"))
+    assert "http://10.0.0.3:8000" not in m.peers
+    with pytest.raises(ValueError):
+        Membership("http://a:1", "dns:noport", clock=clock, resolver=resolver)
+
+
+# ---- routing -------------------------------------------------------------------------------------------
+def _view(*digests: Digest) -> ClusterView:
+    view = ClusterView()
+    for d in digests:
+        view.update(d, received_at=0.0)
+    return view
+
+
+REQ = RouteRequest(adapter="sql", rank=16, prompt_tokens=64, expected_output=64)
+
+
+def test_simple_policies_on_hand_made_digests():
+    nodes = _view(_digest("n0", "u0", running=3, waiting=1, pending_seconds=4.0),
+                  _digest("n1", "u1", running=6, pending_seconds=1.5),
+                  _digest("n2", "u2", running=8, waiting=2, pending_seconds=9.0)).loads()
+    assert Local().choose(REQ, nodes, "n1", 0) == "n1"
+    rr = RoundRobin()
+    assert [rr.choose(REQ, nodes, "n0", 0) for _ in range(4)] == ["n0", "n1", "n2", "n0"]
+    assert LeastPending().choose(REQ, nodes, "n0", 0) == "n1"
+    picks = [Random(seed=3).choose(REQ, nodes, "n0", 0) for _ in range(2)]
+    assert picks[0] == picks[1]
+    r = Random(seed=3)
+    assert {r.choose(REQ, nodes, "n0", 0) for _ in range(60)} == {"n0", "n1", "n2"}
+    # consolidate: the busiest that fits (n2 is full: 10 in flight >= max_running 8)
+    assert Consolidate().choose(REQ, nodes, "n0", 0) == "n1"
+    tied = _view(_digest("n0", "u0", running=5), _digest("n1", "u1", running=5), _digest("n2", "u2", running=2)).loads()
+    assert Consolidate().choose(REQ, tied, "n0", 0) == "n1"                 # ties: the highest id
+    no_room = _view(_digest("n0", "u0", running=2, free_pages=3, pending_seconds=2.0),
+                    _digest("n1", "u1", running=8, pending_seconds=1.0)).loads()
+    assert Consolidate().choose(REQ, no_room, "n0", 0) == "n1"              # none fits: least pending
+
+
+def test_rank_aware_prices_adapter_loads_and_rank_mixes():
+    # n0 is a little less loaded but would read the adapter from disk; n1 has it in the pool
+    nodes = _view(_digest("n0", "u0", running=2, pending_seconds=1.0),
+                  _digest("n1", "u1", running=2, pending_seconds=1.05, adapters=AdapterTiers(device=["sql"]))).loads()
+    assert RankAware().choose(REQ, nodes, "n0", 0) == "n1"
+    assert LeastPending().choose(REQ, nodes, "n0", 0) == "n0"
+    # far less loaded beats a load
+    nodes = _view(_digest("n0", "u0", running=2, pending_seconds=1.0),
+                  _digest("n1", "u1", running=2, pending_seconds=9.0, adapters=AdapterTiers(device=["sql"]))).loads()
+    assert RankAware().choose(REQ, nodes, "n0", 0) == "n0"
+    # padded kernels: a rank-64 request goes where the batch already pays for rank 64
+    padded = PerfCoefficients(beta=0.02, alpha_token=1e-4, alpha_rank=5e-5, rank_cost="max")
+    big = RouteRequest(adapter=None, rank=64, prompt_tokens=16, expected_output=64)
+    nodes = _view(_digest("n0", "u0", running=6, running_rank_sum=48, running_rank_max=8, pending_seconds=1.0,
+                          coefficients=padded),
+                  _digest("n1", "u1", running=6, running_rank_sum=384, running_rank_max=64, pending_seconds=1.3,
+                          coefficients=padded)).loads()
+    assert RankAware().choose(big, nodes, "n0", 0) == "n1"
+    assert LeastPending().choose(big, nodes, "n0", 0) == "n0"
+    # SLO: a node whose time per token would break it loses (n1's batch of 13 at rank 64: 62.9 ms)
+    nodes = _view(_digest("n0", "u0", running=6, running_rank_sum=48, running_rank_max=8, pending_seconds=1.0,
+                          coefficients=padded),
+                  _digest("n1", "u1", running=12, running_rank_sum=768, running_rank_max=64, pending_seconds=1.3,
+                          max_running=32, coefficients=padded)).loads()
+    assert RankAware().choose(big, nodes, "n0", 0) == "n1"
+    assert RankAware(slo_tpot_s=0.05).choose(big, nodes, "n0", 0) == "n0"
+
+
+def test_router_counts_what_it_sent_until_the_next_digest():
+    router = Router("n0", LeastPending())
+    router.view.update(_digest("n0", "u0", seq=1, pending_seconds=1.0), 0.0)
+    router.view.update(_digest("n1", "u1", seq=1, pending_seconds=1.2), 0.0)
+    first, second = router.route(REQ, 0.1), router.route(REQ, 0.1)
+    assert (first, second) == ("n0", "n1")                  # without the correction both would go to n0
+    loads = {n.node_id: n for n in router.view.loads()}
+    assert loads["n0"].running == 1 and "sql" in loads["n0"].device
+    router.view.update(_digest("n0", "u0", seq=2, pending_seconds=1.0), 0.2)   # it now includes the request
+    assert {n.node_id: n.running for n in router.view.loads()}["n0"] == 0
+    router.view.update(_digest("n0", "u0", seq=1, pending_seconds=50.0), 0.3)  # a stale digest is ignored
+    assert {n.node_id: n.pending_seconds for n in router.view.loads()}["n0"] == 1.0
+
+
+def test_rendezvous_placement_is_stable_when_a_node_joins():
+    placement = AdapterPlacement(target_utilization=0.5)
+    adapters = [f"a{i}" for i in range(2000)]
+    for a in adapters:                                       # demand for two nodes each
+        placement.observe(a, 0.7 * placement.tau, now=0.0)
+    nodes = [f"n{i:02d}" for i in range(20)]
+    before = {a: placement.nodes_for(a, nodes, 0.0) for a in adapters}
+    assert {len(s) for s in before.values()} == {2}
+    after = {a: placement.nodes_for(a, nodes + ["n20"], 0.0) for a in adapters}
+    changed = [a for a in adapters if set(after[a]) != set(before[a])]
+    assert 0.05 < len(changed) / len(adapters) < 0.15       # ~2/21 of them, not a reshuffle
+    assert all("n20" in after[a] and len(set(after[a]) - set(before[a])) == 1 for a in changed)
+    gone = {a: placement.nodes_for(a, nodes[1:], 0.0) for a in adapters}
+    assert all(set(gone[a]) == set(before[a]) for a in adapters if "n00" not in before[a])
+
+
+def test_placement_size_follows_demand_with_hysteresis():
+    p = AdapterPlacement(target_utilization=0.5, hysteresis=0.3, half_life_s=1e9)   # no decay within the test
+    nodes = [f"n{i}" for i in range(10)]
+
+    def set_demand(d: float) -> None:
+        p._rate["x"] = (d, 0.0)
+
+    set_demand(0.4)
+    assert p.size("x", 0.0) == 1
+    set_demand(1.2)                                          # grows at once
+    assert p.size("x", 0.0) == 3
+    for d in (0.95, 1.05, 0.9, 1.1, 0.75):                   # hovering near 2 nodes' worth: stays
+        set_demand(d)
+        assert p.size("x", 0.0) == 3
+    set_demand(0.65)                                         # below 2 * 0.5 * 0.7 = 0.7: shrinks
+    assert p.size("x", 0.0) == 2
+    set_demand(0.8)                                          # and does not grow back until past 1.0
+    assert p.size("x", 0.0) == 2
+    assert len(p.nodes_for("x", nodes, 0.0)) == 2
+    assert p.nodes_for("x", nodes, 0.0) == p.nodes_for("x", list(reversed(nodes)), 0.0)
+
+
+# ---- migration -------------------------------------------------------------------------------------------
+def _load(node_id: str, pending: float, device=(), host=(), free_pages=1000, running=8) -> NodeLoad:
+    return NodeLoad(node_id, 0, running, pending, free_pages, 16, 32, running * 16, 16, set(device), set(host), COEFFS)
+
+
+def _brute_force(p) -> float:
+    """The program's optimum by enumerating every assignment."""
+    n_i, n_j = len(p.candidates), len(p.nodes)
+    best = np.inf
+    for assign in itertools.product(range(n_j), repeat=n_i):
+        assign = np.array(assign)
+        moved = assign != p.source
+        if (p.recompute * moved).sum() > p.budget_tokens:
+            continue
+        per_node = p.base.copy()
+        pages = np.zeros(n_j)
+        for i, j in enumerate(assign):
+            per_node[j] += p.work[i, j]
+            if moved[i]:
+                pages[j] += p.pages[i]
+        if (pages > p.free_pages).any():
+            continue
+        for k, j in {(p.adapter_of[i], j) for i, j in enumerate(assign) if p.adapter_of[i] >= 0}:
+            if p.needs_load[k, j]:
+                per_node[j] += p.load[k, j]
+        best = min(best, per_node.max() + MOVE_PRICE * (p.recompute * moved).sum())
+    return best
+
+
+@pytest.mark.parametrize("budget", [100_000, 700, 0])
+def test_milp_matches_brute_force(budget):
+    nodes = [_load("hot", 9.0, device={"a", "b"}), _load("mid", 2.5, device={"a"}, host={"b"}),
+             _load("cold", 0.5, free_pages=30)]
+    candidates = [Candidate("r0", "hot", "a", 8, 0, 300, 200), Candidate("r1", "hot", "b", 64, 0, 500, 400),
+                  Candidate("r2", "hot", "c", 16, 120, 120, 150), Candidate("r3", "hot", None, 0, 0, 200, 300),
+                  Candidate("r4", "mid", "a", 8, 0, 250, 120)]
+    p = build_problem(nodes, candidates, budget_tokens=budget)
+    assign, _, objective = solve(p)
+    expected = _brute_force(p)
+    assert objective == pytest.approx(expected, rel=1e-6, abs=1e-9)
+    if budget == 0:
+        assert (assign == p.source).all()
+    else:
+        assert (assign != p.source).any()                   # the instance is not trivial
+
+
+def test_comigrator_triggers_on_imbalance_and_plans_moves():
+    m = CoMigrator(threshold_s=2.0, top_k_nodes=2, top_k_requests=4, budget_tokens=10_000)
+    balanced = [_load("n0", 3.0), _load("n1", 2.0)]
+    assert m.overloaded(balanced) == []
+    nodes = [_load("n0", 12.0, device={"a"}), _load("n1", 1.0), _load("n2", 0.5, device={"a"}), _load("n3", 9.0)]
+    sources = m.overloaded(nodes)
+    assert [s.node_id for s in sources] == ["n0", "n3"]
+    candidates = [Candidate(f"r{i}", "n0", "a", 16, 0, 200, 300) for i in range(6)]
+    plan = m.plan(nodes, candidates)
+    assert plan.moves and all(mv.source == "n0" and mv.target in ("n1", "n2") for mv in plan.moves)
+    assert plan.makespan_after < plan.makespan_before
+    assert all(adapter == "a" and node == "n1" for adapter, node in plan.loads)
+    assert bool(plan.loads) == any(mv.target == "n1" for mv in plan.moves)
+    assert len({mv.request_id for mv in plan.moves}) == len(plan.moves) <= 4
+
+
+# ---- simulator ------------------------------------------------------------------------------------------
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+
+def test_simulator_is_deterministic_and_consistent():
+    import simulate_cluster as sim
+    argv = ["--nodes", "4", "--duration", "4", "--rps", "12", "--burst-rps", "8", "--adapters", "30",
+            "--migrate-threshold", "0.2", "--migrate-interval", "0.2", "--max-running", "8",
+            "--policies", "rank-aware+migrate,round-robin,consolidate", "--seed", "7"]
+    first, second = sim.main(argv), sim.main(argv)
+    for a, b in zip(first, second):
+        ra, rb = a.row(), b.row()
+        for volatile in ("wall_s", "milp_seconds"):
+            ra.pop(volatile), rb.pop(volatile)
+        assert ra == rb
+        assert a.finished_once
+        assert len(a.latencies) > 30
+        assert (a.latencies >= a.service - 1e-9).all()        # nothing beats running alone
+        assert (a.ttft > 0).all() and (a.ttft <= a.latencies + 1e-12).all()
+    assert first[0].migrations > 0                            # the migration path ran
+    assert first[1].migrations == 0

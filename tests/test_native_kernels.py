@@ -1,0 +1,235 @@
+"""The native CPU kernels (kernels/cpu) against float64 references, and the engine with them against
+the eager path and transformers+PEFT.
+
+They run whenever the library can be built (as in CI, where scripts/setup.sh builds it), also under
+ASYNCSERVE_NATIVE=0, which only keeps the model off them; they skip, saying why, only without a
+working compiler.
+"""
+import random
+
+import pytest
+import torch
+
+import kernels.cpu as cpu_kernels
+from asyncserve import LLM, SamplingParams
+from reference import ADAPTERS, assert_greedy_matches, reference_greedy
+
+DTYPES = [torch.float32, torch.bfloat16]
+# output tolerance relative to the values' scale: fp32 accumulation either way, bf16 rounds the result
+ATOL = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native():
+    if cpu_kernels.library() is None:
+        pytest.skip(f"native CPU kernels cannot be built here: {cpu_kernels.error()}")
+
+
+# ---- paged decode attention ----------------------------------------------------------------------
+
+def make_pool(g, pages, layers, block, kv_size, dtype):
+    """A KV pool as the model sees it, [pages, 2, layers, block, kv_size], all NaN: a kernel that
+    reads one slot nobody wrote returns NaN."""
+    return torch.full((pages, 2, layers, block, kv_size), float("nan"), dtype=dtype)
+
+
+def fill_contexts(g, kv, layer, context_lens, dtype):
+    """Give each sequence random pages from the pool (shuffled, so tables are not in order), write
+    K and V into its first ctx slots only, and return the padded tables and its K, V in float64."""
+    pages, block, kv_size = kv.shape[0], kv.shape[3], kv.shape[4]
+    need = [-(-n // block) for n in context_lens]
+    order = torch.randperm(pages, generator=g).tolist()
+    width = max(need)
+    tables, contexts = [], []
+    for n, p in zip(context_lens, need):
+        table, order = order[:p], order[p:]
+        k = torch.randn(n, kv_size, generator=g).to(dtype)
+        v = torch.randn(n, kv_size, generator=g).to(dtype)
+        for t in range(n):
+            kv[table[t // block], 0, layer, t % block] = k[t]
+            kv[table[t // block], 1, layer, t % block] = v[t]
+        tables.append(table + [0] * (width - p))     # padding: page 0, like the runner's tables
+        contexts.append((k.double(), v.double()))
+    return torch.tensor(tables, dtype=torch.int64), contexts
+
+
+def reference_decode(q, contexts, nkv, scale):
+    """q: [n, nh, hd] float64; contexts: per sequence (k, v) [ctx, nkv * hd]. Returns [n, nh, hd]."""
+    n, nh, hd = q.shape
+    group = nh // nkv
+    out = torch.empty(n, nh, hd, dtype=torch.float64)
+    for i, (k, v) in enumerate(contexts):
+        k, v = k.view(-1, nkv, hd), v.view(-1, nkv, hd)
+        for h in range(nh):
+            probs = torch.softmax(k[:, h // group] @ q[i, h] * scale, dim=0)
+            out[i, h] = probs @ v[:, h // group]
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("nh, nkv, hd, block, context_lens", [
+    (9, 3, 64, 16, [1, 15, 16, 17, 33, 130, 300, 2048]),       # SmolLM2's heads (head_dim 64 compiled)
+    (6, 2, 24, 5, [1, 4, 5, 6, 11, 49]),                       # odd block size, partial pages
+    (8, 1, 40, 16, [2048]),                                   # MQA, one long context: split into parts
+    (4, 4, 16, 3, [1, 2, 3, 700]),                             # no grouping, mixed lengths with splits
+    (7, 7, 8, 16, [1]),
+    (8, 2, 128, 16, [1, 17, 200, 1000]),                      # head_dim 128 (its own compiled loop)
+])
+def test_paged_decode_attention_equals_float64(dtype, nh, nkv, hd, block, context_lens):
+    g = torch.Generator().manual_seed(len(context_lens) * nh + hd)
+    layers, layer = 3, 1
+    pages = sum(-(-n // block) for n in context_lens) + 3
+    kv = make_pool(g, pages, layers, block, nkv * hd, dtype)
+    tables, contexts = fill_contexts(g, kv, layer, context_lens, dtype)
+    n = len(context_lens)
+    # q as the model passes it: a strided view into the rows of a wider qkv buffer
+    qkv = torch.randn(n, (nh + 2 * nkv) * hd, generator=g).to(dtype)
+    q = qkv[:, :nh * hd].view(n, nh, hd)
+    out = torch.empty(n, nh, hd, dtype=dtype)
+    scale = hd ** -0.5
+    cpu_kernels.paged_decode_attention(out, q, kv[:, 0, layer], kv[:, 1, layer], tables,
+                                       torch.tensor(context_lens), scale)
+    expected = reference_decode(q.double(), contexts, nkv, scale)
+    assert not out.isnan().any(), "read a slot past a sequence's context"
+    torch.testing.assert_close(out.double(), expected, rtol=0.0, atol=ATOL[dtype])
+
+
+def test_paged_decode_attention_many_sequences_and_thread_counts():
+    """16 decodes of random lengths up to 2,048 (the engine's batch), 1 and 2 threads: each thread
+    count partitions the work differently, the result must not change beyond rounding."""
+    g = torch.Generator().manual_seed(7)
+    nh, nkv, hd, block = 9, 3, 64, 16
+    lens = [int(x) for x in torch.randint(1, 2049, (16,), generator=g)]
+    kv = make_pool(g, sum(-(-n // block) for n in lens) + 1, 2, block, nkv * hd, torch.bfloat16)
+    tables, contexts = fill_contexts(g, kv, 0, lens, torch.bfloat16)
+    q = torch.randn(16, nh, hd, generator=g).bfloat16()
+    expected = reference_decode(q.double(), contexts, nkv, hd ** -0.5)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            out = torch.empty_like(q)
+            cpu_kernels.paged_decode_attention(out, q, kv[:, 0, 0], kv[:, 1, 0], tables, torch.tensor(lens), hd ** -0.5)
+            torch.testing.assert_close(out.double(), expected, rtol=0.0, atol=ATOL[torch.bfloat16])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_paged_decode_attention_rejects_bad_tables():
+    kv = torch.zeros(4, 2, 1, 8, 16)
+    q, out = torch.zeros(1, 2, 8), torch.zeros(1, 2, 8)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        cpu_kernels.paged_decode_attention(out, q, kv[:, 0, 0], kv[:, 1, 0], torch.tensor([[9]]), torch.tensor([3]), 1.0)
+    with pytest.raises(RuntimeError, match="does not fit the block table"):
+        cpu_kernels.paged_decode_attention(out, q, kv[:, 0, 0], kv[:, 1, 0], torch.tensor([[1]]), torch.tensor([9]), 1.0)
+
+
+# ---- residual add + RMSNorm ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows, hidden", [(1, 64), (5, 67), (33, 576), (300, 96)])
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_rms_norm_equals_float64(dtype, rows, hidden, with_delta):
+    g = torch.Generator().manual_seed(rows + hidden)
+    h = (torch.randn(rows, hidden, generator=g) * 3).to(dtype)
+    delta = torch.randn(rows, hidden, generator=g).to(dtype) if with_delta else None
+    weight = torch.randn(hidden, generator=g).to(dtype)
+    eps = 1e-5
+    summed = (h.float() + delta.float()).to(dtype) if with_delta else h.clone()   # eager's rounding of h + delta
+    out = cpu_kernels.add_rms_norm(h, delta, weight, eps)
+    assert torch.equal(h, summed), "h must hold h + delta rounded to its dtype"
+    x = summed.double()
+    expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+    scale = expected.abs().amax()
+    torch.testing.assert_close(out.double() / scale, expected / scale, rtol=0.0, atol=ATOL[dtype])
+
+
+# ---- RoPE + KV write -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens, nh, nkv, hd", [(1, 4, 2, 16), (7, 9, 3, 64), (40, 5, 1, 10)])
+def test_rope_write_kv_equals_float64(dtype, tokens, nh, nkv, hd):
+    g = torch.Generator().manual_seed(tokens * nh)
+    layers, block, pages, max_pos = 3, 4, 32, 300
+    kv_size = nkv * hd
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    # a wider buffer: the kernel must follow qkv's row stride
+    buffer = torch.randn(tokens, (nh + 2 * nkv) * hd + 5, generator=g).to(dtype)
+    qkv = buffer[:, :(nh + 2 * nkv) * hd]
+    before, buffer_before = qkv.clone(), buffer.clone()
+    positions = torch.randint(0, max_pos, (tokens,), generator=g)
+    positions[0] = max_pos - 1
+    kv = torch.full((pages, 2, layers, block, kv_size), 7.0, dtype=dtype)
+    kv_rows = kv.view(-1, kv_size)
+    row_stride = 2 * layers * block                 # rows per page
+    slots = torch.randperm(pages * block, generator=g)[:tokens]
+    write_rows = (slots // block) * row_stride + slots % block
+    layer = 2
+    cpu_kernels.rope_write_kv(qkv, positions, cos, sin, kv_rows, write_rows, layer * block,
+                              (layers + layer) * block, nh, nkv)
+
+    x = before[:, :(nh + nkv) * hd].double().view(tokens, nh + nkv, hd)
+    c, s = cos[positions].double()[:, None], sin[positions].double()[:, None]
+    rotated = torch.cat([-x[..., hd // 2:], x[..., :hd // 2]], dim=-1)
+    expected = (x * c + rotated * s).view(tokens, -1)
+    got = qkv[:, :(nh + nkv) * hd].double()
+    torch.testing.assert_close(got, expected, rtol=0.0, atol=ATOL[dtype] * 4)
+    assert torch.equal(qkv[:, (nh + nkv) * hd:], before[:, (nh + nkv) * hd:]), "v must stay as it was"
+    assert torch.equal(buffer[:, (nh + 2 * nkv) * hd:], buffer_before[:, (nh + 2 * nkv) * hd:])
+
+    want = torch.full_like(kv, 7.0)
+    for t in range(tokens):
+        page, slot = int(slots[t]) // block, int(slots[t]) % block
+        want[page, 0, layer, slot] = qkv[t, nh * hd:(nh + nkv) * hd]
+        want[page, 1, layer, slot] = qkv[t, (nh + nkv) * hd:]
+    assert torch.equal(kv, want), "K and V must land in their slots of the layer, and nothing else change"
+
+
+def test_rope_write_kv_rejects_rows_outside_the_pool():
+    qkv, table = torch.zeros(1, 4 * 8), torch.zeros(16, 8)
+    kv_rows = torch.zeros(10, 8)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        cpu_kernels.rope_write_kv(qkv, torch.tensor([0]), table, table, kv_rows, torch.tensor([9]), 0, 4, 2, 1)
+
+
+# ---- the engine ----------------------------------------------------------------------------------
+
+def test_engine_native_equals_eager_and_transformers(tiny_model, monkeypatch):
+    """float32, all adapters and the base in one generate call with prefill chunks beside decodes:
+    the native kernels give the eager path's greedy tokens, and both match transformers+PEFT."""
+    from peft import PeftModel
+
+    root, tok, base, paths = tiny_model.root, tiny_model.tokenizer, tiny_model.base, tiny_model.adapters
+    rng = random.Random(5)
+    words = "the fox jumps over lazy dog adapters serve many models batch token step rank".split()
+    prompts = [tok.encode(" ".join(rng.choice(words) for _ in range(rng.randint(1, 30)))) for _ in range(3)]
+    cases = [(ids, adapter) for ids in prompts for adapter in [None, *ADAPTERS]]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    adapters = {k: str(v) for k, v in paths.items()}
+
+    calls = []
+    attend = cpu_kernels.paged_decode_attention
+    monkeypatch.setattr(cpu_kernels, "paged_decode_attention", lambda *a: (calls.append(1), attend(*a)))
+    runs = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("ASYNCSERVE_NATIVE", mode)
+        llm = LLM(model=str(root), adapters=adapters, dtype="float32", device="cpu", max_step_tokens=24)
+        runs[mode] = [o.token_ids for o in llm.generate([c[0] for c in cases], params, adapters=[c[1] for c in cases])]
+        if mode == "1":
+            assert calls, "the engine did not run the native decode attention"
+            used = len(calls)
+    assert len(calls) == used, "ASYNCSERVE_NATIVE=0 must keep the model on the eager path"
+    assert runs["1"] == runs["0"]
+
+    exact = 0
+    for i, (ids, adapter) in enumerate(cases):
+        model = base if adapter is None else PeftModel.from_pretrained(base, paths[adapter]).eval()
+        ref = reference_greedy(model, ids, params.max_tokens)
+        if adapter is not None:
+            model.unload()
+        exact += assert_greedy_matches(runs["1"][i], ref, tie_tol=1e-3, label=f"case {i} adapter {adapter}")
+    assert exact >= len(cases) - 1
+
