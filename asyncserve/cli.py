@@ -30,7 +30,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-step-tokens", type=int, default=None, help="per-step token budget (default: 256 on CPU, 512 on GPU)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens, at most the model's context (default: the context)")
-    p.add_argument("--pool-mem", default=None, help="unified pool size, e.g. 2GiB (default: 2GiB on CPU, "
+    p.add_argument("--pool-mem", default=None, help="unified pool size, e.g. 2GiB (default: $ASYNCSERVE_POOL_MEM, else 2GiB on CPU, "
                                                     "85%% of free memory on CUDA)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")

@@ -122,7 +122,7 @@ class Config:
         return self.threads or int(os.environ.get("ASYNCSERVE_THREADS", 0)) or os.cpu_count() or 1
 
     def pool_bytes(self, device: torch.device, weight_bytes: int) -> int:
-        explicit = parse_size(self.pool_mem)
+        explicit = parse_size(self.pool_mem or os.environ.get("ASYNCSERVE_POOL_MEM"))
         if explicit:
             return explicit
         if device.type == "cuda":

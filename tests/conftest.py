@@ -7,6 +7,9 @@ import pytest
 import torch
 
 torch.set_num_threads(int(os.environ.get("ASYNCSERVE_TEST_THREADS", "2")))
+# engines without an explicit pool_mem (the default is 2 GiB, zeroed at start) take a small pool:
+# a module's engines live until its fixtures end, and a few of 2 GiB at once exhaust a 24 GiB box
+os.environ.setdefault("ASYNCSERVE_POOL_MEM", "256MiB")
 
 
 
