@@ -79,7 +79,8 @@ def main() -> None:
     mask = (torch.arange(width * block)[None, :] < lens[:, None])[:, None, None, :]
     inp = StepInputs(input_ids=torch.zeros(n, dtype=torch.int64), positions=positions,
                      write_rows=tables[:, 0] * (2 * layers * block), num_decode=n,
-                     decode_pages=tables.flatten(), decode_mask=mask, prefills=[],
+                     decode_pages=tables.flatten(), decode_mask=mask,
+                     decode_padding=(~mask).view(-1).nonzero().squeeze(1), prefills=[],
                      sample_index=torch.arange(n))
     eager_plan = plan_attention(inp, nh, nkv, hd, dtype)
     native_plan = plan_attention(inp, nh, nkv, hd, dtype, native=True)
