@@ -216,6 +216,11 @@ def test_weight_checks():
     weights["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(8, 8)
     with pytest.raises(ModelLoadError, match=r"k_proj.weight has shape \(8, 8\).*implies \(4, 8\)"):
         select_weights(config, weights, "ckpt")
+    weights["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(4, 8)
+    for bad in (float("nan"), float("-inf")):      # a corrupt base model is refused, not served as garbage
+        weights["model.layers.0.mlp.up_proj.weight"] = torch.zeros(16, 8).index_fill_(0, torch.tensor([3]), bad)
+        with pytest.raises(ModelLoadError, match="up_proj.weight holds NaN or infinite values"):
+            select_weights(config, weights, "ckpt")
 
 
 # ---- errors -------------------------------------------------------------------------------------

@@ -35,9 +35,9 @@ import time
 import torch
 
 from asyncserve.lora.batch import GROUPS, PROJ_INDEX, DeviceAdapter, LoraBatch
+from asyncserve.model.checkpoint import all_finite
 from asyncserve.model.config import ModelConfig
 from asyncserve.model.linear import Linear, make_linear, onednn_packs
-from asyncserve.pager.adapters import all_finite
 from asyncserve.pager.pool import PagedPool
 
 

@@ -23,6 +23,7 @@ from typing import Iterator
 import torch
 
 from asyncserve.lora.batch import PROJ_INDEX, PROJECTIONS
+from asyncserve.model.checkpoint import all_finite
 from asyncserve.model.config import ModelConfig
 
 
@@ -282,9 +283,3 @@ def _rows(folder: PeftFolder, t: StoredTensor, src: torch.Tensor, rank: int, dty
         raise AdapterError(f"adapter {folder.name!r}: tensor {t.key!r} has values too large for {dtype} "
                            f"(the serving dtype; largest {torch.finfo(dtype).max:g})")
     return out
-
-
-def all_finite(t: torch.Tensor) -> bool:
-    """No NaN nor infinity in t."""
-    lo, hi = torch.aminmax(t)          # NaN propagates; ~15x faster than isfinite().all() on CPU
-    return math.isfinite(float(lo)) and math.isfinite(float(hi))
