@@ -22,8 +22,9 @@ from asyncserve.actors.stepper import StepperActor
 from asyncserve.config import Config
 from asyncserve.engine import Engine
 from asyncserve.ingress.routes import build_app
-from asyncserve.messages import Abort, Failure, Shutdown
+from asyncserve.messages import Abort, Shutdown
 from asyncserve.metrics import Metrics
+from asyncserve.step import Failure
 
 log = logging.getLogger("asyncserve.server")
 

@@ -16,7 +16,7 @@ from asyncserve.cluster.messages import AdapterTiers, Digest
 from asyncserve.cluster.migration import MOVE_PRICE, Candidate, CoMigrator, build_problem, solve
 from asyncserve.cluster.routing import (AdapterPlacement, ClusterView, Consolidate, LeastPending, Local, NodeLoad,
                                         Random, RankAware, RoundRobin, RouteRequest, Router)
-from asyncserve.perf_model import (PerfCoefficients, QueuedWork, StepSample, fit, pending_seconds,
+from asyncserve.perf_model import (PerfCoefficients, QueuedWork, StepLatencyModel, StepSample, fit, pending_seconds,
                                    predict_step_seconds, request_work_seconds)
 
 COEFFS = PerfCoefficients(beta=0.02, alpha_token=4e-4, alpha_rank=2e-6, load_host_s_per_rank=1e-4,
@@ -55,6 +55,27 @@ def test_fit_never_gives_negative_coefficients():
     samples = [StepSample(16, 0, 0.0221), StepSample(16, 200, 0.0219), StepSample(200, 0, 0.09), StepSample(200, 3000, 0.0899)]
     got = fit(samples)
     assert got.alpha_rank == 0.0 and got.beta > 0 and got.alpha_token > 0
+
+
+def test_online_model_skips_warm_up_and_stalls_and_refits():
+    """The engine's live model: the first steps (set-up, seconds long) and a stalled step never reach
+    the fit; it starts from its prior and recovers the true coefficients from steps of several sizes."""
+    rng = np.random.default_rng(3)
+    true = PerfCoefficients(beta=0.03, alpha_token=0.002, alpha_rank=1e-5)
+    model = StepLatencyModel(PerfCoefficients(beta=0.02, alpha_token=2e-4, alpha_rank=0.0), window=256,
+                             refit_every=32, warmup=4)
+    for _ in range(4):
+        model.record([(64, 0)], 7.5)                           # warm-up steps: never fitted
+    assert model.coefficients.beta == 0.02
+    for i in range(200):
+        chunks = [(int(rng.integers(1, 64)), int(rng.choice([0, 8, 16]))) for _ in range(int(rng.integers(1, 5)))]
+        seconds = predict_step_seconds(true, chunks) * (1 + 0.02 * rng.standard_normal())
+        model.record(chunks, 20.0 if i == 150 else seconds)    # one stall of the machine
+    c = model.coefficients
+    assert c.source == "fitted online"
+    assert c.beta == pytest.approx(0.03, rel=0.1) and c.alpha_token == pytest.approx(0.002, rel=0.1)
+    assert c.alpha_rank == pytest.approx(1e-5, rel=0.3)
+    assert model.predict([(16, 16)]) > model.predict([(16, 0)])
 
 
 def test_pending_seconds_is_the_sum_of_work_shares():

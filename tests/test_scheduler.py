@@ -28,7 +28,8 @@ def test_steps_mix_prefill_and_decode_within_the_token_budget(tiny_model):
     mixed = steps = 0
     while engine.has_unfinished():
         decoding = {s.request_id for s in sched.running if not s.in_prefill}
-        plan = sched.schedule()
+        plan = engine.schedule()
+        assert 0 < engine.predict_step_seconds(plan) < 60     # the rank-aware step-time model's estimate
         steps += 1
         assert 0 < plan.num_tokens <= BUDGET
         # every sequence past its prefill gets its next token, one token each
@@ -42,8 +43,7 @@ def test_steps_mix_prefill_and_decode_within_the_token_budget(tiny_model):
         if left:
             assert plan.num_tokens == BUDGET, (plan.num_tokens, [c.num_tokens for c in plan.chunks])
         mixed += bool(plan.decodes and plan.prefills)
-        result = engine.runner.run(plan)
-        for u in sched.postprocess(plan, result.sampled, result.prompt_logprobs):
+        for u in engine.postprocess(plan, engine.run(plan)):
             outputs[u.seq.request_id] += u.new_token_ids
     assert mixed >= 5, f"only {mixed} of {steps} steps mixed prefill chunks with decodes"
     assert all(s.num_preemptions == 0 for s in seqs)

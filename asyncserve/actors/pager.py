@@ -13,14 +13,7 @@ import logging
 
 from asyncserve.actors.stepper import StepperActor
 from asyncserve.engine import Engine
-from asyncserve.messages import (
-    Abort,
-    LoadAdapter,
-    Prefetch,
-    Shutdown,
-    UnloadAdapter,
-    adapter_unloaded,
-)
+from asyncserve.messages import Abort, LoadAdapter, Prefetch, Shutdown, UnloadAdapter, adapter_unloaded
 from asyncserve.pager.adapters import build_in_pieces, read_peft_folder
 
 log = logging.getLogger("asyncserve.pager")

@@ -12,20 +12,10 @@ import logging
 import time
 
 from asyncserve.engine import Engine
-from asyncserve.messages import (
-    Abort,
-    Failure,
-    Prefetch,
-    RunStep,
-    Shutdown,
-    StepDone,
-    Submit,
-    TokenEvent,
-    adapter_unloaded,
-)
+from asyncserve.messages import Abort, Prefetch, RunStep, Shutdown, StepDone, Submit, TokenEvent, adapter_unloaded
 from asyncserve.metrics import Metrics
 from asyncserve.sequence import Sequence
-from asyncserve.step import SeqUpdate
+from asyncserve.step import Failure, SeqUpdate
 
 log = logging.getLogger("asyncserve.scheduler")
 
