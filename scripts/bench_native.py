@@ -104,7 +104,6 @@ def main() -> None:
         qk = apply_rope(qkv[:, :q_size + kv_size].view(n, nh + nkv, hd), c, s)
         kv_rows.index_copy_(0, layer_rows, torch.cat([qk[:, nh:].reshape(n, kv_size), qkv[:, q_size + kv_size:]]))
 
-    out = torch.empty(n, nh, hd, dtype=dtype)
     cases = {
         "decode attention": (
             lambda: _decode_attention(q, k_cache, v_cache, eager_plan),
