@@ -50,7 +50,9 @@ sys.path.insert(0, str(REPO))
 
 import kernels  # noqa: E402
 from asyncserve.lora.backend import TorchLoraBackend  # noqa: E402
-from asyncserve.lora.batch import PROJ_INDEX, PROJECTIONS, DeviceAdapter, LoraBatch  # noqa: E402
+from asyncserve.lora.batch import LoraBatch  # noqa: E402
+from asyncserve.model.config import PROJ_INDEX, PROJECTIONS  # noqa: E402
+from asyncserve.pager.pager import DeviceAdapter  # noqa: E402
 from asyncserve.model.config import ModelConfig  # noqa: E402
 from asyncserve.pager.pool import PagedPool, plan_row_packing  # noqa: E402
 

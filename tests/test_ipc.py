@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 import ipc
 from asyncserve.lora.backend import group_layout
-from asyncserve.lora.batch import GROUPS, PROJ_INDEX, PROJECTIONS
+from asyncserve.model.config import GROUPS, PROJ_INDEX, PROJECTIONS
 from asyncserve.model.config import ModelConfig
 from asyncserve.pager.adapters import load_peft_adapter
 from ipc import (ArenaFull, HostArena, JobFailed, ProjectionGroup, WorkerDied, WorkerPool, WorkerTimeout,

@@ -23,7 +23,9 @@ if not torch.cuda.is_available():
 
 import kernels  # noqa: E402
 from asyncserve.lora.backend import TorchLoraBackend, adapter_spans, group_layout  # noqa: E402
-from asyncserve.lora.batch import GROUPS, PROJ_INDEX, PROJECTIONS, DeviceAdapter, LoraBatch  # noqa: E402
+from asyncserve.lora.batch import LoraBatch  # noqa: E402
+from asyncserve.model.config import GROUPS, PROJ_INDEX, PROJECTIONS  # noqa: E402
+from asyncserve.pager.pager import DeviceAdapter  # noqa: E402
 from asyncserve.lora.triton_backend import SGMV_MAX_SEGMENT, TritonLoraBackend  # noqa: E402
 from asyncserve.model.config import ModelConfig  # noqa: E402
 from asyncserve.model.linear import make_linear, onednn_packs  # noqa: E402

@@ -2,7 +2,7 @@
 import torch
 
 from asyncserve import LLM
-from asyncserve.lora.batch import PROJECTIONS
+from asyncserve.model.config import PROJECTIONS
 from reference import ADAPTERS
 
 

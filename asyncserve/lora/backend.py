@@ -34,10 +34,11 @@ import time
 
 import torch
 
-from asyncserve.lora.batch import GROUPS, PROJ_INDEX, DeviceAdapter, LoraBatch
+from asyncserve.lora.batch import LoraBatch
 from asyncserve.model.checkpoint import all_finite
-from asyncserve.model.config import ModelConfig
+from asyncserve.model.config import GROUPS, PROJ_INDEX, ModelConfig
 from asyncserve.model.linear import Linear, make_linear, onednn_packs
+from asyncserve.pager.pager import DeviceAdapter
 from asyncserve.pager.pool import PagedPool
 
 

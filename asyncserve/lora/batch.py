@@ -19,31 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-PROJ_INDEX = {name: i for i, name in enumerate(PROJECTIONS)}
-# Projections that share an input run as one fused base matmul, and their LoRA as one group.
-GROUPS = {
-    "qkv": ("q_proj", "k_proj", "v_proj"),
-    "o": ("o_proj",),
-    "gate_up": ("gate_proj", "up_proj"),
-    "down": ("down_proj",),
-}
-
-
-@dataclass
-class DeviceAdapter:
-    """An adapter resident in the pool: its pages and per-row offsets (built by the pager)."""
-    name: str
-    ranks: list[int]                 # per projection, PROJECTIONS order; 0 = not targeted
-    a_ptr: torch.Tensor              # [L, P, r_max] int64, on the pool's device
-    b_ptr: torch.Tensor              # [L, P, r_max] int64
-    scaling: torch.Tensor            # [L, P] float32
-    pages: list[int]
-    generation: int                  # bumps whenever the adapter is (re)paged: keys backend caches
-
-    @property
-    def r_max(self) -> int:
-        return int(self.a_ptr.shape[-1])
+from asyncserve.pager.pager import DeviceAdapter
 
 
 @dataclass

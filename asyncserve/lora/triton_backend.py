@@ -24,8 +24,8 @@ import torch
 
 import kernels
 from asyncserve.lora.backend import LoraBackend, group_layout
-from asyncserve.lora.batch import PROJ_INDEX, PROJECTIONS, LoraBatch
-from asyncserve.model.config import ModelConfig
+from asyncserve.lora.batch import LoraBatch
+from asyncserve.model.config import PROJ_INDEX, PROJECTIONS, ModelConfig
 from asyncserve.pager.pool import PagedPool
 
 

@@ -72,3 +72,15 @@ class ModelConfig:
 #   model.layers.{i}.mlp.{gate,up,down}_proj.weight   [out, in]
 #   model.norm.weight                               [hidden]
 #   lm_head.weight                                  [vocab, hidden]   (absent when tie_word_embeddings)
+
+
+# LoRA-targetable projections, PEFT module names, in the order adapters' tables use.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJ_INDEX = {name: i for i, name in enumerate(PROJECTIONS)}
+# Projections that share an input run as one fused base matmul, and their LoRA as one group.
+GROUPS = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}

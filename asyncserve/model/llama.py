@@ -9,14 +9,24 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 import kernels.cpu as cpu_kernels
-from asyncserve.lora.backend import LoraBackend
 from asyncserve.model.config import ModelConfig
 from asyncserve.model.linear import Linear, make_linear
+
+
+class LoraHook(Protocol):
+    """What forward() asks of a batched-LoRA backend (asyncserve/lora/): whether the step has LoRA
+    tokens, and each projection group's output, base and LoRA together."""
+    @property
+    def active(self) -> bool: ...
+
+    def project(self, layer: int, group: str, x: torch.Tensor, base: Linear) -> torch.Tensor:
+        """x: [T, in] -> [T, out] of ``base`` plus the step's adapters' LoRA for their tokens."""
 
 
 # Projections are Linear objects over the checkpoint's [out, in] weights (model/linear.py picks
@@ -174,7 +184,7 @@ class StepInputs:
 # ---- forward -------------------------------------------------------------------------------------
 
 def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, inp: StepInputs,
-            lora: LoraBackend) -> torch.Tensor:
+            lora: LoraHook) -> torch.Tensor:
     """Run all layers for the step's tokens; returns logits [n_sample, vocab] in the weights' dtype
     (the sampler upcasts them).
 

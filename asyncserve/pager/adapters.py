@@ -22,9 +22,8 @@ from typing import Iterator
 
 import torch
 
-from asyncserve.lora.batch import PROJ_INDEX, PROJECTIONS
 from asyncserve.model.checkpoint import all_finite
-from asyncserve.model.config import ModelConfig
+from asyncserve.model.config import PROJ_INDEX, PROJECTIONS, ModelConfig
 
 
 class AdapterError(ValueError):

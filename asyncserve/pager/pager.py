@@ -19,14 +19,31 @@ here belongs to the event loop.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from asyncserve.lora.batch import PROJECTIONS, DeviceAdapter
-from asyncserve.model.config import ModelConfig
+from asyncserve.model.config import PROJECTIONS, ModelConfig
 from asyncserve.pager.adapters import HostAdapter
 from asyncserve.pager.pool import PagedPool, PoolExhausted, plan_row_packing
+
+
+@dataclass
+class DeviceAdapter:
+    """An adapter resident in the pool: its pages and per-row offsets (built by the pager)."""
+    name: str
+    ranks: list[int]                 # per projection, PROJECTIONS order; 0 = not targeted
+    a_ptr: torch.Tensor              # [L, P, r_max] int64, on the pool's device
+    b_ptr: torch.Tensor              # [L, P, r_max] int64
+    scaling: torch.Tensor            # [L, P] float32
+    pages: list[int]
+    generation: int                  # bumps whenever the adapter is (re)paged: keys backend caches
+
+    @property
+    def r_max(self) -> int:
+        return int(self.a_ptr.shape[-1])
+
 
 
 class PageIn(NamedTuple):
