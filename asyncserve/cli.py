@@ -33,6 +33,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool-mem", default=None, help="unified pool size, e.g. 2GiB (default: $ASYNCSERVE_POOL_MEM, else 2GiB on CPU, "
                                                     "85%% of free memory on CUDA)")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--host-adapter-mem", default=None, metavar="SIZE",
+                   help="host memory (POSIX shared memory) caching adapters read from disk, least recently used "
+                        "out first, e.g. 8GiB (default: a quarter of RAM, at most what /dev/shm has free)")
+    p.add_argument("--pin-adapter", action="append", default=[], metavar="NAME",
+                   help="keep this adapter (an --adapter or a folder of --adapter-dir) on the device for good; "
+                        "repeat for several")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     p.add_argument("--policy", default="fcfs",
                    help="the order in which waiting requests are admitted to the batch; fcfs: first come, first "
@@ -47,7 +53,8 @@ def _config(args):
     return Config(model=args.model, adapters=_adapter_pairs(args.adapter), device=args.device, dtype=args.dtype,
                   lora_backend=args.lora_backend, max_running=args.max_running,
                   max_step_tokens=args.max_step_tokens, max_model_len=args.max_model_len, pool_mem=args.pool_mem,
-                  block_size=args.block_size, threads=args.threads, policy=args.policy,
+                  block_size=args.block_size, host_adapter_mem=args.host_adapter_mem,
+                  pinned_adapters=args.pin_adapter, threads=args.threads, policy=args.policy,
                   prefix_caching=args.prefix_caching)
 
 
@@ -60,7 +67,9 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--served-model-name", default=None,
                    help="the base model's name in the API (the `model` field, /v1/models); default: the name in "
                         "the model's config")
-    s.add_argument("--adapter-dir", default=None, help="load every adapter folder inside DIR at startup")
+    s.add_argument("--adapter-dir", default=None,
+                   help="register every adapter folder inside DIR at startup (each read from disk when a request "
+                        "first needs it; thousands are fine)")
     s.add_argument("--adapter-root", default=None, help="allow /v1/load_lora_adapter for folders inside DIR")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
@@ -72,6 +81,24 @@ def main(argv: list[str] | None = None) -> None:
                         "a 503 error (default: 30)")
     s.add_argument("--max-body-size", default="4MiB", metavar="SIZE",
                    help="largest request body, e.g. 4MiB; larger ones get 413 (default: 4MiB)")
+    c = s.add_argument_group("cluster mode", "peer servers gossip load, forward and migrate requests")
+    c.add_argument("--peers", default=None, metavar="URL[,URL...]",
+                   help="the other servers: http(s) URLs and/or dns:NAME:PORT (every address NAME resolves to, "
+                        "re-resolved every few seconds, e.g. a Kubernetes headless Service); turns cluster mode on")
+    c.add_argument("--node-id", default=None, help="this server's name in the cluster (default: hostname:port)")
+    c.add_argument("--advertise-url", default=None,
+                   help="how peers reach this server (default: http://HOST:PORT)")
+    c.add_argument("--cluster-key", default=os.environ.get("ASYNCSERVE_CLUSTER_KEY"),
+                   help="shared secret signing every peer call (default: $ASYNCSERVE_CLUSTER_KEY); required "
+                        "in cluster mode")
+    c.add_argument("--gossip-interval", type=float, default=0.2, metavar="SECONDS",
+                   help="how often the load digest is pushed to the peers (default: 0.2)")
+    c.add_argument("--dispatch", default="rank-aware",
+                   help="where a request runs: local, round-robin, least-pending, rank-aware (default: the "
+                        "least predicted completion time, the adapter's load included), consolidate, random")
+    c.add_argument("--migration-threshold", type=float, default=2.0, metavar="SECONDS",
+                   help="move running requests when the predicted pending time of the busiest and idlest "
+                        "servers differs by more than this; 0: never (default: 2)")
     s.add_argument("--log-level", default="INFO")
 
     g = sub.add_parser("generate", help="generate offline and print the outputs")
@@ -99,6 +126,9 @@ def main(argv: list[str] | None = None) -> None:
         config.adapter_dir, config.adapter_root = args.adapter_dir, args.adapter_root
         config.host, config.port, config.api_key = args.host, args.port, args.api_key
         config.max_waiting, config.shutdown_grace_s = args.max_waiting, args.shutdown_grace
+        config.peers, config.node_id, config.advertise_url = args.peers, args.node_id, args.advertise_url
+        config.cluster_key, config.gossip_interval_s = args.cluster_key, args.gossip_interval
+        config.dispatch, config.migration_threshold_s = args.dispatch, args.migration_threshold
         try:
             config.max_body_bytes = parse_size(args.max_body_size)
             config.validate()              # wrong paths, names, sizes: exit now, not after loading

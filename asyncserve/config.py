@@ -43,10 +43,20 @@ class Config:
     port: int = 8000
     api_key: str | None = None
     adapter_root: str | None = None          # runtime load_lora_adapter only below this folder
-    adapter_dir: str | None = None           # load every adapter folder in it at startup
+    adapter_dir: str | None = None           # register every adapter folder in it (read on demand)
+    host_adapter_mem: int | str | None = None   # bytes of the host tier (shared memory); default: RAM / 4
+    pinned_adapters: list[str] = field(default_factory=list)   # kept on the device for good
     max_waiting: int = 1024                  # queued requests beyond this get 429
     max_body_bytes: int = 4 * 2**20
     shutdown_grace_s: float = 30.0           # SIGTERM: finish in-flight requests for this long, then abort
+    # cluster mode (actors/cluster.py), on when peers is set
+    peers: str | None = None                 # URL[,URL...] and/or dns:NAME:PORT entries
+    node_id: str | None = None               # unique in the cluster; default: hostname:port
+    advertise_url: str | None = None         # how peers reach this node; default: http://host:port
+    cluster_key: str | None = None           # HMAC-SHA256 key of every peer call; cluster mode needs one
+    gossip_interval_s: float = 0.2
+    dispatch: str = "rank-aware"             # routing policy (cluster/routing.py POLICIES)
+    migration_threshold_s: float = 2.0       # pending-seconds spread between nodes that triggers a migration; 0: never
 
     def validate(self) -> None:
         """Raise ValueError for settings that are wrong before anything loads (missing paths, unknown
@@ -74,6 +84,12 @@ class Config:
                 raise ValueError(f"unknown device {self.device!r}; use auto, cpu or cuda[:N]") from None
         if self.pool_mem is not None and not parse_size(self.pool_mem) > 0:
             raise ValueError(f"pool_mem must be positive, got {self.pool_mem!r}")
+        if self.host_adapter_mem is not None:
+            self.host_adapter_bytes()
+        for name in self.pinned_adapters:
+            in_dir = self.adapter_dir is not None and (Path(self.adapter_dir).expanduser() / name).is_dir()
+            if name not in self.adapters and not in_dir:
+                raise ValueError(f"pinned adapter {name!r} is neither an --adapter nor a folder of --adapter-dir")
         for name in ("max_running", "max_step_tokens", "max_model_len", "block_size", "threads", "max_waiting",
                      "max_body_bytes"):
             value = getattr(self, name)
@@ -81,6 +97,23 @@ class Config:
                 raise ValueError(f"{name} must be at least 1, got {value}")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must not be negative, got {self.shutdown_grace_s}")
+        if self.peers is not None:
+            self.validate_cluster()
+
+    def validate_cluster(self) -> None:
+        from asyncserve.cluster.membership import parse_peer_spec
+        from asyncserve.cluster.routing import POLICIES as DISPATCH
+
+        parse_peer_spec(self.peers)
+        if not self.cluster_key:
+            raise ValueError("cluster mode (peers) needs a cluster key (--cluster-key or ASYNCSERVE_CLUSTER_KEY): "
+                             "peer calls are signed with it")
+        if self.dispatch not in DISPATCH:
+            raise ValueError(f"unknown dispatch {self.dispatch!r}; choose one of {sorted(DISPATCH)}")
+        if not self.gossip_interval_s > 0:
+            raise ValueError(f"gossip_interval_s must be positive, got {self.gossip_interval_s}")
+        if self.migration_threshold_s < 0:
+            raise ValueError(f"migration_threshold_s must not be negative, got {self.migration_threshold_s}")
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -120,6 +153,21 @@ class Config:
 
     def resolved_threads(self) -> int:
         return self.threads or int(os.environ.get("ASYNCSERVE_THREADS", 0)) or os.cpu_count() or 1
+
+    def host_adapter_bytes(self) -> int:
+        """The host tier's size: host_adapter_mem, else a quarter of RAM; at most what /dev/shm has free
+        (past that, writing the shared segment would kill the process with SIGBUS)."""
+        shm = os.statvfs("/dev/shm")
+        room = shm.f_bavail * shm.f_frsize
+        if self.host_adapter_mem is None:
+            return min(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4, room)
+        size = parse_size(self.host_adapter_mem)
+        if not size > 0:
+            raise ValueError(f"host_adapter_mem must be positive, got {self.host_adapter_mem!r}")
+        if size > room:
+            raise ValueError(f"host_adapter_mem {self.host_adapter_mem} is more than /dev/shm has free "
+                             f"({room / 2**30:.2f} GiB)")
+        return size
 
     def pool_bytes(self, device: torch.device, weight_bytes: int) -> int:
         explicit = parse_size(self.pool_mem or os.environ.get("ASYNCSERVE_POOL_MEM"))

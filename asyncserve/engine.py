@@ -2,30 +2,39 @@
 
 A step is schedule -> run -> postprocess. The offline ``LLM`` calls ``step()`` in a loop; the
 server's actors call the same three parts from the scheduler and stepper actors.
+
+Adapters live in three tiers (pager/pager.py): registered on disk, cached in host memory, paged into
+the device pool. A request whose adapter is only on disk is parked here, outside the scheduler,
+until its adapter is read into the host tier (by ``step()`` offline, by the pager actor in the
+server), so it holds up no one; the load failing fails those requests alone.
 """
 from __future__ import annotations
 
 import logging
 import random
+import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
 from asyncserve.config import Config
 from asyncserve.model.llama import build_weights
 from asyncserve.model.loader import load_model
-from asyncserve.pager.adapters import AdapterError, load_peft_adapter
-from asyncserve.pager.pager import AdapterPager
+from asyncserve.pager.adapters import (AdapterError, PeftFolder, build_host_adapter, inspect_peft_folder,
+                                      read_peft_folder)
+from asyncserve.pager.pager import AdapterPager, Registration
 from asyncserve.pager.pool import PagedPool
 from asyncserve.perf_model import PerfCoefficients, StepLatencyModel
 from asyncserve.sampling_params import SamplingParams
 from asyncserve.scheduler.policy import POLICIES
 from asyncserve.scheduler.scheduler import Scheduler
-from asyncserve.sequence import Sequence
+from asyncserve.sequence import SeqStatus, Sequence
 from asyncserve.step import Failure, SeqUpdate, StepPlan, StepResult
 from asyncserve.stepper.runner import ModelRunner, make_lora_backend
 from asyncserve.structured import GuideCompiler, StructuredOutputError
+from ipc import cleanup_stale
 
 log = logging.getLogger("asyncserve.engine")
 
@@ -35,6 +44,11 @@ STEP_TIME_PRIOR = PerfCoefficients(beta=0.02, alpha_token=2e-4, alpha_rank=0.0, 
 # the head request cannot fit even with the pool to itself (make_sequence admits few such): no retry helps
 UNSCHEDULABLE = Failure("the request cannot be scheduled: its KV pages and its adapter's do not fit in the pool "
                         "even with nothing else running; ask for fewer tokens", 400, "insufficient_pool_memory")
+
+
+def adapter_load_failed(name: str, error: Exception) -> Failure:
+    """A request whose adapter, registered from disk, could not be read when it was needed."""
+    return Failure(f"adapter {name!r} could not be loaded: {error}", 500, "adapter_load_failed")
 
 
 class RequestError(ValueError):
@@ -52,8 +66,9 @@ class PoolStats:
     free: int
     kv: int
     adapter: int
-    adapters_resident: int
-    adapters_registered: int
+    adapters_resident: int     # on the device (tier counts are inclusive: these are on host and disk too)
+    adapters_host: int         # in the host tier
+    adapters_registered: int   # every adapter (the disk tier)
     cached: int                # free pages still holding prefix-cache blocks
 
 
@@ -95,7 +110,12 @@ class Engine:
                              f"page of {page_bytes} bytes ({config.block_size} tokens of KV); raise pool_mem")
         self.pool = PagedPool(num_pages, mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim,
                               self.dtype, self.device)
-        self.pager = AdapterPager(self.pool, mc)
+        removed = cleanup_stale()          # shared memory of asyncserve processes killed before their exit
+        if removed:
+            log.info("removed %d shared-memory objects of dead asyncserve processes", len(removed))
+        self.pager = AdapterPager(self.pool, mc, self.dtype, config.host_adapter_bytes())
+        self.parked: dict[str, list[Sequence]] = {}    # adapter on disk -> requests waiting for its load
+        self._loading: set[str] = set()                 # parked adapters whose load has started (server)
         self.lora_backend_name = config.resolved_lora_backend(self.device)
         lora = make_lora_backend(self.lora_backend_name, self.pool, mc)
         eos = self.tokenizer.eos_token_ids
@@ -112,32 +132,139 @@ class Engine:
                  num_pages, page_bytes / 1024, num_pages * page_bytes / 2**30)
         for name, path in config.adapters.items():
             self.load_adapter(name, path)
+        if config.adapter_dir:
+            self.register_adapter_dir(config.adapter_dir)
+        for name in config.pinned_adapters:
+            self.pin_adapter(name)
 
     # ---- adapters ----------------------------------------------------------------------------
     def check_adapter_name(self, name: str) -> None:
         """The one check a new adapter's name passes: neither an adapter's nor the base model's."""
-        if name in self.pager.host:
+        if name in self.pager.registry:
             raise AdapterError(f"adapter {name!r} is already loaded")
         if name == self.model_name:
             raise AdapterError(f"adapter name {name!r} is the base model's name")
 
-    def load_adapter(self, name: str, path: str) -> None:
+    def register_adapter_folder(self, name: str, path: str) -> Registration:
+        """Register a PEFT folder on the disk tier: its config and safetensors header are read and
+        checked now, its weights when a request first needs them."""
         self.check_adapter_name(name)
-        self.pager.register(load_peft_adapter(name, path, self.model_config, self.dtype))
+        return self.pager.register(inspect_peft_folder(name, path, self.model_config))
 
-    def register_adapter(self, adapter) -> None:
-        """Register an adapter already read into host memory (the server reads off the event loop)."""
-        self.check_adapter_name(adapter.name)
-        self.pager.register(adapter)
+    def register_adapter_dir(self, folder: str) -> int:
+        """Every adapter folder inside ``folder`` onto the disk tier, named after its folder; one that
+        does not check out is skipped with a warning (a name already loaded is kept). Returns how many."""
+        count = 0
+        for sub in sorted(Path(folder).expanduser().iterdir()):
+            if not sub.is_dir() or sub.name.startswith(".") or sub.name in self.pager.registry:
+                continue
+            if not (sub / "adapter_config.json").is_file():
+                log.warning("--adapter-dir: skipping %s: no adapter_config.json", sub)
+                continue
+            try:
+                self.register_adapter_folder(sub.name, str(sub))
+                count += 1
+            except (AdapterError, OSError) as e:
+                log.warning("--adapter-dir: skipping %s: %s", sub, e)
+        log.info("--adapter-dir %s: %d adapters registered", folder, count)
+        return count
+
+    def load_adapter(self, name: str, path: str, pinned: bool = False) -> None:
+        """Read an adapter into the host tier now, in the calling thread; ``pinned``: and onto the device
+        for good."""
+        self.check_adapter_name(name)
+        self.pager.add(build_host_adapter(read_peft_folder(name, path, self.model_config), self.dtype))
+        if pinned:
+            self.pin_adapter(name)
+
+    def pin_adapter(self, name: str) -> None:
+        """Keep a registered adapter on the device for good (read from disk first if need be)."""
+        if name not in self.pager.registry:
+            raise AdapterError(f"adapter {name!r} to pin is not registered")
+        if name not in self.pager.host:
+            self._load_now(name)
+        self.pager.pin(name)
 
     def unload_adapter(self, name: str) -> list[str]:
         """Forget an adapter (KeyError if unknown). Running sequences finish with their resident copy;
         the queued ones can no longer run: their ids are returned for the caller to end."""
-        if name not in self.pager.host:
+        if name not in self.pager.registry:
             raise KeyError(name)
         queued = [seq.request_id for seq in self.scheduler.waiting if seq.adapter == name]
+        queued += [seq.request_id for seq in self.parked.get(name, [])]
         self.pager.unregister(name)
         return queued
+
+    # ---- disk -> host ------------------------------------------------------------------------
+    def in_use(self) -> set[str]:
+        """Adapters that queued or running requests need: the host tier keeps them."""
+        return {seq.adapter for seq in self.scheduler.requests.values() if seq.adapter is not None} | set(self.parked)
+
+    def take_fetches(self) -> list[str]:
+        """Adapters that parked requests wait for and whose load has not begun; marked begun."""
+        names = [name for name in self.parked if name not in self._loading]
+        self._loading.update(names)
+        return names
+
+    def host_room(self, name: str) -> bool:
+        """Evict idle host adapters until the name's block fits; False while the tier is full of
+        adapters in use. AdapterError if it never can fit."""
+        return self.pager.host_room(name, self.in_use())
+
+    def read_adapter(self, name: str) -> tuple[Registration, PeftFolder]:
+        """The name's registration and its folder read and checked from disk: no torch, any thread."""
+        reg = self.pager.registry[name]
+        folder = read_peft_folder(name, reg.path, self.model_config)
+        if folder.ranks != reg.ranks:
+            raise AdapterError(f"adapter {name!r}: its ranks {folder.ranks} on disk are no longer the {reg.ranks} "
+                               "it was registered with; unload it and load it again")
+        return reg, folder
+
+    def unpark(self, name: str) -> None:
+        """The name's adapter is on the host tier: its parked requests join the scheduler's queue."""
+        self._loading.discard(name)
+        for seq in self.parked.pop(name, []):
+            self.scheduler.add(seq)
+
+    def load_failed(self, name: str) -> list[str]:
+        """The name's load failed: the ids of the requests parked for it (the caller ends them)."""
+        self._loading.discard(name)
+        return [seq.request_id for seq in self.parked.get(name, [])]
+
+    def _load_now(self, name: str) -> None:
+        """Read a registered adapter into the host tier in the calling thread (offline and start-up);
+        the pager actor does the same in the server's threads."""
+        t0 = time.perf_counter()
+        if not self.host_room(name):
+            raise AdapterError(f"adapter {name!r} does not fit in the host tier beside the adapters in use")
+        pager = self.pager
+        load, handle = pager.registry[name].load, pager.host_allocate(name)
+        try:
+            _, folder = self.read_adapter(name)
+            view = pager.host_write(handle, build_host_adapter(folder, self.dtype))
+        except BaseException:
+            pager.host_abandon(handle)
+            raise
+        pager.host_admit(name, load, handle, view)
+        pager.load_times.append(("disk", name, time.perf_counter() - t0))
+
+    def _load_parked(self) -> list[SeqUpdate]:
+        """Offline: read the parked requests' adapters now; a load that fails ends its requests alone."""
+        updates = []
+        for name in list(self.parked):
+            try:
+                if not self.host_room(name):
+                    break                      # the host tier is full of adapters in use: after they finish
+                self._load_now(name)
+            except (AdapterError, OSError) as e:
+                log.warning("adapter %s could not be loaded: %s", name, e)
+                failure = adapter_load_failed(name, e)
+                for seq in self.parked.pop(name):
+                    seq.status, seq.finish_reason = SeqStatus.FINISHED, "error"
+                    updates.append(SeqUpdate(seq, [], "", True, "error", error=failure))
+                continue
+            self.unpark(name)
+        return updates
 
     def prefetch_candidates(self, limit: int = 8) -> list[str]:
         """Adapters of the waiting queue's first ``limit`` requests, most urgent first."""
@@ -155,20 +282,20 @@ class Engine:
             need = self.pager.footprint(name)
             if need > spare:
                 break
-            if self.pager.ensure_resident(name) is not None:
+            if self.pager.ensure_resident(name, admission=False) is not None:
                 spare -= need
                 paged += 1
         return paged
 
     @property
     def adapter_names(self) -> list[str]:
-        return list(self.pager.host)
+        return list(self.pager.registry)
 
     # ---- requests ----------------------------------------------------------------------------
     def make_sequence(self, prompt_ids: list[int], params: SamplingParams, adapter: str | None,
                       request_id: str | None = None, arrival: float = 0.0) -> Sequence:
         """Validate a request against the model and pool; raises RequestError for client mistakes."""
-        if adapter is not None and adapter not in self.pager.host:
+        if adapter is not None and adapter not in self.pager.registry:
             raise RequestError(f"adapter {adapter!r} is not loaded", "model", 404)
         if not prompt_ids:
             raise RequestError("the prompt is empty", "prompt")
@@ -203,7 +330,7 @@ class Engine:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         return Sequence(request_id=request_id or uuid.uuid4().hex, prompt_ids=list(prompt_ids), params=params,
                         adapter=adapter, seed=seed, arrival=arrival, guide=guide,
-                        adapter_rank=max(self.pager.host[adapter].ranks) if adapter else 0,
+                        adapter_rank=max(self.pager.registry[adapter].ranks) if adapter else 0,
                         bad_words_ids=self._bad_words_ids(params.bad_words))
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
@@ -217,13 +344,70 @@ class Engine:
         return out
 
     def add(self, seq: Sequence) -> None:
+        """Queue a request; one whose adapter is only on disk is parked until it is read (take_fetches)."""
+        if seq.adapter is not None and seq.adapter not in self.pager.host:
+            self.parked.setdefault(seq.adapter, []).append(seq)
+            return
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
+        for name, seqs in self.parked.items():
+            for seq in seqs:
+                if seq.request_id == request_id:
+                    seqs.remove(seq)
+                    if not seqs:
+                        del self.parked[name]
+                    seq.status, seq.finish_reason = SeqStatus.FINISHED, "abort"
+                    return seq
         return self.scheduler.abort(request_id)
 
+    # ---- requests that move between servers (cluster mode: dLoRA §5.2, Punica §5) -----------------
+    def export_sequence(self, request_id: str) -> Sequence | None:
+        """Take a request out to continue it elsewhere by recompute: its sequence, with its seed and
+        the tokens generated so far; its pages are freed. None if it is not here (or finished)."""
+        return self.scheduler.abort(request_id)
+
+    def adopt(self, prompt_ids: list[int], output_ids: list[int], params: SamplingParams, adapter: str | None,
+              request_id: str, seed: int, arrival: float = 0.0) -> Sequence:
+        """A request continued from another server: validated as a new one, then given its seed and
+        the tokens generated so far, which its guide replays (the detokenizer replays them when it is
+        added). Its next token is sampled at position len(output_ids) of the seed's stream, so the
+        output equals an unmoved run's. Raises RequestError for what cannot continue here."""
+        if output_ids and params.prompt_logprobs is not None:      # they went out with the first token
+            params = replace(params, prompt_logprobs=None)
+        seq = self.make_sequence(prompt_ids, params, adapter, request_id=request_id, arrival=arrival)
+        bad = [t for t in output_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"output token id {bad[0]} is out of range [0, {self.vocab_size})", "output_ids")
+        if len(output_ids) >= params.max_tokens or len(prompt_ids) + len(output_ids) >= self.max_model_len:
+            raise RequestError(f"{len(output_ids)} tokens generated already: the request is complete", "output_ids")
+        if seq.guide is not None:
+            try:
+                for token in output_ids:
+                    seq.guide.advance(token)
+            except ValueError as e:
+                raise RequestError(f"the tokens generated so far break the request's constraint: {e}",
+                                   "output_ids") from None
+        seq.seed = seed
+        seq.output_ids = list(output_ids)
+        if output_ids:
+            seq.first_token_time = arrival     # its first token's time was measured where it began
+        return seq
+
+    def unfinished(self) -> list[Sequence]:
+        """Running sequences, then waiting ones, each in admission order."""
+        return list(self.scheduler.running) + list(self.scheduler.waiting)
+
+    @property
+    def max_running(self) -> int:
+        return self.scheduler.max_running
+
+    @property
+    def num_parked(self) -> int:
+        return sum(len(seqs) for seqs in self.parked.values())
+
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or bool(self.parked)
 
     # ---- the step: schedule -> run -> postprocess ------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -245,10 +429,11 @@ class Engine:
         return self.latency.predict(_rank_chunks(plan))
 
     def step(self) -> list[SeqUpdate]:
+        failed = self._load_parked() if self.parked else []
         plan = self.schedule()
         if not plan:
-            return self.fail_unschedulable()
-        return self.postprocess(plan, self.run(plan))
+            return failed + self.fail_unschedulable()
+        return failed + self.postprocess(plan, self.run(plan))
 
     def fail_unschedulable(self) -> list[SeqUpdate]:
         """Nothing runs and nothing can be admitted: the head request cannot fit even alone."""
@@ -261,15 +446,33 @@ class Engine:
 
     def pool_stats(self) -> PoolStats:
         c = self.pool.counts()
-        return PoolStats(c.total, c.free, c.kv, c.adapter, len(self.pager.resident), len(self.pager.host), c.cached)
+        return PoolStats(c.total, c.free, c.kv, c.adapter, len(self.pager.resident), len(self.pager.host),
+                         len(self.pager.registry), c.cached)
 
     # ---- what the server's parts ask -----------------------------------------------------------
     def has_adapter(self, name: str) -> bool:
-        return name in self.pager.host
+        return name in self.pager.registry
 
     def adapter_paths(self) -> dict[str, str]:
         """Registered adapters, name -> the folder each was read from."""
-        return {name: adapter.path for name, adapter in self.pager.host.items()}
+        return {name: reg.path for name, reg in self.pager.registry.items()}
+
+    def adapter_tiers(self) -> dict[str, tuple[str, bool]]:
+        """Registered adapters, name -> (fastest tier holding it: "device" | "host" | "disk", pinned)."""
+        return {name: (self.pager.tier(name), reg.pinned) for name, reg in self.pager.registry.items()}
+
+    def take_load_times(self) -> list[tuple[str, str, float]]:
+        """Adapter loads since the last call: (tier loaded from: "disk" | "host", adapter, seconds)."""
+        times = self.pager.load_times
+        return [times.popleft() for _ in range(len(times))]
+
+    def device_hits(self) -> dict[str, int]:
+        """Per adapter: admissions that found it already on the device."""
+        return self.pager.device_hits
+
+    def close(self) -> None:
+        """Free what outlives the process otherwise: the host tier's shared memory."""
+        self.pager.close()
 
     @property
     def vocab_size(self) -> int:
@@ -282,7 +485,7 @@ class Engine:
 
     def load_snapshot(self) -> LoadSnapshot:
         s, blocks = self.scheduler, self.scheduler.blocks
-        return LoadSnapshot(waiting=len(s.waiting), running=len(s.running), pool=self.pool_stats(),
+        return LoadSnapshot(waiting=len(s.waiting) + self.num_parked, running=len(s.running), pool=self.pool_stats(),
                             adapter_loads_total=self.pager.loads_total,
                             prefix_queried_tokens=blocks.prefix_queried_tokens,
                             prefix_hit_tokens=blocks.prefix_hit_tokens)

@@ -1,6 +1,7 @@
 """Offline API: batch generation over many adapters in one call.
 
     llm = LLM(model=None, adapters={"name": "peft-folder"})
+    llm = LLM(adapter_dir="folder-of-adapters", host_adapter_mem="4GiB")   # registered; read when first used
     outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0), adapters=[...])
 """
 from __future__ import annotations
@@ -36,8 +37,8 @@ class LLM:
                                           lora_backend=lora_backend, **engine_kwargs))
         self.tokenizer = self.engine.tokenizer
 
-    def load_adapter(self, name: str, path: str) -> None:
-        self.engine.load_adapter(name, path)
+    def load_adapter(self, name: str, path: str, pinned: bool = False) -> None:
+        self.engine.load_adapter(name, path, pinned)
 
     def unload_adapter(self, name: str) -> None:
         self.engine.unload_adapter(name)

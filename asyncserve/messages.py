@@ -2,7 +2,10 @@
 
 A request's life:  ingress --Submit--> scheduler --RunStep--> stepper --StepDone--> scheduler
                    --TokenEvent--> the request's stream (read by ingress).
-The pager takes LoadAdapter / UnloadAdapter from ingress and Prefetch from the scheduler.
+In cluster mode the cluster actor also Submits (requests peers forward here) and Exports (requests
+moving to a peer).
+The pager takes LoadAdapter / UnloadAdapter from ingress, Prefetch and FetchAdapters from the scheduler,
+and answers a fetch with AdapterReady (or Aborts of the requests that waited for it).
 """
 from __future__ import annotations
 
@@ -29,6 +32,14 @@ class Abort(msgspec.Struct):
     request_id: str
     reason: str = "abort"
     failure: Failure | None = None    # set when the server ends the request; None: its client went away
+
+
+class Export(msgspec.Struct):
+    """Take a request out of the scheduler, between steps, to continue it on another server (cluster
+    mode). The reply gets (its Sequence, its stream) once every token it generated here has been
+    put on the stream, or None if it is no longer here."""
+    request_id: str
+    reply: asyncio.Future
 
 
 class RunStep(msgspec.Struct):
@@ -64,6 +75,15 @@ class LoadAdapter(msgspec.Struct):
     name: str
     path: str
     reply: asyncio.Future
+    pinned: bool = False              # kept on the device for good
+
+
+class FetchAdapters(msgspec.Struct):
+    adapters: list[str]               # on the disk tier, wanted by parked requests: read them into the host tier
+
+
+class AdapterReady(msgspec.Struct):
+    name: str                         # fetched into the host tier: its parked requests can queue
 
 
 class UnloadAdapter(msgspec.Struct):

@@ -1,10 +1,83 @@
 """Prometheus metrics (names are an interface: dashboards and tests rely on them)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+_LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+TOP_ADAPTERS = 20          # adapters with series of their own; the rest add up under adapter="other"
+
+
+@dataclass
+class AdapterCounts:
+    requests: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    load_seconds: float = 0.0
+    device_hits: int = 0
+
+
+class AdapterTraffic:
+    """Per-adapter series with a bounded label set: at each scrape the TOP_ADAPTERS adapters with the
+    most requests get series of their own and every other adapter adds into adapter="other". When an
+    adapter enters or leaves the top, "other" moves by its counts (a rate over that scrape sees a
+    reset); an adapter's own series always carries its whole history."""
+
+    def __init__(self, top: int = TOP_ADAPTERS):
+        self.top = top
+        self.counts: dict[str, AdapterCounts] = {}
+
+    def _of(self, adapter: str) -> AdapterCounts:
+        c = self.counts.get(adapter)
+        if c is None:
+            c = self.counts[adapter] = AdapterCounts()
+        return c
+
+    def record(self, adapter: str, prompt_tokens: int, generated_tokens: int) -> None:
+        """A finished request."""
+        c = self._of(adapter)
+        c.requests += 1
+        c.prompt_tokens += prompt_tokens
+        c.generated_tokens += generated_tokens
+
+    def record_load(self, adapter: str, seconds: float) -> None:
+        self._of(adapter).load_seconds += seconds
+
+    def set_device_hits(self, hits: dict[str, int]) -> None:
+        for adapter, n in hits.items():
+            self._of(adapter).device_hits = n
+
+    def collect(self):
+        ranked = sorted(self.counts.items(), key=lambda kv: (-kv[1].requests, kv[0]))
+        rows = ranked[:self.top]
+        if len(ranked) > self.top:
+            other = AdapterCounts()
+            for _, c in ranked[self.top:]:
+                other.requests += c.requests
+                other.prompt_tokens += c.prompt_tokens
+                other.generated_tokens += c.generated_tokens
+                other.load_seconds += c.load_seconds
+                other.device_hits += c.device_hits
+            rows.append(("other", other))
+        requests = CounterMetricFamily("asyncserve_adapter_requests", "Finished requests per adapter",
+                                       labels=["adapter"])
+        tokens = CounterMetricFamily("asyncserve_adapter_tokens", "Prompt and generated tokens of finished "
+                                     "requests per adapter", labels=["adapter", "kind"])
+        load = CounterMetricFamily("asyncserve_adapter_load_time_seconds", "Time spent loading the adapter "
+                                   "(disk -> host and host -> device)", labels=["adapter"])
+        hits = CounterMetricFamily("asyncserve_adapter_device_hits", "Admissions that found the adapter "
+                                   "already on the device", labels=["adapter"])
+        for adapter, c in rows:
+            requests.add_metric([adapter], c.requests)
+            tokens.add_metric([adapter, "prompt"], c.prompt_tokens)
+            tokens.add_metric([adapter, "generated"], c.generated_tokens)
+            load.add_metric([adapter], c.load_seconds)
+            hits.add_metric([adapter], c.device_hits)
+        return [requests, tokens, load, hits]
 
 
 class Metrics:
@@ -22,8 +95,15 @@ class Metrics:
         self.running = Gauge("asyncserve_running_requests", "Requests holding KV pages", registry=r)
         self.waiting = Gauge("asyncserve_waiting_requests", "Requests waiting for admission", registry=r)
         self.pool_pages = Gauge("asyncserve_pool_pages", "Unified pool pages by use", ["kind"], registry=r)
-        self.adapters_loaded = Gauge("asyncserve_adapters_loaded", "Adapters per memory tier", ["tier"], registry=r)
+        self.adapters_loaded = Gauge("asyncserve_adapters_loaded", "Adapters per memory tier (inclusive: one on "
+                                     "the device is also on host and disk; disk: every registered one)", ["tier"],
+                                     registry=r)
         self.adapter_loads = Counter("asyncserve_adapter_loads", "Adapters paged into the device pool", registry=r)
+        self.adapter_load_seconds = Histogram("asyncserve_adapter_load_seconds", "Adapter load time, by the tier "
+                                              "it came from: disk (into host memory) or host (into the device pool)",
+                                              ["from"], buckets=_LOAD_BUCKETS, registry=r)
+        self.adapter_traffic = AdapterTraffic()
+        r.register(self.adapter_traffic)
         self.generated_tokens = Counter("asyncserve_generated_tokens", "Output tokens generated", registry=r)
         self.prefix_queried = Counter("asyncserve_prefix_cache_queried_tokens",
                                       "Prompt tokens of admissions that looked up the prefix cache", registry=r)
@@ -32,6 +112,14 @@ class Metrics:
         self.prefix_cached_pages = Gauge("asyncserve_prefix_cache_pages",
                                          "Free pool pages still holding cached blocks (counted in kind=free)",
                                          registry=r)
+        # cluster mode
+        self.peers_alive = Gauge("asyncserve_peers_alive", "Peers heard from lately (cluster mode)", registry=r)
+        self.requests_forwarded = Counter("asyncserve_requests_forwarded",
+                                          "Sequences routed to a peer to run, by the peer's node id", ["to"],
+                                          registry=r)
+        self.migrations = Counter("asyncserve_migrations", "Requests moved between servers: request (for load), "
+                                  "resubmit (its peer failed), adapter (loaded where a moved request went)",
+                                  ["kind"], registry=r)
         self._adapter_loads_seen = 0
         self._prefix_seen = (0, 0)
 
@@ -43,7 +131,12 @@ class Metrics:
         self.pool_pages.labels("kv").set(s.kv)
         self.pool_pages.labels("adapter").set(s.adapter)
         self.adapters_loaded.labels("device").set(s.adapters_resident)
-        self.adapters_loaded.labels("host").set(s.adapters_registered)
+        self.adapters_loaded.labels("host").set(s.adapters_host)
+        self.adapters_loaded.labels("disk").set(s.adapters_registered)
+        for tier, adapter, seconds in engine.take_load_times():
+            self.adapter_load_seconds.labels(tier).observe(seconds)
+            self.adapter_traffic.record_load(adapter, seconds)
+        self.adapter_traffic.set_device_hits(engine.device_hits())
         self.running.set(load.running)
         self.waiting.set(load.waiting)
         self.adapter_loads.inc(load.adapter_loads_total - self._adapter_loads_seen)

@@ -27,6 +27,7 @@ class Sequence:
     num_computed: int = 0               # tokens whose KV is in the cache
     finish_reason: str | None = None
     num_preemptions: int = 0
+    migrations: int = 0                 # times moved between servers for load (cluster mode)
     adapter_load: int | None = None     # while running: which load of the adapter it holds (AdapterPager)
     adapter_rank: int = 0               # its adapter's largest rank (0: base model), for step-time estimates
     logprobs: list[float] = field(default_factory=list)

@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import time
-from pathlib import Path
 
 from aiohttp import web
 
+from asyncserve.actors.cluster import ClusterActor
 from asyncserve.actors.pager import PagerActor
 from asyncserve.actors.scheduler import SchedulerActor
 from asyncserve.actors.stepper import StepperActor
@@ -29,30 +30,15 @@ from asyncserve.step import Failure
 log = logging.getLogger("asyncserve.server")
 
 
-def adapters_in_dir(folder: str) -> dict[str, str]:
-    """Every sub-folder holding an adapter_config.json, named after the folder; other sub-folders are
-    skipped with a warning (hidden ones quietly)."""
-    root = Path(folder)
-    if not root.is_dir():
-        raise ValueError(f"--adapter-dir {folder} is not a folder")
-    found = {}
-    for p in sorted(root.iterdir()):
-        if not p.is_dir() or p.name.startswith("."):
-            continue
-        if (p / "adapter_config.json").is_file():
-            found[p.name] = str(p)
-        else:
-            log.warning("--adapter-dir: skipping %s: no adapter_config.json", p)
-    return found
-
-
 class Server:
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, resolver=socket.getaddrinfo):
         self.config = config
+        self.resolver = resolver           # how cluster mode resolves dns: peers
         self.metrics = Metrics()
         self.engine: Engine | None = None
         self.scheduler: SchedulerActor | None = None
         self.pager: PagerActor | None = None
+        self.cluster: ClusterActor | None = None       # cluster mode (config.peers)
         self.stepper = StepperActor()
         self.ready = False
         self.failed: str | None = None
@@ -73,6 +59,10 @@ class Server:
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
         log.info("listening on http://%s:%d", self.config.host, self.port)
+        if self.config.peers is not None:
+            self.cluster = ClusterActor(self, self.port, self.resolver)
+            log.info("cluster mode: node %s at %s, peers %s", self.cluster.node_id, self.cluster.url,
+                     self.config.peers)
         self.loading = asyncio.create_task(self._load())
         self._tasks.append(self.loading)
 
@@ -80,8 +70,6 @@ class Server:
         config = self.config
         try:
             self.engine = await self.stepper.call(Engine, config)
-            if config.adapter_dir:
-                await self._load_adapter_dir(config.adapter_dir)
         except Exception as e:
             log.exception("start-up failed")
             self.failed = f"{type(e).__name__}: {e}"
@@ -91,22 +79,14 @@ class Server:
         self.pager = PagerActor(self.engine, self.scheduler.mailbox, self.stepper)
         self.scheduler.stepper_mailbox = self.stepper.mailbox
         self.scheduler.pager_mailbox = self.pager.mailbox
-        for actor in (self.scheduler, self.stepper, self.pager):
-            self._tasks.append(asyncio.create_task(actor.run(), name=type(actor).__name__))
+        for actor in (self.scheduler, self.stepper, self.pager, self.cluster):
+            if actor is not None:
+                self._tasks.append(asyncio.create_task(actor.run(), name=type(actor).__name__))
         self.metrics.observe_engine(self.engine)
         self.ready = True
-        log.info("ready: model %s, adapters %s", self.engine.model_name, ", ".join(self.engine.adapter_names) or "-")
-
-    async def _load_adapter_dir(self, folder: str) -> None:
-        """--adapter-dir's adapters; one that cannot load is skipped with a warning (an --adapter given
-        by name is fatal instead, and wins over a folder of the same name)."""
-        for name, path in (await asyncio.to_thread(adapters_in_dir, folder)).items():
-            if name in self.config.adapters:
-                continue
-            try:
-                await self.stepper.call(self.engine.load_adapter, name, path)
-            except Exception as e:         # any reason one folder cannot load: corrupt file, wrong shapes, ...
-                log.warning("--adapter-dir: skipping %s: %s", path, e)
+        names = self.engine.adapter_names
+        log.info("ready: model %s, %d adapters%s", self.engine.model_name, len(names),
+                 f" ({', '.join(names)})" if 0 < len(names) <= 10 else "")
 
     async def stop(self) -> None:
         """Graceful: no new connections, in-flight requests finish (up to the grace period)."""
@@ -120,8 +100,11 @@ class Server:
         if self.ready:
             self.scheduler.mailbox.put_nowait(Shutdown())
             deadline = time.monotonic() + self.config.shutdown_grace_s
-            while not self.scheduler.idle and time.monotonic() < deadline:
+            while not (self.scheduler.idle and (self.cluster is None or self.cluster.idle)) \
+                    and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
+            if self.cluster is not None:
+                self.cluster.cut()
             cut = Failure(f"the server shut down before this request finished (grace period "
                           f"{self.config.shutdown_grace_s:g} s)", 503, "server_shutting_down")
             for rid in list(self.scheduler.streams):
@@ -137,6 +120,8 @@ class Server:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if not self.ready:                 # the stepper actor never ran; its thread may hold a failed load
             self.stepper.shutdown()
+        if self.engine is not None:
+            self.engine.close()            # the host tier's shared memory, now that no thread uses it
         log.info("stopped")
 
 

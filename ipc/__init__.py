@@ -12,6 +12,8 @@ Names and hygiene (ipc/names.py)
 Host tier (ipc/arena.py)
     arena = HostArena(capacity_bytes, slots=4096)
     handle = arena.store(ranks, scaling, a_rows, b_rows)   # HostAdapter's fields; ArenaFull if no room
+    # or in two halves: handle = arena.allocate(num_layers, ranks, shapes, dtype) where the
+    # bookkeeping lives (ArenaFull), then arena.write(handle, ranks, scaling, a_rows, b_rows) in another thread
     view = arena.view(handle)       # AdapterView: zero-copy a_rows [r, in] / b_rows [r, out] (B^T), so the
                                     # host copy the pager pages to the device IS the shared one
     arena.release(handle)           # LRU eviction; handle.nbytes, arena.fits(n), block_bytes(...) to plan

@@ -106,6 +106,7 @@ class HostArena:
         self.directory = np.frombuffer(self.buffer, dtype=DIR_ENTRY, count=slots)
         self.allocator = Allocator(dir_bytes, capacity)
         self._free_slots = list(range(slots - 1, -1, -1))
+        self._allocated: dict[int, int] = {}       # slot -> generation of allocated blocks
 
     # -- writing (server) -----------------------------------------------------------------------
 
@@ -119,6 +120,15 @@ class HostArena:
         num_layers, num_projections = scaling.shape
         dtype = next(iter(a_rows.values())).dtype
         shapes = [(a_rows[(0, p)].shape[1], b_rows[(0, p)].shape[1]) if r else (0, 0) for p, r in enumerate(ranks)]
+        handle = self.allocate(num_layers, ranks, shapes, dtype)
+        self.write(handle, ranks, scaling, a_rows, b_rows)
+        return handle
+
+    def allocate(self, num_layers: int, ranks: list[int], shapes: list[tuple[int, int]],
+                 dtype: torch.dtype) -> AdapterHandle:
+        """The first half of ``store``: a slot and a block for the adapter, not yet live. A server that
+        keeps its bookkeeping in one thread allocates there and lets another thread ``write``."""
+        num_projections = len(ranks)
         nbytes = block_bytes(num_layers, num_projections, ranks, shapes, dtype)
         if not self._free_slots:
             raise ArenaFull(f"all {len(self.directory)} arena slots are in use")
@@ -127,7 +137,22 @@ class HostArena:
             raise ArenaFull(f"no free run of {nbytes} B in the arena ({self.allocator.free_bytes} B free in "
                             f"runs of at most {self.allocator.largest_free} B)")
         slot = self._free_slots.pop()
+        d = self.directory[slot]
+        d["offset"], d["nbytes"], d["num_layers"] = offset, nbytes, num_layers
+        d["num_projections"], d["dtype"] = num_projections, DTYPE_CODE[dtype]
+        handle = AdapterHandle(slot, int(d["generation"]), nbytes)
+        self._allocated[slot] = handle.generation
+        return handle
 
+    def write(self, handle: AdapterHandle, ranks: list[int], scaling: torch.Tensor,
+              a_rows: dict[tuple[int, int], torch.Tensor], b_rows: dict[tuple[int, int], torch.Tensor]) -> None:
+        """The second half of ``store``: the tensors into an allocated block, then the slot goes live.
+        Touches only that block and slot, so it may run beside the allocating thread."""
+        if self._allocated.get(handle.slot) != handle.generation:
+            raise KeyError(f"arena slot {handle.slot} generation {handle.generation} is not allocated")
+        d = self.directory[handle.slot]
+        offset, num_layers, num_projections = int(d["offset"]), int(d["num_layers"]), int(d["num_projections"])
+        dtype = DTYPES[int(d["dtype"])]
         index = np.frombuffer(self.buffer, dtype=INDEX_ENTRY, count=num_layers * num_projections, offset=offset)
         index[:] = 0
         cursor = offset + align(index.nbytes)
@@ -143,11 +168,7 @@ class HostArena:
                 cursor += self._write(cursor, a, dtype)
                 entry["b_offset"] = cursor
                 cursor += self._write(cursor, bt, dtype)
-        d = self.directory[slot]
-        d["offset"], d["nbytes"], d["num_layers"] = offset, nbytes, num_layers
-        d["num_projections"], d["dtype"] = num_projections, DTYPE_CODE[dtype]
         d["live"] = 1      # last: a worker only follows live entries
-        return AdapterHandle(slot, int(d["generation"]), nbytes)
 
     def _write(self, offset: int, t: torch.Tensor, dtype: torch.dtype) -> int:
         dst = torch.frombuffer(self.buffer, dtype=dtype, count=t.numel(), offset=offset)
@@ -155,8 +176,11 @@ class HostArena:
         return align(t.numel() * element_size(dtype))
 
     def release(self, handle: AdapterHandle) -> None:
+        """Free a stored (or allocated, not yet written) adapter's block and slot."""
+        if self._allocated.get(handle.slot) != handle.generation:
+            raise KeyError(f"arena slot {handle.slot} generation {handle.generation} is not stored")
+        del self._allocated[handle.slot]
         d = self.directory[handle.slot]
-        self._check(handle)
         d["live"] = 0
         d["generation"] += 1
         self.allocator.free(int(d["offset"]))

@@ -8,6 +8,8 @@ and by PEFT. Adapter i takes a rank and a target set at random (seeded) from --r
     python scripts/make_adapters.py 1000 /tmp/adapters --model default
     # for an HF folder; or --model tiny: the shapes of the tests' tiny Llama (tests/reference.py)
     python scripts/make_adapters.py 20 /tmp/tiny-adapters --model tiny --ranks 1 4 8 --targets q_proj,v_proj all
+    # named lora0, lora1, ...: what scripts/bench_serving.py --workload slora asks for
+    python scripts/make_adapters.py 1000 /tmp/adapters --prefix lora
 """
 from __future__ import annotations
 
@@ -78,13 +80,17 @@ def main(argv: list[str] | None = None) -> None:
                     help="target sets to draw from: comma-separated projections, or 'all'")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prefix", default=None,
+                    help="name the folders PREFIX0, PREFIX1, ... (bench_serving.py's --adapter-prefix) instead of "
+                         "a0000, a0001, ...")
     args = ap.parse_args(argv)
     base_name, num_layers, shapes = model_shapes(args.model)
     pick = random.Random(args.seed)
     generator = torch.Generator().manual_seed(args.seed)
     t0 = time.perf_counter()
     for i in range(args.count):
-        write_adapter(args.out / f"a{i:04d}", base_name, num_layers, shapes, pick.choice(args.ranks),
+        name = f"{args.prefix}{i}" if args.prefix is not None else f"a{i:04d}"
+        write_adapter(args.out / name, base_name, num_layers, shapes, pick.choice(args.ranks),
                       pick.choice(args.targets), generator, getattr(torch, args.dtype))
     print(f"wrote {args.count} adapters for {base_name} under {args.out} in {time.perf_counter() - t0:.1f} s")
 

@@ -303,7 +303,8 @@ class SimNode:
                       running_rank_sum=sum(r.rank for r in self.running),
                       running_rank_max=max((r.rank for r in self.running), default=0),
                       adapters=AdapterTiers(device=list(self.device), host=list(self.host)),
-                      coefficients=self.c)
+                      coefficients=self.c,
+                      routed_per_s=router.arrivals.rate(now) if (router := self.sim.routers.get(self.id)) else 0.0)
 
     def candidates(self, k: int) -> list[Candidate]:
         """Its newest requests, waiting ones first (Punica evicts the newest)."""
@@ -357,7 +358,7 @@ class Simulation:
         name, _, extra = policy.partition("+")
         self.migrate = extra == "migrate"
         routers = self.ids if args.entry == "random" else self.ids[:1]
-        self.routers = {i: Router(i, self._policy(name, i)) for i in routers}
+        self.routers = {i: Router(i, self._policy(name, i), horizon_s=args.gossip_interval) for i in routers}
         self.migrator = CoMigrator(threshold_s=args.migrate_threshold, top_k_nodes=args.migrate_top_k,
                                    top_k_requests=args.migrate_candidates, budget_tokens=args.migrate_budget)
         self.rng = np.random.default_rng(args.seed + 1)

@@ -2,6 +2,8 @@
 co-migration MILP (against brute force) and the cluster simulator."""
 from __future__ import annotations
 
+import collections
+
 import itertools
 import socket
 import sys
@@ -280,6 +282,27 @@ def test_router_counts_what_it_sent_until_the_next_digest():
     assert {n.node_id: n.running for n in router.view.loads()}["n0"] == 0
     router.view.update(_digest("n0", "u0", seq=1, pending_seconds=50.0), 0.3)  # a stale digest is ignored
     assert {n.node_id: n.pending_seconds for n in router.view.loads()}["n0"] == 1.0
+
+
+def test_routers_that_all_route_water_fill_instead_of_herding():
+    """Ten entry points, one view: alone each would send its request to the idlest node; told (by the
+    digests' routed_per_s) that the others route too, they spread over the nodes near the bottom in
+    proportion to the room below the water level, so the herd's ten land where ten fit."""
+    pending = {"n0": 0.0, "n1": 0.05, "n2": 0.1, "n3": 5.0}
+
+    def routers(routed_per_s: float) -> list[Router]:
+        out = []
+        for i in range(10):
+            r = Router(f"r{i}", LeastPending(), horizon_s=0.2)
+            for node, p in pending.items():
+                r.view.update(_digest(node, node, pending_seconds=p, routed_per_s=routed_per_s), 0.0)
+            out.append(r)
+        return out
+
+    alone = [r.route(REQ, 1.0) for r in routers(0.0)]
+    assert set(alone) == {"n0"}                             # a front door: the policy's own choice
+    spread = collections.Counter(r.route(REQ, 1.0) for r in routers(5.0))   # 10 routers x 5/s x 0.2 s
+    assert "n3" not in spread and len(spread) >= 2 and spread["n0"] < 10
 
 
 def test_rendezvous_placement_is_stable_when_a_node_joins():

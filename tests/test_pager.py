@@ -106,8 +106,8 @@ def test_prefetch_on_the_event_loop_while_the_torch_thread_copies(tiny_model):
     for i in range(40):              # distinct weights per name, so a dropped copy shows
         h = hosts[i % len(hosts)]
         name = f"{h.name}-{i}"
-        pager.register(dataclasses.replace(h, name=name, a_rows={k: v * (i + 2) for k, v in h.a_rows.items()},
-                                           b_rows={k: v * (i + 2) for k, v in h.b_rows.items()}))
+        pager.add(dataclasses.replace(h, name=name, a_rows={k: v * (i + 2) for k, v in h.a_rows.items()},
+                                      b_rows={k: v * (i + 2) for k, v in h.b_rows.items()}))
         names.append(name)
     stop, errors = threading.Event(), []
 

@@ -1,22 +1,36 @@
-"""The pager actor: adapter loading and unloading at runtime, and prefetch for queued requests.
+"""The pager actor: adapters read from disk into the host tier, loaded and unloaded at runtime, and
+prefetch for queued requests.
 
 Disk reads and the checks of the files run in a worker thread; building the adapter's tensors runs
 in the stepper's torch thread (all tensor work stays in that one thread) one layer per call, so
-steps run between the pieces and a large adapter never pauses the streams for long; registration
-and page allocation happen on the event loop between scheduling decisions, the row copies at the
-start of the next step.
+steps run between the pieces and a large adapter never pauses the streams for long; so does the
+copy into the host tier's shared arena. Registration, eviction and arena allocation happen on the
+event loop between scheduling decisions, the row copies into the pool at the start of the next step.
+
+Requests for an adapter that is only on disk wait, parked in the engine, while it is fetched
+(FetchAdapters, S-LoRA §5.2's prefetch from the tier below); the scheduler then queues them
+(AdapterReady). A fetch that fails ends those requests alone, with the reason. FETCHERS fetches run
+at once, first come first served, each reserving its arena block before it reads: a burst of
+requests for a thousand cold adapters never holds more than FETCHERS of them in memory twice.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from asyncserve.actors.stepper import StepperActor
-from asyncserve.engine import Engine
-from asyncserve.messages import Abort, LoadAdapter, Prefetch, Shutdown, UnloadAdapter, adapter_unloaded
-from asyncserve.pager.adapters import build_in_pieces, read_peft_folder
+from asyncserve.engine import Engine, adapter_load_failed
+from asyncserve.messages import (Abort, AdapterReady, FetchAdapters, LoadAdapter, Prefetch, Shutdown, UnloadAdapter,
+                                 adapter_unloaded)
+from asyncserve.pager.adapters import AdapterInfo, HostAdapter, PeftFolder, build_in_pieces, read_peft_folder
 
 log = logging.getLogger("asyncserve.pager")
+
+# a fetch that finds the host tier full of adapters in use tries again this often (room comes as
+# their requests finish, and with no step running nothing else would wake it)
+HOST_ROOM_RETRY_S = 0.02
+FETCHERS = 2          # one reads a file while the other's tensors are built
 
 
 class PagerActor:
@@ -25,36 +39,107 @@ class PagerActor:
         self.stepper = stepper
         self.scheduler_mailbox = scheduler_mailbox
         self.mailbox: asyncio.Queue = asyncio.Queue()
+        self._to_fetch: asyncio.Queue[str] = asyncio.Queue()
 
     async def run(self) -> None:
-        while True:
-            msg = await self.mailbox.get()
-            if isinstance(msg, Shutdown):
-                return
-            try:
-                if isinstance(msg, LoadAdapter):
-                    await self._load(msg)
-                elif isinstance(msg, UnloadAdapter):
-                    self._unload(msg)
-                elif isinstance(msg, Prefetch):
-                    self._prefetch(msg)
-            except Exception as e:                  # reported to the caller, never fatal
-                if hasattr(msg, "reply") and not msg.reply.done():
-                    msg.reply.set_exception(e)
-                else:
-                    log.exception("pager failed on %r", msg)
+        fetchers = [asyncio.create_task(self._fetcher()) for _ in range(FETCHERS)]
+        try:
+            while True:
+                msg = await self.mailbox.get()
+                if isinstance(msg, Shutdown):
+                    return
+                try:
+                    if isinstance(msg, LoadAdapter):
+                        await self._load(msg)
+                    elif isinstance(msg, UnloadAdapter):
+                        self._unload(msg)
+                    elif isinstance(msg, Prefetch):
+                        self.engine.prefetch(msg.adapters)
+                    elif isinstance(msg, FetchAdapters):
+                        for name in msg.adapters:
+                            self._to_fetch.put_nowait(name)
+                except Exception as e:                  # reported to the caller, never fatal
+                    if hasattr(msg, "reply") and not msg.reply.done():
+                        msg.reply.set_exception(e)
+                    else:
+                        log.exception("pager failed on %r", msg)
+        finally:
+            for task in fetchers:
+                task.cancel()
 
-    async def _load(self, msg: LoadAdapter) -> None:
-        engine = self.engine
-        engine.check_adapter_name(msg.name)
-        folder = await asyncio.to_thread(read_peft_folder, msg.name, msg.path, engine.model_config)
-        pieces = build_in_pieces(folder, engine.dtype)
+    async def _fetcher(self) -> None:
+        while True:
+            await self._fetch(await self._to_fetch.get())
+
+    async def _fetch(self, name: str) -> None:
+        """Disk -> host for requests parked on ``name``; then the scheduler queues them."""
+        engine, pager = self.engine, self.engine.pager
+        t0 = time.perf_counter()
+        handle = None
+        try:
+            while not engine.host_room(name):
+                await asyncio.sleep(HOST_ROOM_RETRY_S)
+            load, handle = pager.registry[name].load, pager.host_allocate(name)
+            _, folder = await asyncio.to_thread(engine.read_adapter, name)
+            adapter = await self._build(folder)
+            view = await self.stepper.call(pager.host_write, handle, adapter)
+        except Exception as e:        # a corrupt or vanished file, a tier too small: those requests fail
+            if handle is not None:
+                pager.host_abandon(handle)
+            log.warning("adapter %s could not be loaded: %s", name, e)
+            failure = adapter_load_failed(name, e)
+            for request_id in engine.load_failed(name):
+                self.scheduler_mailbox.put_nowait(Abort(request_id, reason="error", failure=failure))
+            return
+        if pager.host_admit(name, load, handle, view):      # else unloaded meanwhile
+            pager.load_times.append(("disk", name, time.perf_counter() - t0))
+        self.scheduler_mailbox.put_nowait(AdapterReady(name))
+
+    async def _build(self, folder: PeftFolder) -> HostAdapter:
+        pieces = build_in_pieces(folder, self.engine.dtype)
         adapter = None
         while adapter is None:          # each call queues behind the step already submitted, if any
             adapter = await self.stepper.call(next, pieces)
-        engine.register_adapter(adapter)
-        log.info("loaded adapter %s from %s (%.1f MiB, ranks %s)", msg.name, msg.path, adapter.nbytes / 2**20,
-                 adapter.ranks)
+        return adapter
+
+    async def _store(self, name: str, load: int, adapter: HostAdapter, wait: bool) -> bool:
+        """Into the host tier: room and the arena block on the event loop, the copy in the torch thread.
+        False if the name was unloaded meanwhile, or (``wait`` False) if the tier is full now."""
+        engine = self.engine
+        while not engine.host_room(name):
+            if not wait:
+                return False
+            await asyncio.sleep(HOST_ROOM_RETRY_S)
+        handle = engine.pager.host_allocate(name)
+        try:
+            view = await self.stepper.call(engine.pager.host_write, handle, adapter)
+        except BaseException:
+            engine.pager.host_abandon(handle)
+            raise
+        return engine.pager.host_admit(name, load, handle, view)
+
+    async def _load(self, msg: LoadAdapter) -> None:
+        """load_lora_adapter: read and check every weight now (a bad adapter is refused, not
+        registered), then register it; it joins the host tier if there is room now (else it is read
+        again when a request needs it). Pinned: onto the device for good, or refused."""
+        engine = self.engine
+        engine.check_adapter_name(msg.name)
+        t0 = time.perf_counter()
+        folder = await asyncio.to_thread(read_peft_folder, msg.name, msg.path, engine.model_config)
+        adapter = await self._build(folder)
+        engine.check_adapter_name(msg.name)       # again: another load of the name may have won meanwhile
+        reg = engine.pager.register(AdapterInfo(msg.name, msg.path, folder.ranks, len(folder.weights)))
+        try:
+            if await self._store(msg.name, reg.load, adapter, wait=msg.pinned):
+                engine.pager.load_times.append(("disk", msg.name, time.perf_counter() - t0))
+            if msg.pinned:
+                engine.pager.pin(msg.name)
+        except BaseException:
+            if msg.name in engine.pager.registry:
+                engine.pager.unregister(msg.name)
+            raise
+        log.info("loaded adapter %s from %s (%.1f MiB, ranks %s, %s%s)", msg.name, msg.path, adapter.nbytes / 2**20,
+                 adapter.ranks, engine.pager.tier(msg.name), ", pinned" if msg.pinned else "")
         msg.reply.set_result(None)
 
     def _unload(self, msg: UnloadAdapter) -> None:
@@ -62,6 +147,3 @@ class PagerActor:
             self.scheduler_mailbox.put_nowait(Abort(request_id, failure=adapter_unloaded(msg.name)))
         log.info("unloaded adapter %s", msg.name)
         msg.reply.set_result(None)
-
-    def _prefetch(self, msg: Prefetch) -> None:
-        self.engine.prefetch(msg.adapters)

@@ -12,7 +12,8 @@ import logging
 import time
 
 from asyncserve.engine import Engine
-from asyncserve.messages import Abort, Prefetch, RunStep, Shutdown, StepDone, Submit, TokenEvent, adapter_unloaded
+from asyncserve.messages import (Abort, AdapterReady, Export, FetchAdapters, Prefetch, RunStep, Shutdown, StepDone,
+                                 Submit, TokenEvent, adapter_unloaded)
 from asyncserve.metrics import Metrics
 from asyncserve.sequence import Sequence
 from asyncserve.step import Failure, SeqUpdate
@@ -32,7 +33,8 @@ class SchedulerActor:
         self.pager_mailbox: asyncio.Queue | None = None
         self.streams: dict[str, asyncio.Queue] = {}
         self._in_flight: set[str] = set()       # request ids in the running step
-        self._deferred: list[Abort] = []
+        self._deferred: list[Abort | Export] = []    # for requests in the running step: after it
+        self.mean_output = 128.0                # output tokens of recent finished requests (load estimates)
         self._finished_updates: list[SeqUpdate] = []   # of the last step, published once the next one is sent
         self._step_id = 0
         self._stepping = False
@@ -48,6 +50,8 @@ class SchedulerActor:
             self._handle(msg)
             while not self.mailbox.empty():
                 self._handle(self.mailbox.get_nowait())
+            if self.pager_mailbox is not None and (cold := self.engine.take_fetches()):
+                self.pager_mailbox.put_nowait(FetchAdapters(cold))     # their requests wait, parked
             self._maybe_step()
             # tokens go out after the next step is on its way: the stream handlers they wake then
             # run while the model computes instead of before it starts
@@ -66,13 +70,17 @@ class SchedulerActor:
                 return
             self.streams[msg.seq.request_id] = msg.stream
             self.engine.add(msg.seq)
-        elif isinstance(msg, Abort):
+        elif isinstance(msg, (Abort, Export)):
             if msg.request_id in self._in_flight:
                 self._deferred.append(msg)
-            else:
+            elif isinstance(msg, Abort):
                 self._abort(msg)
+            else:
+                self._export(msg)
         elif isinstance(msg, StepDone):
             self._finish_step(msg)
+        elif isinstance(msg, AdapterReady):
+            self.engine.unpark(msg.name)
         elif isinstance(msg, Shutdown):
             self._stopping = True
 
@@ -109,8 +117,8 @@ class SchedulerActor:
                 self._abort(Abort(seq.request_id, reason="error"), error=f"internal error: {error!r}")
                 if (stream := self.streams.pop(seq.request_id, None)) is not None:   # finished, unpublished
                     self._emit_error(seq, stream, f"internal error: {error!r}")
-        for abort in self._deferred:
-            self._abort(abort)
+        for msg in self._deferred:
+            self._abort(msg) if isinstance(msg, Abort) else self._export(msg)
         self._deferred = []
         self.metrics.observe_engine(self.engine)
 
@@ -144,10 +152,26 @@ class SchedulerActor:
 
     def _record_finish(self, seq: Sequence, reason: str | None, now: float) -> None:
         self.metrics.requests.labels(seq.adapter or self.engine.model_name, reason or "unknown").inc()
+        if seq.adapter is not None:
+            self.metrics.adapter_traffic.record(seq.adapter, len(seq.prompt_ids), len(seq.output_ids))
         self.metrics.latency.observe(now - seq.arrival)
         n = len(seq.output_ids)
+        if reason in ("stop", "length"):
+            self.mean_output += (n - self.mean_output) / 64
         if n > 1 and seq.first_token_time is not None:
             self.metrics.tpot.observe((now - seq.first_token_time) / (n - 1))
+
+    def _export(self, export: Export) -> None:
+        """The request leaves with its stream, after the tokens of its last step are on it (so the
+        stream goes on elsewhere with no gap or repeat)."""
+        mine = [u for u in self._finished_updates if u.seq.request_id == export.request_id]
+        if mine:
+            self._finished_updates = [u for u in self._finished_updates if u.seq.request_id != export.request_id]
+            self._publish(mine)
+        seq = self.engine.export_sequence(export.request_id)
+        stream = self.streams.pop(export.request_id, None) if seq is not None else None
+        if not export.reply.done():
+            export.reply.set_result((seq, stream) if stream is not None else None)
 
     def _abort(self, abort: Abort, error: str | None = None) -> None:
         """End the request; ``error``: an internal error's message (500), else the Abort's failure."""

@@ -1,11 +1,11 @@
 """Messages between peers (msgspec Structs, JSON on HTTP routes under /cluster/)."""
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 
+from asyncserve.messages import TokenEvent
 from asyncserve.perf_model import PerfCoefficients
+from asyncserve.sampling_params import SamplingParams
 
 
 class AdapterTiers(msgspec.Struct):
@@ -29,23 +29,37 @@ class Digest(msgspec.Struct):
     running_rank_max: int              # rank-aware router needs to price adding one more
     adapters: AdapterTiers
     coefficients: PerfCoefficients
+    routed_per_s: float = 0.0          # arrivals this node routed (as a client's entry point), per second
 
 
 class ForwardedRequest(msgspec.Struct):
-    """A request sent to a peer, fresh or migrated: everything needed to continue it exactly.
+    """A request sent to a peer, fresh or continued (migrated, or resubmitted after its peer died):
+    everything needed to continue it exactly.
 
     The target prefills prompt_ids + output_ids (Punica's migration by recompute) and samples the
-    next token at position len(output_ids) of the seed's stream, so seeded and greedy outputs equal
-    those of an unmigrated run."""
+    next token at position len(output_ids) of the seed's stream (stepper/sampler.py), so seeded and
+    greedy outputs equal those of an unmigrated run. The rest of the state is rebuilt by replaying
+    output_ids: the detokenizer's (text held back for stop strings or an unfinished character) and
+    the structured-output guide's; the client has been sent exactly the text that replay releases."""
     request_id: str
     origin: str                        # node id that holds the client's connection
+    model: str                         # the base model's name: a peer serving another model refuses
     adapter: str | None                # None: the base model
     prompt_ids: list[int]
+    params: SamplingParams
+    seed: int                          # drawn at the origin when the client gave none
     output_ids: list[int] = []         # generated so far (empty for a fresh request)
-    params: dict[str, Any] = {}        # SamplingParams as a dict
-    seed: int = 0
-    seed_position: int = 0             # samples drawn so far from the seed's stream
-    emitted_text_len: int = 0          # stop state: characters already streamed to the client
-    stop_state: dict[str, Any] = {}    # detokenizer state the stop-string check needs to resume
-    structured_state: Any = None       # the constraint guide's state, opaque to the cluster layer
-    hops: int = 0                      # times forwarded: a request is never forwarded past a bound
+    migrations: int = 0                # times moved while running: bounded, so a request never ping-pongs
+
+
+class Moved(msgspec.Struct):
+    """A node moved a request it ran for an origin: the origin continues it at this peer."""
+    node_id: str
+    url: str
+
+
+class ForwardLine(msgspec.Struct, omit_defaults=True):
+    """One line of /cluster/forward's answer (newline-delimited JSON): one of the request's
+    TokenEvents, or, as the last line, where it moved."""
+    event: TokenEvent | None = None
+    moved: Moved | None = None

@@ -185,6 +185,12 @@ class RoutingPolicy:
         """The node id to run `req` on; `nodes` (self included) is never empty."""
         raise NotImplementedError
 
+    def prices(self, req: RouteRequest, nodes: list[NodeLoad], now: float) -> dict[str, float] | None:
+        """For a policy that picks the cheapest node: each node's price in seconds (choose() is the
+        cheapest), so that a Router can spread near-equal choices; None for the others. Call one of
+        prices() and choose() per request (either may record the request)."""
+        return None
+
 
 class Local(RoutingPolicy):
     name = "local"
@@ -222,6 +228,9 @@ class LeastPending(RoutingPolicy):
 
     def choose(self, req, nodes, self_id, now):
         return min(nodes, key=lambda n: (n.pending_seconds, n.in_flight, n.node_id)).node_id
+
+    def prices(self, req, nodes, now):
+        return {n.node_id: n.pending_seconds for n in nodes}
 
 
 class Consolidate(RoutingPolicy):
@@ -265,35 +274,91 @@ class RankAware(RoutingPolicy):
         penalty = self.slo_penalty_s if self.slo_tpot_s is not None and after > self.slo_tpot_s else 0.0
         return load + n.pending_seconds + n.work_seconds(req) + impact + penalty
 
-    def choose(self, req, nodes, self_id, now):
+    def prices(self, req, nodes, now):
+        """Scores, those of the adapter's placement set lowered by the margin."""
         scores = {n.node_id: self.score(req, n) for n in nodes}
-        best = min(scores, key=lambda k: (scores[k], k))
         if req.adapter is None:
-            return best
+            return scores
+        best = min(scores, key=lambda k: (scores[k], k))
         by_id = {n.node_id: n for n in nodes}
         self.placement.observe(req.adapter, by_id[best].work_seconds(req), now)
-        placed = self.placement.nodes_for(req.adapter, list(by_id), now)
-        best_placed = min(placed, key=lambda k: (scores[k], k))
+        placed = set(self.placement.nodes_for(req.adapter, list(by_id), now))
         margin = self.spill_s + adapter_load_seconds(by_id[best].coefficients, req.rank, None)
-        return best_placed if scores[best_placed] <= scores[best] + margin else best
+        return {k: v - margin if k in placed else v for k, v in scores.items()}
+
+    def choose(self, req, nodes, self_id, now):
+        prices = self.prices(req, nodes, now)
+        return min(prices, key=lambda k: (prices[k], k))
 
 
 POLICIES: dict[str, type[RoutingPolicy]] = {
     p.name: p for p in (Local, RoundRobin, Random, LeastPending, RankAware, Consolidate)}
 
 
-class Router:
-    """One node's router: its view of the cluster and a policy."""
+class RateMeter:
+    """Events per second, exponentially weighted over `tau_s`."""
 
-    def __init__(self, self_id: str, policy: RoutingPolicy, settle_s: float = 0.0):
+    def __init__(self, tau_s: float = 5.0):
+        self.tau_s = tau_s
+        self._rate = 0.0
+        self._then: float | None = None
+
+    def rate(self, now: float) -> float:
+        if self._then is None:
+            return 0.0
+        return self._rate * math.exp(-max(now - self._then, 0.0) / self.tau_s)
+
+    def observe(self, now: float) -> None:
+        self._rate = self.rate(now) + 1.0 / self.tau_s
+        self._then = now
+
+
+class Router:
+    """One node's router: its view of the cluster and a policy.
+
+    Where several nodes route (each the entry point of its own clients) they all see the same
+    digests, and each would send to the same cheapest node until the next digest shows what the
+    others sent: a herd (the simulator's --entry random). So a router whose peers route too
+    (Digest.routed_per_s) expects n more arrivals from them within `horizon_s` (the gossip
+    interval) and water-fills: it raises a level over the nodes' prices, each node taking
+    (level - price) / the request's work there, until the n + 1 requests are placed, and draws its
+    node in proportion. Routers that draw alike fill the cheapest nodes evenly instead of piling
+    onto one; a lone entry point (n = 0) keeps the policy's own choice."""
+
+    def __init__(self, self_id: str, policy: RoutingPolicy, settle_s: float = 0.0, horizon_s: float = 0.2,
+                 rate_tau_s: float = 5.0):
         self.self_id = self_id
         self.policy = policy
         self.view = ClusterView(settle_s)
+        self.horizon_s = horizon_s
+        self.arrivals = RateMeter(rate_tau_s)
+        self.rng = random.Random(self_id)
 
-    def route(self, req: RouteRequest, now: float) -> str:
-        nodes = self.view.loads()
+    def route(self, req: RouteRequest, now: float, allowed: set[str] | None = None) -> str:
+        """The node to run `req` on, among `allowed` (default: every node in the view)."""
+        self.arrivals.observe(now)
+        nodes = [n for n in self.view.loads() if allowed is None or n.node_id in allowed]
         if not nodes:
             return self.self_id
-        choice = self.policy.choose(req, nodes, self.self_id, now)
+        others = self.horizon_s * sum(d.routed_per_s for node_id, d in self.view.digests.items()
+                                      if node_id != self.self_id)
+        prices = self.policy.prices(req, nodes, now) if others > 0 else None
+        if prices is None:
+            choice = self.policy.choose(req, nodes, self.self_id, now)
+        else:
+            choice = self._water_fill(req, nodes, prices, others + 1.0)
         self.view.note_sent(choice, req, now)
         return choice
+
+    def _water_fill(self, req: RouteRequest, nodes: list[NodeLoad], prices: dict[str, float], count: float) -> str:
+        work = {n.node_id: max(n.work_seconds(req), 1e-9) for n in nodes}
+        order = sorted(prices, key=lambda k: (prices[k], k))
+        inverse = weighted = 0.0
+        for k, node_id in enumerate(order):       # the level where the first k + 1 nodes take `count`
+            inverse += 1.0 / work[node_id]
+            weighted += prices[node_id] / work[node_id]
+            level = (count + weighted) / inverse
+            if k + 1 == len(order) or level <= prices[order[k + 1]]:
+                break
+        filled = order[:k + 1]
+        return self.rng.choices(filled, weights=[(level - prices[n]) / work[n] for n in filled])[0]

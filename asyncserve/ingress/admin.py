@@ -19,9 +19,12 @@ async def models(request: web.Request) -> web.Response:
     base = engine.model_name
     data = [{"id": base, "object": "model", "created": server.started, "owned_by": "asyncserve", "root": base,
              "parent": None, "max_model_len": engine.max_model_len}]
+    tiers = engine.adapter_tiers()
     for name, path in engine.adapter_paths().items():
+        tier, pinned = tiers[name]
         data.append({"id": name, "object": "model", "created": server.started, "owned_by": "asyncserve",
-                     "root": path, "parent": base, "max_model_len": engine.max_model_len})
+                     "root": path, "parent": base, "max_model_len": engine.max_model_len,
+                     "tier": tier, "pinned": pinned})
     return web.json_response({"object": "list", "data": data})
 
 
@@ -52,7 +55,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
         raise ApiError(400, f"adapter {req.lora_name!r} is already loaded", param="lora_name", code="invalid_value")
     path = _inside_root(server, req.lora_path)
     reply = asyncio.get_running_loop().create_future()
-    server.pager.mailbox.put_nowait(LoadAdapter(req.lora_name, path, reply))
+    server.pager.mailbox.put_nowait(LoadAdapter(req.lora_name, path, reply, pinned=req.pinned))
     try:
         await reply
     except ValueError as e:       # AdapterError and friends: the adapter does not fit this model

@@ -166,6 +166,7 @@ class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=False, kw_only=Tru
 class LoadLoraRequest(msgspec.Struct, forbid_unknown_fields=False):
     lora_name: str
     lora_path: str
+    pinned: bool = False              # kept on the device for good
 
 
 class UnloadLoraRequest(msgspec.Struct, forbid_unknown_fields=False):

@@ -46,6 +46,12 @@ def submit(server, choices: list[Choice]) -> None:
     if len(choices) > limit:
         raise ApiError(400, f"the request asks for {len(choices)} sequences (prompts x n); this server queues at "
                        f"most {limit}", param="n", code="invalid_value")
+    if server.cluster is not None:       # cluster mode: the router may send them to a peer
+        streams = [asyncio.Queue() for _ in choices]
+        if server.cluster.dispatch([choice.seq for choice in choices], streams):
+            for choice, stream in zip(choices, streams):
+                choice.stream = stream
+            return
     waiting = server.engine.load_snapshot().waiting + server.scheduler.mailbox.qsize()
     if waiting + len(choices) > limit:
         raise ApiError(429, f"the server is overloaded ({waiting} requests waiting); retry later",
@@ -71,6 +77,8 @@ async def relay(server, seq, stream: asyncio.Queue, model: str, on_event) -> Non
     finally:
         if status == "abort":
             server.scheduler.mailbox.put_nowait(Abort(seq.request_id))
+            if server.cluster is not None:
+                server.cluster.abort(seq.request_id)
         log.info("request %s model=%s prompt_tokens=%d output_tokens=%d ttft=%s latency=%.3fs status=%s",
                  seq.request_id, model, len(seq.prompt_ids), n_out,
                  f"{first - t0:.3f}s" if first is not None else "-", time.monotonic() - t0, status)

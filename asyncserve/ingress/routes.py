@@ -12,7 +12,7 @@ import logging
 
 from aiohttp import web
 
-from asyncserve.ingress import admin
+from asyncserve.ingress import admin, peers
 from asyncserve.ingress.chat import chat_completions
 from asyncserve.ingress.completions import completions
 from asyncserve.ingress.prepare import SERVER_KEY
@@ -77,4 +77,8 @@ def build_app(server, api_key: str | None, max_body_bytes: int) -> web.Applicati
     app.router.add_get("/version", admin.version)
     app.router.add_get("/health", admin.health)
     app.router.add_get("/metrics", admin.metrics)
+    if server.config.peers is not None:
+        app.router.add_post("/cluster/gossip", peers.gossip)
+        app.router.add_post("/cluster/forward", peers.forward)
+        app.router.add_get("/cluster/state", peers.state)
     return app

@@ -5,6 +5,9 @@ copies them into pool pages while requests use them. Rows are stored the way the
 A as [r, in] and B transposed, [r, out], per (layer, projection), zero-padded to one rank per
 projection (rank_pattern may vary it across layers; zero rows contribute nothing).
 
+Registering an adapter reads no weights: ``inspect_peft_folder`` reads adapter_config.json and the
+safetensors header only, and checks all they tell (the disk tier: thousands of adapters cost little).
+
 Loading is two halves so that a large adapter never holds up the steps: ``read_peft_folder`` reads
 the files and checks everything the safetensors header and the config tell (no torch; the server
 runs it in a worker thread), and ``build_in_pieces`` lays the tensors out one layer per piece (the
@@ -53,15 +56,19 @@ class HostAdapter:
         return sum(t.numel() * t.element_size() for d in (self.a_rows, self.b_rows) for t in d.values())
 
     def row_lengths(self, config: ModelConfig) -> list[int]:
-        """Row lengths in pool packing order: per layer, per projection, A rows then B^T rows."""
-        shapes = config.projection_shapes()
-        lengths = []
-        for layer in range(config.num_layers):
-            for p, proj in enumerate(PROJECTIONS):
-                r = self.ranks[p]
-                fan_in, fan_out = shapes[proj]
-                lengths += [fan_in] * r + [fan_out] * r
-        return lengths
+        return row_lengths(self.ranks, config)
+
+
+def row_lengths(ranks: list[int], config: ModelConfig) -> list[int]:
+    """An adapter's row lengths in pool packing order: per layer, per projection, A rows then B^T rows."""
+    shapes = config.projection_shapes()
+    lengths = []
+    for layer in range(config.num_layers):
+        for p, proj in enumerate(PROJECTIONS):
+            r = ranks[p]
+            fan_in, fan_out = shapes[proj]
+            lengths += [fan_in] * r + [fan_out] * r
+    return lengths
 
 
 @dataclass
@@ -87,6 +94,15 @@ class PeftFolder:
     weights: bytearray                   # adapter_model.safetensors
 
 
+@dataclass
+class AdapterInfo:
+    """What registration knows of a PEFT folder without reading its weights."""
+    name: str
+    path: str
+    ranks: list[int]                     # per projection, the largest rank over the layers
+    file_bytes: int                      # adapter_model.safetensors
+
+
 def _pattern_value(patterns: dict, module: str, default):
     """PEFT's rank_pattern / alpha_pattern lookup: a key matches the module name's tail."""
     for key, value in patterns.items():
@@ -99,9 +115,35 @@ def load_peft_adapter(name: str, path: str | Path, config: ModelConfig, dtype: t
     return build_host_adapter(read_peft_folder(name, path, config), dtype)
 
 
+def inspect_peft_folder(name: str, path: str | Path, config: ModelConfig) -> AdapterInfo:
+    """adapter_config.json and the safetensors header, checked as read_peft_folder checks them; no
+    weights are read (a bad folder found later, at load, fails then)."""
+    folder, acfg, weights_file = _peft_files(name, path)
+    size = weights_file.stat().st_size
+    with open(weights_file, "rb") as f:
+        head = f.read(8)
+        if len(head) == 8:
+            n = int.from_bytes(head, "little")
+            head += f.read(n) if n <= size - 8 else b""
+    stored = _read_safetensors_header(name, head, size)
+    ranks, *_ = _check_against_model(name, str(folder), acfg, stored, config)
+    return AdapterInfo(name, str(folder), ranks, size)
+
+
 def read_peft_folder(name: str, path: str | Path, config: ModelConfig) -> PeftFolder:
     """File reads and every check the config and the safetensors header allow (no torch: the server
     runs this off the torch thread)."""
+    folder, acfg, weights_file = _peft_files(name, path)
+    weights = bytearray(weights_file.stat().st_size)
+    with open(weights_file, "rb") as f:
+        f.readinto(weights)
+    stored = _read_safetensors_header(name, weights, len(weights))
+    ranks, scaling, modules, fan_in_fan_out = _check_against_model(name, str(folder), acfg, stored, config)
+    return PeftFolder(name, str(folder), config, ranks, scaling, modules, fan_in_fan_out, weights)
+
+
+def _peft_files(name: str, path: str | Path) -> tuple[Path, dict, Path]:
+    """(folder, its adapter_config.json, its safetensors file), checked to be a supported PEFT LoRA."""
     folder = Path(path)
     if not folder.is_dir():
         raise AdapterError(f"adapter {name!r}: {folder} is not a folder")
@@ -133,23 +175,20 @@ def read_peft_folder(name: str, path: str | Path, config: ModelConfig) -> PeftFo
     if acfg.get("modules_to_save"):
         raise AdapterError(f"adapter {name!r}: modules_to_save {acfg['modules_to_save']} would replace base "
                            "weights; only LoRA deltas are supported")
-    weights = bytearray(weights_file.stat().st_size)
-    with open(weights_file, "rb") as f:
-        f.readinto(weights)
-    stored = _read_safetensors_header(name, weights)
-    return _check_against_model(name, str(folder), acfg, stored, weights, config)
+    return folder, acfg, weights_file
 
 
-def _read_safetensors_header(name: str, data: bytearray) -> list[StoredTensor]:
-    """The tensors a safetensors file holds (8-byte header length, JSON header, data), checked to lie
-    inside the file with the size their shape and dtype give."""
+def _read_safetensors_header(name: str, data: bytes | bytearray, file_size: int) -> list[StoredTensor]:
+    """The tensors a safetensors file of ``file_size`` bytes holds (8-byte header length, JSON header,
+    data), checked to lie inside the file with the size their shape and dtype give. ``data``: the
+    file's first bytes, at least through the header."""
     def bad(why: str) -> AdapterError:
         return AdapterError(f"adapter {name!r}: adapter_model.safetensors is not a valid safetensors file ({why})")
 
-    if len(data) < 8:
+    if file_size < 8 or len(data) < 8:
         raise bad("shorter than its header length")
     n = int.from_bytes(data[:8], "little")
-    if n > len(data) - 8:
+    if n > file_size - 8 or n > len(data) - 8:
         raise bad(f"header length {n} runs past the end of the file")
     try:
         header = json.loads(bytes(data[8:8 + n]))
@@ -158,7 +197,7 @@ def _read_safetensors_header(name: str, data: bytearray) -> list[StoredTensor]:
     if not isinstance(header, dict):
         raise bad("header is not a JSON object")
     header.pop("__metadata__", None)
-    start, size = 8 + n, len(data) - 8 - n
+    start, size = 8 + n, file_size - 8 - n
     out = []
     for key, entry in header.items():
         try:
@@ -178,8 +217,9 @@ def _read_safetensors_header(name: str, data: bytearray) -> list[StoredTensor]:
     return out
 
 
-def _check_against_model(name: str, path: str, acfg: dict, stored: list[StoredTensor], weights: bytearray,
-                         config: ModelConfig) -> PeftFolder:
+def _check_against_model(name: str, path: str, acfg: dict, stored: list[StoredTensor], config: ModelConfig
+                         ) -> tuple[list[int], list[list[float]], dict, bool]:
+    """(ranks, scaling [L][P], modules, fan_in_fan_out) of PeftFolder, checked against the base model."""
     alpha = acfg.get("lora_alpha", acfg.get("r", 8))
     use_rslora = bool(acfg.get("use_rslora", False))
     fan_in_fan_out = bool(acfg.get("fan_in_fan_out", False))
@@ -223,7 +263,7 @@ def _check_against_model(name: str, path: str, acfg: dict, stored: list[StoredTe
             raise AdapterError(f"adapter {name!r}: {module} has lora_alpha {a!r}; it must be a finite number")
         scaling[layer][p] = a / math.sqrt(r) if use_rslora else a / r
         ranks[p] = max(ranks[p], r)
-    return PeftFolder(name, path, config, ranks, scaling, modules, fan_in_fan_out, weights)
+    return ranks, scaling, modules, fan_in_fan_out
 
 
 def build_host_adapter(folder: PeftFolder, dtype: torch.dtype) -> HostAdapter:

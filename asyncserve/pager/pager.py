@@ -1,12 +1,21 @@
-"""Adapter residency: host adapters paged into the unified pool on demand, evicted LRU when idle.
+"""Adapter residency in three tiers: disk -> host -> device (S-LoRA §5, CaraServe).
+
+* Disk: every registered adapter (``registry``): its folder, ranks and sizes, read from its config and
+  safetensors header at registration; no weights. Thousands cost little.
+* Host: an LRU of adapters' rows bounded in bytes, in a POSIX shared-memory arena (ipc.HostArena),
+  so CPU LoRA workers read the very rows the pager pages in (``host_handle``). An adapter is read
+  from disk into it when a request needs it; the least recently used adapters that no queued or
+  running request needs, and that are not pinned, make room, and fall back to the disk tier.
+* Device: the unified pool. Host adapters are paged into it on demand and evicted LRU when idle;
+  a pinned adapter never is. The tiers are inclusive: an adapter on the device keeps its host copy.
 
 Residency is kept per load, not per name: every registration of an adapter gets a new load number
 (the prefix cache keys by it too), and a sequence holds the load it was admitted with. So when a
 name is unloaded and loaded again with other weights, sequences still running on the old load keep
-its pages until they finish (then it is evicted), while new ones page in and use the new weights.
+its pages, and its host block, until they finish (then both go), while new ones use the new weights.
 
-An adapter is "in use" while running sequences hold a reference; only idle adapters are evicted,
-least recently used first, when the pool needs pages (for KV or for another adapter).
+An adapter is "in use" on the device while running sequences hold a reference; only idle adapters
+are evicted, least recently used first, when the pool needs pages (for KV or for another adapter).
 
 Paging in is two halves: the event loop (scheduler and prefetch) allocates pages and records where
 each row goes; the copy of the rows into the pages waits in ``pending`` until the stepper's thread
@@ -14,10 +23,12 @@ runs ``write_pending`` at the start of the next step. All tensor work thus stays
 that runs torch (BENCHMARKS.md: a second OpenMP thread team slows every step), and the event loop
 never spends time copying weights. ``pending`` is the one structure the two threads share, so it is
 a queue: the event loop appends, the torch thread pops (both atomic on a deque); everything else
-here belongs to the event loop.
+here belongs to the event loop. Storing into the host tier is split the same way: the event loop
+evicts and allocates the arena block (``host_allocate``), the torch thread copies (``host_write``).
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -25,8 +36,9 @@ from typing import NamedTuple
 import torch
 
 from asyncserve.model.config import PROJECTIONS, ModelConfig
-from asyncserve.pager.adapters import HostAdapter
+from asyncserve.pager.adapters import AdapterError, AdapterInfo, HostAdapter, row_lengths
 from asyncserve.pager.pool import PagedPool, PoolExhausted, plan_row_packing
+from ipc import AdapterHandle, HostArena, block_bytes
 
 
 @dataclass
@@ -46,94 +58,234 @@ class DeviceAdapter:
 
 
 
+@dataclass
+class Registration:
+    """A registered adapter (the disk tier): what is known without reading its weights."""
+    name: str
+    path: str
+    ranks: list[int]                 # per projection, PROJECTIONS order; 0 = not targeted
+    file_bytes: int                  # its safetensors file
+    host_bytes: int                  # its block in the host arena
+    footprint: int                   # pool pages it takes on the device
+    load: int                        # its load number (see AdapterPager.registration)
+    pinned: bool = False             # never evicted from the device (nor, so, from the host)
+
+
 class PageIn(NamedTuple):
     """A copy waiting for the torch thread: the adapter's rows into the pages ``device`` names."""
     load: int
     device: DeviceAdapter
     adapter: HostAdapter
     placements: list[tuple[int, int]]    # per row in packing order: (index into device.pages, offset)
+    since: float                         # perf_counter() when paged in: the copy's end measures the load
 
 
 class AdapterPager:
-    def __init__(self, pool: PagedPool, config: ModelConfig):
+    def __init__(self, pool: PagedPool, config: ModelConfig, dtype: torch.dtype, host_bytes: int):
         self.pool = pool
         self.config = config
-        self.host: dict[str, HostAdapter] = {}
-        self._footprints: dict[str, int] = {}       # pages each host adapter takes when resident
-        self._loads: dict[str, int] = {}            # name -> its current load number (see registration)
+        self.dtype = dtype
+        self.registry: dict[str, Registration] = {}                    # the disk tier: every adapter
         self._loads_total = 0
-        self._live: set[int] = set()                # the current loads (values of _loads)
+        self._live: set[int] = set()                                     # the current loads
+        self._footprints: dict[tuple[int, ...], int] = {}                # by ranks: packing is per rank set
+        # host tier: name -> HostAdapter viewing its arena block, LRU order (oldest first); blocks by load
+        self.arena = HostArena(host_bytes)
+        self.host_capacity = self.arena.allocator.free_bytes         # bytes for blocks, past the directory
+        self.host: OrderedDict[str, HostAdapter] = OrderedDict()
+        self._blocks: dict[int, AdapterHandle] = {}
+        # device tier
         self.resident: OrderedDict[int, DeviceAdapter] = OrderedDict()   # by load; LRU order: oldest first
         self.refs: dict[int, int] = {}                                   # by load: running sequences using it
         self.loads_total = 0                                             # page-ins so far
+        self.device_hits: dict[str, int] = {}                            # admissions that found it resident
         self.pending: deque[PageIn] = deque()
+        # (tier loaded from: "disk" | "host", name, seconds), appended by either thread, drained by metrics
+        self.load_times: deque[tuple[str, str, float]] = deque(maxlen=4096)
         self._generation = 0
 
-    # ---- host tier ---------------------------------------------------------------------------
-    def register(self, adapter: HostAdapter) -> None:
-        if adapter.name in self.host:
-            raise ValueError(f"adapter {adapter.name!r} is already loaded")
-        needed, _ = plan_row_packing(adapter.row_lengths(self.config), self.pool.page_numel)
-        if needed > self.pool.num_pages:
-            raise ValueError(f"adapter {adapter.name!r} needs {needed} pages, the pool has {self.pool.num_pages}")
-        self.host[adapter.name] = adapter
-        self._footprints[adapter.name] = needed
+    # ---- disk tier ---------------------------------------------------------------------------
+    def register(self, info: AdapterInfo, pinned: bool = False) -> Registration:
+        """Register an adapter on the disk tier (its weights are read when first needed)."""
+        if info.name in self.registry:
+            raise AdapterError(f"adapter {info.name!r} is already loaded")
+        footprint = self._footprint(info.ranks)
+        if footprint > self.pool.num_pages:
+            raise AdapterError(f"adapter {info.name!r} needs {footprint} pages, the pool has {self.pool.num_pages}")
+        shapes = self.config.projection_shapes()
+        host_bytes = block_bytes(self.config.num_layers, len(PROJECTIONS), info.ranks,
+                                 [shapes[p] for p in PROJECTIONS], self.dtype)
+        if host_bytes > self.host_capacity:
+            raise AdapterError(f"adapter {info.name!r} takes {host_bytes / 2**20:.1f} MiB in host memory, more than "
+                               f"the host tier holds ({self.arena.capacity / 2**20:.1f} MiB); raise --host-adapter-mem")
         self._loads_total += 1
-        self._loads[adapter.name] = self._loads_total
         self._live.add(self._loads_total)
+        reg = Registration(info.name, info.path, list(info.ranks), info.file_bytes, host_bytes, footprint,
+                           self._loads_total, pinned)
+        self.registry[info.name] = reg
+        return reg
+
+    def add(self, adapter: HostAdapter, pinned: bool = False) -> None:
+        """Register an adapter already built in memory and store it in the host tier, in the calling
+        thread (offline, start-up and tests; the server splits this across its threads)."""
+        reg = self.register(AdapterInfo(adapter.name, adapter.path, adapter.ranks, adapter.nbytes), pinned)
+        handle = None
+        try:
+            if not self.host_room(adapter.name, frozenset()):
+                raise AdapterError(f"adapter {adapter.name!r} does not fit in the host tier beside the adapters "
+                                   "in use; raise --host-adapter-mem")
+            handle = self.host_allocate(adapter.name)
+            view = self.host_write(handle, adapter)
+        except BaseException:
+            if handle is not None:
+                self.host_abandon(handle)
+            self.unregister(adapter.name)
+            raise
+        self.host_admit(adapter.name, reg.load, handle, view)
 
     def unregister(self, name: str) -> None:
-        """Forget an adapter; its pages go back once no running sequence uses it."""
-        if name not in self.host:
-            raise KeyError(name)
-        del self.host[name]
-        del self._footprints[name]
-        load = self._loads.pop(name)
-        self._live.discard(load)
-        if self.refs.get(load, 0) == 0:
-            self._evict(load)
+        """Forget an adapter; its pages and host block go once no running sequence uses them."""
+        reg = self.registry.pop(name)
+        self._live.discard(reg.load)
+        self.host.pop(name, None)
+        if self.refs.get(reg.load, 0) == 0:
+            self._evict(reg.load)
+            self._release_block(reg.load)
+
+    def tier(self, name: str) -> str:
+        """The fastest tier holding the name's current load: "device", "host" or "disk"."""
+        if self.is_resident(name):
+            return "device"
+        return "host" if name in self.host else "disk"
+
+    def _footprint(self, ranks: list[int]) -> int:
+        key = tuple(ranks)
+        if key not in self._footprints:
+            self._footprints[key], _ = plan_row_packing(row_lengths(ranks, self.config), self.pool.page_numel)
+        return self._footprints[key]
+
+    # ---- host tier ---------------------------------------------------------------------------
+    def host_room(self, name: str, in_use: frozenset[str] | set[str]) -> bool:
+        """Make room in the host arena for the name's block, evicting least recently used host adapters
+        that are not in ``in_use`` (names queued or running requests need), not pinned and not held by
+        a running sequence; False if it does not fit now. AdapterError if it never can (pinned ones
+        fill the tier)."""
+        need = self.registry[name].host_bytes
+        if self.arena.fits(need):
+            return True
+        pinned = sum(self.registry[n].host_bytes for n in self.host if self.registry[n].pinned)
+        if pinned + need > self.host_capacity:
+            raise AdapterError(f"adapter {name!r} does not fit in the host tier beside the pinned adapters; "
+                               "raise --host-adapter-mem")
+        for victim in list(self.host):
+            reg = self.registry[victim]
+            if victim in in_use or reg.pinned or self.refs.get(reg.load, 0):
+                continue
+            self._evict(reg.load)                   # inclusive tiers: its device copy goes too
+            del self.host[victim]
+            self._release_block(reg.load)
+            if self.arena.fits(need):
+                return True
+        return False
+
+    def host_allocate(self, name: str) -> AdapterHandle:
+        """The arena block for the name's rows (after host_room); the torch thread fills it."""
+        reg = self.registry[name]
+        shapes = self.config.projection_shapes()
+        return self.arena.allocate(self.config.num_layers, reg.ranks, [shapes[p] for p in PROJECTIONS], self.dtype)
+
+    def host_write(self, handle: AdapterHandle, adapter: HostAdapter) -> HostAdapter:
+        """Copy a built adapter into its block (torch thread); returns the HostAdapter viewing the arena."""
+        self.arena.write(handle, adapter.ranks, adapter.scaling, adapter.a_rows, adapter.b_rows)
+        view = self.arena.view(handle)
+        return HostAdapter(name=adapter.name, path=adapter.path, ranks=list(adapter.ranks),
+                           scaling=adapter.scaling, a_rows=view.a_rows, b_rows=view.b_rows)
+
+    def host_admit(self, name: str, load: int, handle: AdapterHandle, adapter: HostAdapter) -> bool:
+        """The written block joins the host tier, unless the name was unloaded (or reloaded) meanwhile:
+        then the block is freed and False returned."""
+        reg = self.registry.get(name)
+        if reg is None or reg.load != load:
+            self.arena.release(handle)
+            return False
+        self._blocks[load] = handle
+        self.host[name] = adapter
+        return True
+
+    def host_abandon(self, handle: AdapterHandle) -> None:
+        """Free an allocated block that will not be admitted (its read, build or write failed)."""
+        self.arena.release(handle)
+
+    def host_handle(self, name: str) -> AdapterHandle | None:
+        """The ipc arena handle of the name's host copy (what CPU LoRA workers read); None on disk only."""
+        reg = self.registry.get(name)
+        return self._blocks.get(reg.load) if reg is not None and name in self.host else None
+
+    def _release_block(self, load: int) -> None:
+        handle = self._blocks.pop(load, None)
+        if handle is not None:
+            self.arena.release(handle)
+
+    def close(self) -> None:
+        """Unlink the host arena (at shutdown)."""
+        self.host.clear()
+        self._blocks.clear()
+        self.arena.close()
 
     # ---- device tier -------------------------------------------------------------------------
     def footprint(self, name: str) -> int:
         """Pages the adapter occupies when resident (asked for every request it serves)."""
-        return self._footprints[name]
+        return self.registry[name].footprint
 
     def registration(self, name: str) -> int | None:
         """The name's current load number: an adapter unloaded and loaded again (maybe other weights
         under the same name) gets a new one, so nothing computed with the old load is reused.
         None once unloaded."""
-        return self._loads.get(name)
+        reg = self.registry.get(name)
+        return reg.load if reg is not None else None
 
     def pages_needed(self, name: str) -> int:
         """Pages paging the adapter in would take now (0 when already resident)."""
         return 0 if self.is_resident(name) else self.footprint(name)
 
     def is_resident(self, name: str) -> bool:
-        return self._loads.get(name) in self.resident
+        reg = self.registry.get(name)
+        return reg is not None and reg.load in self.resident
 
     def resident_names(self) -> set[str]:
         """Names whose current load is resident."""
-        return {name for name, load in self._loads.items() if load in self.resident}
+        return {name for name, reg in self.registry.items() if reg.load in self.resident}
 
     def idle_pages(self) -> int:
-        return sum(len(a.pages) for load, a in self.resident.items() if self.refs.get(load, 0) == 0)
+        return sum(len(a.pages) for load, a in self.resident.items() if self.refs.get(load, 0) == 0
+                   and not self._pinned(a.name, load))
+
+    def _pinned(self, name: str, load: int) -> bool:
+        reg = self.registry.get(name)
+        return reg is not None and reg.pinned and reg.load == load
 
     def make_room(self, pages: int, keep: frozenset[int] = frozenset()) -> bool:
-        """Evict idle loads (LRU first, sparing the loads in ``keep``) until ``pages`` are free."""
+        """Evict idle, unpinned loads (LRU first, sparing the loads in ``keep``) until ``pages`` are free."""
         for load in list(self.resident):
             if self.pool.num_free >= pages:
                 break
-            if self.refs.get(load, 0) == 0 and load not in keep:
+            if self.refs.get(load, 0) == 0 and load not in keep and not self._pinned(self.resident[load].name, load):
                 self._evict(load)
         return self.pool.num_free >= pages
 
-    def ensure_resident(self, name: str) -> DeviceAdapter | None:
-        """Page the name's current load in (evicting idle ones if needed); None if the pool cannot fit it now."""
-        load = self._loads[name]
+    def ensure_resident(self, name: str, admission: bool = True) -> DeviceAdapter | None:
+        """Page the name's current load in (evicting idle ones if needed); None if the pool cannot fit it
+        now. The name must be on the host tier. ``admission``: a request is being admitted (counted as
+        a device-tier hit when resident), not a prefetch."""
+        load = self.registry[name].load
         if load in self.resident:
             self.resident.move_to_end(load)
+            self.host.move_to_end(name)
+            if admission:
+                self.device_hits[name] = self.device_hits.get(name, 0) + 1
             return self.resident[load]
         adapter = self.host[name]
+        self.host.move_to_end(name)
         needed, placements = plan_row_packing(adapter.row_lengths(self.config), self.pool.page_numel)
         if not self.make_room(needed, frozenset((load,))):
             return None
@@ -143,9 +295,17 @@ class AdapterPager:
             return None
         device = self._place(adapter, pages, placements)
         self.resident[load] = device
-        self.pending.append(PageIn(load, device, adapter, placements))
+        self.pending.append(PageIn(load, device, adapter, placements, time.perf_counter()))
         self.loads_total += 1
         return device
+
+    def pin(self, name: str) -> None:
+        """Keep the name on the device for good (it must be on the host tier); AdapterError if the pool
+        cannot take it now."""
+        if self.ensure_resident(name, admission=False) is None:
+            raise AdapterError(f"adapter {name!r} cannot be pinned: the pool has no room for its "
+                               f"{self.footprint(name)} pages now")
+        self.registry[name].pinned = True
 
     def acquire(self, load: int) -> DeviceAdapter:
         """A running sequence holds ``load`` (resident: see ensure_resident) until ``release``."""
@@ -159,6 +319,7 @@ class AdapterPager:
             del self.refs[load]
             if load not in self._live:        # unloaded (or replaced) while in use
                 self._evict(load)
+                self._release_block(load)
 
     def _evict(self, load: int) -> None:
         device = self.resident.pop(load, None)
@@ -198,7 +359,7 @@ class AdapterPager:
         pool = self.pool
         while True:
             try:
-                load, device, adapter, placements = self.pending.popleft()
+                load, device, adapter, placements, since = self.pending.popleft()
             except IndexError:
                 return
             if self.resident.get(load) is not device:    # evicted before its copy: its pages may hold KV now
@@ -221,3 +382,4 @@ class AdapterPager:
                 i += r
             if page_of is None:
                 pool.data[torch.tensor(device.pages, device=pool.device)] = target.to(pool.device)
+            self.load_times.append(("host", device.name, time.perf_counter() - since))

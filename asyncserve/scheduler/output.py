@@ -19,9 +19,11 @@ class OutputProcessor:
 
     def start(self, seq: Sequence) -> None:
         p = seq.params
-        self.detoks[seq.request_id] = IncrementalDetokenizer(
+        detok = self.detoks[seq.request_id] = IncrementalDetokenizer(
             self.tokenizer, seq.prompt_ids, skip_special_tokens=p.skip_special_tokens,
             stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output)
+        for token in seq.output_ids:    # continued from another server: its client has this text already
+            detok.add(token)
 
     def drop(self, request_id: str) -> None:
         self.detoks.pop(request_id, None)

@@ -1,0 +1,168 @@
+"""Cluster-mode benchmark: three asyncserve peers on this machine, bursty skewed traffic all sent to
+the first one, once per dispatch policy (and with migration).
+
+For each policy it starts three `asyncserve serve` processes (each pinned to its own share of the
+cores with taskset where the machine has enough, else sharing them, `--threads` each), waits until
+they are ready and see each other, runs scripts/bench_serving.py's S-LoRA workload (Gamma arrivals,
+power-law adapter popularity) against node 0, reads the nodes' forwarding and migration counters,
+and stops the three (SIGTERM, then SIGKILL by PID). Prints one row per policy and writes the
+bench_serving reports to --out.
+
+    python scripts/make_adapters.py 40 /tmp/cluster-adapters --model default
+    python scripts/bench_cluster.py --adapters /tmp/cluster-adapters --out /tmp/bench-cluster
+
+Run it on a quiet machine: the three servers and the client share its cores.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+NODES = 3
+DEFAULT_POLICIES = "local,round-robin,least-pending,rank-aware,rank-aware+migrate"
+
+
+def metric(text: str, name: str) -> float:
+    """The sum of a metric's samples (every label set) in a /metrics page."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name)] in " {":
+            total += float(line.split()[-1])
+    return total
+
+
+def get(url: str, timeout: float = 5.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def linked_adapters(folder: Path, prefix: str, out: Path) -> Path:
+    """bench_serving names adapters PREFIX0, PREFIX1, ...: a folder of links with those names."""
+    links = out / "adapters"
+    shutil.rmtree(links, ignore_errors=True)
+    links.mkdir(parents=True)
+    for k, src in enumerate(sorted(p for p in folder.iterdir() if (p / "adapter_config.json").is_file())):
+        (links / f"{prefix}{k}").symlink_to(src.resolve())
+    return links
+
+
+def core_sets(threads: int) -> list[str | None]:
+    cores = sorted(os.sched_getaffinity(0))
+    if shutil.which("taskset") is None or len(cores) < NODES * threads:
+        return [None] * NODES
+    return [",".join(map(str, cores[i * threads:(i + 1) * threads])) for i in range(NODES)]
+
+
+def start_nodes(args, policy: str, adapters: Path, log_dir: Path) -> list[subprocess.Popen]:
+    dispatch, _, extra = policy.partition("+")
+    ports = [args.base_port + i for i in range(NODES)]
+    peers = ",".join(f"http://127.0.0.1:{p}" for p in ports)
+    env = {**os.environ, "ASYNCSERVE_CLUSTER_KEY": secrets.token_hex(32), "ASYNCSERVE_THREADS": str(args.threads)}
+    procs = []
+    for i, (port, cores) in enumerate(zip(ports, core_sets(args.threads))):
+        cmd = [str(REPO / ".venv/bin/asyncserve"), "serve", "--port", str(port), "--node-id", f"n{i}",
+               "--threads", str(args.threads), "--pool-mem", args.pool_mem, "--max-running", str(args.max_running),
+               "--adapter-dir", str(adapters), "--peers", peers, "--dispatch", dispatch,
+               "--migration-threshold", str(args.migration_threshold if extra == "migrate" else 0),
+               "--log-level", "WARNING"]
+        if args.model:
+            cmd += ["--model", args.model]
+        if cores is not None:
+            cmd = ["taskset", "-c", cores] + cmd
+        log = open(log_dir / f"{policy}-n{i}.log", "w")
+        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + args.start_timeout
+    for port in ports:
+        while True:
+            try:
+                get(f"http://127.0.0.1:{port}/health")
+                break
+            except OSError:
+                if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                    stop_nodes(procs)
+                    raise SystemExit(f"{policy}: the servers did not start (logs in {log_dir})")
+                time.sleep(0.5)
+    while metric(get(f"http://127.0.0.1:{ports[0]}/metrics"), "asyncserve_peers_alive") < NODES - 1:
+        if time.monotonic() > deadline:
+            stop_nodes(procs)
+            raise SystemExit(f"{policy}: the peers did not find each other")
+        time.sleep(0.2)
+    return procs
+
+
+def stop_nodes(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(40)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--adapters", type=Path, required=True, help="a folder of adapter folders (make_adapters.py)")
+    ap.add_argument("--out", type=Path, default=Path("/tmp/bench-cluster"))
+    ap.add_argument("--policies", default=DEFAULT_POLICIES, help="dispatch policies; POLICY+migrate adds migration")
+    ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per server")
+    ap.add_argument("--pool-mem", default="512MiB")
+    ap.add_argument("--max-running", type=int, default=16)
+    ap.add_argument("--migration-threshold", type=float, default=2.0)
+    ap.add_argument("--base-port", type=int, default=8100)
+    ap.add_argument("--start-timeout", type=float, default=300.0)
+    ap.add_argument("--rate", type=float, default=3.0, help="requests/s (Gamma arrivals)")
+    ap.add_argument("--cv", type=float, default=3.0, help="coefficient of variation of inter-arrivals: bursts")
+    ap.add_argument("--duration", type=float, default=60.0)
+    ap.add_argument("--n-adapters", type=int, default=40)
+    ap.add_argument("--alpha", type=float, default=0.3, help="power law of adapter popularity: smaller is more skewed")
+    ap.add_argument("--input-range", type=int, nargs=2, default=[16, 256])
+    ap.add_argument("--output-range", type=int, nargs=2, default=[16, 128])
+    ap.add_argument("--slo-latency", type=float, default=20.0, help="seconds")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    adapters = linked_adapters(args.adapters, "lora", args.out)
+    rows = []
+    for policy in args.policies.split(","):
+        procs = start_nodes(args, policy, adapters, args.out)
+        try:
+            report = args.out / f"{policy}.json"
+            subprocess.run([sys.executable, str(REPO / "scripts/bench_serving.py"),
+                            "--base-url", f"http://127.0.0.1:{args.base_port}/v1", "--workload", "slora",
+                            "--adapter-prefix", "lora", "--n-adapters", str(args.n_adapters), "--alpha", str(args.alpha),
+                            "--rate", str(args.rate), "--cv", str(args.cv), "--duration", str(args.duration),
+                            "--input-range", *map(str, args.input_range), "--output-range", *map(str, args.output_range),
+                            "--slo-latency", str(args.slo_latency), "--json-out", str(report), "--no-progress"],
+                           check=True, stdout=subprocess.DEVNULL)
+            pages = [get(f"http://127.0.0.1:{args.base_port + i}/metrics") for i in range(NODES)]
+        finally:
+            stop_nodes(procs)
+        summary = json.loads(report.read_text())["summary"]
+        rows.append({"policy": policy, "mean_latency_s": summary["latency_s"]["mean"],
+                     "p99_latency_s": summary["latency_s"]["p99"],
+                     "slo_attainment": summary["slo"]["attainment"]["all"], "errors": summary["errors"],
+                     "forwarded": sum(metric(p, "asyncserve_requests_forwarded_total") for p in pages),
+                     "migrated": sum(metric(p, "asyncserve_migrations_total") for p in pages)})
+        r = rows[-1]
+        print(f"{policy:<22} mean {r['mean_latency_s']:7.2f} s  p99 {r['p99_latency_s']:7.2f} s  "
+              f"SLO {100 * r['slo_attainment']:5.1f} %  errors {r['errors']}  forwarded {r['forwarded']:.0f}  "
+              f"migrated {r['migrated']:.0f}", flush=True)
+    (args.out / "summary.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                                        "cores": core_sets(args.threads), "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
