@@ -33,6 +33,10 @@ class ScheduledChunk:
 class StepPlan:
     decodes: list[ScheduledChunk] = field(default_factory=list)    # one token each, grouped by adapter
     prefills: list[ScheduledChunk] = field(default_factory=list)   # grouped by adapter
+    # dLoRA's merged mode: the adapter whose weights are merged into the base weights for this step
+    # (its chunks then need no LoRA compute, and the plan holds no other adapter's or base chunks);
+    # None: the base weights, every adapter's LoRA computed unmerged
+    merged: str | None = None
 
     @property
     def chunks(self) -> list[ScheduledChunk]:
