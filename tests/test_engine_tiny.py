@@ -44,10 +44,12 @@ def references(base, paths, cases):
     return refs
 
 
-@pytest.mark.parametrize("packed_at_once", [False, True])
-def test_all_adapters_and_base_in_one_generate_call(tiny, packed_at_once):
+@pytest.mark.parametrize("stacks", ["default", "packed_at_once", "in_pieces"])
+def test_all_adapters_and_base_in_one_generate_call(tiny, stacks):
     """packed_at_once: the torch backend packs every active set at its first step, so on CPU the
-    stacked shrink rides on the base GEMMs (otherwise only sets that last 32 steps do)."""
+    stacked shrink rides on the base GEMMs (otherwise only sets that last 32 steps do). in_pieces:
+    besides, it builds, packs and fuses one layer's stacks per step, computing each set's tokens from
+    the pool rows until its stacks are complete (how a large adapter's set is built, issue 12)."""
     root, tok, base, paths = tiny
     prompts = prompts_for(tok, 4, seed=1)
     cases = [(ids, adapter) for ids in prompts for adapter in [None, *ADAPTERS]]
@@ -55,9 +57,19 @@ def test_all_adapters_and_base_in_one_generate_call(tiny, packed_at_once):
     llm = LLM(model=str(root), adapters={k: str(v) for k, v in paths.items()}, dtype="float32",
               device=TEST_DEVICE, max_step_tokens=24)
     lora = llm.engine.runner.lora
-    fusing = packed_at_once and isinstance(lora, TorchLoraBackend) and TEST_DEVICE == "cpu"
-    if fusing:
+    torch_backend = isinstance(lora, TorchLoraBackend)
+    fusing = stacks == "packed_at_once" and torch_backend and TEST_DEVICE == "cpu"
+    if stacks != "default" and torch_backend:
         lora.pack_after_steps = 1
+    plan_kinds = set()
+    if stacks == "in_pieces" and torch_backend:
+        lora.build_bytes_per_step = 0                   # one layer of one group per step
+        real_begin = lora.begin_step
+
+        def begin_step(batch):
+            real_begin(batch)
+            plan_kinds.update(kind for kind, _ in lora._plans.values())
+        lora.begin_step = begin_step
     outs = llm.generate([c[0] for c in cases], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True),
                         adapters=[c[1] for c in cases])
     exact = 0
@@ -73,6 +85,8 @@ def test_all_adapters_and_base_in_one_generate_call(tiny, packed_at_once):
     assert llm.engine.pool.counts().kv == 0
     if fusing:
         assert any(f is not None for f in lora._fused.values())
+    if stacks == "in_pieces" and torch_backend:
+        assert "pool" in plan_kinds and plan_kinds & {"stacked", "loop"}, plan_kinds
 
 
 def test_small_pool_evicts_and_repages_adapters_with_identical_outputs(tiny):

@@ -345,7 +345,7 @@ def test_torch_backend_loop_equals_stacked(decode, dtype, packed):
         stacked.begin_step(batch)
     loop.begin_step(batch)
     assert {kind for kind, _ in loop._plans.values()} == {"loop"}
-    assert {is_packed for is_packed, _ in stacked._linears.values()} == {packed}
+    assert {layer.packed for layers in stacked._linears.values() for layer in layers} == {packed}
     layout = group_layout(TINY)
     for layer in range(TINY.num_layers):
         for group in GROUPS:
@@ -376,7 +376,10 @@ def test_torch_backend_loops_over_many_distinct_adapters():
                               torch.ones(1, len(PROJECTIONS), device=DEVICE), [], 0) for i in range(32)]
     pool_big = PagedPool(4, num_layers=1, block_size=4, num_kv_heads=32, head_dim=128, dtype=torch.float32,
                          device=DEVICE)
-    backend = TorchLoraBackend(pool_big, big)
+    backend = TorchLoraBackend(pool_big, big, build_bytes_per_step=2**40)      # its 168 MB of stacks at once
+    # a turn's cost as measured on quiet CPUs (0 to 1.5e6 multiply-adds); measured on a loaded box
+    # it can come out 30x higher, and the choice with it
+    backend.turn_macs = {group: 1.5e6 for group in backend.turn_macs}
     backend.begin_step(LoraBatch(adapters, list(range(33)), list(range(32)), 32, DEVICE, num_decode=32))
     assert backend._plans["qkv"][0] == "loop"
 
@@ -474,6 +477,38 @@ def test_torch_backend_reuses_stacks_when_a_step_lists_its_adapters_in_another_o
             backend.apply(layer, group, x, y)
             torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-4,
                                        msg=lambda m: f"{m}\nlayer={layer} group={group} seed={seed}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_backend_builds_packs_and_fuses_a_layer_per_step_with_equal_outputs(dtype):
+    """With no byte budget each step builds one layer of one group's stacks, then packs and fuses one
+    layer per step: until the stacks are complete the step reads each adapter's rows from the pool;
+    at every step project() equals a backend that did everything at once (issue 12: a large set
+    built in one step stalled every stream)."""
+    seed, g, pool, batch = seeded_step(dtype, decode=True)
+    pieces = TorchLoraBackend(pool, TINY, mode="stacked", pack_after_steps=1, build_bytes_per_step=0)
+    at_once = TorchLoraBackend(pool, TINY, mode="stacked", pack_after_steps=1, build_bytes_per_step=2**40)
+    layout = group_layout(TINY)
+    groups = [group for group in GROUPS if any(a.ranks[PROJ_INDEX[p]] for a in batch.adapters for p, *_ in layout[group])]
+    bases = {(layer, group): make_linear((torch.randn(sum(r[2] for r in layout[group]), layout[group][0][1],
+                                                      generator=g) * 0.1).to(DEVICE, dtype))
+             for layer in range(TINY.num_layers) for group in GROUPS}
+    kinds = []
+    for _ in range(3 * len(groups) * TINY.num_layers + 1):
+        pieces.begin_step(batch)
+        at_once.begin_step(batch)
+        kinds.append({kind for kind, _ in pieces._plans.values()})
+        for (layer, group), base in bases.items():
+            x = torch.randn(batch.num_tokens, layout[group][0][1], generator=g).to(DEVICE, dtype)
+            expected = at_once.project(layer, group, x, base)
+            got = pieces.project(layer, group, x, base)
+            torch.testing.assert_close(got, expected, **backend_tolerance(dtype, expected),
+                                       msg=lambda m: f"{m}\nlayer={layer} group={group} seed={seed}")
+    steps_to_build = len(groups) * TINY.num_layers               # one layer of one group per step
+    assert kinds[:steps_to_build - 1] == [{"pool"}] * (steps_to_build - 1), kinds
+    assert kinds[steps_to_build - 1:] == [{"stacked"}] * (len(kinds) - steps_to_build + 1), kinds
+    assert all(linears.packed for layers in pieces._linears.values() for linears in layers)
+    assert pieces._fused.keys() == at_once._fused.keys()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -26,11 +26,18 @@ adapter's consecutive rows, those rows times its own A and B columns of the same
 (``_loop_is_cheaper``, with the cost of a turn measured on the device). The stacks are gathered
 from the pool pages when the active set (in any order) changes and kept until it changes again;
 they are a working copy bounded by the running adapters, the pool pages remain the storage.
+Building a set's stacks, reordering them for oneDNN and fusing them into base weights copy bytes
+in proportion to the set's ranks: a rank-256 adapter on every projection is 150 MB in bf16 for
+SmolLM2, and doing any of the three at once stalled every stream for 0.4-0.9 s on 2 cores. So each
+step does at most ``build_bytes_per_step`` of that work, a layer at a time: until a set's stacks
+are complete its tokens are computed per adapter straight from its pool rows, and layers not yet
+packed or fused run on the plain stacks.
 The Triton backend (lora/triton_backend.py) reads the pages in place instead.
 """
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -89,6 +96,9 @@ PACK_AFTER_STEPS = 32
 # build, 53 MB for q/k/v and o). That copies W per layer, so only for small ones, where one GEMM
 # call's fixed cost (~11 us in bf16 on CPU) is a good part of the base GEMM's time.
 FUSE_MAX_WEIGHT_BYTES = 4 * 2**20
+# Bytes of stack building, packing and fusing one step may do: W1's four adapters (~16 MB of
+# stacks in bf16) are built in one step; larger sets take a few.
+STACK_BUILD_BYTES_PER_STEP = 24 * 2**20
 _turn_macs: dict[tuple[torch.dtype, int, int], float] = {}
 
 
@@ -129,29 +139,32 @@ class TorchLoraBackend(LoraBackend):
     name = "torch"
 
     def __init__(self, pool: PagedPool, config: ModelConfig, mode: str = "auto",
-                 pack_after_steps: int = PACK_AFTER_STEPS):
+                 pack_after_steps: int = PACK_AFTER_STEPS, build_bytes_per_step: int | None = None):
         """mode: "auto" (per step and group, whichever costs less), "stacked" or "loop"."""
         if mode not in ("auto", "stacked", "loop"):
             raise ValueError(f"mode must be 'auto', 'stacked' or 'loop', got {mode!r}")
         self.pool = pool
         self.layout = group_layout(config)
-        self.num_layers = config.num_layers
         self.mode = mode
         self.pack_after_steps = pack_after_steps
         self.turn_macs = {group: loop_turn_macs(pool.device, pool.dtype, rows[0][1], sum(r[2] for r in rows))
                           for group, rows in self.layout.items()}
+        self.build_bytes_per_step = STACK_BUILD_BYTES_PER_STEP if build_bytes_per_step is None else build_bytes_per_step
         self._set_key: tuple | None = None
+        self._builds: dict[str, StackBuild] = {}        # the set's stacks under construction, by group
+        self._budget_left = 0                            # bytes of stack work this step may still do
         # group -> (A_stack [L, R, in], B_stack [L, R, out] with the scaling folded in, column owner [R]
         #           int64 (place in the stacks), per place its column range (c0, c1), None if untargeted,
         #           whether every value of both stacks is finite)
         self._stacks: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, list, bool]] = {}
-        # group -> (packed, per layer (x -> x @ A_stack^T, s -> s @ B_stack)) for the stacked plan
-        self._linears: dict[str, tuple[bool, list[tuple[Linear, Linear]]]] = {}
+        # group -> per layer the stacked plan's GEMMs (x -> x @ A_stack^T, s -> s @ B_stack)
+        self._linears: dict[str, list[StackLinears]] = {}
         self._set_steps = 0                     # steps the active set has lasted
         # (group, layer) -> Linear over [W; A_stack] (or None: not fused), built once packed; cleared
         # with the stacks (whatever changes the base weights, e.g. merging an adapter, must clear it too)
         self._fused: dict[tuple[str, int], Linear | None] = {}
-        # group -> ("stacked", mask [tokens, R]) or ("loop", [(row spans, c0, c1)])
+        # group -> ("stacked", mask [tokens, R]), ("loop", [(row spans, c0, c1)]) or, while the stacks
+        # are built, ("pool", [(row spans, adapter, its scalings, [(projection, r, in, out, column)])])
         self._plans: dict[str, tuple[str, object]] = {}
 
     @property
@@ -162,15 +175,19 @@ class TorchLoraBackend(LoraBackend):
         self._plans = {}
         if batch is None or batch.empty:
             return
+        self._budget_left = self.build_bytes_per_step
         # The stacks hold the active set in a fixed order (by name), so a step that lists the same
         # adapters in another order (e.g. once the oldest request has finished) reuses them.
         order = sorted(range(len(batch.adapters)), key=lambda i: batch.adapters[i].name)
         key = tuple((batch.adapters[i].name, batch.adapters[i].generation) for i in order)
         if key != self._set_key:
             adapters = [batch.adapters[i] for i in order]
-            self._stacks = {g: s for g in GROUPS if (s := self._build_stack(adapters, g)) is not None}
-            self._linears, self._fused = {}, {}
+            self._builds = {g: b for g in GROUPS if (b := StackBuild.plan(self.pool, self.layout[g], adapters))}
+            self._stacks, self._linears, self._fused = {}, {}, {}
             self._set_key, self._set_steps = key, 0
+        if self._builds and not self._build_some():
+            self._plans = self._pool_plans(batch)
+            return
         self._set_steps += 1
         packed = self._set_steps >= self.pack_after_steps
         place = {i: pos for pos, i in enumerate(order)}             # step adapter -> its place in the stacks
@@ -186,8 +203,7 @@ class TorchLoraBackend(LoraBackend):
                 if token_place is None:
                     lookup = torch.tensor([place[i] for i in range(len(order))] + [-1], device=owner.device)
                     token_place = lookup[batch.token_adapter().long()]           # -1 (no LoRA) stays -1
-                if self._linears.get(group, (None,))[0] != packed:
-                    self._linears[group] = (packed, _stack_linears(a_stack, b_stack, packed))
+                self._linears[group] = self._stack_linears(group, packed)
                 # mask: [tokens, R]
                 self._plans[group] = ("stacked", (token_place[:, None] == owner[None, :]).to(a_stack.dtype))
 
@@ -201,12 +217,129 @@ class TorchLoraBackend(LoraBackend):
         turns = sum(len(rows) for rows, _, _ in loop)
         return per_adapter + turns * self.turn_macs[group] < stacked
 
-    def _build_stack(self, adapters: list[DeviceAdapter], group: str):
-        """The set's rows of ``group`` gathered from the pool, as _stacks holds them, or None if no
-        adapter targets the group. One gather for A and one per projection for B."""
-        flat = self.pool.flat
-        device = flat.device
-        layout = self.layout[group]
+    def _take(self, nbytes: int) -> bool:
+        """Whether a piece of stack work of ``nbytes`` may run in this step (then it is counted): while
+        the step's budget lasts, and a first piece always, so that every build goes forward."""
+        if self._budget_left <= 0 and self._budget_left != self.build_bytes_per_step:
+            return False
+        self._budget_left -= nbytes
+        return True
+
+    def _build_some(self) -> bool:
+        """Fill the set's stacks a layer at a time while the step's budget lasts; True once every
+        group's stacks are complete (they then move to ``_stacks``)."""
+        for group, build in list(self._builds.items()):
+            while not build.done and self._take(build.layer_bytes):
+                build.fill_next_layer()
+            if not build.done:
+                return False
+            self._stacks[group] = build.stacks()
+            del self._builds[group]
+        return True
+
+    def _pool_plans(self, batch: LoraBatch) -> dict[str, tuple[str, object]]:
+        """While the set's stacks are being built: per group, each adapter's token spans with its
+        projections, whose rows apply() reads straight from the pool."""
+        spans = adapter_spans(batch)
+        plans = {}
+        for group, rows in self.layout.items():
+            work = []
+            for i, runs in spans.items():
+                adapter = batch.adapters[i]
+                projs = [(PROJ_INDEX[proj], adapter.ranks[PROJ_INDEX[proj]], fan_in, fan_out, col)
+                         for proj, fan_in, fan_out, col in rows if adapter.ranks[PROJ_INDEX[proj]]]
+                if projs:
+                    work.append((runs, adapter, adapter.scaling.tolist(), projs))
+            if work:
+                plans[group] = ("pool", work)
+        return plans
+
+    def _stack_linears(self, group: str, packed: bool) -> list[StackLinears]:
+        """Per layer, the stacked plan's shrink and expand: over views of the stacks, or (packed) over
+        make_linear's copies, which on CPU are oneDNN's reordered layout; layers are packed while the
+        step's budget lasts, the rest on a later step."""
+        a_stack, b_stack = self._stacks[group][0], self._stacks[group][1]
+        layers = self._linears.get(group) or [StackLinears(Linear(a), Linear(b.t()), False)
+                                              for a, b in zip(a_stack, b_stack)]
+        if packed:
+            nbytes = (a_stack[0].numel() + b_stack[0].numel()) * a_stack.element_size()
+            for layer, linears in enumerate(layers):
+                if not linears.packed and self._take(nbytes):
+                    layers[layer] = StackLinears(make_linear(a_stack[layer]), make_linear(b_stack[layer].t()), True)
+        return layers
+
+    def project(self, layer: int, group: str, x: torch.Tensor, base: Linear) -> torch.Tensor:
+        fused = self._fused_linear(layer, group, base)
+        if fused is None:
+            return super().project(layer, group, x, base)
+        out = fused(x)                                      # [tokens, out + R]: base output, then s
+        y = out[:, :base.out_features]
+        y.add_(self._linears[group][layer].expand(out[:, base.out_features:] * self._plans[group][1]))
+        return y
+
+    def _fused_linear(self, layer: int, group: str, base: Linear) -> Linear | None:
+        plan = self._plans.get(group)
+        if plan is None or plan[0] != "stacked" or not self._linears[group][layer].packed:
+            return None
+        key = (group, layer)
+        if key not in self._fused:
+            fuse = onednn_packs(self.pool.device, self.pool.dtype) and base.nbytes <= FUSE_MAX_WEIGHT_BYTES
+            if fuse and not self._take(base.nbytes + self._stacks[group][0][layer].nbytes):
+                return None                                 # this layer is fused on a later step
+            self._fused[key] = (make_linear(torch.cat([base.dense_weight(), self._stacks[group][0][layer]]))
+                                if fuse else None)
+        return self._fused[key]
+
+    def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        plan = self._plans.get(group)
+        if plan is None:
+            return
+        kind, data = plan
+        if kind == "stacked":
+            shrink, expand, _ = self._linears[group][layer]
+            s = shrink(x)                         # [tokens, R]
+            s.mul_(data)
+            y.add_(expand(s))
+            return
+        if kind == "pool":
+            flat = self.pool.flat
+            for runs, adapter, scaling, projs in data:
+                for p, r, fan_in, fan_out, col in projs:
+                    a = _rows(flat, adapter.a_ptr[layer, p, :r], fan_in)        # [r, in]
+                    b = _rows(flat, adapter.b_ptr[layer, p, :r], fan_out)       # [r, out]
+                    for sl in runs:
+                        y[sl, col:col + fan_out].addmm_(x[sl] @ a.t(), b, alpha=scaling[layer][p])
+            return
+        a_stack, b_stack = self._stacks[group][0][layer], self._stacks[group][1][layer]
+        for rows, c0, c1 in data:
+            for sl in rows:
+                y[sl].addmm_(x[sl] @ a_stack[c0:c1].t(), b_stack[c0:c1])
+
+
+class StackBuild:
+    """One group's stacks for a set of adapters, as ``TorchLoraBackend._stacks`` holds them, filled
+    one layer per call: A_stack [L, R, in] gathered from the pool, B_stack [L, R, out] with each
+    projection's B^T rows, scaled, at its output columns and zeros elsewhere."""
+
+    def __init__(self, flat: torch.Tensor, fan_in: int, out_total: int, num_layers: int, a_offsets: torch.Tensor,
+                 b_parts: list, owner: torch.Tensor, ranges: list):
+        self.flat, self.fan_in = flat, fan_in
+        self.a_offsets = a_offsets           # [L, R] flat offsets of the A rows
+        # per targeted projection: (out, column, B^T row offsets [L, R_p], scalings [L, R_p], stack rows [R_p])
+        self.b_parts = b_parts
+        self.owner, self.ranges = owner, ranges
+        width = a_offsets.shape[1]
+        # empty, not zeros: each layer is zeroed as it is filled, so that cost is spread over steps too
+        self.a_stack = torch.empty(num_layers, width, fan_in, dtype=flat.dtype, device=flat.device)
+        self.b_stack = torch.empty(num_layers, width, out_total, dtype=flat.dtype, device=flat.device)
+        self.layer_bytes = width * (fan_in + out_total) * flat.element_size()
+        self.next_layer, self.finite = 0, True
+
+    @classmethod
+    def plan(cls, pool: PagedPool, layout, adapters: list[DeviceAdapter]) -> StackBuild | None:
+        """Where the set's rows of the group are (offsets, owners, column ranges; nothing copied yet),
+        or None if no adapter targets the group."""
+        device = pool.flat.device
         a_offsets, owners, ranges = [], [], []
         b_parts = {proj: ([], [], []) for proj, _, _, _ in layout}   # B row offsets, scalings, stack rows
         width = 0
@@ -227,61 +360,37 @@ class TorchLoraBackend(LoraBackend):
             ranges.append((c0, width) if width > c0 else None)
         if not a_offsets:
             return None
-        a_stack = _rows(flat, torch.cat(a_offsets, dim=1), layout[0][1])       # [L, R, in]
-        out_total = sum(fan_out for _, _, fan_out, _ in layout)
-        b_stack = torch.zeros(self.num_layers, width, out_total, dtype=flat.dtype, device=device)
-        for proj, _, fan_out, col in layout:
-            offsets, scales, stack_rows = b_parts[proj]
-            if not offsets:
-                continue
-            rows = _rows(flat, torch.cat(offsets, dim=1), fan_out)             # [L, R_p, out_p]
-            scaled = rows.float() * torch.cat(scales, dim=1).to(device)[..., None]
-            b_stack[:, torch.tensor(stack_rows, device=device), col:col + fan_out] = scaled.to(flat.dtype)
-        finite = all_finite(a_stack) and all_finite(b_stack)
-        return a_stack, b_stack, torch.cat(owners).to(device), ranges, finite
+        parts = [(fan_out, col, torch.cat(b_parts[proj][0], dim=1), torch.cat(b_parts[proj][1], dim=1).to(device),
+                  torch.tensor(b_parts[proj][2], device=device))
+                 for proj, _, fan_out, col in layout if b_parts[proj][0]]
+        a_offsets = torch.cat(a_offsets, dim=1)
+        return cls(pool.flat, layout[0][1], sum(fan_out for _, _, fan_out, _ in layout), a_offsets.shape[0],
+                   a_offsets, parts, torch.cat(owners).to(device), ranges)
 
-    def project(self, layer: int, group: str, x: torch.Tensor, base: Linear) -> torch.Tensor:
-        fused = self._fused_linear(layer, group, base)
-        if fused is None:
-            return super().project(layer, group, x, base)
-        out = fused(x)                                      # [tokens, out + R]: base output, then s
-        y = out[:, :base.out_features]
-        y.add_(self._linears[group][1][layer][1](out[:, base.out_features:] * self._plans[group][1]))
-        return y
+    @property
+    def done(self) -> bool:
+        return self.next_layer == self.a_stack.shape[0]
 
-    def _fused_linear(self, layer: int, group: str, base: Linear) -> Linear | None:
-        plan = self._plans.get(group)
-        if plan is None or plan[0] != "stacked" or not self._linears[group][0]:
-            return None
-        key = (group, layer)
-        if key not in self._fused:
-            fuse = onednn_packs(self.pool.device, self.pool.dtype) and base.nbytes <= FUSE_MAX_WEIGHT_BYTES
-            self._fused[key] = (make_linear(torch.cat([base.dense_weight(), self._stacks[group][0][layer]]))
-                                if fuse else None)
-        return self._fused[key]
+    def fill_next_layer(self) -> None:
+        layer = self.next_layer
+        a, b = self.a_stack[layer], self.b_stack[layer]
+        a.copy_(_rows(self.flat, self.a_offsets[layer], self.fan_in))
+        b.zero_()
+        for fan_out, col, offsets, scales, stack_rows in self.b_parts:
+            rows = _rows(self.flat, offsets[layer], fan_out)                  # [R_p, out_p]
+            b[stack_rows, col:col + fan_out] = (rows.float() * scales[layer, :, None]).to(b.dtype)
+        self.finite = self.finite and all_finite(a) and all_finite(b)
+        self.next_layer += 1
 
-    def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        plan = self._plans.get(group)
-        if plan is None:
-            return
-        kind, data = plan
-        if kind == "stacked":
-            shrink, expand = self._linears[group][1][layer]
-            s = shrink(x)                         # [tokens, R]
-            s.mul_(data)
-            y.add_(expand(s))
-            return
-        a_stack, b_stack = self._stacks[group][0][layer], self._stacks[group][1][layer]
-        for rows, c0, c1 in data:
-            for sl in rows:
-                y[sl].addmm_(x[sl] @ a_stack[c0:c1].t(), b_stack[c0:c1])
+    def stacks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list, bool]:
+        return self.a_stack, self.b_stack, self.owner, self.ranges, self.finite
 
 
-def _stack_linears(a_stack: torch.Tensor, b_stack: torch.Tensor, packed: bool) -> list[tuple[Linear, Linear]]:
-    """Per layer, the stacked plan's shrink and expand: over views of the stacks, or (packed) over
-    make_linear's copies, which on CPU are oneDNN's reordered layout."""
-    make = make_linear if packed else Linear
-    return [(make(a), make(b.t())) for a, b in zip(a_stack, b_stack)]
+class StackLinears(NamedTuple):
+    """One layer's stacked-plan GEMMs of a group."""
+    shrink: Linear        # x -> x @ A_stack^T
+    expand: Linear        # s -> s @ B_stack
+    packed: bool          # over make_linear's copies (oneDNN's layout on CPU), not views of the stacks
 
 
 def _rows(flat: torch.Tensor, offsets: torch.Tensor, width: int) -> torch.Tensor:
