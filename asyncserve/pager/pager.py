@@ -71,6 +71,20 @@ class Registration:
     pinned: bool = False             # never evicted from the device (nor, so, from the host)
 
 
+# rank sets whose row plans are kept (a rank-256 adapter on every projection of SmolLM2: ~10 MB)
+ROW_PLANS_KEPT = 32
+
+
+class RowPlan(NamedTuple):
+    """Where an adapter's rows go in the pages it is given, the same for every adapter of its ranks:
+    computed once per rank set, so paging in is a few tensor ops on the event loop."""
+    pages: int                           # pages it takes
+    placements: list[tuple[int, int]]    # per row in packing order: (index into its pages, offset)
+    page_index: torch.Tensor             # [2 (A, B^T), L, P, r_max] int64: index into its pages
+    offset: torch.Tensor                 # [2, L, P, r_max] int64: offset in that page
+    used: torch.Tensor                   # [2, L, P, r_max] bool: j < rank of the projection
+
+
 class PageIn(NamedTuple):
     """A copy waiting for the torch thread: the adapter's rows into the pages ``device`` names."""
     load: int
@@ -88,7 +102,7 @@ class AdapterPager:
         self.registry: dict[str, Registration] = {}                    # the disk tier: every adapter
         self._loads_total = 0
         self._live: set[int] = set()                                     # the current loads
-        self._footprints: dict[tuple[int, ...], int] = {}                # by ranks: packing is per rank set
+        self._row_plans: OrderedDict[tuple[int, ...], RowPlan] = OrderedDict()   # by ranks, the most recent last
         # host tier: name -> HostAdapter viewing its arena block, LRU order (oldest first); blocks by load
         self.arena = HostArena(host_bytes)
         self.host_capacity = self.arena.allocator.free_bytes         # bytes for blocks, past the directory
@@ -109,7 +123,7 @@ class AdapterPager:
         """Register an adapter on the disk tier (its weights are read when first needed)."""
         if info.name in self.registry:
             raise AdapterError(f"adapter {info.name!r} is already loaded")
-        footprint = self._footprint(info.ranks)
+        footprint = self._row_plan(info.ranks).pages
         if footprint > self.pool.num_pages:
             raise AdapterError(f"adapter {info.name!r} needs {footprint} pages, the pool has {self.pool.num_pages}")
         shapes = self.config.projection_shapes()
@@ -158,11 +172,28 @@ class AdapterPager:
             return "device"
         return "host" if name in self.host else "disk"
 
-    def _footprint(self, ranks: list[int]) -> int:
+    def _row_plan(self, ranks: list[int]) -> RowPlan:
         key = tuple(ranks)
-        if key not in self._footprints:
-            self._footprints[key], _ = plan_row_packing(row_lengths(ranks, self.config), self.pool.page_numel)
-        return self._footprints[key]
+        if key in self._row_plans:
+            self._row_plans.move_to_end(key)
+            return self._row_plans[key]
+        pages, placements = plan_row_packing(row_lengths(ranks, self.config), self.pool.page_numel)
+        L, P, r_max = self.config.num_layers, len(PROJECTIONS), max(ranks)
+        used = torch.zeros(2, L, P, r_max, dtype=torch.bool)
+        for p, r in enumerate(ranks):
+            used[:, :, p, :r] = True
+        # packing order (row_lengths): layer, projection, A rows then B^T rows: the order of
+        # used.permute(1, 2, 0, 3)'s True entries
+        order = used.permute(1, 2, 0, 3)
+        page_index = torch.zeros(L, P, 2, r_max, dtype=torch.int64)
+        offset = torch.zeros(L, P, 2, r_max, dtype=torch.int64)
+        where = torch.tensor(placements, dtype=torch.int64).reshape(-1, 2)
+        page_index[order], offset[order] = where[:, 0], where[:, 1]
+        plan = RowPlan(pages, placements, page_index.permute(2, 0, 1, 3), offset.permute(2, 0, 1, 3), used)
+        self._row_plans[key] = plan
+        if len(self._row_plans) > ROW_PLANS_KEPT:
+            self._row_plans.popitem(last=False)
+        return plan
 
     # ---- host tier ---------------------------------------------------------------------------
     def host_room(self, name: str, in_use: frozenset[str] | set[str]) -> bool:
@@ -286,16 +317,16 @@ class AdapterPager:
             return self.resident[load]
         adapter = self.host[name]
         self.host.move_to_end(name)
-        needed, placements = plan_row_packing(adapter.row_lengths(self.config), self.pool.page_numel)
-        if not self.make_room(needed, frozenset((load,))):
+        plan = self._row_plan(adapter.ranks)
+        if not self.make_room(plan.pages, frozenset((load,))):
             return None
         try:
-            pages = self.pool.allocate(needed, "adapter")
+            pages = self.pool.allocate(plan.pages, "adapter")
         except PoolExhausted:
             return None
-        device = self._place(adapter, pages, placements)
+        device = self._place(adapter, pages, plan)
         self.resident[load] = device
-        self.pending.append(PageIn(load, device, adapter, placements, time.perf_counter()))
+        self.pending.append(PageIn(load, device, adapter, plan.placements, time.perf_counter()))
         self.loads_total += 1
         return device
 
@@ -335,22 +366,15 @@ class AdapterPager:
                     yield layer, p, 0, adapter.a_rows[(layer, p)]
                     yield layer, p, 1, adapter.b_rows[(layer, p)]
 
-    def _place(self, adapter: HostAdapter, pages: list[int], placements: list[tuple[int, int]]) -> DeviceAdapter:
-        """Record each row's offset in the pool; the rows are copied later by ``write_pending``."""
-        L, P, r_max = self.config.num_layers, len(PROJECTIONS), max(adapter.ranks)
-        ptr = [[[[0] * r_max for _ in range(P)] for _ in range(L)] for _ in range(2)]   # [A|B][L][P][r]
-        i = 0
-        for layer, p, ab, rows in self._packed_rows(adapter):
-            out = ptr[ab][layer][p]
-            for j in range(rows.shape[0]):
-                page, off = placements[i + j]
-                out[j] = pages[page] * self.pool.page_numel + off
-            i += rows.shape[0]
+    def _place(self, adapter: HostAdapter, pages: list[int], plan: RowPlan) -> DeviceAdapter:
+        """Each row's offset in the pool (0 past a projection's rank); the rows are copied later by
+        ``write_pending``."""
+        page_start = torch.tensor(pages, dtype=torch.int64) * self.pool.page_numel
+        ptr = torch.where(plan.used, page_start[plan.page_index] + plan.offset, 0)     # [2, L, P, r_max]
         self._generation += 1
         dev = self.pool.device
-        return DeviceAdapter(name=adapter.name, ranks=list(adapter.ranks),
-                             a_ptr=torch.tensor(ptr[0], dtype=torch.int64, device=dev),
-                             b_ptr=torch.tensor(ptr[1], dtype=torch.int64, device=dev),
+        return DeviceAdapter(name=adapter.name, ranks=list(adapter.ranks), a_ptr=ptr[0].contiguous().to(dev),
+                             b_ptr=ptr[1].contiguous().to(dev),
                              scaling=adapter.scaling.to(dev), pages=pages, generation=self._generation)
 
     def write_pending(self) -> None:
