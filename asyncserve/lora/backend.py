@@ -62,6 +62,9 @@ class LoraBackend:
         """False when no token of this step has a device LoRA: the model then skips the backend."""
         raise NotImplementedError
 
+    def base_weights_changed(self) -> None:
+        """The base projections were replaced (an adapter merged or unmerged): drop what was built from them."""
+
 
 def group_layout(config: ModelConfig) -> dict[str, list[tuple[str, int, int, int]]]:
     """Per group: (projection, in_features, out_features, column offset in the fused output)."""
@@ -275,6 +278,9 @@ class TorchLoraBackend(LoraBackend):
         for rows, c0, c1 in data:
             for sl in rows:
                 y[sl].addmm_(x[sl] @ a_stack[c0:c1].t(), b_stack[c0:c1])
+
+    def base_weights_changed(self) -> None:
+        self._fused = {}
 
 
 def _stack_linears(a_stack: torch.Tensor, b_stack: torch.Tensor, packed: bool) -> list[tuple[Linear, Linear]]:
