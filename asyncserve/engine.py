@@ -197,8 +197,9 @@ class Engine:
         self.pager.pin(name)
 
     def unload_adapter(self, name: str) -> list[str]:
-        """Forget an adapter (KeyError if unknown). Running sequences finish with their resident copy;
-        the queued ones can no longer run: their ids are returned for the caller to end."""
+        """Forget an adapter (KeyError if unknown). Running sequences finish with their resident copy
+        (one merged into the base weights keeps its pages until a step unmerges it); the queued ones
+        can no longer run: their ids are returned for the caller to end."""
         if name not in self.pager.registry:
             raise KeyError(name)
         queued = [seq.request_id for seq in self.scheduler.waiting if seq.adapter == name]

@@ -204,7 +204,8 @@ def bench_merge(prompts, adapters, args) -> None:
     elements = merger.elements_of(engine.pager.registry[next(iter(adapters))].ranks)
     print(f"merge: median {1000 * median(switches['merge']):.1f} ms of {len(switches['merge'])} "
           f"({elements / 1e6:.1f} M base weights rewritten each; prior estimate "
-          f"{1000 * elements * MERGE_PRIOR_S_PER_ELEMENT:.1f} ms), unmerge: median {1000 * median(switches['unmerge']):.3f} ms")
+          f"{1000 * elements * MERGE_PRIOR_S_PER_ELEMENT:.1f} ms), "
+          f"unmerge: median {1000 * median(switches['unmerge']):.3f} ms")
     print(f"decode step at batch 16: merged {1000 * median(steps['merged']):.2f} ms, unmerged "
           f"{1000 * median(steps['unmerged']):.2f} ms (medians of {len(steps['merged'])} and "
           f"{len(steps['unmerged'])} steps)")

@@ -20,7 +20,7 @@ import torch
 
 from asyncserve.lora.backend import LoraBackend, _rows, group_layout
 from asyncserve.model.checkpoint import all_finite
-from asyncserve.model.config import PROJ_INDEX, ModelConfig
+from asyncserve.model.config import GROUPS, PROJ_INDEX, ModelConfig
 from asyncserve.model.linear import Linear, OneDnnLinear
 from asyncserve.model.llama import LlamaWeights
 from asyncserve.pager.pager import DeviceAdapter
@@ -32,7 +32,7 @@ MERGEABLE = (Linear, OneDnnLinear)
 # Seconds per base-weight element a switch rewrites, until this process has measured one: the
 # delta GEMMs, the add and cast and, on CPU, oneDNN's reorder (SmolLM2, bf16, 2 cores: see the
 # merge line of scripts/bench_offline.py). An unmerge only swaps objects back.
-MERGE_PRIOR_S_PER_ELEMENT = 5e-9
+MERGE_PRIOR_S_PER_ELEMENT = 2e-9
 UNMERGE_PRIOR_S_PER_ELEMENT = 1e-11
 
 
@@ -60,7 +60,7 @@ def merged_load(plan: StepPlan) -> int | None:
 def unmergeable_reason(weights: LlamaWeights) -> str | None:
     """Why no adapter can be merged into these base weights, None if any can."""
     for li, lw in enumerate(weights.layers):
-        for group in ("qkv", "o", "gate_up", "down"):
+        for group in GROUPS:
             linear = getattr(lw, group)
             if type(linear) not in MERGEABLE or not linear.weight.dtype.is_floating_point:
                 return (f"layer {li}'s {group} projection is a {type(linear).__name__} over {linear.weight.dtype} "
@@ -97,7 +97,8 @@ class WeightMerger:
 
     def elements_of(self, ranks: list[int]) -> int:
         """Base-weight elements that merging an adapter with these ranks rewrites."""
-        return self.num_layers * sum(rows[0][1] * sum(r[2] for r in rows)
+        # a group's weight: its projections' outputs stacked, [sum of out, in]
+        return self.num_layers * sum(rows[0][1] * sum(fan_out for _, _, fan_out, _ in rows)
                                      for g, rows in self.layout.items() if g in self.groups_of(ranks))
 
     def estimate_seconds(self, kind: str, ranks: list[int]) -> float:
