@@ -29,10 +29,11 @@ from asyncserve.step import StepPlan
 
 # The Linear kinds whose weight can be rebuilt exactly from a merged dense copy.
 MERGEABLE = (Linear, OneDnnLinear)
-# Seconds per base-weight element a switch rewrites, until this process has measured one: the
-# delta GEMMs, the add and cast and, on CPU, oneDNN's reorder (SmolLM2, bf16, 2 cores: see the
-# merge line of scripts/bench_offline.py). An unmerge only swaps objects back.
-MERGE_PRIOR_S_PER_ELEMENT = 2e-9
+# Seconds per base-weight element a switch rewrites, until this process has measured one. A merge:
+# the delta GEMMs, the add and cast and, on CPU, oneDNN's reorders (SmolLM2 with W1's adapters on
+# q/k/v/o, 26.5 M elements, bf16, one thread of a busy 2-core EPYC: 81 ms; bench_offline.py --merge).
+# An unmerge swaps the original objects back and frees the merged copies (0.2 ms there).
+MERGE_PRIOR_S_PER_ELEMENT = 3e-9
 UNMERGE_PRIOR_S_PER_ELEMENT = 1e-11
 
 
