@@ -462,10 +462,10 @@ class Engine:
         merged = self.runner.merger.merged
         return merged.name if merged is not None else None
 
-    @property
-    def merge_unsupported(self) -> str | None:
-        """Why no adapter can be merged into this model's weights (plan.merged must stay None), or None."""
-        return self.runner.merger.unsupported
+    def merge_refusal(self, name: str) -> str | None:
+        """Why ``name`` cannot be merged (plan.merged must not name it): this model's base weights take
+        no merge, or its current load overflowed them once; None if it may be merged."""
+        return self.runner.merger.refusal(self.pager.registry[name].load)
 
     def merge_switch_seconds(self, name: str | None) -> float:
         """Estimated seconds to switch the base weights from what is merged now to ``name`` merged (None:

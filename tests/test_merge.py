@@ -220,12 +220,12 @@ def test_merge_refused_where_it_cannot_be_exact(tiny_model, prompts):
     llm = _llm(tiny_model, names=("r64_all", "r1_qv"))
     engine = llm.engine
     layers = engine.runner.weights.layers
-    assert engine.merge_unsupported is None
+    assert engine.merge_refusal("r64_all") is None
     originals = [getattr(lw, g) for lw in layers for g in GROUPS]
     # a base projection of a kind that cannot be updated
     packed = layers[1].o
     layers[1].o = Int8Linear(packed.dense_weight())
-    assert "Int8Linear" in engine.merge_unsupported
+    assert "Int8Linear" in engine.merge_refusal("r64_all")
     seq = engine.make_sequence(prompts[0], GREEDY, "r64_all")
     engine.add(seq)
     plan = engine.schedule()
@@ -245,10 +245,14 @@ def test_merge_refused_where_it_cannot_be_exact(tiny_model, prompts):
     engine.add(engine.make_sequence(prompts[1], GREEDY, "r1_qv"))
     plan = engine.schedule()
     plan.merged = "r1_qv"
-    with pytest.raises(MergeError, match="overflows layer 0's qkv weights"):
+    with pytest.raises(MergeError, match="cannot merge adapter 'r1_qv': it overflows layer 0's qkv weights"):
         engine.run(plan)
     assert [getattr(lw, g) for lw in layers for g in GROUPS] == originals
     assert engine.merged_adapter is None
+    assert "overflows" in engine.merge_refusal("r1_qv") and engine.merge_refusal("r64_all") is None
+    with pytest.raises(MergeError, match="overflows"):           # remembered: refused before any work
+        engine.run(plan)
+    assert engine.runner.merger.elements["merge"] == 0
 
 
 def test_plan_merging_beside_other_chunks_is_an_error(tiny_model, prompts):

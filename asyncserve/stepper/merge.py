@@ -81,6 +81,7 @@ class WeightMerger:
         self.merged: DeviceAdapter | None = None
         self.merged_load: int | None = None
         self._originals: dict[tuple[int, str], Linear] = {}      # (layer, group) -> the base Linear it replaced
+        self.refused: dict[int, str] = {}                         # load -> why its merge failed (an overflow)
         # switches so far (changes of what is merged), and per kind ("merge" | "unmerge") the seconds
         # measured and the base-weight elements rewritten
         self.switches = 0
@@ -121,7 +122,7 @@ class WeightMerger:
             self._timed("unmerge", self.merged, self._unmerge)
         if load is not None:
             adapter = resident[load]
-            self._timed("merge", adapter, lambda: self._merge(adapter))
+            self._timed("merge", adapter, lambda: self._merge(adapter, load))
             self.merged, self.merged_load = adapter, load
         self.switches += 1
         return time.perf_counter() - t0
@@ -134,11 +135,15 @@ class WeightMerger:
         self.seconds[kind] += time.perf_counter() - t0
         self.elements[kind] += self.elements_of(adapter.ranks)
 
-    def _merge(self, adapter: DeviceAdapter) -> None:
+    def refusal(self, load: int) -> str | None:
+        """Why the adapter load cannot be merged: the base weights take no merge, or it overflowed them."""
+        return self.unsupported or self.refused.get(load)
+
+    def _merge(self, adapter: DeviceAdapter, load: int) -> None:
         """W + s·B·A per targeted projection, in float32, rounded once to the weights' dtype. All merged
         groups are built before any is swapped in, so a refusal leaves the base weights as they were."""
-        if self.unsupported:
-            raise MergeError(f"cannot merge adapter {adapter.name!r}: {self.unsupported}")
+        if (refusal := self.refusal(load)) is not None:
+            raise MergeError(f"cannot merge adapter {adapter.name!r}: {refusal}")
         flat = self.pool.flat
         scaling = adapter.scaling.tolist()                              # [L][P]
         merged: dict[tuple[int, str], Linear] = {}
@@ -157,8 +162,9 @@ class WeightMerger:
                     w[col:col + fan_out].addmm_(bt.t(), a, alpha=scaling[li][p])
                 w = w.to(dense.dtype)
                 if not all_finite(w):
-                    raise MergeError(f"merging adapter {adapter.name!r} overflows layer {li}'s {group} weights "
-                                     f"in {w.dtype}; it can run unmerged only")
+                    self.refused[load] = f"it overflows layer {li}'s {group} weights in {w.dtype}"
+                    raise MergeError(f"cannot merge adapter {adapter.name!r}: {self.refused[load]}; it can run "
+                                     "unmerged only")
                 merged[(li, group)] = type(base)(w)
         for (li, group), linear in merged.items():
             self._originals[(li, group)] = getattr(self.weights.layers[li], group)
