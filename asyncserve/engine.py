@@ -84,6 +84,15 @@ class LoadSnapshot:
     prefix_hit_tokens: int             # of those, tokens found cached
 
 
+@dataclass(frozen=True)
+class MergeStats:
+    """dLoRA's merged mode so far, for /metrics."""
+    merged: str | None                 # the adapter merged into the base weights now
+    switches: int                      # changes of what is merged
+    switch_seconds: dict[str, float]   # by kind, "merge" | "unmerge": time spent switching
+    step_seconds: dict[str, float]     # by mode, "merged" | "unmerged": time spent in steps
+
+
 class Engine:
     def __init__(self, config: Config):
         config.validate()                    # before the seconds of loading
@@ -120,6 +129,8 @@ class Engine:
         lora = make_lora_backend(self.lora_backend_name, self.pool, mc)
         eos = self.tokenizer.eos_token_ids
         self.runner = ModelRunner(mc, weights, self.pool, self.pager, lora, eos)
+        self._merge_refs: set[int] = set()             # adapter loads held for being merged (see postprocess)
+        self._mode_seconds = {"merged": 0.0, "unmerged": 0.0}
         self.scheduler = Scheduler(self.pool, self.pager, self.tokenizer, POLICIES[config.policy](),
                                    max_running=config.max_running,
                                    max_step_tokens=config.resolved_max_step_tokens(self.device),
@@ -186,8 +197,9 @@ class Engine:
         self.pager.pin(name)
 
     def unload_adapter(self, name: str) -> list[str]:
-        """Forget an adapter (KeyError if unknown). Running sequences finish with their resident copy;
-        the queued ones can no longer run: their ids are returned for the caller to end."""
+        """Forget an adapter (KeyError if unknown). Running sequences finish with their resident copy
+        (one merged into the base weights keeps its pages until a step unmerges it); the queued ones
+        can no longer run: their ids are returned for the caller to end."""
         if name not in self.pager.registry:
             raise KeyError(name)
         queued = [seq.request_id for seq in self.scheduler.waiting if seq.adapter == name]
@@ -420,13 +432,57 @@ class Engine:
 
     def postprocess(self, plan: StepPlan, result: StepResult) -> list[SeqUpdate]:
         """Apply a computed step: tokens appended, stop rules, finished sequences freed."""
+        self._hold_merged()
+        self._mode_seconds["merged" if plan.merged else "unmerged"] += result.duration_s
         self.latency.record(_rank_chunks(plan), result.duration_s)
         return self.scheduler.postprocess(plan, result.sampled, result.prompt_logprobs)
 
+    def _hold_merged(self) -> None:
+        """A merged adapter counts as in use: its load keeps a pager reference while merged, so neither
+        eviction nor an unload frees its pages before a step unmerges it. Taken before the step's
+        finished sequences release theirs; the load of an adapter unmerged by the step is let go."""
+        merged = self.runner.merger.merged_load
+        if merged is not None and merged not in self._merge_refs and merged in self.pager.resident:
+            self.pager.acquire(merged)
+            self._merge_refs.add(merged)
+        for load in self._merge_refs - {merged}:
+            self._merge_refs.discard(load)
+            self.pager.release(load)
+
     def predict_step_seconds(self, plan: StepPlan) -> float:
         """The rank-aware step-time model's estimate for a plan (CaraServe §5), refitted from the
-        steps this engine has run."""
+        steps this engine has run; a merged plan (plan.merged) costs what the base model's step does.
+        Not counted: a switch of the merged adapter before it (merge_switch_seconds)."""
         return self.latency.predict(_rank_chunks(plan))
+
+    # ---- dLoRA's merged mode (stepper/merge.py) --------------------------------------------------
+    @property
+    def merged_adapter(self) -> str | None:
+        """The adapter merged into the base weights now (by the last step run), None if none."""
+        merged = self.runner.merger.merged
+        return merged.name if merged is not None else None
+
+    def merge_refusal(self, name: str) -> str | None:
+        """Why ``name`` cannot be merged (plan.merged must not name it): this model's base weights take
+        no merge, or its current load overflowed them once; None if it may be merged."""
+        return self.runner.merger.refusal(self.pager.registry[name].load)
+
+    def merge_switch_seconds(self, name: str | None) -> float:
+        """Estimated seconds to switch the base weights from what is merged now to ``name`` merged (None:
+        unmerged): an unmerge and a merge, each at the rate this engine has measured (a prior from the
+        weights they rewrite before any). 0 when ``name`` is what is merged."""
+        merger = self.runner.merger
+        load = self.pager.registry[name].load if name is not None else None
+        if load == merger.merged_load:
+            return 0.0
+        seconds = merger.estimate_seconds("unmerge", merger.merged.ranks) if merger.merged is not None else 0.0
+        if name is not None:
+            seconds += merger.estimate_seconds("merge", self.pager.registry[name].ranks)
+        return seconds
+
+    def merge_stats(self) -> MergeStats:
+        merger = self.runner.merger
+        return MergeStats(self.merged_adapter, merger.switches, dict(merger.seconds), dict(self._mode_seconds))
 
     def step(self) -> list[SeqUpdate]:
         failed = self._load_parked() if self.parked else []
@@ -492,5 +548,5 @@ class Engine:
 
 
 def _rank_chunks(plan: StepPlan) -> list[tuple[int, int]]:
-    """A step as the latency model sees it: (tokens, adapter rank) per chunk."""
-    return [(c.num_tokens, c.seq.adapter_rank) for c in plan.chunks]
+    """A step as the latency model sees it: (tokens, adapter rank) per chunk; merged, no rank at all."""
+    return [(c.num_tokens, 0 if plan.merged else c.seq.adapter_rank) for c in plan.chunks]

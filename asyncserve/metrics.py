@@ -120,6 +120,16 @@ class Metrics:
         self.migrations = Counter("asyncserve_migrations", "Requests moved between servers: request (for load), "
                                   "resubmit (its peer failed), adapter (loaded where a moved request went)",
                                   ["kind"], registry=r)
+        # dLoRA's merged mode
+        self.merged_adapter = Gauge("asyncserve_merged_adapter", "1 for the adapter merged into the base weights "
+                                    "(no series while none is)", ["adapter"], registry=r)
+        self.merge_switches = Counter("asyncserve_merge_switches", "Changes of the adapter merged into the base "
+                                      "weights (a merge, an unmerge, or both)", registry=r)
+        self.merge_switch_seconds = Counter("asyncserve_merge_switch_seconds", "Time spent switching the merged "
+                                            "adapter, by kind: merge or unmerge", ["kind"], registry=r)
+        self.step_mode_seconds = Counter("asyncserve_step_mode_seconds", "Step time by mode: merged (one adapter "
+                                         "in the base weights) or unmerged", ["mode"], registry=r)
+        self._merge_seen = None
         self._adapter_loads_seen = 0
         self._prefix_seen = (0, 0)
 
@@ -145,6 +155,21 @@ class Metrics:
         self.prefix_queried.inc(load.prefix_queried_tokens - self._prefix_seen[0])
         self.prefix_hits.inc(load.prefix_hit_tokens - self._prefix_seen[1])
         self._prefix_seen = (load.prefix_queried_tokens, load.prefix_hit_tokens)
+        self._observe_merge(engine.merge_stats())
+
+    def _observe_merge(self, m) -> None:
+        seen = self._merge_seen
+        if seen is None or m.merged != seen.merged:
+            if seen is not None and seen.merged is not None:
+                self.merged_adapter.remove(seen.merged)
+            if m.merged is not None:
+                self.merged_adapter.labels(m.merged).set(1)
+        self.merge_switches.inc(m.switches - (seen.switches if seen else 0))
+        for kind, seconds in m.switch_seconds.items():
+            self.merge_switch_seconds.labels(kind).inc(seconds - (seen.switch_seconds[kind] if seen else 0.0))
+        for mode, seconds in m.step_seconds.items():
+            self.step_mode_seconds.labels(mode).inc(seconds - (seen.step_seconds[mode] if seen else 0.0))
+        self._merge_seen = m
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

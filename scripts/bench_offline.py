@@ -6,7 +6,8 @@ W1 (../shared/bench/README.md): SmolLM2-135M-Instruct in bf16, 64 requests of 64
 adapter a{i%4} (ranks 8,16,8,16 on q,k,v,o), 64 greedy tokens each with EOS ignored, 16 in flight.
 Offline, "16 in flight" is max_running=16: a new request is admitted when one finishes.
 Prints how long our engine takes to load (and its GGUF tokenizer), output tokens/s per system and,
-with --profile, where the engine's step time goes.
+with --profile, where the engine's step time goes; with --merge, dLoRA's merged mode: each merge's
+and unmerge's time, and decode steps merged against unmerged.
 """
 from __future__ import annotations
 
@@ -167,6 +168,49 @@ def profile_ours(prompts, adapters, args) -> None:
     print(prof.key_averages().table(sort_by=sort, row_limit=30))
 
 
+def bench_merge(prompts, adapters, args) -> None:
+    """Per W1 adapter, 16 of its requests decode in blocks of 8 steps, alternately unmerged and with the
+    adapter merged into the base weights (StepPlan.merged, set here as a policy would): the median
+    decode step of each mode (a block's first step left out: it rebuilds what the switch dropped)
+    and each switch's time as the engine measured it."""
+    from asyncserve import SamplingParams
+    from asyncserve.stepper.merge import MERGE_PRIOR_S_PER_ELEMENT
+
+    llm = build_ours(adapters, args)
+    engine, merger = llm.engine, llm.engine.runner.merger
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    steps = {"merged": [], "unmerged": []}
+    switches = {"merge": [], "unmerge": []}
+    for name in adapters:
+        seqs = [engine.make_sequence(llm.tokenizer.encode(p), params, name) for p in prompts[:16]]
+        for seq in seqs:
+            engine.add(seq)
+        step = 0
+        while engine.has_unfinished():
+            plan = engine.schedule()
+            decoding = all(not s.in_prefill for s in seqs)
+            mode = "merged" if decoding and (step // 8) % 2 else "unmerged"
+            plan.merged = name if mode == "merged" else None
+            before = dict(merger.seconds)
+            result = engine.run(plan)
+            engine.postprocess(plan, result)
+            for kind in switches:
+                if merger.seconds[kind] > before[kind]:
+                    switches[kind].append(merger.seconds[kind] - before[kind])
+            if decoding and step % 8:
+                steps[mode].append(result.duration_s)
+            step += decoding
+    median = lambda xs: sorted(xs)[len(xs) // 2]   # noqa: E731
+    elements = merger.elements_of(engine.pager.registry[next(iter(adapters))].ranks)
+    print(f"merge: median {1000 * median(switches['merge']):.1f} ms of {len(switches['merge'])} "
+          f"({elements / 1e6:.1f} M base weights rewritten each; prior estimate "
+          f"{1000 * elements * MERGE_PRIOR_S_PER_ELEMENT:.1f} ms), "
+          f"unmerge: median {1000 * median(switches['unmerge']):.3f} ms")
+    print(f"decode step at batch 16: merged {1000 * median(steps['merged']):.2f} ms, unmerged "
+          f"{1000 * median(steps['unmerged']):.2f} ms (medians of {len(steps['merged'])} and "
+          f"{len(steps['unmerged'])} steps)")
+
+
 def median_run(runs: list[dict]) -> dict:
     """The run of median throughput (the upper middle one for an even count)."""
     ordered = sorted(runs, key=lambda r: r["tok_s"])
@@ -193,12 +237,16 @@ def main() -> None:
                     help="run ours and ours-base alternately this many times in one process and report "
                          "medians: a VM whose speed drifts within minutes then biases neither")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--merge", action="store_true", help="time dLoRA's merged mode instead (see bench_merge)")
     ap.add_argument("--json-out", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     prompts, adapters = load_w1(args)
     if args.profile:
         profile_ours(prompts, adapters, args)
+        return
+    if args.merge:
+        bench_merge(prompts, adapters, args)
         return
     print(f"load average before: {os.getloadavg()}")
     systems = args.systems.split(",")

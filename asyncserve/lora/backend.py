@@ -69,6 +69,9 @@ class LoraBackend:
         """False when no token of this step has a device LoRA: the model then skips the backend."""
         raise NotImplementedError
 
+    def base_weights_changed(self) -> None:
+        """The base projections were replaced (an adapter merged or unmerged): drop what was built from them."""
+
 
 def group_layout(config: ModelConfig) -> dict[str, list[tuple[str, int, int, int]]]:
     """Per group: (projection, in_features, out_features, column offset in the fused output)."""
@@ -384,6 +387,9 @@ class StackBuild:
 
     def stacks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list, bool]:
         return self.a_stack, self.b_stack, self.owner, self.ranges, self.finite
+
+    def base_weights_changed(self) -> None:
+        self._fused = {}
 
 
 class StackLinears(NamedTuple):

@@ -16,6 +16,7 @@ from asyncserve.model.llama import LlamaWeights, PrefillChunk, Rope, StepInputs,
 from asyncserve.pager.pager import AdapterPager
 from asyncserve.pager.pool import PagedPool
 from asyncserve.step import StepPlan, StepResult
+from asyncserve.stepper.merge import WeightMerger, merged_load
 from asyncserve.stepper.sampler import SamplingRow, sample, token_logprobs
 
 
@@ -45,11 +46,14 @@ class ModelRunner:
         self.device = pool.device
         self.rope = Rope(config, self.device, pool.dtype)
         self._row_stride = 2 * config.num_layers * pool.block_size   # kv rows per page
+        self.merger = WeightMerger(config, weights, pool, lora)      # dLoRA's merged mode
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
         self.pager.write_pending()
+        # after the page-ins: a merge reads the adapter's rows; the switch is timed apart from the step
+        switch_s = self.merger.switch(merged_load(plan), self.pager.resident)
         inputs, lora_batch, rows, prompt_rows = self._prepare(plan)
         self.lora.begin_step(lora_batch)
         logits = forward(self.weights, self.config, self.rope, self.pool.kv_view(), inputs, self.lora)
@@ -57,7 +61,7 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(logits[len(rows):], prompt_rows) if prompt_rows.owners else {}
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return StepResult(sampled, time.perf_counter() - t0, plan.num_tokens, prompt_logprobs)
+        return StepResult(sampled, time.perf_counter() - t0 - switch_s, plan.num_tokens, prompt_logprobs)
 
     @staticmethod
     def _prompt_logprobs(logits: torch.Tensor, prompt_rows: PromptRows) -> dict:
@@ -101,7 +105,8 @@ class ModelRunner:
                                              torch.tensor(seq.block_table, dtype=torch.int64, device=self.device)))
             # LoRA segments: consecutive chunks of one adapter merge into one segment
             a = -1
-            if seq.adapter is not None:         # by load: a reloaded name may run old and new weights at once
+            # by load: a reloaded name may run old and new weights at once; a merged one needs no LoRA
+            if seq.adapter is not None and plan.merged is None:
                 if seq.adapter_load not in adapter_index:
                     adapter_index[seq.adapter_load] = len(adapters)
                     adapters.append(self.pager.resident[seq.adapter_load])
