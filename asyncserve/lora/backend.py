@@ -318,6 +318,9 @@ class TorchLoraBackend(LoraBackend):
             for sl in rows:
                 y[sl].addmm_(x[sl] @ a_stack[c0:c1].t(), b_stack[c0:c1])
 
+    def base_weights_changed(self) -> None:
+        self._fused = {}
+
 
 class StackBuild:
     """One group's stacks for a set of adapters, as ``TorchLoraBackend._stacks`` holds them, filled
@@ -387,9 +390,6 @@ class StackBuild:
 
     def stacks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list, bool]:
         return self.a_stack, self.b_stack, self.owner, self.ranges, self.finite
-
-    def base_weights_changed(self) -> None:
-        self._fused = {}
 
 
 class StackLinears(NamedTuple):
