@@ -28,7 +28,8 @@ from asyncserve.pager.pager import AdapterPager, Registration
 from asyncserve.pager.pool import PagedPool
 from asyncserve.perf_model import PerfCoefficients, StepLatencyModel
 from asyncserve.sampling_params import SamplingParams
-from asyncserve.scheduler.policy import POLICIES
+from asyncserve.scheduler.policies import make_policy
+from asyncserve.scheduler.policy import PolicySettings
 from asyncserve.scheduler.scheduler import Scheduler
 from asyncserve.sequence import SeqStatus, Sequence
 from asyncserve.step import Failure, SeqUpdate, StepPlan, StepResult
@@ -120,12 +121,15 @@ class Engine:
         lora = make_lora_backend(self.lora_backend_name, self.pool, mc)
         eos = self.tokenizer.eos_token_ids
         self.runner = ModelRunner(mc, weights, self.pool, self.pager, lora, eos)
-        self.scheduler = Scheduler(self.pool, self.pager, self.tokenizer, POLICIES[config.policy](),
-                                   max_running=config.max_running,
-                                   max_step_tokens=config.resolved_max_step_tokens(self.device),
-                                   max_model_len=self.max_model_len, prefix_caching=config.prefix_caching)
-        self._seeds = random.Random(config.seed)
         self.latency = StepLatencyModel(STEP_TIME_PRIOR)
+        max_step_tokens = config.resolved_max_step_tokens(self.device)
+        policy = make_policy(config.policy, PolicySettings(
+            max_running=config.max_running, max_step_tokens=max_step_tokens, latency=self.latency,
+            max_step_adapters=config.max_step_adapters, slo_ttft_s=config.slo_ttft_s, slo_tpot_s=config.slo_tpot_s))
+        self.scheduler = Scheduler(self.pool, self.pager, self.tokenizer, policy, max_running=config.max_running,
+                                   max_step_tokens=max_step_tokens, max_model_len=self.max_model_len,
+                                   prefix_caching=config.prefix_caching)
+        self._seeds = random.Random(config.seed)
         self.guides = GuideCompiler(self.tokenizer, self.device)
         log.info("model %s: %d layers, %s on %s, LoRA backend %s; pool %d pages x %.1f KiB = %.2f GiB",
                  self.model_name, mc.num_layers, self.dtype, self.device, self.lora_backend_name,
@@ -428,8 +432,14 @@ class Engine:
         steps this engine has run."""
         return self.latency.predict(_rank_chunks(plan))
 
+    def abort_unattainable(self, now: float | None = None) -> list[SeqUpdate]:
+        """End the waiting requests that can no longer meet the policy's SLO (429 slo_unattainable);
+        ``now`` on the clock of the requests' arrival times (default: time.monotonic())."""
+        return self.scheduler.abort_unattainable(time.monotonic() if now is None else now)
+
     def step(self) -> list[SeqUpdate]:
         failed = self._load_parked() if self.parked else []
+        failed += self.abort_unattainable()
         plan = self.schedule()
         if not plan:
             return failed + self.fail_unschedulable()
