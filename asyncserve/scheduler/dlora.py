@@ -113,10 +113,11 @@ class DLoRA(SchedulingPolicy):
             better = merged > unmerged
             if self.merged is None:
                 self.alpha = self.alpha - self.gamma_dec if better else self.alpha * self.gamma_mul
-                self.alpha = min(max(self.alpha, self.beta + self.gamma_dec), 1.0)
             else:
                 self.beta = self.beta - self.gamma_dec if better else self.beta * self.gamma_mul
-                self.beta = min(max(self.beta, self.gamma_dec), self.alpha - self.gamma_dec)
+            # beta <= alpha <= 1 (a ratio is at most 1), so merging and unmerging never chase each other
+            self.beta = min(max(self.beta, self.gamma_dec), 1.0)
+            self.alpha = min(max(self.alpha, self.beta), 1.0)
         self._history, self._switched_to = [], None
 
     def admission_order(self, waiting, resident_adapters):
