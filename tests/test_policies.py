@@ -269,3 +269,75 @@ def test_early_abort_answers_only_requests_that_cannot_meet_the_ttft_slo(llm, ti
     served = [i for i in range(len(cases)) if i not in aborted]
     for i in served:
         assert run.tokens[seqs[i].request_id] == fcfs.tokens[fcfs_seqs[i].request_id]
+
+
+def test_offline_an_unattainable_request_finishes_with_its_error(llm):
+    """Offline, with an SLO no step can meet, each request is an output with finish_reason "error"."""
+    use(llm, SloAware, slo_ttft_s=1e-6)
+    outs = llm.generate(["the fox jumps", "over the lazy dog"], SamplingParams(max_tokens=4), NAMES[0])
+    for out in outs:
+        assert out.finish_reason == "error" and out.token_ids == []
+        assert (out.error.status, out.error.code) == (429, "slo_unattainable")
+
+
+def test_over_http_an_unattainable_request_is_a_429_and_counted(tiny_model):
+    from server_harness import ServerThread
+
+    st = ServerThread(Config(model=str(tiny_model.root), dtype="float32", device="cpu", served_model_name="tiny",
+                             policy="slo", slo_ttft_s=1e-6))
+    try:
+        status, out, _ = st.request("POST", "/v1/completions", {"model": "tiny", "prompt": "the fox", "max_tokens": 4})
+        assert status == 429, out
+        assert out["error"]["code"] == "slo_unattainable" and out["error"]["type"] == "rate_limit_error"
+        assert set(out["error"]) == {"message", "type", "param", "code"}
+        chunks = st.stream("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                                    "max_tokens": 4, "stream": True})
+        assert [c["error"]["code"] for c in chunks if "error" in c] == ["slo_unattainable"]
+        assert st.metric("asyncserve_requests_aborted_total", 'reason="slo_unattainable"') == 2
+    finally:
+        st.stop()
+
+
+@pytest.mark.parametrize("settings, reason", [
+    ({"policy": "slo"}, "policy slo needs slo_ttft_s"),
+    ({"slo_ttft_s": 1.0}, "policy 'fcfs' ignores them"),
+    ({"policy": "slo", "slo_tpot_s": 0.0}, "slo_tpot_s must be positive"),
+    ({"policy": "affinity", "max_step_adapters": 0}, "max_step_adapters must be at least 1"),
+    ({"policy": "sjf"}, "unknown policy 'sjf'"),
+])
+def test_policy_settings_are_checked_before_loading(settings, reason):
+    with pytest.raises(ValueError, match=reason):
+        Config(**settings).validate()
+
+
+def test_every_policy_is_built_from_the_config_by_name(llm):
+    from asyncserve.scheduler.policies import POLICIES
+
+    assert set(POLICIES) == {"fcfs", "affinity", "slo", "dlora", "merged-only"}
+    settings = PolicySettings(max_running=4, max_step_tokens=32, latency=llm.engine.latency)
+    assert {name: type(make_policy(name, settings)).name for name in POLICIES} == {n: n for n in POLICIES}
+
+
+def test_tpot_slo_keeps_the_running_batch_within_it(llm, tiny_model):
+    """Admission with --slo-tpot: the predicted decode step of the running batch (Σ rank model) stays
+    within the SLO, where FCFS's batch exceeds it; every request still runs."""
+    tok = tiny_model.tokenizer
+    tpot = 0.05
+    cases = [(ids, NAMES[i % 4], 6) for i, ids in enumerate(prompts(tok, 16, seed=12))]
+
+    def worst_decode_step(cls, **kwargs):
+        use(llm, cls, **kwargs)
+        run = Run(llm.engine)
+        for ids, adapter, n in cases:
+            run.add(ids, adapter, n)
+        worst = 0.0
+        while llm.engine.has_unfinished():
+            run.step()
+            running = llm.engine.scheduler.running
+            if len(running) > 1:
+                worst = max(worst, llm.engine.latency.predict([(1, s.adapter_rank) for s in running]))
+        assert len(run.finished_step) == len(cases) and not run.errors
+        return worst
+
+    assert worst_decode_step(FirstComeFirstServed) > tpot
+    assert worst_decode_step(SloAware, slo_tpot_s=tpot) <= tpot
