@@ -272,8 +272,16 @@ def test_early_abort_answers_only_requests_that_cannot_meet_the_ttft_slo(llm, ti
 
 
 def test_offline_an_unattainable_request_finishes_with_its_error(llm):
-    """Offline, with an SLO no step can meet, each request is an output with finish_reason "error"."""
+    """Offline, with an SLO no step can meet, each request is an output with finish_reason "error";
+    before the step-time model has been fitted (only its prior), none is refused."""
     use(llm, SloAware, slo_ttft_s=1e-6)
+    latency = llm.engine.latency
+    latency.coefficients = latency._prior
+    try:
+        outs = llm.generate(["the fox jumps"], SamplingParams(max_tokens=4), NAMES[0])
+        assert outs[0].finish_reason == "length" and len(outs[0].token_ids) == 4
+    finally:
+        latency.coefficients = FIXED
     outs = llm.generate(["the fox jumps", "over the lazy dog"], SamplingParams(max_tokens=4), NAMES[0])
     for out in outs:
         assert out.finish_reason == "error" and out.token_ids == []
@@ -286,6 +294,7 @@ def test_over_http_an_unattainable_request_is_a_429_and_counted(tiny_model):
     st = ServerThread(Config(model=str(tiny_model.root), dtype="float32", device="cpu", served_model_name="tiny",
                              policy="slo", slo_ttft_s=1e-6))
     try:
+        st.server.engine.latency.coefficients = FIXED    # as if refitted from its steps
         status, out, _ = st.request("POST", "/v1/completions", {"model": "tiny", "prompt": "the fox", "max_tokens": 4})
         assert status == 429, out
         assert out["error"]["code"] == "slo_unattainable" and out["error"]["type"] == "rate_limit_error"

@@ -4,7 +4,9 @@ SLO (CaraServe §5), first come first served otherwise.
 Early abort: before each step, a waiting request that has not had its first token is answered with a
 429 (code slo_unattainable) when even its fastest path misses --slo-ttft: the time it has waited plus
 its prompt's prefill admitted now, in chunks of the whole step budget beside the running decodes,
-each step priced by the engine's step-time model (refitted online from its steps). That is a lower
+each step priced by the engine's step-time model (refitted online from its steps; until its first
+refit, about 70 steps, nothing is refused: a prior's guess could refuse every request, and with no
+step run the model would never learn better). That is a lower
 bound on its TTFT whenever steps take what the model predicts and its prompt finds nothing in the
 prefix cache, so a request is refused only when it cannot meet the SLO; those it leaves queued may
 still miss it behind the queue ahead of them.
@@ -30,7 +32,7 @@ class SloAware(FirstComeFirstServed):
 
     def unattainable(self, running, waiting, now):
         slo = self.settings.slo_ttft_s
-        if slo is None:
+        if slo is None or not self.settings.latency.measured:    # never refuse on the prior's guess
             return []
         decodes = [(1, s.adapter_rank) for s in running]
         fastest: dict[tuple[int, int], float] = {}        # (prompt tokens, rank) -> seconds, this step
