@@ -9,7 +9,8 @@ its credit. A merged step carries only A's requests (no LoRA compute for them, o
 merged); the other types' running sequences sit it out.
 
 Credits (Algorithm 3): a merged step moves credit from A to every other type with requests in
-B_fcfs, one per such request skipped; credits fade by ``fade`` each unmerged step. A type above
+B_fcfs, one per such request skipped (a skipped type's own debt, from when it ran merged, is
+forgiven first); credits fade by ``fade`` each unmerged step. A type above
 ``starve_credit`` is starving until it falls below ``normal_credit``: while one starves, steps run
 unmerged and its waiting requests are admitted first. A may merge only while its debt stays within
 ``debt_limit``. Bound: a request that FCFS would run (it is in B_fcfs) gives its type at least one
@@ -133,8 +134,8 @@ class DLoRA(SchedulingPolicy):
                 self.credit[t] *= self.fade
             return
         skipped = {t: n for t, n in self._fair.items() if t != plan.merged}
-        for t, n in skipped.items():              # transfer_credit(RET, B_fcfs)
-            self.credit[t] += n
+        for t, n in skipped.items():              # transfer_credit(RET, B_fcfs); a debt is no reason to wait
+            self.credit[t] = max(self.credit[t], 0.0) + n
         self.credit[plan.merged] -= sum(skipped.values())
 
 
