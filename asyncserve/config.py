@@ -101,8 +101,8 @@ class Config:
             in_dir = self.adapter_dir is not None and (Path(self.adapter_dir).expanduser() / name).is_dir()
             if name not in self.adapters and not in_dir:
                 raise ValueError(f"pinned adapter {name!r} is neither an --adapter nor a folder of --adapter-dir")
-        for name in ("max_running", "max_step_tokens", "max_step_adapters", "max_model_len", "block_size", "threads", "max_waiting",
-                     "max_body_bytes"):
+        for name in ("max_running", "max_step_tokens", "max_step_adapters", "max_model_len", "block_size", "threads",
+                     "max_waiting", "max_body_bytes"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")

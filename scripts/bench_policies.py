@@ -173,8 +173,8 @@ def main(argv: list[str] | None = None) -> None:
                          "slo_attainment": summary["slo"]["attainment"]["all"] if "slo" in summary else None})
             r = rows[-1]
             attained = f"  SLO {100 * r['slo_attainment']:5.1f} %" if r["slo_attainment"] is not None else ""
-            print(f"{args.sweep} {point:<6g} {policy:<12} {r['output_tokens_per_s'] or 0:8.1f} tok/s  "
-                  f"mean latency {r['mean_latency_s'] or float('nan'):7.2f} s{attained}  errors {r['errors']}", flush=True)
+            print(f"{args.sweep} {point:<6g} {policy:<12} {r['output_tokens_per_s'] or 0:8.1f} tok/s  mean latency "
+                  f"{r['mean_latency_s'] or float('nan'):7.2f} s{attained}  errors {r['errors']}", flush=True)
     (args.out / f"{args.sweep}.json").write_text(json.dumps({
         "args": {k: str(v) for k, v in vars(args).items()}, "slo_ttft_s": slo_ttft, "loadavg": os.getloadavg(),
         "rows": rows}, indent=2))

@@ -45,7 +45,8 @@ class DLoRA(SchedulingPolicy):
         super().__init__(settings)
         self.alpha, self.beta = alpha, beta
         self.gamma_dec, self.gamma_mul, self.period = gamma_dec, gamma_mul, period
-        self.starve_credit, self.normal_credit, self.debt_limit, self.fade = starve_credit, normal_credit, debt_limit, fade
+        self.starve_credit, self.normal_credit = starve_credit, normal_credit
+        self.debt_limit, self.fade = debt_limit, fade
         self.merged: str | None = None            # S.type while S.state == merge
         self.credit: Counter = Counter()          # type (adapter, None: base) -> credit
         self.starving: set[str | None] = set()
@@ -73,9 +74,9 @@ class DLoRA(SchedulingPolicy):
         self.starving |= {t for t in requests if self.credit[t] > self.starve_credit}
         if not batch:
             return ANY
-        displaced = len(batch)
+        # merging a costs one credit per other request in B_fcfs, each step (Algorithm 3, line 18)
         eligible = {a for a in requests
-                    if a is not None and self.credit[a] - (displaced - self._fair[a]) >= -self.debt_limit}
+                    if a is not None and self.credit[a] - (len(batch) - self._fair[a]) >= -self.debt_limit}
         top = self.merged if self.merged is not None else max(eligible, key=requests.__getitem__, default=None)
         if top is not None:
             self._record(top, requests[top], batch)
@@ -124,14 +125,14 @@ class DLoRA(SchedulingPolicy):
     def admission_order(self, waiting, resident_adapters):
         if not self.starving:
             return list(waiting)
-        return [s for s in waiting if s.adapter in self.starving] + [s for s in waiting if s.adapter not in self.starving]
+        starving = [s for s in waiting if s.adapter in self.starving]
+        return starving + [s for s in waiting if s.adapter not in self.starving]
 
     def observe(self, plan, running, waiting):
         if plan.merged != self.merged:            # the merged requests could not run: the scheduler ran unmerged
             self._switch(plan.merged)
-        if plan.merged is None:
-            for t in list(self.credit):
-                self.credit[t] *= self.fade
+        if plan.merged is None:                   # faded to nothing, a type's entry goes (thousands of adapters)
+            self.credit = Counter({t: c * self.fade for t, c in self.credit.items() if abs(c) > 0.01})
             return
         skipped = {t: n for t, n in self._fair.items() if t != plan.merged}
         for t, n in skipped.items():              # transfer_credit(RET, B_fcfs); a debt is no reason to wait
