@@ -2,8 +2,7 @@
 steps otherwise, switched by credits and adaptive thresholds; and the merged-only baseline.
 
 Requests are typed by adapter (None: the base model). Each step, B_fcfs is what first come first
-served would run: the first --max-running of the running sequences (in admission order) then the
-waiting ones. Unmerged, the adapter with the most requests, A, is merged when min(|R_A|, max_running)
+served would run: the first --max-running requests, running or waiting, by arrival. Unmerged, the adapter with the most requests, A, is merged when min(|R_A|, max_running)
 / |B_fcfs| > alpha; merged, the state returns to unmerged when that ratio falls below beta or A loses
 its credit. A merged step carries only A's requests (no LoRA compute for them, once the weights are
 merged); the other types' running sequences sit it out.
@@ -25,6 +24,7 @@ by the factor gamma_mul. Iteration times come from the engine's step-time model.
 """
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 
 from asyncserve.scheduler.policy import ANY, PolicySettings, SchedulingPolicy, StepRule
@@ -32,8 +32,9 @@ from asyncserve.sequence import Sequence
 
 
 def fcfs_batch(running: list[Sequence], waiting: list[Sequence], max_running: int) -> list[Sequence]:
-    """What first come first served would run: running sequences, then the waiting queue's head."""
-    return (running + waiting[:max(max_running - len(running), 0)])[:max_running]
+    """What first come first served would run: the first max_running requests by arrival (so a request
+    admitted out of turn does not push an older one out of it)."""
+    return heapq.nsmallest(max_running, running + waiting, key=lambda s: s.arrival)
 
 
 class DLoRA(SchedulingPolicy):
