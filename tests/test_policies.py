@@ -350,3 +350,27 @@ def test_tpot_slo_keeps_the_running_batch_within_it(llm, tiny_model):
 
     assert worst_decode_step(FirstComeFirstServed) > tpot
     assert worst_decode_step(SloAware, slo_tpot_s=tpot) <= tpot
+
+
+def test_dlora_full_batch_an_older_request_takes_the_first_slot_after_its_credit_bound(llm, tiny_model):
+    """The batch is full of the merged adapter's requests and more of them arrive with another
+    adapter's request: when slots free, merged mode fills them with the merged adapter's newer
+    requests, but the older request earns credit for each such step (FCFS would run it), so within
+    starve_credit + 2 steps it is first in line, and it runs as soon as a slot frees after that."""
+    tok = tiny_model.tokenizer
+    starve, max_tokens = 3, 8
+    use(llm, DLoRA, alpha=0.5, beta=0.3, starve_credit=starve, normal_credit=1, period=8, debt_limit=10**6)
+    run = Run(llm.engine)
+    ids = prompts(tok, 2 * MAX_RUNNING + 1, seed=13)
+    first = [run.add(p, NAMES[2], max_tokens) for p in ids[:MAX_RUNNING]]
+    run.step()
+    older = run.add(ids[MAX_RUNNING], NAMES[0], max_tokens)
+    for p in ids[MAX_RUNNING + 1:]:
+        run.add(p, NAMES[2], max_tokens)
+    run.drain()
+    freed = min(run.finished_step[s.request_id] for s in first)      # the first slot frees after this step
+    assert [p.merged for p in run.plans[freed:freed + starve]] == [NAMES[2]] * starve   # newer ones jump it ...
+    longest = 1 + max_tokens                                          # L: one prefill chunk, then its tokens
+    assert run.first_token_step[older.request_id] - freed <= starve + 2 + longest      # ... within the bound
+    expected = reference(llm, [(older.prompt_ids, NAMES[0], max_tokens)])
+    assert run.tokens[older.request_id] == expected[0]

@@ -13,8 +13,10 @@ forgiven first); credits fade by ``fade`` each unmerged step. A type above
 ``starve_credit`` is starving until it falls below ``normal_credit``: while one starves, steps run
 unmerged and its waiting requests are admitted first. A may merge only while its debt stays within
 ``debt_limit``. Bound: a request that FCFS would run (it is in B_fcfs) gives its type at least one
-credit per merged step that skips it, so it waits at most starve_credit + 1 merged steps beyond
-FCFS, plus one unmerge (t_M); a request outside B_fcfs waits for FCFS to reach it first.
+credit per merged step that skips it, so after at most starve_credit + 1 merged steps (and one
+unmerge, t_M) it is first in line; if A's requests admitted out of turn hold every batch slot by
+then, it waits for the first of them to finish (at most L steps: a request's prompt chunks plus
+max_tokens). A request outside B_fcfs waits for FCFS to reach it first.
 
 Thresholds (Algorithm 2): at each break point (a switch, or every ``period`` steps) the period's
 predicted throughput of merged batches (min(|R_A|, max_running) decodes, no LoRA, plus one switch
