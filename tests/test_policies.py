@@ -374,3 +374,19 @@ def test_dlora_full_batch_an_older_request_takes_the_first_slot_after_its_credit
     assert run.first_token_step[older.request_id] - freed <= starve + 2 + longest      # ... within the bound
     expected = reference(llm, [(older.prompt_ids, NAMES[0], max_tokens)])
     assert run.tokens[older.request_id] == expected[0]
+
+
+@pytest.mark.parametrize("cls, kwargs", [(FirstComeFirstServed, {}), (SloAware, {"slo_tpot_s": 0.05})])
+def test_fcfs_and_slo_admit_in_arrival_order(llm, tiny_model, cls, kwargs):
+    """Their bound: nobody jumps the queue. With more requests than batch slots, of adapters with
+    different ranks, each request starts no earlier than those that arrived before it."""
+    use(llm, cls, **kwargs)
+    run = Run(llm.engine)
+    seqs = [run.add(ids, [None, *NAMES][i % 5], 4 + i % 7) for i, ids in enumerate(prompts(tiny_model.tokenizer, 30, 14))]
+    run.drain()
+    started = {}
+    for step, plan in enumerate(run.plans):
+        for c in plan.chunks:
+            started.setdefault(c.seq.request_id, step)
+    order = [started[s.request_id] for s in seqs]
+    assert order == sorted(order) and order[-1] > order[0]

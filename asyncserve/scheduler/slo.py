@@ -12,12 +12,13 @@ prefix cache, so a request is refused only when it cannot meet the SLO; those it
 still miss it behind the queue ahead of them.
 
 TPOT: a request joins the running batch only while the model predicts a decode step of the batch
-with it within --slo-tpot (one sequence always runs). Prefill chunks sharing decode steps add to the
+with it within --slo-tpot (one sequence always runs); admission stops at the first that does not,
+so requests still start in arrival order. Prefill chunks sharing decode steps add to the
 TPOT clients see; a smaller --max-step-tokens bounds that.
 """
 from __future__ import annotations
 
-from asyncserve.scheduler.policy import FirstComeFirstServed
+from asyncserve.scheduler.policy import FirstComeFirstServed, PolicySettings
 from asyncserve.sequence import Sequence
 from asyncserve.step import Failure
 
@@ -29,6 +30,10 @@ def slo_unattainable(predicted_s: float, slo_s: float) -> Failure:
 
 class SloAware(FirstComeFirstServed):
     name = "slo"
+
+    def __init__(self, settings: PolicySettings):
+        super().__init__(settings)
+        self._full = False          # this step's admission reached the TPOT SLO
 
     def unattainable(self, running, waiting, now):
         slo = self.settings.slo_ttft_s
@@ -60,9 +65,17 @@ class SloAware(FirstComeFirstServed):
             left -= n
         return seconds
 
+    def step_rule(self, running, waiting):
+        self._full = False
+        return super().step_rule(running, waiting)
+
     def admits(self, seq: Sequence, batch: list[Sequence]) -> bool:
+        """Within the TPOT SLO; the first request that is not closes admission for this step, so a
+        request of a large rank is not passed by smaller ones for ever."""
         tpot = self.settings.slo_tpot_s
         if tpot is None or not batch:
             return True
-        step = self.settings.latency.predict([(1, s.adapter_rank) for s in batch] + [(1, seq.adapter_rank)])
-        return step <= tpot
+        if not self._full:
+            step = self.settings.latency.predict([(1, s.adapter_rank) for s in batch] + [(1, seq.adapter_rank)])
+            self._full = step > tpot
+        return not self._full
