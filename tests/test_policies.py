@@ -390,3 +390,29 @@ def test_fcfs_and_slo_admit_in_arrival_order(llm, tiny_model, cls, kwargs):
             started.setdefault(c.seq.request_id, step)
     order = [started[s.request_id] for s in seqs]
     assert order == sorted(order) and order[-1] > order[0]
+
+
+def test_early_abort_counts_the_prefix_cache(llm, tiny_model):
+    """A prompt whose first blocks are cached needs less prefill: the same SLO refuses an uncached
+    prompt of its length and keeps it."""
+    blocks = llm.engine.scheduler.blocks
+    blocks.prefix_caching = True
+    try:
+        tok = tiny_model.tokenizer
+        words = "the fox jumps over lazy dog adapters serve many models batch token step rank".split()
+        rng = random.Random(15)
+        cached, fresh = ([tok.encode(" ".join(rng.choice(words) for _ in range(60)))[:40] for _ in range(2)])
+        policy = use(llm, SloAware, slo_ttft_s=1.0)
+        run = Run(llm.engine)
+        run.add(cached, NAMES[2], 1)                          # its blocks go into the cache
+        run.drain()
+        hit = blocks.cached_prefix_tokens(llm.engine.make_sequence(cached, SamplingParams(), NAMES[2]))
+        assert hit == 32
+        full, rest = (policy.fastest_prefill_seconds(n, 8, []) for n in (40, 40 - hit))
+        policy.settings.slo_ttft_s = (full + rest) / 2
+        again, other = run.add(cached, NAMES[2], 2), run.add(fresh, NAMES[2], 2)
+        run.drain()
+        assert other.request_id in run.errors and again.request_id not in run.errors
+        assert run.tokens[again.request_id] == reference(llm, [(cached, NAMES[2], 2)])[0]
+    finally:
+        blocks.prefix_caching = False

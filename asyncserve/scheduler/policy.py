@@ -66,9 +66,10 @@ class SchedulingPolicy:
         """Whether seq may join the batch (running sequences and those admitted this step so far)."""
         return True
 
-    def unattainable(self, running: list[Sequence], waiting: list[Sequence],
-                     now: float) -> list[tuple[Sequence, Failure]]:
-        """Waiting sequences to end now, each with the error its client gets."""
+    def unattainable(self, running: list[Sequence], waiting: list[Sequence], now: float,
+                     cached_tokens: Callable[[Sequence], int]) -> list[tuple[Sequence, Failure]]:
+        """Waiting sequences to end now, each with the error its client gets; cached_tokens(seq): how
+        many of its first tokens the prefix cache would spare it."""
         return []
 
     def observe(self, plan: StepPlan, running: list[Sequence], waiting: list[Sequence]) -> None:

@@ -65,7 +65,8 @@ class Scheduler:
     def abort_unattainable(self, now: float) -> list[SeqUpdate]:
         """End the waiting sequences the policy finds cannot meet their SLO any more (S-LoRA §4.3)."""
         updates = []
-        for seq, failure in self.policy.unattainable(self.running, list(self.waiting), now):
+        waiting = list(self.waiting)
+        for seq, failure in self.policy.unattainable(self.running, waiting, now, self.blocks.cached_prefix_tokens):
             self._finish(seq, "error")
             updates.append(SeqUpdate(seq, [], "", True, "error", failure))
         return updates

@@ -4,12 +4,12 @@ SLO (CaraServe §5), first come first served otherwise.
 Early abort: before each step, a waiting request that has not had its first token is answered with a
 429 (code slo_unattainable) when even its fastest path misses --slo-ttft: the time it has waited plus
 its prompt's prefill admitted now, in chunks of the whole step budget beside the running decodes,
-each step priced by the engine's step-time model (refitted online from its steps; until its first
-refit, about 70 steps, nothing is refused: a prior's guess could refuse every request, and with no
-step run the model would never learn better). That is a lower
-bound on its TTFT whenever steps take what the model predicts and its prompt finds nothing in the
-prefix cache, so a request is refused only when it cannot meet the SLO; those it leaves queued may
-still miss it behind the queue ahead of them.
+each step priced by the engine's step-time model, less what the prefix cache holds of its prompt.
+That is a lower bound on its TTFT whenever steps take what the model predicts, so a request is
+refused only when it cannot meet the SLO; those it leaves queued may still miss it behind the queue
+ahead of them. Until the model's first refit from this server's steps (about 70 steps) nothing is
+refused: a prior's guess could refuse every request, and with no step run the model would never
+learn better.
 
 TPOT: a request joins the running batch only while the model predicts a decode step of the batch
 with it within --slo-tpot (one sequence always runs); admission stops at the first that does not,
@@ -35,22 +35,25 @@ class SloAware(FirstComeFirstServed):
         super().__init__(settings)
         self._full = False          # this step's admission reached the TPOT SLO
 
-    def unattainable(self, running, waiting, now):
+    def unattainable(self, running, waiting, now, cached_tokens):
         slo = self.settings.slo_ttft_s
         if slo is None or not self.settings.latency.measured:    # never refuse on the prior's guess
             return []
         decodes = [(1, s.adapter_rank) for s in running]
-        fastest: dict[tuple[int, int], float] = {}        # (prompt tokens, rank) -> seconds, this step
+        fastest: dict[tuple[int, int], float] = {}        # (tokens to compute, rank) -> seconds, this step
+
+        def best(seq: Sequence, tokens: int) -> float:
+            key = (tokens, seq.adapter_rank)
+            if key not in fastest:
+                fastest[key] = self.fastest_prefill_seconds(tokens, seq.adapter_rank, decodes)
+            return now - seq.arrival + fastest[key]
         out = []
         for seq in waiting:
             if seq.output_ids:           # its first token went out already (preempted, or moved here)
                 continue
-            key = (seq.num_tokens, seq.adapter_rank)
-            if key not in fastest:
-                fastest[key] = self.fastest_prefill_seconds(seq.num_tokens, seq.adapter_rank, decodes)
-            best = now - seq.arrival + fastest[key]
-            if best > slo:
-                out.append((seq, slo_unattainable(best, slo)))
+            # the prefix cache can only shorten the prefill: looked up for the requests it could save
+            if best(seq, seq.num_tokens) > slo and (seconds := best(seq, seq.num_tokens - cached_tokens(seq))) > slo:
+                out.append((seq, slo_unattainable(seconds, slo)))
         return out
 
     def fastest_prefill_seconds(self, prompt_tokens: int, rank: int, decodes: list[tuple[int, int]]) -> float:
