@@ -41,8 +41,18 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "repeat for several")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     p.add_argument("--policy", default="fcfs",
-                   help="the order in which waiting requests are admitted to the batch; fcfs: first come, first "
-                        "served (the only one so far)")
+                   help="batch formation: fcfs (first come, first served), affinity (at most --max-step-adapters "
+                        "adapters per step, with aging; S-LoRA), slo (early abort on --slo-ttft, admission within "
+                        "--slo-tpot; S-LoRA, CaraServe), dlora (merged steps for a dominant adapter, credits "
+                        "against starvation; dLoRA), merged-only (one adapter at a time; a baseline) "
+                        "(default: fcfs)")
+    p.add_argument("--max-step-adapters", type=int, default=4, metavar="D",
+                   help="affinity: the most distinct adapters in the running batch, the base model aside (default: 4)")
+    p.add_argument("--slo-ttft", type=float, default=None, metavar="SECONDS",
+                   help="slo: answer a waiting request at once with a 429 (code slo_unattainable) when it can no "
+                        "longer get its first token within this")
+    p.add_argument("--slo-tpot", type=float, default=None, metavar="SECONDS",
+                   help="slo: admit requests while the predicted decode step of the running batch stays within this")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="recompute every prompt, even when an earlier one began with the same blocks")
 
@@ -55,6 +65,7 @@ def _config(args):
                   max_step_tokens=args.max_step_tokens, max_model_len=args.max_model_len, pool_mem=args.pool_mem,
                   block_size=args.block_size, host_adapter_mem=args.host_adapter_mem,
                   pinned_adapters=args.pin_adapter, threads=args.threads, policy=args.policy,
+                  max_step_adapters=args.max_step_adapters, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
                   prefix_caching=args.prefix_caching)
 
 

@@ -35,7 +35,10 @@ class Config:
     pool_mem: int | str | None = None        # bytes of the unified pool; default depends on device
     block_size: int = 16
     threads: int | None = None               # torch intra-op threads on CPU
-    policy: str = "fcfs"
+    policy: str = "fcfs"                     # fcfs | affinity | slo | dlora | merged-only (scheduler/policies.py)
+    max_step_adapters: int = 4               # affinity: distinct adapters in the running batch, base aside
+    slo_ttft_s: float | None = None          # slo: refuse (429) waiting requests that cannot get a first token in time
+    slo_tpot_s: float | None = None          # slo: admit while the predicted decode step stays within this
     prefix_caching: bool = True              # reuse the KV of full blocks of earlier prompts (per adapter)
     seed: int | None = None                  # seeds drawn for requests without one
     # server
@@ -61,7 +64,7 @@ class Config:
     def validate(self) -> None:
         """Raise ValueError for settings that are wrong before anything loads (missing paths, unknown
         names, sizes that do not parse, counts below 1): these fail at once, not after the model loads."""
-        from asyncserve.scheduler.policy import POLICIES
+        from asyncserve.scheduler.policies import POLICIES
 
         if self.model is not None and not Path(self.model).expanduser().exists():
             raise ValueError(f"model path {self.model} does not exist")
@@ -73,6 +76,14 @@ class Config:
                 raise ValueError(f"{flag} {folder} is not a folder")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {sorted(POLICIES)}")
+        for name in ("slo_ttft_s", "slo_tpot_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if self.policy == "slo" and self.slo_ttft_s is None and self.slo_tpot_s is None:
+            raise ValueError("policy slo needs slo_ttft_s (--slo-ttft) and/or slo_tpot_s (--slo-tpot)")
+        if self.policy != "slo" and (self.slo_ttft_s is not None or self.slo_tpot_s is not None):
+            raise ValueError(f"slo_ttft_s and slo_tpot_s are the slo policy's; policy {self.policy!r} ignores them")
         if self.dtype != "auto":
             self.resolved_dtype(torch.device("cpu"))
         if self.lora_backend != "auto":
@@ -90,8 +101,8 @@ class Config:
             in_dir = self.adapter_dir is not None and (Path(self.adapter_dir).expanduser() / name).is_dir()
             if name not in self.adapters and not in_dir:
                 raise ValueError(f"pinned adapter {name!r} is neither an --adapter nor a folder of --adapter-dir")
-        for name in ("max_running", "max_step_tokens", "max_model_len", "block_size", "threads", "max_waiting",
-                     "max_body_bytes"):
+        for name in ("max_running", "max_step_tokens", "max_step_adapters", "max_model_len", "block_size", "threads",
+                     "max_waiting", "max_body_bytes"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")

@@ -28,7 +28,8 @@ from asyncserve.pager.pager import AdapterPager, Registration
 from asyncserve.pager.pool import PagedPool
 from asyncserve.perf_model import PerfCoefficients, StepLatencyModel
 from asyncserve.sampling_params import SamplingParams
-from asyncserve.scheduler.policy import POLICIES
+from asyncserve.scheduler.policies import make_policy
+from asyncserve.scheduler.policy import PolicySettings
 from asyncserve.scheduler.scheduler import Scheduler
 from asyncserve.sequence import SeqStatus, Sequence
 from asyncserve.step import Failure, SeqUpdate, StepPlan, StepResult
@@ -131,12 +132,16 @@ class Engine:
         self.runner = ModelRunner(mc, weights, self.pool, self.pager, lora, eos)
         self._merge_refs: set[int] = set()             # adapter loads held for being merged (see postprocess)
         self._mode_seconds = {"merged": 0.0, "unmerged": 0.0}
-        self.scheduler = Scheduler(self.pool, self.pager, self.tokenizer, POLICIES[config.policy](),
-                                   max_running=config.max_running,
-                                   max_step_tokens=config.resolved_max_step_tokens(self.device),
-                                   max_model_len=self.max_model_len, prefix_caching=config.prefix_caching)
-        self._seeds = random.Random(config.seed)
         self.latency = StepLatencyModel(STEP_TIME_PRIOR)
+        max_step_tokens = config.resolved_max_step_tokens(self.device)
+        policy = make_policy(config.policy, PolicySettings(
+            max_running=config.max_running, max_step_tokens=max_step_tokens, latency=self.latency,
+            max_step_adapters=config.max_step_adapters, slo_ttft_s=config.slo_ttft_s, slo_tpot_s=config.slo_tpot_s,
+            switch_seconds=self.merge_seconds, merge_refusal=self.merge_refusal))
+        self.scheduler = Scheduler(self.pool, self.pager, self.tokenizer, policy, max_running=config.max_running,
+                                   max_step_tokens=max_step_tokens, max_model_len=self.max_model_len,
+                                   prefix_caching=config.prefix_caching)
+        self._seeds = random.Random(config.seed)
         self.guides = GuideCompiler(self.tokenizer, self.device)
         log.info("model %s: %d layers, %s on %s, LoRA backend %s; pool %d pages x %.1f KiB = %.2f GiB",
                  self.model_name, mc.num_layers, self.dtype, self.device, self.lora_backend_name,
@@ -423,8 +428,15 @@ class Engine:
 
     # ---- the step: schedule -> run -> postprocess ------------------------------------------------
     def schedule(self) -> StepPlan:
-        """The next step's plan (empty: nothing can run now; see fail_unschedulable)."""
-        return self.scheduler.schedule()
+        """The next step's plan (empty: nothing can run now; see fail_unschedulable). A plan the policy
+        wants merged runs unmerged instead where the adapter cannot be merged (merge_refusal) or its
+        chunks hold two loads of the name (reloaded while old requests run; the policy, which refuses
+        merges by merge_refusal, sees the plan as merged for that step): same tokens, LoRA computed."""
+        plan = self.scheduler.schedule()
+        if plan.merged is not None and (self.merge_refusal(plan.merged) is not None or
+                                        {c.seq.adapter_load for c in plan.chunks} != {self.pager.registration(plan.merged)}):
+            plan.merged = None
+        return plan
 
     def run(self, plan: StepPlan) -> StepResult:
         """Compute the step: the model's forward and sampling (in the one thread that runs torch)."""
@@ -455,6 +467,11 @@ class Engine:
         Not counted: a switch of the merged adapter before it (merge_switch_seconds)."""
         return self.latency.predict(_rank_chunks(plan))
 
+    def abort_unattainable(self, now: float | None = None) -> list[SeqUpdate]:
+        """End the waiting requests that can no longer meet the policy's SLO (429 slo_unattainable);
+        ``now`` on the clock of the requests' arrival times (default: time.monotonic())."""
+        return self.scheduler.abort_unattainable(time.monotonic() if now is None else now)
+
     # ---- dLoRA's merged mode (stepper/merge.py) --------------------------------------------------
     @property
     def merged_adapter(self) -> str | None:
@@ -465,20 +482,23 @@ class Engine:
     def merge_refusal(self, name: str) -> str | None:
         """Why ``name`` cannot be merged (plan.merged must not name it): this model's base weights take
         no merge, or its current load overflowed them once; None if it may be merged."""
-        return self.runner.merger.refusal(self.pager.registry[name].load)
+        reg = self.pager.registry.get(name)
+        return f"adapter {name!r} is not loaded" if reg is None else self.runner.merger.refusal(reg.load)
 
     def merge_switch_seconds(self, name: str | None) -> float:
         """Estimated seconds to switch the base weights from what is merged now to ``name`` merged (None:
         unmerged): an unmerge and a merge, each at the rate this engine has measured (a prior from the
         weights they rewrite before any). 0 when ``name`` is what is merged."""
         merger = self.runner.merger
-        load = self.pager.registry[name].load if name is not None else None
-        if load == merger.merged_load:
+        if name is not None and self.pager.registration(name) == merger.merged_load:
             return 0.0
         seconds = merger.estimate_seconds("unmerge", merger.merged.ranks) if merger.merged is not None else 0.0
-        if name is not None:
-            seconds += merger.estimate_seconds("merge", self.pager.registry[name].ranks)
-        return seconds
+        return seconds + (self.merge_seconds(name) if name is not None else 0.0)
+
+    def merge_seconds(self, name: str) -> float:
+        """dLoRA's t_M: the estimated seconds of one merge of ``name``, whatever is merged now."""
+        reg = self.pager.registry.get(name)
+        return self.runner.merger.estimate_seconds("merge", reg.ranks) if reg is not None else 0.0
 
     def merge_stats(self) -> MergeStats:
         merger = self.runner.merger
@@ -486,6 +506,7 @@ class Engine:
 
     def step(self) -> list[SeqUpdate]:
         failed = self._load_parked() if self.parked else []
+        failed += self.abort_unattainable()
         plan = self.schedule()
         if not plan:
             return failed + self.fail_unschedulable()

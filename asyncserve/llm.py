@@ -6,12 +6,14 @@
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Sequence as Seq
 
 from asyncserve.config import Config
 from asyncserve.engine import Engine
 from asyncserve.sampling_params import SamplingParams
+from asyncserve.step import Failure
 
 
 @dataclass
@@ -28,6 +30,7 @@ class RequestOutput:
     # params.prompt_logprobs: entry j is prompt token j + 1's (the first token has none)
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    error: Failure | None = None     # finish_reason "error": why (e.g. code slo_unattainable, status 429)
 
 
 class LLM:
@@ -60,7 +63,7 @@ class LLM:
                 ids, text = self.tokenizer.encode(prompt), prompt
             else:
                 ids, text = list(prompt), None
-            seq = self.engine.make_sequence(ids, params, adapter)
+            seq = self.engine.make_sequence(ids, params, adapter, arrival=time.monotonic())   # TTFT SLO's clock
             outputs[seq.request_id] = RequestOutput(seq.request_id, text, ids, adapter)
             order.append(seq)
         for seq in order:
@@ -71,7 +74,7 @@ class LLM:
                 out.token_ids += update.new_token_ids
                 out.text += update.new_text
                 if update.finished:
-                    out.finish_reason = update.finish_reason
+                    out.finish_reason, out.error = update.finish_reason, update.error
         for seq in order:
             out = outputs[seq.request_id]
             if seq.params.logprobs is not None:

@@ -104,6 +104,9 @@ class Metrics:
                                               ["from"], buckets=_LOAD_BUCKETS, registry=r)
         self.adapter_traffic = AdapterTraffic()
         r.register(self.adapter_traffic)
+        self.requests_aborted = Counter("asyncserve_requests_aborted", "Requests the server answered with an error "
+                                        "before running them, by reason: slo_unattainable (--slo-ttft)", ["reason"],
+                                        registry=r)
         self.generated_tokens = Counter("asyncserve_generated_tokens", "Output tokens generated", registry=r)
         self.prefix_queried = Counter("asyncserve_prefix_cache_queried_tokens",
                                       "Prompt tokens of admissions that looked up the prefix cache", registry=r)

@@ -152,6 +152,7 @@ class StepLatencyModel:
 
     def __init__(self, prior: PerfCoefficients, window: int = 512, refit_every: int = 64, warmup: int = 8):
         self.coefficients = prior
+        self._prior = prior
         self.window = window
         self.refit_every = refit_every
         self._skip = warmup
@@ -160,6 +161,11 @@ class StepLatencyModel:
 
     def predict(self, chunks: Iterable[tuple[int, int]]) -> float:
         return predict_step_seconds(self.coefficients, chunks)
+
+    @property
+    def measured(self) -> bool:
+        """Whether the coefficients are no longer the prior (refitted from steps, or set from a profile)."""
+        return self.coefficients is not self._prior
 
     def record(self, chunks: list[tuple[int, int]], seconds: float) -> None:
         if self._skip > 0:

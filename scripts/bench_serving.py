@@ -30,12 +30,12 @@ import aiohttp
 import numpy as np
 from tqdm import tqdm
 
-from workloads import (PUNICA_KINDS, Request, adapters_needed, punica_mix, slora_synthetic, w1,
+from workloads import (PUNICA_KINDS, Request, adapters_needed, punica_mix, skewed_popularity, slora_synthetic, w1,
                        with_shared_prefix)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BENCH_DIR = REPO_ROOT.parent / "shared" / "bench"
-WORKLOADS = ("w1", "w1-base", "slora") + tuple(f"punica-{kind}" for kind in PUNICA_KINDS)
+WORKLOADS = ("w1", "w1-base", "slora", "skew") + tuple(f"punica-{kind}" for kind in PUNICA_KINDS)
 PERCENTILES = (50, 90, 99)
 METRICS = ("ttft_s", "tpot_s", "latency_s")
 METRIC_LABELS = {"ttft_s": "TTFT (s)", "tpot_s": "TPOT (s)", "latency_s": "latency (s)"}
@@ -326,6 +326,14 @@ def workload_generator(args: argparse.Namespace, base_model_name: str | None) ->
             "num_requests": args.num_requests,
             **common,
         }
+    if args.workload == "skew":
+        return skewed_popularity, {
+            "n_requests": args.num_requests or 256,
+            "top_share": args.top_share,
+            "n_adapters": args.n_adapters,
+            "rate": args.skew_rate,
+            **common,
+        }
     return punica_mix, {
         "kind": args.workload.removeprefix("punica-"),
         "n_requests": args.num_requests or 1000,
@@ -365,21 +373,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--shared-prefix", type=int, default=0, metavar="N",
                         help="lead every prompt with one common text of N tokens (exercises prefix caches)")
 
-    synthetic = parser.add_argument_group("synthetic workloads (slora, punica-*)")
+    synthetic = parser.add_argument_group("synthetic workloads (slora, skew, punica-*)")
     synthetic.add_argument("--seed", type=int, default=42)
-    synthetic.add_argument("--num-requests", type=int, help="slora: instead of rate × duration; punica: default 1000")
+    synthetic.add_argument("--num-requests", type=int, help="slora: instead of rate × duration; skew: default 256; punica: default 1000")
     synthetic.add_argument("--adapter-prefix", default="lora", help="adapters are named PREFIX0, PREFIX1, ...")
     synthetic.add_argument(
         "--prompt-vocab-size", type=int,
         help="send random token-id prompts of exact length with ids below this (completions only); default: word prompts",
     )
-    synthetic.add_argument("--n-adapters", type=int, default=200, help="slora: number of adapters n")
+    synthetic.add_argument("--n-adapters", type=int, default=200, help="slora, skew: number of adapters n")
     synthetic.add_argument("--alpha", type=float, default=1.0, help="slora: power-law exponent (1 = uniform)")
     synthetic.add_argument("--rate", type=float, default=2.0, help="slora: total requests/s R")
     synthetic.add_argument("--cv", type=float, default=1.0, help="slora: coefficient of variation of inter-arrivals")
     synthetic.add_argument("--input-range", type=int, nargs=2, default=[8, 512], metavar=("LO", "HI"))
     synthetic.add_argument("--output-range", type=int, nargs=2, default=[8, 512], metavar=("LO", "HI"))
     synthetic.add_argument("--duration", type=float, default=300.0, help="slora: trace length in seconds")
+    synthetic.add_argument("--top-share", type=float, default=0.9,
+                           help="skew: share of adapter 0, the rest even over the others (1/n: uniform)")
+    synthetic.add_argument("--skew-rate", type=float, help="skew: Poisson arrivals at this rate (default closed loop)")
     synthetic.add_argument("--punica-max-len", type=int, default=2048, help="punica: prompt + output length bound")
     synthetic.add_argument("--punica-rate", type=float, help="punica: Poisson arrivals at this rate (default closed loop)")
     return parser.parse_args(argv)

@@ -160,6 +160,40 @@ def slora_synthetic(
     ]
 
 
+def skewed_popularity(
+    n_requests: int,
+    top_share: float,
+    n_adapters: int = 8,
+    prompt_tokens: int = W1_PROMPT_TOKENS,
+    output_tokens: int = W1_OUTPUT_TOKENS,
+    rate: float | None = None,
+    seed: int = 0,
+    adapter_prefix: str = "lora",
+    prompt_vocab_size: int | None = None,
+) -> list[Request]:
+    """dLoRA's skew sweep (§7.3) on W1-like requests (fixed prompt and output lengths): adapter 0 gets
+    top_share of the requests, the other n_adapters - 1 share the rest evenly, each request drawn
+    independently; top_share = 1/n_adapters is uniform, 0.9 is 90% one adapter. Closed loop by default;
+    with `rate`, Poisson arrivals at that many requests/s."""
+    if not 0 <= top_share <= 1:
+        raise ValueError(f"top_share must be in [0, 1], got {top_share}")
+    rng = np.random.default_rng(seed)
+    rest = (1.0 - top_share) / (n_adapters - 1) if n_adapters > 1 else 0.0
+    probabilities = np.array([top_share] + [rest] * (n_adapters - 1))
+    adapter_ids = rng.choice(n_adapters, size=n_requests, p=probabilities / probabilities.sum())
+    arrivals = gamma_arrival_times(rng, n_requests, rate, cv=1.0) if rate is not None else np.zeros(n_requests)
+    return [
+        Request(
+            index=i,
+            arrival_time_s=float(arrivals[i]),
+            model=adapter_name(adapter_prefix, int(adapter_ids[i])),
+            max_tokens=output_tokens,
+            **_prompt_fields(rng, prompt_tokens, prompt_vocab_size),
+        )
+        for i in range(n_requests)
+    ]
+
+
 def punica_adapter_counts(kind: str, n_requests: int) -> list[int]:
     """Requests per adapter, most popular first, for Punica §7's popularity mixes.
 

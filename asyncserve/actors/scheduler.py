@@ -87,6 +87,10 @@ class SchedulerActor:
     def _maybe_step(self) -> None:
         if self._stepping or self.stepper_mailbox is None:
             return
+        refused = self.engine.abort_unattainable()
+        for u in refused:
+            self.metrics.requests_aborted.labels(u.error.code).inc()
+        self._publish(refused)
         plan = self.engine.schedule()
         if not plan:
             self._publish(self.engine.fail_unschedulable())

@@ -67,21 +67,37 @@ class BlockManager:
         """Pages of the longest run of seq's first blocks that is cached, now held by seq too."""
         if not self.prefix_caching:
             return []
-        root = (seq.adapter, seq.adapter_load or 0)       # the load it runs with
-        if seq.cache_root != root:
-            seq.cache_root, seq.block_keys = root, []
+        self._root(seq, seq.adapter_load)              # the load it runs with
         if seq.params.prompt_logprobs is not None:     # every prompt token's logits are wanted
             return []
-        pages = []
-        for i in range((seq.num_tokens - 1) // self.pool.block_size):    # the last token is always computed
-            page = self.pool.cached_block(self._block_key(seq, i))
-            if page is None:
-                break
+        pages = [self.pool.cached_block(key) for key in self._cached_keys(seq)]
+        for page in pages:
             self.pool.share(page)
-            pages.append(page)
         self.prefix_queried_tokens += seq.num_tokens
         self.prefix_hit_tokens += len(pages) * self.pool.block_size
         return pages
+
+    def cached_prefix_tokens(self, seq: Sequence) -> int:
+        """How many of a waiting seq's first tokens its admission now would find cached; holds nothing."""
+        if not self.prefix_caching or seq.params.prompt_logprobs is not None:
+            return 0
+        self._root(seq, self.pager.registration(seq.adapter) if seq.adapter is not None else None)
+        return len(self._cached_keys(seq)) * self.pool.block_size
+
+    def _root(self, seq: Sequence, load: int | None) -> None:
+        root = (seq.adapter, load or 0)
+        if seq.cache_root != root:
+            seq.cache_root, seq.block_keys = root, []
+
+    def _cached_keys(self, seq: Sequence) -> list[tuple]:
+        """Keys of the longest run of seq's first blocks that is cached."""
+        keys = []
+        for i in range((seq.num_tokens - 1) // self.pool.block_size):    # the last token is always computed
+            key = self._block_key(seq, i)
+            if self.pool.cached_block(key) is None:
+                break
+            keys.append(key)
+        return keys
 
     def _block_key(self, seq: Sequence, i: int) -> tuple:
         """Block i's key: (block i-1's key hashed, or the cache root for block 0; block i's tokens)."""

@@ -2,7 +2,9 @@
 
 schedule() picks, under a per-step token budget, one decode token for every running sequence past
 its prefill and prefill chunks for the rest, admitting waiting sequences in the policy's order
-while their adapter can be paged in and their first chunk's KV pages fit. A decode that finds no
+while their adapter can be paged in and their first chunk's KV pages fit. The policy (policy.py)
+decides which adapters a step may carry (the others' running sequences sit it out) and which
+waiting sequences are refused at once; the budget and the pages stay here. A decode that finds no
 free page evicts idle adapters, then preempts the most recently admitted sequence, whose pages
 return to the pool; it is recomputed from its tokens when readmitted (Punica's cancel+recompute).
 postprocess() appends sampled tokens, applies stop conditions and frees finished sequences.
@@ -20,7 +22,7 @@ from asyncserve.pager.pager import AdapterPager
 from asyncserve.pager.pool import PagedPool
 from asyncserve.scheduler.block_manager import BlockManager
 from asyncserve.scheduler.output import OutputProcessor
-from asyncserve.scheduler.policy import SchedulingPolicy
+from asyncserve.scheduler.policy import ANY, SchedulingPolicy, StepRule
 from asyncserve.sequence import SeqStatus, Sequence
 from asyncserve.step import SampleOutput, ScheduledChunk, SeqUpdate, StepPlan
 
@@ -60,12 +62,29 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     # ---- schedule ----------------------------------------------------------------------------
+    def abort_unattainable(self, now: float) -> list[SeqUpdate]:
+        """End the waiting sequences the policy finds cannot meet their SLO any more (S-LoRA §4.3)."""
+        updates = []
+        waiting = list(self.waiting)
+        for seq, failure in self.policy.unattainable(self.running, waiting, now, self.blocks.cached_prefix_tokens):
+            self._finish(seq, "error")
+            updates.append(SeqUpdate(seq, [], "", True, "error", failure))
+        return updates
+
     def schedule(self) -> StepPlan:
-        plan = StepPlan()
+        rule = self.policy.step_rule(self.running, list(self.waiting))
+        plan = self._plan(rule)
+        if not plan and rule is not ANY:
+            plan = self._plan(ANY)     # the rule's requests cannot run now (their pages do not fit): progress first
+        self.policy.observe(plan, self.running, list(self.waiting))
+        return plan
+
+    def _plan(self, rule: StepRule) -> StepPlan:
+        plan = StepPlan(merged=rule.merged)
         budget = self.max_step_tokens
-        # 1. decodes of running sequences, preempting the newest when pages run out
+        # 1. decodes of running sequences the rule allows, preempting the newest when pages run out
         for seq in list(self.running):
-            if seq.status is not SeqStatus.RUNNING or seq.in_prefill:
+            if seq.status is not SeqStatus.RUNNING or seq.in_prefill or not rule.allows(seq.adapter):
                 continue
             if not self._grow(seq, seq.num_computed + 1):
                 continue                               # seq itself was preempted
@@ -75,7 +94,7 @@ class Scheduler:
         for seq in self.running:
             if budget <= 0:
                 break
-            if seq.status is SeqStatus.RUNNING and seq.in_prefill:
+            if seq.status is SeqStatus.RUNNING and seq.in_prefill and rule.allows(seq.adapter):
                 n = min(seq.num_tokens - seq.num_computed, budget)
                 if self.blocks.reserve(seq, seq.num_computed + n):
                     plan.prefills.append(ScheduledChunk(seq, n))
@@ -85,6 +104,8 @@ class Scheduler:
         for seq in self.policy.admission_order(list(self.waiting), resident):
             if budget <= 0 or len(self.running) >= self.max_running:
                 break
+            if not rule.allows(seq.adapter) or not self.policy.admits(seq, self.running):
+                continue
             n = self._admit(seq, budget)
             if not n:
                 break
