@@ -32,6 +32,7 @@ from asyncserve.scheduler.policy import POLICIES
 from asyncserve.scheduler.scheduler import Scheduler
 from asyncserve.sequence import SeqStatus, Sequence
 from asyncserve.step import Failure, SeqUpdate, StepPlan, StepResult
+from asyncserve.stepper.assist import CpuAssist
 from asyncserve.stepper.runner import ModelRunner, make_lora_backend
 from asyncserve.structured import GuideCompiler, StructuredOutputError
 from ipc import cleanup_stale
@@ -82,6 +83,9 @@ class LoadSnapshot:
     adapter_loads_total: int           # page-ins into the pool so far
     prefix_queried_tokens: int         # prompt tokens of admissions that looked up the prefix cache
     prefix_hit_tokens: int             # of those, tokens found cached
+    cpu_workers: int = 0               # live CPU LoRA workers
+    cpu_assist_tokens: int = 0         # tokens whose LoRA the CPU workers computed so far
+    cpu_worker_restarts: int = 0       # workers replaced after dying or missing a deadline
 
 
 class Engine:
@@ -119,11 +123,18 @@ class Engine:
         self.lora_backend_name = config.resolved_lora_backend(self.device)
         lora = make_lora_backend(self.lora_backend_name, self.pool, mc)
         eos = self.tokenizer.eos_token_ids
-        self.runner = ModelRunner(mc, weights, self.pool, self.pager, lora, eos)
+        max_step_tokens = config.resolved_max_step_tokens(self.device)
+        self.assist = None
+        workers = config.resolved_cpu_workers(self.device)
+        if workers:
+            self.assist = CpuAssist(self.pager.arena, mc, workers, self.dtype, self.device, max_step_tokens,
+                                    config.resolved_cpu_profile_dir(), weights)
+            log.info("CPU assist %s: %d workers", config.cpu_assist, self.assist.live)
+        self.runner = ModelRunner(mc, weights, self.pool, self.pager, lora, eos, self.assist)
         self.scheduler = Scheduler(self.pool, self.pager, self.tokenizer, POLICIES[config.policy](),
-                                   max_running=config.max_running,
-                                   max_step_tokens=config.resolved_max_step_tokens(self.device),
-                                   max_model_len=self.max_model_len, prefix_caching=config.prefix_caching)
+                                   max_running=config.max_running, max_step_tokens=max_step_tokens,
+                                   max_model_len=self.max_model_len, prefix_caching=config.prefix_caching,
+                                   cold_admission=self._assist_pays if self.assist is not None else None)
         self._seeds = random.Random(config.seed)
         self.latency = StepLatencyModel(STEP_TIME_PRIOR)
         self.guides = GuideCompiler(self.tokenizer, self.device)
@@ -428,6 +439,22 @@ class Engine:
         steps this engine has run."""
         return self.latency.predict(_rank_chunks(plan))
 
+    def _assist_pays(self, seq: Sequence, tokens: int) -> bool:
+        """Whether seq, whose adapter is not on the device, starts now with CPU assist (the scheduler's
+        cold_admission): always with --cpu-assist on (while a worker lives); with auto when the
+        workers' predicted stall over the chunk is below the wait for the adapter's load, i.e. its
+        copy to the device, plus a step if the pool has no room for it now (room comes only as
+        running requests finish, so that is the least it waits)."""
+        if self.assist.live < 1:
+            return False
+        if self.config.cpu_assist == "on":
+            return True
+        reg = self.pager.registry[seq.adapter]
+        wait = self.assist.copy_seconds(reg.host_bytes)
+        if self.pool.num_free + self.pager.idle_pages() < reg.footprint:
+            wait += self.latency.predict([(tokens, seq.adapter_rank)])
+        return self.assist.pays(reg.ranks, tokens, wait)
+
     def step(self) -> list[SeqUpdate]:
         failed = self._load_parked() if self.parked else []
         plan = self.schedule()
@@ -471,7 +498,9 @@ class Engine:
         return self.pager.device_hits
 
     def close(self) -> None:
-        """Free what outlives the process otherwise: the host tier's shared memory."""
+        """Free what outlives the process otherwise: the CPU workers, the host tier's shared memory."""
+        if self.assist is not None:
+            self.assist.close()
         self.pager.close()
 
     @property
@@ -488,7 +517,10 @@ class Engine:
         return LoadSnapshot(waiting=len(s.waiting) + self.num_parked, running=len(s.running), pool=self.pool_stats(),
                             adapter_loads_total=self.pager.loads_total,
                             prefix_queried_tokens=blocks.prefix_queried_tokens,
-                            prefix_hit_tokens=blocks.prefix_hit_tokens)
+                            prefix_hit_tokens=blocks.prefix_hit_tokens,
+                            **({} if self.assist is None else dict(
+                                cpu_workers=self.assist.live, cpu_assist_tokens=self.assist.tokens_total,
+                                cpu_worker_restarts=self.assist.restarts)))
 
 
 def _rank_chunks(plan: StepPlan) -> list[tuple[int, int]]:

@@ -16,6 +16,7 @@ from asyncserve.model.llama import LlamaWeights, PrefillChunk, Rope, StepInputs,
 from asyncserve.pager.pager import AdapterPager
 from asyncserve.pager.pool import PagedPool
 from asyncserve.step import StepPlan, StepResult
+from asyncserve.stepper.assist import AssistedLora, CpuAssist
 from asyncserve.stepper.sampler import SamplingRow, sample, token_logprobs
 
 
@@ -35,8 +36,9 @@ def make_lora_backend(name: str, pool: PagedPool, config: ModelConfig) -> LoraBa
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, weights: LlamaWeights, pool: PagedPool, pager: AdapterPager,
-                 lora: LoraBackend, eos_token_ids: list[int]):
+                 lora: LoraBackend, eos_token_ids: list[int], assist: CpuAssist | None = None):
         self.config = config
+        self.assist = assist
         self.weights = weights
         self.pool = pool
         self.pager = pager
@@ -49,10 +51,14 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
-        self.pager.write_pending()
-        inputs, lora_batch, rows, prompt_rows = self._prepare(plan)
+        self.pager.write_pending(hold=plan.assisted)
+        inputs, lora_batch, rows, prompt_rows, cold = self._prepare(plan)
         self.lora.begin_step(lora_batch)
-        logits = forward(self.weights, self.config, self.rope, self.pool.kv_view(), inputs, self.lora)
+        lora = self.lora
+        if self.assist is not None:
+            self.assist.begin_step(*cold)
+            lora = AssistedLora(self.assist, self.lora)
+        logits = forward(self.weights, self.config, self.rope, self.pool.kv_view(), inputs, lora)
         sampled = sample(logits[:len(rows)], rows)
         prompt_logprobs = self._prompt_logprobs(logits[len(rows):], prompt_rows) if prompt_rows.owners else {}
         if self.device.type == "cuda":
@@ -69,12 +75,15 @@ class ModelRunner:
             i += count
         return out
 
-    def _prepare(self, plan: StepPlan) -> tuple[StepInputs, LoraBatch | None, list[SamplingRow], PromptRows]:
+    def _prepare(self, plan: StepPlan) -> tuple[StepInputs, LoraBatch | None, list[SamplingRow], PromptRows, tuple]:
+        """Also returns the CPU-assisted rows: (tasks [(host block, row0, row1, ranks)] over the cold
+        rows, the cold rows' indices in the step)."""
         bs = self.pool.block_size
         ids, positions, write_rows, sample_index, rows = [], [], [], [], []
         prompt_index, prompt_rows = [], PromptRows()
         prefills = []
         seg_starts, seg_adapter, adapters, adapter_index = [0], [], [], {}
+        cold_tasks, cold_rows = [], []
         nd = len(plan.decodes)
         for i, chunk in enumerate(plan.chunks):
             seq = chunk.seq
@@ -101,7 +110,10 @@ class ModelRunner:
                                              torch.tensor(seq.block_table, dtype=torch.int64, device=self.device)))
             # LoRA segments: consecutive chunks of one adapter merge into one segment
             a = -1
-            if seq.adapter is not None:         # by load: a reloaded name may run old and new weights at once
+            if seq.adapter_load in plan.assisted:          # the workers add its LoRA: no device LoRA
+                _add_cold_rows(cold_tasks, cold_rows, self.pager.host_block(seq.adapter_load), start, len(ids),
+                               self.pager.load_ranks(seq.adapter_load))
+            elif seq.adapter is not None:         # by load: a reloaded name may run old and new weights at once
                 if seq.adapter_load not in adapter_index:
                     adapter_index[seq.adapter_load] = len(adapters)
                     adapters.append(self.pager.resident[seq.adapter_load])
@@ -138,4 +150,15 @@ class ModelRunner:
         if adapters:
             lora_batch = LoraBatch(adapters=adapters, seg_starts=seg_starts, seg_adapter=seg_adapter,
                                    num_tokens=len(ids), device=dev, num_decode=nd)
-        return inputs, lora_batch, rows, prompt_rows
+        return inputs, lora_batch, rows, prompt_rows, (cold_tasks, cold_rows)
+
+
+def _add_cold_rows(tasks: list, rows: list[int], handle, start: int, end: int, ranks: list[int]) -> None:
+    """Step rows [start, end) of one adapter join the cold rows; a run of its rows right after its
+    previous run merges into that task."""
+    r0 = len(rows)
+    rows.extend(range(start, end))
+    if tasks and tasks[-1][0] == handle and tasks[-1][2] == r0:
+        tasks[-1] = (handle, tasks[-1][1], len(rows), ranks)
+    else:
+        tasks.append((handle, r0, len(rows), ranks))
