@@ -218,3 +218,37 @@ def test_config_and_flags():
     for bad in (dict(cpu_workers=-1), dict(cpu_assist="sometimes")):
         with pytest.raises(ValueError):
             Config(**bad).validate()
+
+
+def test_server_assists_cold_adapters_and_reports_the_workers(tiny_model, cases, device_only, tmp_path):
+    """Over HTTP, concurrent requests of cold adapters beside warm ones and the base model: the
+    device path's tokens; /metrics has the workers and the assisted tokens; after stop, no worker
+    lives and /dev/shm holds nothing of the server's."""
+    import concurrent.futures
+
+    from server_harness import ServerThread
+
+    cases_, _ = cases
+    st = ServerThread(Config(model=str(tiny_model.root), served_model_name="tiny", dtype="float32", device="cpu",
+                             adapters={k: str(v) for k, v in tiny_model.adapters.items()}, max_step_tokens=24,
+                             cpu_workers=2, cpu_assist="on", cpu_profile_dir=str(tmp_path)))
+    engine = st.server.engine
+    procs = [w.proc for w in engine.assist.pool.workers]
+    prefixes = [engine.assist.pool.prefix, engine.pager.arena.prefix]
+    try:
+        bodies = [{"model": a or "tiny", "prompt": ids, "max_tokens": NEW_TOKENS, "temperature": 0.0,
+                   "ignore_eos": True, "return_token_ids": True} for ids, a in cases_]
+        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+            answers = list(pool.map(lambda b: st.request("POST", "/v1/completions", b), bodies))
+        same = 0
+        for (status, body, _), want in zip(answers, device_only):
+            assert status == 200, body
+            same += body["choices"][0]["token_ids"] == want
+        assert same >= len(bodies) - 1
+        assert st.metric("asyncserve_cpu_workers") == 2
+        assert st.metric("asyncserve_cpu_assist_tokens_total") == engine.assist.tokens_total > 0
+        assert st.metric("asyncserve_cpu_worker_restarts_total") == 0
+    finally:
+        st.stop()
+    assert all(p.poll() is not None for p in procs)
+    assert all(leftovers(p) == [] for p in prefixes)
