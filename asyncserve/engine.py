@@ -123,18 +123,11 @@ class Engine:
         self.lora_backend_name = config.resolved_lora_backend(self.device)
         lora = make_lora_backend(self.lora_backend_name, self.pool, mc)
         eos = self.tokenizer.eos_token_ids
-        max_step_tokens = config.resolved_max_step_tokens(self.device)
-        self.assist = None
-        workers = config.resolved_cpu_workers(self.device)
-        if workers:
-            self.assist = CpuAssist(self.pager.arena, mc, workers, self.dtype, self.device, max_step_tokens,
-                                    config.resolved_cpu_profile_dir(), weights)
-            log.info("CPU assist %s: %d workers", config.cpu_assist, self.assist.live)
-        self.runner = ModelRunner(mc, weights, self.pool, self.pager, lora, eos, self.assist)
+        self.runner = ModelRunner(mc, weights, self.pool, self.pager, lora, eos)
         self.scheduler = Scheduler(self.pool, self.pager, self.tokenizer, POLICIES[config.policy](),
-                                   max_running=config.max_running, max_step_tokens=max_step_tokens,
-                                   max_model_len=self.max_model_len, prefix_caching=config.prefix_caching,
-                                   cold_admission=self._assist_pays if self.assist is not None else None)
+                                   max_running=config.max_running,
+                                   max_step_tokens=config.resolved_max_step_tokens(self.device),
+                                   max_model_len=self.max_model_len, prefix_caching=config.prefix_caching)
         self._seeds = random.Random(config.seed)
         self.latency = StepLatencyModel(STEP_TIME_PRIOR)
         self.guides = GuideCompiler(self.tokenizer, self.device)
@@ -147,6 +140,14 @@ class Engine:
             self.register_adapter_dir(config.adapter_dir)
         for name in config.pinned_adapters:
             self.pin_adapter(name)
+        self.assist: CpuAssist | None = None
+        workers = config.resolved_cpu_workers(self.device)
+        if workers:       # last: nothing after it can fail and leave the workers running
+            self.assist = CpuAssist(self.pager.arena, mc, workers, self.dtype, self.device,
+                                    self.scheduler.max_step_tokens, config.resolved_cpu_profile_dir(), weights)
+            self.runner.assist = self.assist
+            self.scheduler.cold_admission = self._assist_pays
+            log.info("CPU assist %s: %d workers", config.cpu_assist, self.assist.live)
 
     # ---- adapters ----------------------------------------------------------------------------
     def check_adapter_name(self, name: str) -> None:

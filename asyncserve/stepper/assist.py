@@ -222,21 +222,17 @@ class CpuAssist:
 
 
 class AssistedLora:
-    """The LoraHook forward() sees in a step with cold rows: the device backend for warm rows (whose
-    cold segments carry seg_adapter -1), the workers' deltas for cold ones."""
+    """The LoraHook forward() sees in a step with cold rows (CpuAssist.active): the device backend for
+    warm rows (the cold segments carry seg_adapter -1), the workers' deltas for cold ones."""
 
     def __init__(self, assist: CpuAssist, backend: LoraBackend):
         self.assist, self.backend = assist, backend
 
-    @property
-    def active(self) -> bool:
-        return self.assist.active or self.backend.active
+    active = True
 
     def project(self, layer: int, group: str, x: torch.Tensor, base: Linear) -> torch.Tensor:
         backend = self.backend
         device_project = (lambda x: backend.project(layer, group, x, base)) if backend.active else base
-        if not self.assist.active:
-            return device_project(x)
         return self.assist.project(layer, group, x, device_project)
 
 

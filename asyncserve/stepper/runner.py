@@ -36,9 +36,9 @@ def make_lora_backend(name: str, pool: PagedPool, config: ModelConfig) -> LoraBa
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, weights: LlamaWeights, pool: PagedPool, pager: AdapterPager,
-                 lora: LoraBackend, eos_token_ids: list[int], assist: CpuAssist | None = None):
+                 lora: LoraBackend, eos_token_ids: list[int]):
         self.config = config
-        self.assist = assist
+        self.assist: CpuAssist | None = None         # CPU LoRA workers for cold adapters (Engine sets them)
         self.weights = weights
         self.pool = pool
         self.pager = pager
@@ -57,7 +57,8 @@ class ModelRunner:
         lora = self.lora
         if self.assist is not None:
             self.assist.begin_step(*cold)
-            lora = AssistedLora(self.assist, self.lora)
+            if self.assist.active:
+                lora = AssistedLora(self.assist, self.lora)
         logits = forward(self.weights, self.config, self.rope, self.pool.kv_view(), inputs, lora)
         sampled = sample(logits[:len(rows)], rows)
         prompt_logprobs = self._prompt_logprobs(logits[len(rows):], prompt_rows) if prompt_rows.owners else {}
