@@ -39,7 +39,7 @@ class Config:
     prefix_caching: bool = True              # reuse the KV of full blocks of earlier prompts (per adapter)
     seed: int | None = None                  # seeds drawn for requests without one
     # CPU-assisted LoRA (CaraServe §4): worker processes compute cold adapters' LoRA from the host tier
-    cpu_workers: int | None = None           # None: the cores the device's threads leave free (assist.default_workers); 0: none
+    cpu_workers: int | None = None           # None: cores the device's threads leave free (default_workers); 0: none
     cpu_assist: str = "auto"                 # auto (when the profile says it pays) | on | off
     cpu_profile_dir: str | None = None       # cached worker profiles; default ~/.cache/asyncserve/cpu-profiles
     # server

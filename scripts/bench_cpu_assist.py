@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -48,8 +49,16 @@ def needed_adapters(args) -> list[str]:
     return out.split()
 
 
-def start_server(args, mode: str, adapters: Path, pinned: list[str], log_dir: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-c", "from asyncserve.cli import main; main()", "serve", "--port", str(args.port),
+def free_port() -> int:
+    """A port nobody listens on now (other servers may share this machine)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args, mode: str, adapters: Path, pinned: list[str], log_dir: Path) -> tuple[subprocess.Popen, int]:
+    port = args.port or free_port()
+    cmd = [sys.executable, "-c", "from asyncserve.cli import main; main()", "serve", "--port", str(port),
            "--adapter-dir", str(adapters), "--pool-mem", args.pool_mem, "--host-adapter-mem", args.host_adapter_mem,
            "--max-running", str(args.max_running), "--log-level", "WARNING",
            "--cpu-profile-dir", str(args.out / "profiles")]
@@ -67,15 +76,16 @@ def start_server(args, mode: str, adapters: Path, pinned: list[str], log_dir: Pa
     log = open(log_dir / f"{mode}.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     deadline = time.monotonic() + args.start_timeout
-    while True:
+    while proc.poll() is None and time.monotonic() < deadline:
         try:
-            get(f"http://127.0.0.1:{args.port}/health")
-            return proc
+            get(f"http://127.0.0.1:{port}/health")
         except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                stop_server(proc)
-                raise SystemExit(f"{mode}: the server did not start (log in {log_dir / f'{mode}.log'})")
             time.sleep(0.5)
+            continue
+        if proc.poll() is None:            # ours answered, not another server that took the port
+            return proc, port
+    stop_server(proc)
+    raise SystemExit(f"{mode}: the server did not start (log in {log_dir / f'{mode}.log'})")
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -99,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pool-mem", default="4GiB", help="room for the warm mode's pinned adapters")
     ap.add_argument("--host-adapter-mem", default="4GiB")
     ap.add_argument("--max-running", type=int, default=32)
-    ap.add_argument("--port", type=int, default=8200)
+    ap.add_argument("--port", type=int, default=None, help="default: a free one")
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--n-adapters", type=int, default=1000)
     ap.add_argument("--alpha", type=float, default=1.0, help="workloads.py's power law (S-LoRA's α)")
@@ -115,13 +125,13 @@ def main(argv: list[str] | None = None) -> None:
     pinned = needed_adapters(args)
     rows = []
     for mode in args.modes.split(","):
-        proc = start_server(args, mode, adapters, pinned, args.out)
+        proc, port = start_server(args, mode, adapters, pinned, args.out)
         try:
             report = args.out / f"{mode}.json"
             subprocess.run([sys.executable, str(REPO / "scripts/bench_serving.py"),
-                            "--base-url", f"http://127.0.0.1:{args.port}/v1", *trace_args(args),
+                            "--base-url", f"http://127.0.0.1:{port}/v1", *trace_args(args),
                             "--json-out", str(report), "--no-progress"], check=True, stdout=subprocess.DEVNULL)
-            page = get(f"http://127.0.0.1:{args.port}/metrics")
+            page = get(f"http://127.0.0.1:{port}/metrics")
         finally:
             stop_server(proc)
         summary = json.loads(report.read_text())["summary"]

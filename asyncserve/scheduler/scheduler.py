@@ -37,12 +37,11 @@ log = logging.getLogger("asyncserve.scheduler")
 
 class Scheduler:
     def __init__(self, pool: PagedPool, pager: AdapterPager, tokenizer: Tokenizer, policy: SchedulingPolicy,
-                 max_running: int, max_step_tokens: int, max_model_len: int, prefix_caching: bool = True,
-                 cold_admission: Callable[[Sequence, int], bool] | None = None):
-        """cold_admission(seq, tokens): whether to admit seq, whose adapter is not on the device, with
-        CPU assist for a first chunk of about ``tokens``; None: never (no CPU workers)."""
+                 max_running: int, max_step_tokens: int, max_model_len: int, prefix_caching: bool = True):
         self.pager = pager
-        self.cold_admission = cold_admission
+        # set by the engine when it has CPU workers: cold_admission(seq, tokens), whether to admit seq,
+        # whose adapter is not on the device, with CPU assist for a first chunk of about ``tokens``
+        self.cold_admission: Callable[[Sequence, int], bool] | None = None
         self._assisted: set[int] = set()             # this schedule's StepPlan.assisted
         self.policy = policy
         self.max_running = max_running
