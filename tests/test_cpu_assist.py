@@ -83,12 +83,16 @@ def _check(outs, cases, refs, device_only) -> None:
 
 
 def _record_steps(engine) -> list:
-    """The plans the engine runs, in order."""
-    plans, run = [], engine.runner.run
+    """The plans the engine runs, in order; each gets ``copies_waiting``: per assisted load already
+    paged in, whether its copy to the device was still pending after the step (off its path)."""
+    plans, run, pager = [], engine.runner.run, engine.pager
 
     def recording(plan):
         plans.append(plan)
-        return run(plan)
+        result = run(plan)
+        plan.copies_waiting = {load: any(p.load == load for p in pager.pending)
+                               for load in plan.assisted if load in pager.resident}
+        return result
     engine.runner.run = recording
     return plans
 
@@ -116,6 +120,8 @@ def test_cold_adapters_prefill_on_the_workers_with_the_device_paths_tokens(tiny_
     assert any(p.assisted and any(c.seq.adapter_load not in p.assisted and c.seq.adapter for c in p.chunks)
                for p in plans), "no step mixed assisted and warm adapters"
     assert engine.pager.resident_names() == set(ADAPTERS)
+    waiting = [w for p in plans for w in p.copies_waiting.values()]
+    assert len(waiting) >= len(ADAPTERS) and all(waiting)
     assert engine.assist.fallbacks == 0
     cold_tokens = sum(c.num_tokens for p in plans for c in p.chunks if c.seq.adapter_load in p.assisted)
     assert engine.assist.tokens_total == cold_tokens > 0

@@ -1,9 +1,10 @@
 """CPU-assisted LoRA (CaraServe §4): the CPU workers (ipc/) compute the LoRA of sequences whose adapter
 is not on the device, from its host-tier copy, layer by layer beside the device's base projections.
 
-    assist = CpuAssist(pager.arena, config, workers, dtype, profile_dir)    # spawns the workers
-    assist.begin_step(tasks)            # per step: (host block, first row, end row) of the cold rows
-    forward(..., lora=AssistedLora(assist, backend))
+    assist = CpuAssist(pager.arena, model_config, workers, dtype, device, max_tokens, profile_dir, weights)
+    assist.begin_step(tasks, rows)      # per step: (host block, row0, row1, ranks) over the cold rows
+    if assist.active:                   # the step has cold rows
+        forward(..., lora=AssistedLora(assist, backend))
 
 Per (layer, projection group) AssistedLora submits x of the cold rows to shared memory, lets the
 backend compute the base GEMM (and the device LoRA of warm rows) meanwhile, then collects the
@@ -181,14 +182,14 @@ class CpuAssist:
         try:
             self.pool.submit(layer, spec, x_cold, self._tasks, workers=self._workers)
             submitted = None
-        except CpuAssistError as e:
+        except (CpuAssistError, ValueError) as e:      # no worker ready; more tasks than a job takes
             submitted = e
         y = device_project(x)                                         # [T, out]
         try:
             if submitted is not None:
                 raise submitted
             delta = self.pool.collect(JOB_TIMEOUT_S)                   # [cold, out]
-        except CpuAssistError as e:
+        except (CpuAssistError, ValueError) as e:
             log.warning("layer %d %s: %s; computing those deltas in torch", layer, group, e)
             self.fallbacks += 1
             delta = self._torch_deltas(layer, spec, x_cold)
