@@ -16,8 +16,8 @@ already replaced the worker.
 Whether assisting a request pays (``--cpu-assist auto``) is the profile's call: the workers' job
 time (ipc/profile.py, measured at start or read from the cache per CPU, model and dtype) beyond the
 device's own time for the same projections, summed over the prefill's jobs, against the time the
-adapter's copy to the device would add. On a CPU device the workers share its cores, so nothing
-overlaps and the whole job time counts.
+adapter's copy to the device would add. On a CPU device whose threads leave the workers no cores of
+their own, nothing overlaps and the whole job time counts.
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ class CpuAssist:
             if self.pool.wait_ready(READY_TIMEOUT_S) < 1:
                 raise RuntimeError("no CPU LoRA worker started")
             self.profile = self._profile(profile_dir, max_tokens)
-            self.device_s_per_token = self._device_seconds(weights)
+            self.device_s_per_token = self._device_seconds(weights, num_workers)
             self.copy_bytes_per_s = self._copy_rate()
         except BaseException:
             self.pool.close()
@@ -102,24 +102,30 @@ class CpuAssist:
                  profile.per_mac_s * 1e12, profile.per_worker_s * 1e6)
         return profile
 
-    def _device_seconds(self, weights) -> dict[str, float]:
+    def _device_seconds(self, weights, num_workers: int) -> dict[str, float]:
         """Per group, the device's base projection time per token: the window a job overlaps. Zero on a
-        CPU device, whose cores the workers share (a job there adds all its time to the step)."""
-        if self.device.type == "cpu" or weights is None:
+        CPU device whose threads and the workers want more cores than there are: there they take
+        turns, and a job adds all its time to the step."""
+        if weights is None or (self.device.type == "cpu"
+                               and torch.get_num_threads() + num_workers > (os.cpu_count() or 1)):
             return dict.fromkeys(GROUPS, 0.0)
-        layer, tokens = weights.layers[0], 256
-        x = {g: torch.randn(tokens, self.groups[g].in_features, dtype=self.dtype, device=self.device) for g in GROUPS}
+        layer, tokens, repeats = weights.layers[0], 128, 5
         linears: dict[str, Linear] = {"qkv": layer.qkv, "o": layer.o, "gate_up": layer.gate_up, "down": layer.down}
         out = {}
         for g, linear in linears.items():
-            linear(x[g])
-            torch.cuda.synchronize(self.device)
+            x = torch.randn(tokens, self.groups[g].in_features, dtype=self.dtype, device=self.device)
+            linear(x)
+            self._sync()
             t0 = time.perf_counter()
-            for _ in range(10):
-                linear(x[g])
-            torch.cuda.synchronize(self.device)
-            out[g] = (time.perf_counter() - t0) / 10 / tokens
+            for _ in range(repeats):
+                linear(x)
+            self._sync()
+            out[g] = (time.perf_counter() - t0) / repeats / tokens
         return out
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _copy_rate(self) -> float:
         """Bytes per second of a host -> device copy like the pager's page-in."""
@@ -129,8 +135,7 @@ class CpuAssist:
         for _ in range(3):
             t0 = time.perf_counter()
             dst.copy_(src)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            self._sync()
             best = min(best, time.perf_counter() - t0)
         return COPY_PROBE_BYTES / max(best, 1e-9)
 
