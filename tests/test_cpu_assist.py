@@ -206,9 +206,11 @@ def test_auto_follows_the_profile(tiny_model, tmp_path):
         assert assist.pays(ranks, 16, load_seconds=jobs * per_job * 1.5)
         assert not assist.pays(ranks, 16, load_seconds=jobs * per_job * 0.5)
         assert assist.pays([1, 0, 1, 0, 0, 0, 0], 16, load_seconds=2 * per_job * 1.5)   # q, v: the qkv group only
-        # on a GPU a job overlaps the device's own projections: within that window it costs nothing
+        # a job that fits the device's own projections' time costs only its fixed part
+        assist.profile = WorkerProfile(overhead_s=per_job / 10, per_mac_s=1e-12, per_worker_s=0.0, cpu_model="test")
         assist.device_s_per_token = dict.fromkeys(measured, 1.0)
-        assert assist.pays(ranks, 16, load_seconds=1e-9)
+        assert assist.pays(ranks, 16, load_seconds=jobs * per_job / 10 * 1.5)
+        assert not assist.pays(ranks, 16, load_seconds=jobs * per_job / 10 * 0.5)
         if not shares_cores:
             return
         # the measured profile where the workers take turns with the device's threads: the tiny
