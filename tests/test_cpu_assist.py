@@ -130,6 +130,24 @@ def test_cold_adapters_prefill_on_the_workers_with_the_device_paths_tokens(tiny_
     _shm_clean(engine)
 
 
+def test_offline_adapter_dir_reads_then_assists(tiny_model, cases, device_only, tmp_path):
+    """LLM(adapter_dir=..., cpu_workers=2, cpu_assist="on"): adapters read from disk on first use
+    (into the host tier), then their first chunk runs on the workers."""
+    cases_, refs = cases
+    folder = tmp_path / "adapters"
+    folder.mkdir()
+    for name, path in tiny_model.adapters.items():
+        (folder / name).symlink_to(path)
+    llm = LLM(model=str(tiny_model.root), adapter_dir=str(folder), dtype="float32", device=TEST_DEVICE,
+              max_step_tokens=24, cpu_workers=2, cpu_assist="on", cpu_profile_dir=str(tmp_path / "profiles"))
+    engine = llm.engine
+    assert not engine.pager.host
+    outs = llm.generate([ids for ids, _ in cases_], GREEDY, adapters=[a for _, a in cases_])
+    _check(outs, cases_, refs, device_only)
+    assert engine.assist.tokens_total > 0 and engine.pager.resident_names() == set(ADAPTERS)
+    _shm_clean(engine)
+
+
 def test_adapter_without_room_stays_on_the_workers_then_moves_to_the_device(tiny_model, cases, device_only, tmp_path):
     """r64_all finds no room on the device for its first steps (its prefill and first decodes run on
     the workers), then fits and switches mid-generation."""
