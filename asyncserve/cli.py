@@ -53,6 +53,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "longer get its first token within this")
     p.add_argument("--slo-tpot", type=float, default=None, metavar="SECONDS",
                    help="slo: admit requests while the predicted decode step of the running batch stays within this")
+    p.add_argument("--cpu-workers", type=int, default=None, metavar="N",
+                   help="CPU LoRA worker processes for cold adapters' prefill (CaraServe); 0 turns them off "
+                        "(default: the cores the device's threads leave free)")
+    p.add_argument("--cpu-assist", default="auto", choices=["auto", "on", "off"],
+                   help="compute the LoRA of requests whose adapter is not on the device yet on the CPU workers: "
+                        "auto when the workers' profile predicts a lower TTFT than waiting for the load")
+    p.add_argument("--cpu-profile-dir", default=None, metavar="DIR",
+                   help="cached CPU worker profiles (default: ~/.cache/asyncserve/cpu-profiles)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="recompute every prompt, even when an earlier one began with the same blocks")
 
@@ -66,7 +74,8 @@ def _config(args):
                   block_size=args.block_size, host_adapter_mem=args.host_adapter_mem,
                   pinned_adapters=args.pin_adapter, threads=args.threads, policy=args.policy,
                   max_step_adapters=args.max_step_adapters, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
-                  prefix_caching=args.prefix_caching)
+                  prefix_caching=args.prefix_caching, cpu_workers=args.cpu_workers, cpu_assist=args.cpu_assist,
+                  cpu_profile_dir=args.cpu_profile_dir)
 
 
 def main(argv: list[str] | None = None) -> None:

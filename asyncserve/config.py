@@ -41,6 +41,10 @@ class Config:
     slo_tpot_s: float | None = None          # slo: admit while the predicted decode step stays within this
     prefix_caching: bool = True              # reuse the KV of full blocks of earlier prompts (per adapter)
     seed: int | None = None                  # seeds drawn for requests without one
+    # CPU-assisted LoRA (CaraServe §4): worker processes compute cold adapters' LoRA from the host tier
+    cpu_workers: int | None = None           # None: cores the device's threads leave free (default_workers); 0: none
+    cpu_assist: str = "auto"                 # auto (when the profile says it pays) | on | off
+    cpu_profile_dir: str | None = None       # cached worker profiles; default ~/.cache/asyncserve/cpu-profiles
     # server
     host: str = "127.0.0.1"
     port: int = 8000
@@ -106,6 +110,10 @@ class Config:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
+        if self.cpu_workers is not None and self.cpu_workers < 0:
+            raise ValueError(f"cpu_workers must not be negative, got {self.cpu_workers}")
+        if self.cpu_assist not in ("auto", "on", "off"):
+            raise ValueError(f"cpu_assist must be auto, on or off, got {self.cpu_assist!r}")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must not be negative, got {self.shutdown_grace_s}")
         if self.peers is not None:
@@ -163,7 +171,23 @@ class Config:
         return 256 if device.type == "cpu" else 512
 
     def resolved_threads(self) -> int:
-        return self.threads or int(os.environ.get("ASYNCSERVE_THREADS", 0)) or os.cpu_count() or 1
+        """torch threads: all cores, less those given to CPU LoRA workers by --cpu-workers."""
+        cores = max(1, (os.cpu_count() or 1) - (self.cpu_workers or 0))
+        return self.threads or int(os.environ.get("ASYNCSERVE_THREADS", 0)) or cores
+
+    def resolved_cpu_workers(self, device: torch.device) -> int:
+        """CPU LoRA worker processes to start: 0 with cpu_assist off; at least 1 with it on."""
+        from asyncserve.stepper.assist import default_workers
+
+        if self.cpu_assist == "off":
+            return 0
+        if self.cpu_workers is not None:
+            return self.cpu_workers
+        auto = default_workers(device, self.resolved_threads() if device.type == "cpu" else 1)
+        return max(auto, 1) if self.cpu_assist == "on" else auto
+
+    def resolved_cpu_profile_dir(self) -> Path:
+        return Path(self.cpu_profile_dir or "~/.cache/asyncserve/cpu-profiles").expanduser()
 
     def host_adapter_bytes(self) -> int:
         """The host tier's size: host_adapter_mem, else a quarter of RAM; at most what /dev/shm has free

@@ -33,6 +33,7 @@ from asyncserve.scheduler.policy import PolicySettings
 from asyncserve.scheduler.scheduler import Scheduler
 from asyncserve.sequence import SeqStatus, Sequence
 from asyncserve.step import Failure, SeqUpdate, StepPlan, StepResult
+from asyncserve.stepper.assist import CpuAssist
 from asyncserve.stepper.runner import ModelRunner, make_lora_backend
 from asyncserve.structured import GuideCompiler, StructuredOutputError
 from ipc import cleanup_stale
@@ -83,6 +84,9 @@ class LoadSnapshot:
     adapter_loads_total: int           # page-ins into the pool so far
     prefix_queried_tokens: int         # prompt tokens of admissions that looked up the prefix cache
     prefix_hit_tokens: int             # of those, tokens found cached
+    cpu_workers: int = 0               # live CPU LoRA workers
+    cpu_assist_tokens: int = 0         # tokens whose LoRA the CPU workers computed so far
+    cpu_worker_restarts: int = 0       # workers replaced after dying or missing a deadline
 
 
 @dataclass(frozen=True)
@@ -152,6 +156,14 @@ class Engine:
             self.register_adapter_dir(config.adapter_dir)
         for name in config.pinned_adapters:
             self.pin_adapter(name)
+        self.assist: CpuAssist | None = None
+        workers = config.resolved_cpu_workers(self.device)
+        if workers:       # last: nothing after it can fail and leave the workers running
+            self.assist = CpuAssist(self.pager.arena, mc, workers, self.dtype, self.device,
+                                    self.scheduler.max_step_tokens, config.resolved_cpu_profile_dir(), weights)
+            self.runner.assist = self.assist
+            self.scheduler.cold_admission = self._assist_pays
+            log.info("CPU assist %s: %d workers", config.cpu_assist, self.assist.live)
 
     # ---- adapters ----------------------------------------------------------------------------
     def check_adapter_name(self, name: str) -> None:
@@ -429,11 +441,12 @@ class Engine:
     # ---- the step: schedule -> run -> postprocess ------------------------------------------------
     def schedule(self) -> StepPlan:
         """The next step's plan (empty: nothing can run now; see fail_unschedulable). A plan the policy
-        wants merged runs unmerged instead where the adapter cannot be merged (merge_refusal) or its
-        chunks hold two loads of the name (reloaded while old requests run; the policy, which refuses
-        merges by merge_refusal, sees the plan as merged for that step): same tokens, LoRA computed."""
+        wants merged runs unmerged instead where the adapter cannot be merged (merge_refusal), its
+        chunks hold two loads of the name (reloaded while old requests run) or its rows are not on the
+        device yet (the CPU workers assist it; a merge reads the pool): same tokens, LoRA computed. (The
+        policy, which refuses merges by merge_refusal, sees such a rare step as merged.)"""
         plan = self.scheduler.schedule()
-        if plan.merged is not None and (self.merge_refusal(plan.merged) is not None or
+        if plan.merged is not None and (self.merge_refusal(plan.merged) is not None or plan.assisted or
                                         {c.seq.adapter_load for c in plan.chunks} != {self.pager.registration(plan.merged)}):
             plan.merged = None
         return plan
@@ -504,6 +517,22 @@ class Engine:
         merger = self.runner.merger
         return MergeStats(self.merged_adapter, merger.switches, dict(merger.seconds), dict(self._mode_seconds))
 
+    def _assist_pays(self, seq: Sequence, tokens: int) -> bool:
+        """Whether seq, whose adapter is not on the device, starts now with CPU assist (the scheduler's
+        cold_admission): always with --cpu-assist on (while a worker lives); with auto when the
+        workers' predicted stall over the chunk is below the wait for the adapter's load, i.e. its
+        copy to the device, plus a step if the pool has no room for it now (room comes only as
+        running requests finish, so that is the least it waits)."""
+        if self.assist.live < 1:
+            return False
+        if self.config.cpu_assist == "on":
+            return True
+        reg = self.pager.registry[seq.adapter]
+        wait = self.assist.copy_seconds(reg.host_bytes)
+        if self.pool.num_free + self.pager.idle_pages() < reg.footprint:
+            wait += self.latency.predict([(tokens, seq.adapter_rank)])
+        return self.assist.pays(reg.ranks, tokens, wait)
+
     def step(self) -> list[SeqUpdate]:
         failed = self._load_parked() if self.parked else []
         failed += self.abort_unattainable()
@@ -548,7 +577,9 @@ class Engine:
         return self.pager.device_hits
 
     def close(self) -> None:
-        """Free what outlives the process otherwise: the host tier's shared memory."""
+        """Free what outlives the process otherwise: the CPU workers, the host tier's shared memory."""
+        if self.assist is not None:
+            self.assist.close()
         self.pager.close()
 
     @property
@@ -565,7 +596,10 @@ class Engine:
         return LoadSnapshot(waiting=len(s.waiting) + self.num_parked, running=len(s.running), pool=self.pool_stats(),
                             adapter_loads_total=self.pager.loads_total,
                             prefix_queried_tokens=blocks.prefix_queried_tokens,
-                            prefix_hit_tokens=blocks.prefix_hit_tokens)
+                            prefix_hit_tokens=blocks.prefix_hit_tokens,
+                            **({} if self.assist is None else dict(
+                                cpu_workers=self.assist.live, cpu_assist_tokens=self.assist.tokens_total,
+                                cpu_worker_restarts=self.assist.restarts)))
 
 
 def _rank_chunks(plan: StepPlan) -> list[tuple[int, int]]:

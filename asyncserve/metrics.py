@@ -115,6 +115,12 @@ class Metrics:
         self.prefix_cached_pages = Gauge("asyncserve_prefix_cache_pages",
                                          "Free pool pages still holding cached blocks (counted in kind=free)",
                                          registry=r)
+        self.cpu_workers = Gauge("asyncserve_cpu_workers", "Live CPU LoRA worker processes (CPU assist)", registry=r)
+        self.cpu_assist_tokens = Counter("asyncserve_cpu_assist_tokens", "Tokens whose LoRA the CPU workers "
+                                         "computed while their adapter was not on the device", registry=r)
+        self.cpu_worker_restarts = Counter("asyncserve_cpu_worker_restarts", "CPU LoRA workers replaced after "
+                                           "dying or missing a job's deadline", registry=r)
+        self._cpu_seen = (0, 0)
         # cluster mode
         self.peers_alive = Gauge("asyncserve_peers_alive", "Peers heard from lately (cluster mode)", registry=r)
         self.requests_forwarded = Counter("asyncserve_requests_forwarded",
@@ -158,6 +164,10 @@ class Metrics:
         self.prefix_queried.inc(load.prefix_queried_tokens - self._prefix_seen[0])
         self.prefix_hits.inc(load.prefix_hit_tokens - self._prefix_seen[1])
         self._prefix_seen = (load.prefix_queried_tokens, load.prefix_hit_tokens)
+        self.cpu_workers.set(load.cpu_workers)
+        self.cpu_assist_tokens.inc(load.cpu_assist_tokens - self._cpu_seen[0])
+        self.cpu_worker_restarts.inc(load.cpu_worker_restarts - self._cpu_seen[1])
+        self._cpu_seen = (load.cpu_assist_tokens, load.cpu_worker_restarts)
         self._observe_merge(engine.merge_stats())
 
     def _observe_merge(self, m) -> None:

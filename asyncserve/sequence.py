@@ -29,6 +29,7 @@ class Sequence:
     num_preemptions: int = 0
     migrations: int = 0                 # times moved between servers for load (cluster mode)
     adapter_load: int | None = None     # while running: which load of the adapter it holds (AdapterPager)
+    cold: bool = False                  # running while that load is not on the device: CPU workers compute its LoRA
     adapter_rank: int = 0               # its adapter's largest rank (0: base model), for step-time estimates
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

@@ -37,6 +37,9 @@ class StepPlan:
     # (its chunks then need no LoRA compute, and the plan holds no other adapter's or base chunks);
     # None: the base weights, every adapter's LoRA computed unmerged
     merged: str | None = None
+    # CPU assist (CaraServe §4): adapter loads whose LoRA the CPU workers compute this step, from the host
+    # tier, because they are not on the device (or their copy there waits until after this step)
+    assisted: frozenset[int] = frozenset()
 
     @property
     def chunks(self) -> list[ScheduledChunk]:

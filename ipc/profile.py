@@ -12,8 +12,8 @@ one profile per CPU model serves every model; ``python -m ipc.profile --out DIR`
 
 Decision (the ``auto`` mode): while an adapter loads, each layer job of its prefill overlaps the
 device's own computation of that group (``device_seconds``); the workers delay the step only by
-what they take beyond it. Assisting pays when that total stall is below the load time the request
-would otherwise wait.
+what they take beyond it, and by at least each job's fixed cost, which the server thread pays.
+Assisting pays when that total stall is below the load time the request would otherwise wait.
 """
 from __future__ import annotations
 
@@ -135,12 +135,14 @@ def should_assist(profile: WorkerProfile, tokens: int, jobs: list[tuple[float, f
                   available: int) -> AssistDecision:
     """jobs: (macs_per_token, device_seconds) of every layer job of the prefill, device_seconds being
     the device's own time for that group (the window a job overlaps). Assist when the stall it adds
-    is below ``load_seconds``, the wait for the adapter's load otherwise."""
+    is below ``load_seconds``, the wait for the adapter's load otherwise. A job's fixed cost
+    (overhead_s: x into shared memory, the signals, adding the deltas) is the server thread's own
+    and never overlaps."""
     if available < 1 or tokens < 1:
         return AssistDecision(False, 0, math.inf)
 
     def stall(k: int) -> float:
-        return sum(max(0.0, profile.predict(tokens, m, k) - device_s) for m, device_s in jobs)
+        return sum(max(profile.overhead_s, profile.predict(tokens, m, k) - device_s) for m, device_s in jobs)
 
     k = min(range(1, min(available, tokens) + 1), key=lambda k: (stall(k), k))
     return AssistDecision(stall(k) < load_seconds, k, stall(k))

@@ -108,6 +108,7 @@ class AdapterPager:
         self.host_capacity = self.arena.allocator.free_bytes         # bytes for blocks, past the directory
         self.host: OrderedDict[str, HostAdapter] = OrderedDict()
         self._blocks: dict[int, AdapterHandle] = {}
+        self._ranks: dict[int, list[int]] = {}                           # by load, until its block goes
         # device tier
         self.resident: OrderedDict[int, DeviceAdapter] = OrderedDict()   # by load; LRU order: oldest first
         self.refs: dict[int, int] = {}                                   # by load: running sequences using it
@@ -137,6 +138,7 @@ class AdapterPager:
         reg = Registration(info.name, info.path, list(info.ranks), info.file_bytes, host_bytes, footprint,
                            self._loads_total, pinned)
         self.registry[info.name] = reg
+        self._ranks[reg.load] = reg.ranks
         return reg
 
     def add(self, adapter: HostAdapter, pinned: bool = False) -> None:
@@ -252,7 +254,13 @@ class AdapterPager:
         reg = self.registry.get(name)
         return self._blocks.get(reg.load) if reg is not None and name in self.host else None
 
+    def load_ranks(self, load: int) -> list[int]:
+        """The ranks of a load (PROJECTIONS order), also after its name was unloaded or reloaded."""
+        return self._ranks[load]
+
     def _release_block(self, load: int) -> None:
+        if load not in self._live:
+            self._ranks.pop(load, None)
         handle = self._blocks.pop(load, None)
         if handle is not None:
             self.arena.release(handle)
@@ -344,6 +352,15 @@ class AdapterPager:
         self.resident.move_to_end(load)
         return self.resident[load]
 
+    def hold(self, load: int) -> None:
+        """A running sequence holds ``load`` without it being resident (CPU-assisted): its host block
+        stays, and it is never evicted while held, like an acquired one."""
+        self.refs[load] = self.refs.get(load, 0) + 1
+
+    def host_block(self, load: int) -> AdapterHandle | None:
+        """The arena handle of a load's host copy (held loads keep theirs); None when it has none."""
+        return self._blocks.get(load)
+
     def release(self, load: int) -> None:
         self.refs[load] -= 1
         if self.refs[load] == 0:
@@ -377,16 +394,22 @@ class AdapterPager:
                              b_ptr=ptr[1].contiguous().to(dev),
                              scaling=adapter.scaling.to(dev), pages=pages, generation=self._generation)
 
-    def write_pending(self) -> None:
+    def write_pending(self, hold: frozenset[int] = frozenset()) -> None:
         """Copy the rows of adapters paged in since the last call. Runs in the stepper's thread before
-        the step that first uses them; the event loop may append meanwhile."""
+        the step that first uses them; the event loop may append meanwhile. The copies of the loads in
+        ``hold`` (CPU-assisted this step) wait for the next call, off this step's path."""
         pool = self.pool
+        held = []
         while True:
             try:
-                load, device, adapter, placements, since = self.pending.popleft()
+                page_in = self.pending.popleft()
             except IndexError:
-                return
+                break
+            load, device, adapter, placements, since = page_in
             if self.resident.get(load) is not device:    # evicted before its copy: its pages may hold KV now
+                continue
+            if load in hold:
+                held.append(page_in)
                 continue
             if pool.device.type == "cpu":                 # straight into the pages
                 target, page_of = pool.data, device.pages
@@ -407,3 +430,4 @@ class AdapterPager:
             if page_of is None:
                 pool.data[torch.tensor(device.pages, device=pool.device)] = target.to(pool.device)
             self.load_times.append(("host", device.name, time.perf_counter() - since))
+        self.pending.extendleft(reversed(held))

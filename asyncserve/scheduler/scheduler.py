@@ -9,6 +9,13 @@ free page evicts idle adapters, then preempts the most recently admitted sequenc
 return to the pool; it is recomputed from its tokens when readmitted (Punica's cancel+recompute).
 postprocess() appends sampled tokens, applies stop conditions and frees finished sequences.
 
+With CPU assist (``cold_admission``, CaraServe §4), a sequence whose adapter is not on the device is
+admitted at once when the engine says assisting pays: its adapter is paged in if it fits (the copy
+waits until after this step) and the CPU workers compute its LoRA meanwhile (StepPlan.assisted);
+if it does not fit the sequence runs cold, prefill and decodes alike, until a later step finds room.
+Decodes are assisted too, because a cold sequence that stopped after its prefill would hold its KV
+pages while waiting for pages for its adapter, which a full pool may never free.
+
 The KV pages and the prefix cache are the BlockManager's (block_manager.py); the text and the stop
 rules are the OutputProcessor's (output.py).
 """
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from typing import Callable
 
 from asyncserve.model.tokenizer import Tokenizer
 from asyncserve.pager.pager import AdapterPager
@@ -33,6 +41,10 @@ class Scheduler:
     def __init__(self, pool: PagedPool, pager: AdapterPager, tokenizer: Tokenizer, policy: SchedulingPolicy,
                  max_running: int, max_step_tokens: int, max_model_len: int, prefix_caching: bool = True):
         self.pager = pager
+        # set by the engine when it has CPU workers: cold_admission(seq, tokens), whether to admit seq,
+        # whose adapter is not on the device, with CPU assist for a first chunk of about ``tokens``
+        self.cold_admission: Callable[[Sequence, int], bool] | None = None
+        self._assisted: set[int] = set()             # this schedule's StepPlan.assisted
         self.policy = policy
         self.max_running = max_running
         self.max_step_tokens = max_step_tokens
@@ -82,6 +94,11 @@ class Scheduler:
     def _plan(self, rule: StepRule) -> StepPlan:
         plan = StepPlan(merged=rule.merged)
         budget = self.max_step_tokens
+        self._assisted = set()
+        # 0. cold sequences go to the device path once their adapter fits (the copy is on this step's path)
+        for seq in self.running:
+            if seq.cold and not self._warm_up(seq):
+                self._assisted.add(seq.adapter_load)
         # 1. decodes of running sequences the rule allows, preempting the newest when pages run out
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING or seq.in_prefill or not rule.allows(seq.adapter):
@@ -115,25 +132,48 @@ class Scheduler:
         key = lambda c: (c.seq.adapter or "", c.seq.adapter_load or 0)  # noqa: E731 — one segment per adapter
         plan.decodes.sort(key=key)
         plan.prefills.sort(key=key)
+        plan.assisted = frozenset(self._assisted)
         return plan
+
+    def _warm_up(self, seq: Sequence) -> bool:
+        """Page a cold sequence's adapter in if it fits now (not if its name was reloaded since: it keeps
+        the load it began with, on the workers); True once resident."""
+        if self.pager.registration(seq.adapter) != seq.adapter_load:
+            return False
+        seq.cold = self.pager.ensure_resident(seq.adapter, admission=False) is None
+        return not seq.cold
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Admit seq with a first chunk of at most ``budget`` tokens past its cached prefix; returns the
         chunk's size, 0 if it does not fit now."""
         if seq.adapter is not None:
-            if self.pager.ensure_resident(seq.adapter) is None:
+            load = self.pager.registration(seq.adapter)
+            if self._admit_cold(seq, load, budget):
+                seq.cold = self.pager.ensure_resident(seq.adapter) is None   # its copy waits: plan.assisted
+                self._assisted.add(load)
+                self.pager.hold(load)
+            elif self.pager.ensure_resident(seq.adapter) is None:
                 return 0
-            seq.adapter_load = self.pager.registration(seq.adapter)
-            self.pager.acquire(seq.adapter_load)     # held from here so making room for KV cannot evict it
+            else:
+                self.pager.acquire(load)     # held from here so making room for KV cannot evict it
+            seq.adapter_load = load
         first_chunk = self.blocks.allocate_first_chunk(seq, budget)
         if not first_chunk:
             if seq.adapter is not None:
                 self.pager.release(seq.adapter_load)
+            seq.cold = False
             return 0
         self.waiting.remove(seq)
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
         return first_chunk
+
+    def _admit_cold(self, seq: Sequence, load: int, budget: int) -> bool:
+        """Whether seq starts with CPU assist: its adapter is not on the device (or its copy there waits
+        for this step's end) and the engine's rule says so."""
+        if self.cold_admission is None or (self.pager.is_resident(seq.adapter) and load not in self._assisted):
+            return False
+        return self.cold_admission(seq, min(budget, seq.num_tokens - seq.num_computed))
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Like BlockManager.reserve, but preempts the newest running sequences until it fits."""
@@ -156,6 +196,7 @@ class Scheduler:
             self.running.remove(seq)
             if seq.adapter is not None:
                 self.pager.release(seq.adapter_load)
+        seq.cold = False
         self.blocks.free(seq)
 
     def _finish(self, seq: Sequence, reason: str) -> None:

@@ -17,6 +17,7 @@ from asyncserve.pager.pager import AdapterPager
 from asyncserve.pager.pool import PagedPool
 from asyncserve.step import StepPlan, StepResult
 from asyncserve.stepper.merge import WeightMerger, merged_load
+from asyncserve.stepper.assist import AssistedLora, CpuAssist
 from asyncserve.stepper.sampler import SamplingRow, sample, token_logprobs
 
 
@@ -38,6 +39,7 @@ class ModelRunner:
     def __init__(self, config: ModelConfig, weights: LlamaWeights, pool: PagedPool, pager: AdapterPager,
                  lora: LoraBackend, eos_token_ids: list[int]):
         self.config = config
+        self.assist: CpuAssist | None = None         # CPU LoRA workers for cold adapters (Engine sets them)
         self.weights = weights
         self.pool = pool
         self.pager = pager
@@ -51,12 +53,17 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
-        self.pager.write_pending()
+        self.pager.write_pending(hold=plan.assisted)
         # after the page-ins: a merge reads the adapter's rows; the switch is timed apart from the step
         switch_s = self.merger.switch(merged_load(plan), self.pager.resident)
-        inputs, lora_batch, rows, prompt_rows = self._prepare(plan)
+        inputs, lora_batch, rows, prompt_rows, cold = self._prepare(plan)
         self.lora.begin_step(lora_batch)
-        logits = forward(self.weights, self.config, self.rope, self.pool.kv_view(), inputs, self.lora)
+        lora = self.lora
+        if self.assist is not None:
+            self.assist.begin_step(*cold)
+            if self.assist.active:
+                lora = AssistedLora(self.assist, self.lora)
+        logits = forward(self.weights, self.config, self.rope, self.pool.kv_view(), inputs, lora)
         sampled = sample(logits[:len(rows)], rows)
         prompt_logprobs = self._prompt_logprobs(logits[len(rows):], prompt_rows) if prompt_rows.owners else {}
         if self.device.type == "cuda":
@@ -73,12 +80,15 @@ class ModelRunner:
             i += count
         return out
 
-    def _prepare(self, plan: StepPlan) -> tuple[StepInputs, LoraBatch | None, list[SamplingRow], PromptRows]:
+    def _prepare(self, plan: StepPlan) -> tuple[StepInputs, LoraBatch | None, list[SamplingRow], PromptRows, tuple]:
+        """Also returns the CPU-assisted rows: (tasks [(host block, row0, row1, ranks)] over the cold
+        rows, the cold rows' indices in the step)."""
         bs = self.pool.block_size
         ids, positions, write_rows, sample_index, rows = [], [], [], [], []
         prompt_index, prompt_rows = [], PromptRows()
         prefills = []
         seg_starts, seg_adapter, adapters, adapter_index = [0], [], [], {}
+        cold_tasks, cold_rows = [], []
         nd = len(plan.decodes)
         for i, chunk in enumerate(plan.chunks):
             seq = chunk.seq
@@ -105,8 +115,11 @@ class ModelRunner:
                                              torch.tensor(seq.block_table, dtype=torch.int64, device=self.device)))
             # LoRA segments: consecutive chunks of one adapter merge into one segment
             a = -1
+            if seq.adapter_load in plan.assisted:          # the workers add its LoRA: no device LoRA
+                _add_cold_rows(cold_tasks, cold_rows, self.pager.host_block(seq.adapter_load), start, len(ids),
+                               self.pager.load_ranks(seq.adapter_load))
             # by load: a reloaded name may run old and new weights at once; a merged one needs no LoRA
-            if seq.adapter is not None and plan.merged is None:
+            elif seq.adapter is not None and plan.merged is None:
                 if seq.adapter_load not in adapter_index:
                     adapter_index[seq.adapter_load] = len(adapters)
                     adapters.append(self.pager.resident[seq.adapter_load])
@@ -143,4 +156,15 @@ class ModelRunner:
         if adapters:
             lora_batch = LoraBatch(adapters=adapters, seg_starts=seg_starts, seg_adapter=seg_adapter,
                                    num_tokens=len(ids), device=dev, num_decode=nd)
-        return inputs, lora_batch, rows, prompt_rows
+        return inputs, lora_batch, rows, prompt_rows, (cold_tasks, cold_rows)
+
+
+def _add_cold_rows(tasks: list, rows: list[int], handle, start: int, end: int, ranks: list[int]) -> None:
+    """Step rows [start, end) of one adapter join the cold rows; a run of its rows right after its
+    previous run merges into that task."""
+    r0 = len(rows)
+    rows.extend(range(start, end))
+    if tasks and tasks[-1][0] == handle and tasks[-1][2] == r0:
+        tasks[-1] = (handle, tasks[-1][1], len(rows), ranks)
+    else:
+        tasks.append((handle, r0, len(rows), ranks))
