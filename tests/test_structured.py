@@ -321,7 +321,7 @@ def test_the_constraint_wins_over_allowed_tokens_and_bad_words(llm):
 
     engine = llm.engine
     seqs = [engine.make_sequence(ids, SamplingParams(max_tokens=8, structured_outputs=StructuredOutputs(regex="[a-z]+")),
-                                 None), engine.make_sequence(ids, SamplingParams(max_tokens=8), None)]
+                                 None), engine.make_sequence(ids, SamplingParams(max_tokens=8, ignore_eos=True), None)]
     for seq in seqs:
         engine.add(seq)
     engine.step()
