@@ -1,6 +1,6 @@
 """Native CPU kernels for the decode step (C++, built on first use with torch.utils.cpp_extension).
 
-The build is cached per source, torch version, Python version and CPU flags under
+The build is cached per source (and its folder), torch version, Python version and CPU flags under
 ``$XDG_CACHE_HOME/asyncserve/kernels/<key>`` (``~/.cache`` by default) and compiled with
 ``-march=native``, so each CPU gets its own vector width (AVX-512, AVX2, ...). ``scripts/setup.sh``
 builds it ahead of the first request. Without a compiler, or if the build fails, ``library()`` is
@@ -45,8 +45,10 @@ def _cpu_flags() -> str:
 
 
 def build_key() -> str:
-    """What the compiled library depends on: sources, flags, torch, Python and the CPU's features."""
-    h = hashlib.sha256()
+    """What the compiled library depends on: sources, flags, torch, Python and the CPU's features; and
+    where the sources are, since the build files name them (two checkouts sharing one folder would
+    rebuild it each time the other loads it)."""
+    h = hashlib.sha256(str(SOURCE_DIR).encode())
     for path in sorted(SOURCE_DIR.glob("*.[ch]*")):
         if path.suffix in (".cpp", ".h"):
             h.update(path.name.encode() + path.read_bytes())
