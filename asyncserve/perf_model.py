@@ -37,6 +37,10 @@ class PerfCoefficients(msgspec.Struct, frozen=True):
     source: str = ""                   # where the numbers come from
 
 
+# A node's step model until it has fitted its own steps: a guess, several times off on a slow CPU.
+STEP_TIME_PRIOR = PerfCoefficients(beta=0.02, alpha_token=2e-4, alpha_rank=0.0, source="prior")
+
+
 class StepSample(NamedTuple):
     tokens: int
     rank_work: float
@@ -113,6 +117,12 @@ def adapter_load_seconds(c: PerfCoefficients, rank: int, tier: str | None) -> fl
     if tier == "host":
         return host
     return host + c.load_disk_fixed_s + c.load_disk_s_per_rank * rank
+
+
+def fetch_backlog_seconds(c: PerfCoefficients, cold_ranks: list[int], fetchers: int) -> float:
+    """Time until the adapters waiting to be read from disk (their ranks) are all loaded, `fetchers`
+    of them at a time: what a request parked behind them waits before its own work starts."""
+    return sum(adapter_load_seconds(c, rank, None) for rank in cold_ranks) / max(fetchers, 1)
 
 
 def expected_remaining_tokens(generated: int, mean_output: float, max_tokens: int) -> int:

@@ -29,18 +29,18 @@ import msgspec
 from asyncserve.cluster.auth import PeerSigner, PeerVerifier
 from asyncserve.cluster.membership import Membership, PeerState
 from asyncserve.cluster.messages import AdapterTiers, Digest, ForwardedRequest, ForwardLine, Moved
-from asyncserve.cluster.migration import Candidate, CoMigrator
-from asyncserve.cluster.routing import POLICIES, RouteRequest, Router
+from asyncserve.cluster.migration import MAX_MIGRATIONS, Candidate, CoMigrator
+from asyncserve.actors.pager import FETCHERS
+from asyncserve.cluster.routing import POLICIES, RouteRequest, Router, cluster_coefficients
 from asyncserve.engine import RequestError
 from asyncserve.messages import Export, Submit, TokenEvent
-from asyncserve.perf_model import QueuedWork, expected_remaining_tokens, pending_seconds
+from asyncserve.perf_model import QueuedWork, expected_remaining_tokens, fetch_backlog_seconds, pending_seconds
 from asyncserve.sequence import Sequence
 from asyncserve.step import Failure
 
 log = logging.getLogger("asyncserve.cluster")
 
 MAX_RESUBMITS = 4          # peers a request may lose before it fails
-MAX_MIGRATIONS = 2         # times one request may be moved for load: never ping-pong
 RESPONSE_LINE_LIMIT = 64 * 2**20
 _line_decoder = msgspec.json.Decoder(ForwardLine)
 
@@ -88,7 +88,9 @@ class ClusterActor:
         self.membership.self_id = self.node_id
         self.signer = PeerSigner(config.cluster_key)
         self.verifier = PeerVerifier(config.cluster_key)
-        self.router = Router(self.node_id, POLICIES[config.dispatch](), horizon_s=self.interval)
+        # a request sent up to an interval before a peer's digest arrived may not be in it yet (the
+        # digest was made before it arrived there): it stays counted until a later digest
+        self.router = Router(self.node_id, POLICIES[config.dispatch](), settle_s=self.interval, horizon_s=self.interval)
         self.migrator = CoMigrator(threshold_s=config.migration_threshold_s) if config.migration_threshold_s > 0 else None
         self.rebalance_every_s = max(1.0, 5 * self.interval)
         self.forwards: dict[str, Forward] = {}     # request id -> its Forward (clients here, run elsewhere)
@@ -146,22 +148,27 @@ class ClusterActor:
         load = engine.load_snapshot()
         seqs = engine.unfinished()
         running = seqs[:load.running]
-        c = engine.latency.coefficients
+        parked = [seq for waiting in engine.parked.values() for seq in waiting]   # their adapters are on disk
+        c = cluster_coefficients(engine.latency.coefficients, engine.latency.measured,
+                                 engine.pager.mean_load_seconds.get("disk"),
+                                 [d for node_id, d in self.router.view.digests.items() if node_id != self.node_id])
         mean = self.server.scheduler.mean_output
         queue = [QueuedWork(seq.num_tokens - seq.num_computed if seq.in_prefill else 0,
                             expected_remaining_tokens(len(seq.output_ids), mean, seq.params.max_tokens),
-                            seq.adapter_rank) for seq in seqs]
+                            seq.adapter_rank) for seq in seqs + parked]
+        cold = [waiting[0].adapter_rank for waiting in engine.parked.values() if waiting]
         tiers = engine.adapter_tiers()
         self._seq += 1
         return Digest(node_id=self.node_id, url=self.url, seq=self._seq, timestamp=time.time(),
                       waiting=load.waiting, running=load.running,
-                      pending_seconds=pending_seconds(c, queue, engine.max_running),
+                      pending_seconds=pending_seconds(c, queue, engine.max_running)
+                      + fetch_backlog_seconds(c, cold, FETCHERS),
                       free_pages=load.pool.free, page_tokens=engine.pool.block_size, max_running=engine.max_running,
                       running_rank_sum=sum(s.adapter_rank for s in running),
                       running_rank_max=max((s.adapter_rank for s in running), default=0),
                       adapters=AdapterTiers(device=sorted(n for n, (t, _) in tiers.items() if t == "device"),
                                             host=sorted(n for n, (t, _) in tiers.items() if t == "host")),
-                      coefficients=c, routed_per_s=self.router.arrivals.rate(time.monotonic()))
+                      coefficients=c, measured=engine.latency.measured, routed_per_s=self.router.arrivals.rate(time.monotonic()))
 
     async def _push(self, digest: Digest) -> None:
         """The digest to every peer (dead ones too, so they can rejoin); a peer that does not answer

@@ -30,6 +30,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from asyncserve.cluster.routing import NodeLoad
 from asyncserve.perf_model import QueuedWork, adapter_load_seconds, request_work_seconds
 
+MAX_MIGRATIONS = 2     # times one request may be moved for load: never ping-pong
 MOVE_PRICE = 1e-4      # objective units (seconds) per recomputed token: breaks ties towards staying
 
 
