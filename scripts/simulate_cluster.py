@@ -328,7 +328,7 @@ class SimNode:
             stays_prefill = req.prefill_left if req in self.running else req.prompt + req.generated
             out.append(Candidate(str(req.rid), self.id, req.adapter, req.rank, stays_prefill,
                                  req.prompt + req.generated,
-                                 expected_remaining_tokens(req.generated, mean, cap)))
+                                 expected_remaining_tokens(req.generated, mean, cap), req.migrations))
         return out
 
 
@@ -425,7 +425,7 @@ class Simulation:
             if now < node.next_rebalance:
                 continue
             loads = self.views[node_id].loads()
-            if node_id not in {n.node_id for n in self.migrator.overloaded(loads)}:
+            if self.migrator.mover(loads) != node_id:
                 continue
             candidates = node.candidates(self.args.migrate_candidates)
             if not candidates:

@@ -357,7 +357,8 @@ class ClusterActor:
                 continue
             out.append(Candidate(seq.request_id, self.node_id, seq.adapter, seq.adapter_rank,
                                  seq.num_tokens - seq.num_computed if seq.in_prefill else 0, seq.num_tokens,
-                                 expected_remaining_tokens(len(seq.output_ids), mean, seq.params.max_tokens)))
+                                 expected_remaining_tokens(len(seq.output_ids), mean, seq.params.max_tokens),
+                                 seq.migrations))
         return out
 
     async def _rebalance(self) -> None:
@@ -365,7 +366,7 @@ class ClusterActor:
         busiest: the MILP (in a worker thread: it may take up to its time limit) picks the moves."""
         live = self.live_nodes()
         loads = [n for n in self.router.view.loads() if n.node_id in live]
-        if self.node_id not in {n.node_id for n in self.migrator.overloaded(loads)}:
+        if self.migrator.mover(loads) != self.node_id:
             return
         candidates = self.candidates(self.migrator.top_k_requests)
         if not candidates:
@@ -379,10 +380,12 @@ class ClusterActor:
             log.info("migration: %d moves, makespan %.2f s -> %.2f s (MILP %.1f ms)", len(plan.moves),
                      plan.makespan_before, plan.makespan_after, plan.solve_seconds * 1e3)
             self._next_rebalance += 2 * self.rebalance_every_s     # let the digests show the moves first
-        for _, node in plan.loads:
-            self.metrics.migrations.labels("adapter").inc()
-        for move in plan.moves:
-            await self.move(move.request_id, move.target)
+        adapter_of = {c.request_id: c.adapter for c in candidates}
+        moved = {(adapter_of[move.request_id], move.target) for move in plan.moves
+                 if await self.move(move.request_id, move.target)}
+        for load in plan.loads:             # the adapter loads that moves made happen
+            if load in moved:
+                self.metrics.migrations.labels("adapter").inc()
 
     async def move(self, request_id: str, target: str) -> bool:
         """Move one of this node's requests to peer `target` (the node id); False if it is no longer

@@ -43,6 +43,7 @@ class Candidate:
     prefill_tokens: int                # still to prefill where it is
     context_tokens: int                # prompt + output so far: what a move recomputes
     decode_tokens: int                 # expected output still to come
+    migrations: int = 0                # times it has been moved already
 
 
 @dataclass
@@ -85,15 +86,18 @@ def build_problem(nodes: list[NodeLoad], candidates: list[Candidate], budget_tok
     col = {node: j for j, node in enumerate(ids)}
     base = np.array([n.pending_seconds for n in nodes], dtype=np.float64)
     work = np.zeros((len(candidates), len(nodes)))
+    # a node that holds a candidate has its adapter, or is fetching it for it already (a cost in its
+    # pending time): staying, or another candidate joining it there, loads nothing (issue #16)
+    held = {(c.adapter, c.source) for c in candidates}
     adapters = sorted({c.adapter for c in candidates if c.adapter is not None
-                       and any(c.adapter not in n.device for n in nodes)})
+                       and any(c.adapter not in n.device and (c.adapter, n.node_id) not in held for n in nodes)})
     row = {a: k for k, a in enumerate(adapters)}
     needs_load = np.zeros((len(adapters), len(nodes)), dtype=bool)
     load = np.zeros((len(adapters), len(nodes)))
     rank_of = {c.adapter: c.rank for c in candidates}
     for k, a in enumerate(adapters):
         for j, n in enumerate(nodes):
-            needs_load[k, j] = a not in n.device
+            needs_load[k, j] = a not in n.device and (a, n.node_id) not in held
             load[k, j] = adapter_load_seconds(n.coefficients, rank_of[a], n.tier(a))
     for i, c in enumerate(candidates):
         for j, n in enumerate(nodes):
@@ -178,6 +182,14 @@ class CoMigrator:
         self.budget_tokens = budget_tokens
         self.time_limit_s = time_limit_s
 
+    def mover(self, nodes: list[NodeLoad]) -> str | None:
+        """The one node that moves its requests this round: the busiest, if the spread passes the
+        threshold. Each node plans alone on the same digests: were every overloaded node to move in
+        the same round, each would fill the same least-loaded targets as if it were the only one,
+        overshooting them, and they would move the requests on (issue #16)."""
+        sources = self.overloaded(nodes)
+        return sources[0].node_id if sources else None
+
     def overloaded(self, nodes: list[NodeLoad]) -> list[NodeLoad]:
         """The sources of a migration round: the top-K by pending time, if the spread between the
         most and least loaded passes the threshold (dLoRA triggers only on a real imbalance)."""
@@ -198,7 +210,11 @@ class CoMigrator:
         involved = [n for n in nodes if n.node_id in sources] + targets
         if not candidates or not targets:
             return MigrationPlan()
-        candidates = sorted(candidates, key=lambda c: -(c.prefill_tokens + c.decode_tokens))[:self.top_k_requests]
+        # never past the cap; a request moved already (recomputed once, and its target's newest) last
+        candidates = sorted((c for c in candidates if c.migrations < MAX_MIGRATIONS),
+                            key=lambda c: (c.migrations, -(c.prefill_tokens + c.decode_tokens)))[:self.top_k_requests]
+        if not candidates:
+            return MigrationPlan()
         p = build_problem(involved, candidates, self.budget_tokens)
         stay = p.base.copy()
         np.add.at(stay, p.source, p.work[np.arange(len(candidates)), p.source])
