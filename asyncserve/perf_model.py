@@ -152,6 +152,16 @@ def pending_seconds(c: PerfCoefficients, queue: Iterable[QueuedWork], max_runnin
     return sum(request_work_seconds(c, w, batch, max_rank) for w in queue)
 
 
+def drain_seconds(c: PerfCoefficients, runnable: list[QueuedWork], parked: list[QueuedWork], fetch_s: float,
+                  max_running: int) -> float:
+    """Predicted time to drain a node whose `parked` requests wait `fetch_s` for their adapters to be
+    read from disk: no sooner than all its work, nor than the reads plus the parked requests' work.
+    The reads overlap the runnable work (adding them on top would show a busy node's reads as an
+    imbalance that moving requests cannot remove: migration thrash in the simulator)."""
+    everything = pending_seconds(c, runnable + parked, max_running)
+    return max(everything, fetch_s + pending_seconds(c, parked, max_running)) if parked else everything
+
+
 class StepLatencyModel:
     """The engine's live step-time model: starts from given coefficients (a cached profile, or a
     prior) and refits them from the steps it is shown, over a sliding window of recent steps.

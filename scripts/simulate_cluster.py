@@ -43,7 +43,7 @@ from asyncserve.cluster.migration import MAX_MIGRATIONS, Candidate, CoMigrator  
 from asyncserve.cluster.routing import (POLICIES, AdapterPlacement, ClusterView, RankAware, RouteRequest,  # noqa: E402
                                         Router, cluster_coefficients)
 from asyncserve.perf_model import (STEP_TIME_PRIOR, PerfCoefficients, QueuedWork, StepSample,  # noqa: E402
-                                   adapter_load_seconds, expected_remaining_tokens, fit, pending_seconds,
+                                   adapter_load_seconds, drain_seconds, expected_remaining_tokens, fit,
                                    step_seconds)
 
 # (tokens, rank work, seconds) of steps measured on CPU box B, BENCHMARKS.md "A cost-model bug in the
@@ -289,13 +289,17 @@ class SimNode:
             self.kick(now)
 
     # -- what it tells its peers
-    def _queue(self) -> list[QueuedWork]:
+    def _queue(self) -> tuple[list[QueuedWork], list[QueuedWork]]:
+        """(runnable, parked): the queue's work, those waiting for an adapter read apart."""
         mean = self.sim.mean_output
         cap = self.sim.args.max_tokens
-        return ([QueuedWork(r.prefill_left, expected_remaining_tokens(r.generated, mean, cap), r.rank)
-                 for r in self.running]
-                + [QueuedWork(r.prompt + r.generated, expected_remaining_tokens(r.generated, mean, cap), r.rank)
-                   for r in self.waiting])
+        runnable = [QueuedWork(r.prefill_left, expected_remaining_tokens(r.generated, mean, cap), r.rank)
+                    for r in self.running]
+        parked = []
+        for r in self.waiting:
+            work = QueuedWork(r.prompt + r.generated, expected_remaining_tokens(r.generated, mean, cap), r.rank)
+            (parked if r.adapter in self.loading else runnable).append(work)
+        return runnable, parked
 
     def digest(self, now: float) -> Digest:
         self.seq += 1
@@ -307,7 +311,10 @@ class SimNode:
                                  [d for d in self.sim.last_digests if d.node_id != self.id])
         return Digest(node_id=self.id, url=f"sim://{self.id}", seq=self.seq, timestamp=now,
                       waiting=len(self.waiting), running=len(self.running),
-                      pending_seconds=pending_seconds(c, self._queue(), args.max_running),
+                      # its adapter reads (in parallel here) overlap the work of the requests not waiting for one
+                      pending_seconds=drain_seconds(c, *self._queue(),
+                                                    max((done - now for done in self.loading.values()), default=0.0),
+                                                    args.max_running),
                       free_pages=(args.pool_tokens - self.used_tokens) // args.page_tokens,
                       page_tokens=args.page_tokens, max_running=args.max_running,
                       running_rank_sum=sum(r.rank for r in self.running),

@@ -19,7 +19,7 @@ from asyncserve.cluster.migration import MAX_MIGRATIONS, MOVE_PRICE, Candidate, 
 from asyncserve.cluster.routing import (AdapterPlacement, ClusterView, Consolidate, LeastPending, Local, NodeLoad,
                                         Random, RankAware, RoundRobin, RouteRequest, Router, cluster_coefficients)
 from asyncserve.perf_model import (STEP_TIME_PRIOR, PerfCoefficients, QueuedWork, StepLatencyModel, StepSample,
-                                   adapter_load_seconds, fetch_backlog_seconds, fit, pending_seconds,
+                                   adapter_load_seconds, drain_seconds, fetch_backlog_seconds, fit, pending_seconds,
                                    predict_step_seconds, request_work_seconds)
 
 COEFFS = PerfCoefficients(beta=0.02, alpha_token=4e-4, alpha_rank=2e-6, load_host_s_per_rank=1e-4,
@@ -434,9 +434,22 @@ def test_a_plan_prefers_requests_never_moved_and_never_passes_the_cap():
     fresh = Candidate("fresh", "n0", "a", 16, 0, 200, 100)
     moved = Candidate("moved", "n0", "a", 16, 0, 200, 300, migrations=1)   # more work: it would go first
     capped = Candidate("capped", "n0", "a", 16, 0, 200, 300, migrations=MAX_MIGRATIONS)
-    plan = CoMigrator(threshold_s=2.0, top_k_requests=1).plan(nodes, [moved, capped, fresh])
+    plan = CoMigrator(threshold_s=2.0, top_k_requests=1, min_gain_s=0.0).plan(nodes, [moved, capped, fresh])
     assert [mv.request_id for mv in plan.moves] == ["fresh"]
-    assert CoMigrator(threshold_s=2.0).plan(nodes, [capped]).moves == []
+    assert CoMigrator(threshold_s=2.0, min_gain_s=0.0).plan(nodes, [capped]).moves == []
+
+
+def test_a_plan_that_gains_less_than_the_threshold_moves_nothing():
+    """Pending times are predictions (output lengths are guesses): a round whose moves shorten the
+    makespan by less than the threshold would trade a sure recompute for noise."""
+    nodes = [_load("n0", 12.0, device={"a"}), _load("n1", 0.5, device={"a"})]
+    few = [Candidate(f"r{i}", "n0", "a", 16, 0, 200, 100) for i in range(2)]
+    small = CoMigrator(threshold_s=2.0, min_gain_s=0.0).plan(nodes, few)
+    assert small.moves and 0 < small.makespan_before - small.makespan_after < 2.0
+    assert CoMigrator(threshold_s=2.0).plan(nodes, few).moves == []
+    many = [Candidate(f"r{i}", "n0", "a", 16, 0, 200, 1000) for i in range(8)]
+    big = CoMigrator(threshold_s=2.0).plan(nodes, many)
+    assert big.moves and big.makespan_before - big.makespan_after >= 2.0
 
 
 # ---- what a node tells its peers -------------------------------------------------------------------------
@@ -457,6 +470,17 @@ def test_a_node_on_the_prior_prices_with_a_fitted_peers_model_and_fetch_time():
     queue = [QueuedWork(100, 50, 8)]
     assert pending_seconds(cluster_coefficients(STEP_TIME_PRIOR, False, None, peers), queue, 8) > \
         4 * pending_seconds(STEP_TIME_PRIOR, queue, 8)
+
+
+def test_adapter_reads_overlap_the_runnable_work_and_the_parked_work_follows():
+    runnable, parked = [QueuedWork(0, 4000, 8)], [QueuedWork(100, 64, 8)]
+    both = pending_seconds(COEFFS, runnable + parked, 8)
+    only_parked = pending_seconds(COEFFS, parked, 8)
+    assert both > 4.0 + only_parked
+    assert drain_seconds(COEFFS, runnable, parked, 4.0, 8) == pytest.approx(both)          # hidden by the work
+    assert drain_seconds(COEFFS, runnable, parked, both, 8) == pytest.approx(both + only_parked)
+    assert drain_seconds(COEFFS, [], parked, 4.0, 8) == pytest.approx(4.0 + only_parked)
+    assert drain_seconds(COEFFS, runnable, [], 4.0, 8) == pytest.approx(pending_seconds(COEFFS, runnable, 8))
 
 
 def test_the_fetch_backlog_is_the_cold_adapters_loads_shared_by_the_fetchers():

@@ -34,7 +34,7 @@ from asyncserve.actors.pager import FETCHERS
 from asyncserve.cluster.routing import POLICIES, RouteRequest, Router, cluster_coefficients
 from asyncserve.engine import RequestError
 from asyncserve.messages import Export, Submit, TokenEvent
-from asyncserve.perf_model import QueuedWork, expected_remaining_tokens, fetch_backlog_seconds, pending_seconds
+from asyncserve.perf_model import QueuedWork, drain_seconds, expected_remaining_tokens, fetch_backlog_seconds
 from asyncserve.sequence import Sequence
 from asyncserve.step import Failure
 
@@ -153,16 +153,18 @@ class ClusterActor:
                                  engine.pager.mean_load_seconds.get("disk"),
                                  [d for node_id, d in self.router.view.digests.items() if node_id != self.node_id])
         mean = self.server.scheduler.mean_output
-        queue = [QueuedWork(seq.num_tokens - seq.num_computed if seq.in_prefill else 0,
-                            expected_remaining_tokens(len(seq.output_ids), mean, seq.params.max_tokens),
-                            seq.adapter_rank) for seq in seqs + parked]
+
+        def work(seq: Sequence) -> QueuedWork:
+            return QueuedWork(seq.num_tokens - seq.num_computed if seq.in_prefill else 0,
+                              expected_remaining_tokens(len(seq.output_ids), mean, seq.params.max_tokens),
+                              seq.adapter_rank)
         cold = [waiting[0].adapter_rank for waiting in engine.parked.values() if waiting]
         tiers = engine.adapter_tiers()
         self._seq += 1
         return Digest(node_id=self.node_id, url=self.url, seq=self._seq, timestamp=time.time(),
                       waiting=load.waiting, running=load.running,
-                      pending_seconds=pending_seconds(c, queue, engine.max_running)
-                      + fetch_backlog_seconds(c, cold, FETCHERS),
+                      pending_seconds=drain_seconds(c, [work(s) for s in seqs], [work(s) for s in parked],
+                                                    fetch_backlog_seconds(c, cold, FETCHERS), engine.max_running),
                       free_pages=load.pool.free, page_tokens=engine.pool.block_size, max_running=engine.max_running,
                       running_rank_sum=sum(s.adapter_rank for s in running),
                       running_rank_max=max((s.adapter_rank for s in running), default=0),

@@ -175,12 +175,13 @@ class CoMigrator:
     """Decides when to migrate and what: imbalance trigger, top-K nodes each way, top-K candidates."""
 
     def __init__(self, threshold_s: float = 2.0, top_k_nodes: int = 3, top_k_requests: int = 16,
-                 budget_tokens: int = 8192, time_limit_s: float = 1.0):
+                 budget_tokens: int = 8192, time_limit_s: float = 1.0, min_gain_s: float | None = None):
         self.threshold_s = threshold_s
         self.top_k_nodes = top_k_nodes
         self.top_k_requests = top_k_requests
         self.budget_tokens = budget_tokens
         self.time_limit_s = time_limit_s
+        self.min_gain_s = threshold_s if min_gain_s is None else min_gain_s   # a plan must shorten the makespan this much
 
     def mover(self, nodes: list[NodeLoad]) -> str | None:
         """The one node that moves its requests this round: the busiest, if the spread passes the
@@ -233,6 +234,10 @@ class CoMigrator:
         np.add.at(after, assign, p.work[np.arange(len(candidates)), assign])
         for k, j in needed:
             after[j] += p.load[k, j]
+        if stay.max() - after.max() < self.min_gain_s:
+            # predicted pending times are off by more than this (output lengths are guesses): a smaller
+            # gain is noise, and every move costs a recompute
+            moves, needed = [], []
         return MigrationPlan(moves=moves, loads=[(p.adapters[k], p.nodes[j]) for k, j in needed],
                              makespan_before=float(stay.max()), makespan_after=float(after.max()),
                              objective=objective, solve_seconds=spent)
