@@ -566,7 +566,8 @@ def test_a_digest_counts_parked_requests_and_their_adapter_fetches():
     fetch_s = 3.0
     engine = SimpleNamespace(
         load_snapshot=lambda: SimpleNamespace(waiting=3, running=0, pool=SimpleNamespace(free=1000)),
-        unfinished=lambda: [], parked={"x": [parked("p0", "x", 100), parked("p1", "x", 40)], "y": [parked("p2", "y", 60)]},
+        unfinished=lambda: [],
+        parked={"x": [parked("p0", "x", 100), parked("p1", "x", 40)], "y": [parked("p2", "y", 60)]},
         latency=StepLatencyModel(STEP_TIME_PRIOR), pager=SimpleNamespace(mean_load_seconds={"disk": fetch_s}),
         max_running=8, pool=SimpleNamespace(block_size=16), adapter_tiers=lambda: {}, model_name="tiny")
     config = SimpleNamespace(node_id="n0", host="127.0.0.1", advertise_url=None, gossip_interval_s=0.2, peers="",

@@ -9,7 +9,7 @@ node keeps the client's connection and relays the TokenEvents that the peer stre
 stalls past the dead time or answers garbage is resubmitted with its tokens so far to a live peer
 or to this node; one that its peer moved (Moved) continues where it went.
 
-When the predicted pending times spread past the threshold and this node is among the busiest,
+When the predicted pending times spread past the threshold and this node is the busiest,
 dLoRA's integer program (cluster/migration.py) picks which of its requests move where. Each is
 taken out of the scheduler between steps (Export) with every token it generated already on its
 stream, and continues on the target by recompute: a request whose client is here becomes a
@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 import aiohttp
 import msgspec
 
+from asyncserve.actors.pager import FETCHERS
 from asyncserve.cluster.auth import PeerSigner, PeerVerifier
 from asyncserve.cluster.membership import Membership, PeerState
 from asyncserve.cluster.messages import AdapterTiers, Digest, ForwardedRequest, ForwardLine, Moved
 from asyncserve.cluster.migration import MAX_MIGRATIONS, Candidate, CoMigrator
-from asyncserve.actors.pager import FETCHERS
 from asyncserve.cluster.routing import POLICIES, RouteRequest, Router, cluster_coefficients
 from asyncserve.engine import RequestError
 from asyncserve.messages import Export, Submit, TokenEvent
@@ -90,7 +90,8 @@ class ClusterActor:
         self.verifier = PeerVerifier(config.cluster_key)
         # a request sent up to an interval before a peer's digest arrived may not be in it yet (the
         # digest was made before it arrived there): it stays counted until a later digest
-        self.router = Router(self.node_id, POLICIES[config.dispatch](), settle_s=self.interval, horizon_s=self.interval)
+        self.router = Router(self.node_id, POLICIES[config.dispatch](), settle_s=self.interval,
+                             horizon_s=self.interval)
         self.migrator = CoMigrator(threshold_s=config.migration_threshold_s) if config.migration_threshold_s > 0 else None
         self.rebalance_every_s = max(1.0, 5 * self.interval)
         self.forwards: dict[str, Forward] = {}     # request id -> its Forward (clients here, run elsewhere)
@@ -170,7 +171,8 @@ class ClusterActor:
                       running_rank_max=max((s.adapter_rank for s in running), default=0),
                       adapters=AdapterTiers(device=sorted(n for n, (t, _) in tiers.items() if t == "device"),
                                             host=sorted(n for n, (t, _) in tiers.items() if t == "host")),
-                      coefficients=c, measured=engine.latency.measured, routed_per_s=self.router.arrivals.rate(time.monotonic()))
+                      coefficients=c, measured=engine.latency.measured,
+                      routed_per_s=self.router.arrivals.rate(time.monotonic()))
 
     async def _push(self, digest: Digest) -> None:
         """The digest to every peer (dead ones too, so they can rejoin); a peer that does not answer
@@ -364,8 +366,8 @@ class ClusterActor:
         return out
 
     async def _rebalance(self) -> None:
-        """dLoRA's co-migration round, run by each node for its own requests when it is among the
-        busiest: the MILP (in a worker thread: it may take up to its time limit) picks the moves."""
+        """dLoRA's co-migration round, run by each node for its own requests when it is the busiest
+        (CoMigrator.mover): the MILP (in a worker thread: it may take up to its time limit) picks the moves."""
         live = self.live_nodes()
         loads = [n for n in self.router.view.loads() if n.node_id in live]
         if self.migrator.mover(loads) != self.node_id:

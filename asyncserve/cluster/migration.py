@@ -181,7 +181,8 @@ class CoMigrator:
         self.top_k_requests = top_k_requests
         self.budget_tokens = budget_tokens
         self.time_limit_s = time_limit_s
-        self.min_gain_s = threshold_s if min_gain_s is None else min_gain_s   # a plan must shorten the makespan this much
+        # a plan must shorten the predicted makespan this much (default: the trigger's threshold)
+        self.min_gain_s = threshold_s if min_gain_s is None else min_gain_s
 
     def mover(self, nodes: list[NodeLoad]) -> str | None:
         """The one node that moves its requests this round: the busiest, if the spread passes the
