@@ -582,4 +582,3 @@ def test_a_digest_counts_parked_requests_and_their_adapter_fetches():
     assert work > 0
     assert digest.pending_seconds == pytest.approx(work + fetch_backlog_seconds(c, [8, 8], FETCHERS))
     assert digest.pending_seconds > fetch_s
-    assert actor.router.view.settle_s == config.gossip_interval_s

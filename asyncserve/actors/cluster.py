@@ -88,10 +88,7 @@ class ClusterActor:
         self.membership.self_id = self.node_id
         self.signer = PeerSigner(config.cluster_key)
         self.verifier = PeerVerifier(config.cluster_key)
-        # a request sent up to an interval before a peer's digest arrived may not be in it yet (the
-        # digest was made before it arrived there): it stays counted until a later digest
-        self.router = Router(self.node_id, POLICIES[config.dispatch](), settle_s=self.interval,
-                             horizon_s=self.interval)
+        self.router = Router(self.node_id, POLICIES[config.dispatch](), horizon_s=self.interval)
         self.migrator = CoMigrator(threshold_s=config.migration_threshold_s) if config.migration_threshold_s > 0 else None
         self.rebalance_every_s = max(1.0, 5 * self.interval)
         self.forwards: dict[str, Forward] = {}     # request id -> its Forward (clients here, run elsewhere)
