@@ -134,6 +134,7 @@ class SimNode:
         self.device: OrderedDict[str, int] = OrderedDict()     # adapter -> pool tokens, LRU first
         self.host: OrderedDict[str, None] = OrderedDict()
         self.loading: dict[str, float] = {}                     # adapter -> when its copy is done
+        self.fetchers_free = [0.0] * sim.args.fetchers          # when each disk reader is free
         self.in_use: dict[str, int] = {}
         self.used_tokens = 0
         self.busy = False
@@ -153,7 +154,12 @@ class SimNode:
             return True
         if a not in self.loading:
             tier = "host" if a in self.host else None
-            self.loading[a] = now + adapter_load_seconds(self.c, req.rank, tier)
+            seconds = adapter_load_seconds(self.c, req.rank, tier)
+            if tier is None:                # disk reads queue for the pager's fetchers
+                f = min(range(len(self.fetchers_free)), key=self.fetchers_free.__getitem__)
+                self.loading[a] = self.fetchers_free[f] = max(now, self.fetchers_free[f]) + seconds
+            else:
+                self.loading[a] = now + seconds
             self.sim.push(self.loading[a], "ready", self.id)
             return False
         if self.loading[a] > now:
@@ -513,6 +519,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pool-tokens", type=int, default=65536, help="unified pool per node, in KV tokens")
     p.add_argument("--page-tokens", type=int, default=16)
     p.add_argument("--host-adapters", type=int, default=256, help="adapters a node keeps in host memory")
+    p.add_argument("--fetchers", type=int, default=2, help="adapter reads from disk at once per node (the pager's)")
     p.add_argument("--entry", choices=("one", "random"), default="one")
     p.add_argument("--gossip-interval", type=float, default=0.2)
     p.add_argument("--placement-utilization", type=float, default=0.5)
