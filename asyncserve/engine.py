@@ -26,7 +26,7 @@ from asyncserve.pager.adapters import (AdapterError, PeftFolder, build_host_adap
                                       read_peft_folder)
 from asyncserve.pager.pager import AdapterPager, Registration
 from asyncserve.pager.pool import PagedPool
-from asyncserve.perf_model import PerfCoefficients, StepLatencyModel
+from asyncserve.perf_model import STEP_TIME_PRIOR, StepLatencyModel
 from asyncserve.sampling_params import SamplingParams
 from asyncserve.scheduler.policies import make_policy
 from asyncserve.scheduler.policy import PolicySettings
@@ -41,7 +41,6 @@ from ipc import cleanup_stale
 log = logging.getLogger("asyncserve.engine")
 
 # where the step-time model starts until this engine's own steps refit it (SmolLM2-sized on 2 CPU cores)
-STEP_TIME_PRIOR = PerfCoefficients(beta=0.02, alpha_token=2e-4, alpha_rank=0.0, source="prior")
 
 # the head request cannot fit even with the pool to itself (make_sequence admits few such): no retry helps
 UNSCHEDULABLE = Failure("the request cannot be scheduled: its KV pages and its adapter's do not fit in the pool "
@@ -275,7 +274,7 @@ class Engine:
             pager.host_abandon(handle)
             raise
         pager.host_admit(name, load, handle, view)
-        pager.load_times.append(("disk", name, time.perf_counter() - t0))
+        pager.record_load("disk", name, time.perf_counter() - t0)
 
     def _load_parked(self) -> list[SeqUpdate]:
         """Offline: read the parked requests' adapters now; a load that fails ends its requests alone."""

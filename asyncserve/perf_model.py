@@ -37,6 +37,10 @@ class PerfCoefficients(msgspec.Struct, frozen=True):
     source: str = ""                   # where the numbers come from
 
 
+# A node's step model until it has fitted its own steps: a guess, several times off on a slow CPU.
+STEP_TIME_PRIOR = PerfCoefficients(beta=0.02, alpha_token=2e-4, alpha_rank=0.0, source="prior")
+
+
 class StepSample(NamedTuple):
     tokens: int
     rank_work: float
@@ -115,6 +119,12 @@ def adapter_load_seconds(c: PerfCoefficients, rank: int, tier: str | None) -> fl
     return host + c.load_disk_fixed_s + c.load_disk_s_per_rank * rank
 
 
+def fetch_backlog_seconds(c: PerfCoefficients, cold_ranks: list[int], fetchers: int) -> float:
+    """Time until the adapters waiting to be read from disk (their ranks) are all loaded, `fetchers`
+    of them at a time: what a request parked behind them waits before its own work starts."""
+    return sum(adapter_load_seconds(c, rank, None) for rank in cold_ranks) / max(fetchers, 1)
+
+
 def expected_remaining_tokens(generated: int, mean_output: float, max_tokens: int) -> int:
     """Output tokens a request is expected still to generate, its true length being unknown.
 
@@ -140,6 +150,16 @@ def pending_seconds(c: PerfCoefficients, queue: Iterable[QueuedWork], max_runnin
     batch = min(len(queue), max_running)
     max_rank = max(w.rank for w in queue)
     return sum(request_work_seconds(c, w, batch, max_rank) for w in queue)
+
+
+def drain_seconds(c: PerfCoefficients, runnable: list[QueuedWork], parked: list[QueuedWork], fetch_s: float,
+                  max_running: int) -> float:
+    """Predicted time to drain a node whose `parked` requests wait `fetch_s` for their adapters to be
+    read from disk: no sooner than all its work, nor than the reads plus the parked requests' work.
+    The reads overlap the runnable work (adding them on top would show a busy node's reads as an
+    imbalance that moving requests cannot remove: migration thrash in the simulator)."""
+    everything = pending_seconds(c, runnable + parked, max_running)
+    return max(everything, fetch_s + pending_seconds(c, parked, max_running)) if parked else everything
 
 
 class StepLatencyModel:

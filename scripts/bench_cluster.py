@@ -32,11 +32,12 @@ NODES = 3
 DEFAULT_POLICIES = "local,round-robin,least-pending,rank-aware,rank-aware+migrate"
 
 
-def metric(text: str, name: str) -> float:
-    """The sum of a metric's samples (every label set) in a /metrics page."""
+def metric(text: str, name: str, label: str = "") -> float:
+    """The sum of a metric's samples in a /metrics page: every label set, or those with `label`
+    (e.g. 'kind="request"')."""
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name) and line[len(name)] in " {":
+        if line.startswith(name) and line[len(name)] in " {" and label in line:
             total += float(line.split()[-1])
     return total
 
@@ -74,7 +75,7 @@ def start_nodes(args, policy: str, adapters: Path, log_dir: Path) -> list[subpro
                "--threads", str(args.threads), "--pool-mem", args.pool_mem, "--max-running", str(args.max_running),
                "--adapter-dir", str(adapters), "--peers", peers, "--dispatch", dispatch,
                "--migration-threshold", str(args.migration_threshold if extra == "migrate" else 0),
-               "--log-level", "WARNING"]
+               "--log-level", "INFO"]         # the cluster's moves and peer failures are logged at INFO
         if args.model:
             cmd += ["--model", args.model]
         if cores is not None:
@@ -155,11 +156,15 @@ def main(argv: list[str] | None = None) -> None:
                      "p99_latency_s": summary["latency_s"]["p99"],
                      "slo_attainment": summary["slo"]["attainment"]["all"], "errors": summary["errors"],
                      "forwarded": sum(metric(p, "asyncserve_requests_forwarded_total") for p in pages),
-                     "migrated": sum(metric(p, "asyncserve_migrations_total") for p in pages)})
+                     # requests moved for load; resubmitted after a peer failed; adapter loads moves caused
+                     **{column: sum(metric(p, "asyncserve_migrations_total", f'kind="{kind}"') for p in pages)
+                        for column, kind in (("migrated", "request"), ("resubmitted", "resubmit"),
+                                             ("migration_adapter_loads", "adapter"))}})
         r = rows[-1]
         print(f"{policy:<22} mean {r['mean_latency_s']:7.2f} s  p99 {r['p99_latency_s']:7.2f} s  "
               f"SLO {100 * r['slo_attainment']:5.1f} %  errors {r['errors']}  forwarded {r['forwarded']:.0f}  "
-              f"migrated {r['migrated']:.0f}", flush=True)
+              f"migrated {r['migrated']:.0f}  resubmitted {r['resubmitted']:.0f}  "
+              f"adapter loads for moves {r['migration_adapter_loads']:.0f}", flush=True)
     (args.out / "summary.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                                         "cores": core_sets(args.threads), "rows": rows}, indent=2))
 

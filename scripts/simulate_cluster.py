@@ -39,10 +39,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workloads import gamma_arrival_times, power_law_adapter_indices  # noqa: E402
 
 from asyncserve.cluster.messages import AdapterTiers, Digest  # noqa: E402
-from asyncserve.cluster.migration import Candidate, CoMigrator  # noqa: E402
-from asyncserve.cluster.routing import POLICIES, AdapterPlacement, RankAware, RouteRequest, Router  # noqa: E402
-from asyncserve.perf_model import (PerfCoefficients, QueuedWork, StepSample, adapter_load_seconds,  # noqa: E402
-                                   expected_remaining_tokens, fit, pending_seconds, step_seconds)
+from asyncserve.cluster.migration import MAX_MIGRATIONS, Candidate, CoMigrator  # noqa: E402
+from asyncserve.cluster.routing import (POLICIES, AdapterPlacement, ClusterView, RankAware, RouteRequest,  # noqa: E402
+                                        Router, cluster_coefficients)
+from asyncserve.perf_model import (STEP_TIME_PRIOR, PerfCoefficients, QueuedWork, StepSample,  # noqa: E402
+                                   adapter_load_seconds, drain_seconds, expected_remaining_tokens, fit,
+                                   step_seconds)
 
 # (tokens, rank work, seconds) of steps measured on CPU box B, BENCHMARKS.md "A cost-model bug in the
 # torch LoRA backend" (decode step of 16 sequences: 22.13 ms base, 24.96 ms with 4 adapters of ranks
@@ -132,6 +134,7 @@ class SimNode:
         self.device: OrderedDict[str, int] = OrderedDict()     # adapter -> pool tokens, LRU first
         self.host: OrderedDict[str, None] = OrderedDict()
         self.loading: dict[str, float] = {}                     # adapter -> when its copy is done
+        self.fetchers_free = [0.0] * sim.args.fetchers          # when each disk reader is free
         self.in_use: dict[str, int] = {}
         self.used_tokens = 0
         self.busy = False
@@ -140,6 +143,8 @@ class SimNode:
         self.version = 0
         self.seq = 0
         self.adapter_loads = 0
+        self.steps = 0                     # steps run: its step model is the prior until --prior-steps
+        self.next_rebalance = 0.0
 
     # -- adapters
     def _adapter_ready(self, req: SimRequest, now: float) -> bool:
@@ -149,7 +154,12 @@ class SimNode:
             return True
         if a not in self.loading:
             tier = "host" if a in self.host else None
-            self.loading[a] = now + adapter_load_seconds(self.c, req.rank, tier)
+            seconds = adapter_load_seconds(self.c, req.rank, tier)
+            if tier is None:                # disk reads queue for the pager's fetchers
+                f = min(range(len(self.fetchers_free)), key=self.fetchers_free.__getitem__)
+                self.loading[a] = self.fetchers_free[f] = max(now, self.fetchers_free[f]) + seconds
+            else:
+                self.loading[a] = now + seconds
             self.sim.push(self.loading[a], "ready", self.id)
             return False
         if self.loading[a] > now:
@@ -248,6 +258,7 @@ class SimNode:
 
     def end_step(self, now: float) -> None:
         k = self.step_k
+        self.steps += k
         finished = []
         for req, n in self.plan:
             if req.prefill_left == 0:
@@ -284,26 +295,38 @@ class SimNode:
             self.kick(now)
 
     # -- what it tells its peers
-    def _queue(self) -> list[QueuedWork]:
+    def _queue(self) -> tuple[list[QueuedWork], list[QueuedWork]]:
+        """(runnable, parked): the queue's work, those waiting for an adapter read apart."""
         mean = self.sim.mean_output
         cap = self.sim.args.max_tokens
-        return ([QueuedWork(r.prefill_left, expected_remaining_tokens(r.generated, mean, cap), r.rank)
-                 for r in self.running]
-                + [QueuedWork(r.prompt + r.generated, expected_remaining_tokens(r.generated, mean, cap), r.rank)
-                   for r in self.waiting])
+        runnable = [QueuedWork(r.prefill_left, expected_remaining_tokens(r.generated, mean, cap), r.rank)
+                    for r in self.running]
+        parked = []
+        for r in self.waiting:
+            work = QueuedWork(r.prompt + r.generated, expected_remaining_tokens(r.generated, mean, cap), r.rank)
+            (parked if r.adapter in self.loading else runnable).append(work)
+        return runnable, parked
 
     def digest(self, now: float) -> Digest:
         self.seq += 1
         args = self.sim.args
+        # the engine's step model: the prior until it has fitted enough of its own steps (then, as the
+        # actor does, a fitted peer's from the last gossip)
+        measured = self.steps >= args.prior_steps
+        c = cluster_coefficients(self.c if measured else STEP_TIME_PRIOR, measured, None,
+                                 [d for d in self.sim.last_digests if d.node_id != self.id])
         return Digest(node_id=self.id, url=f"sim://{self.id}", seq=self.seq, timestamp=now,
                       waiting=len(self.waiting), running=len(self.running),
-                      pending_seconds=pending_seconds(self.c, self._queue(), args.max_running),
+                      # its adapter reads (in parallel here) overlap the work of the requests not waiting for one
+                      pending_seconds=drain_seconds(c, *self._queue(),
+                                                    max((done - now for done in self.loading.values()), default=0.0),
+                                                    args.max_running),
                       free_pages=(args.pool_tokens - self.used_tokens) // args.page_tokens,
                       page_tokens=args.page_tokens, max_running=args.max_running,
                       running_rank_sum=sum(r.rank for r in self.running),
                       running_rank_max=max((r.rank for r in self.running), default=0),
                       adapters=AdapterTiers(device=list(self.device), host=list(self.host)),
-                      coefficients=self.c,
+                      coefficients=c, measured=measured,
                       routed_per_s=router.arrivals.rate(now) if (router := self.sim.routers.get(self.id)) else 0.0)
 
     def candidates(self, k: int) -> list[Candidate]:
@@ -313,12 +336,12 @@ class SimNode:
         for req in list(reversed(self.waiting)) + list(reversed(self.running)):
             if len(out) >= k:
                 break
-            if req.moving_to is not None:
+            if req.moving_to is not None or req.migrations >= MAX_MIGRATIONS:
                 continue
             stays_prefill = req.prefill_left if req in self.running else req.prompt + req.generated
             out.append(Candidate(str(req.rid), self.id, req.adapter, req.rank, stays_prefill,
                                  req.prompt + req.generated,
-                                 expected_remaining_tokens(req.generated, mean, cap)))
+                                 expected_remaining_tokens(req.generated, mean, cap), req.migrations))
         return out
 
 
@@ -359,6 +382,8 @@ class Simulation:
         self.migrate = extra == "migrate"
         routers = self.ids if args.entry == "random" else self.ids[:1]
         self.routers = {i: Router(i, self._policy(name, i), horizon_s=args.gossip_interval) for i in routers}
+        # each node's view (a router's own); migration is planned by each node on its view, as the actor does
+        self.views = {i: self.routers[i].view if i in self.routers else ClusterView() for i in self.ids}
         self.migrator = CoMigrator(threshold_s=args.migrate_threshold, top_k_nodes=args.migrate_top_k,
                                    top_k_requests=args.migrate_candidates, budget_tokens=args.migrate_budget)
         self.rng = np.random.default_rng(args.seed + 1)
@@ -369,6 +394,7 @@ class Simulation:
         self.finish_count: dict[int, int] = {}
         self.migrations = 0
         self.milp_s = 0.0
+        self.last_digests: list[Digest] = []
 
     def _policy(self, name: str, node_id: str):
         if name == "rank-aware":
@@ -394,10 +420,10 @@ class Simulation:
         self.nodes[target].enqueue(req, now, front=True)
 
     def gossip(self, now: float) -> None:
-        digests = [n.digest(now) for n in self.nodes.values()]
-        for router in self.routers.values():
+        digests = self.last_digests = [n.digest(now) for n in self.nodes.values()]
+        for view in self.views.values():
             for d in digests:
-                router.view.update(d, now)
+                view.update(d, now)
 
     def route(self, req: SimRequest, now: float) -> None:
         entry = self.ids[int(self.rng.integers(len(self.ids)))] if self.args.entry == "random" else self.ids[0]
@@ -406,21 +432,26 @@ class Simulation:
         self.nodes[router.route(r, now)].enqueue(req, now)
 
     def rebalance(self, now: float) -> None:
-        router = self.routers[self.ids[0]]
-        loads = router.view.loads()
-        sources = self.migrator.overloaded(loads)
-        if not sources:
-            return
-        candidates = [c for s in sources for c in self.nodes[s.node_id].candidates(self.args.migrate_candidates)]
-        plan = self.migrator.plan(loads, candidates)
-        self.milp_s += plan.solve_seconds
-        by_id = {r.rid: r for r in self.trace}
-        for move in plan.moves:
-            req = by_id[int(move.request_id)]
-            if req.finish is None and req.node == move.source and req.moving_to is None:
-                self.nodes[move.source].migrate_out(req, move.target, now)
-                # the router now knows these requests moved; its next digests will show it
-        self.gossip(now)
+        """Each node's round (actors/cluster.py _rebalance): on its own view, for its own requests,
+        when it is among the overloaded; after moves it waits two more rounds for the digests."""
+        for node_id, node in self.nodes.items():
+            if now < node.next_rebalance:
+                continue
+            loads = self.views[node_id].loads()
+            if self.migrator.mover(loads) != node_id:
+                continue
+            candidates = node.candidates(self.args.migrate_candidates)
+            if not candidates:
+                continue
+            plan = self.migrator.plan(loads, candidates)
+            self.milp_s += plan.solve_seconds
+            if plan.moves:
+                node.next_rebalance = now + 2 * self.args.migrate_interval
+            by_id = {str(r.rid): r for r in node.running + list(node.waiting)}
+            for move in plan.moves:
+                req = by_id.get(move.request_id)
+                if req is not None and req.moving_to is None:
+                    node.migrate_out(req, move.target, now)
 
     def run(self) -> Result:
         wall = time.perf_counter()
@@ -488,15 +519,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pool-tokens", type=int, default=65536, help="unified pool per node, in KV tokens")
     p.add_argument("--page-tokens", type=int, default=16)
     p.add_argument("--host-adapters", type=int, default=256, help="adapters a node keeps in host memory")
+    p.add_argument("--fetchers", type=int, default=2, help="adapter reads from disk at once per node (the pager's)")
     p.add_argument("--entry", choices=("one", "random"), default="one")
     p.add_argument("--gossip-interval", type=float, default=0.2)
     p.add_argument("--placement-utilization", type=float, default=0.5)
-    p.add_argument("--migrate-interval", type=float, default=0.5)
+    p.add_argument("--migrate-interval", type=float, default=1.0, help="seconds between a node's migration rounds")
     p.add_argument("--migrate-threshold", type=float, default=2.0, help="pending-seconds spread that triggers it")
     p.add_argument("--migrate-top-k", type=int, default=3)
     p.add_argument("--migrate-candidates", type=int, default=16)
     p.add_argument("--migrate-budget", type=int, default=8192, help="tokens recomputed per round, at most")
     p.add_argument("--slo-scale", type=float, default=5.0, help="SLO: latency <= this x the unloaded service time")
+    p.add_argument("--prior-steps", type=int, default=0,
+                   help="steps a node runs before its digests carry its fitted step model, not the engine's prior "
+                        "(the engine: 8 skipped + 64 to the first fit)")
     p.add_argument("--coefficients", help="JSON PerfCoefficients (default: fitted to box B's measured steps)")
     p.add_argument("--policies", default=DEFAULT_POLICIES,
                    help="comma-separated routing policies; POLICY+migrate adds co-migration")

@@ -545,3 +545,40 @@ def test_a_peer_dead_mid_stream_loses_no_request(nodes, offline, reset):
             assert time.monotonic() < deadline, "b did not rejoin"
             time.sleep(0.05)
         assert a.peers_alive_soon(2)
+
+
+# ---- the digest (no servers) --------------------------------------------------------------------------------
+def test_a_digest_counts_parked_requests_and_their_adapter_fetches():
+    """Requests parked while their adapter is read from disk are work like any other, and wait for the
+    fetch first: a node full of them used to report nothing pending and drew every request (#16)."""
+    from types import SimpleNamespace
+
+    from asyncserve.actors.cluster import ClusterActor
+    from asyncserve.actors.pager import FETCHERS
+    from asyncserve.perf_model import (STEP_TIME_PRIOR, QueuedWork, StepLatencyModel, fetch_backlog_seconds,
+                                       pending_seconds)
+    from asyncserve.sequence import Sequence
+
+    def parked(rid: str, adapter: str, prompt: int) -> Sequence:
+        return Sequence(rid, list(range(prompt)), SamplingParams(max_tokens=256), adapter, seed=0, arrival=0.0,
+                        adapter_rank=8)
+
+    fetch_s = 3.0
+    engine = SimpleNamespace(
+        load_snapshot=lambda: SimpleNamespace(waiting=3, running=0, pool=SimpleNamespace(free=1000)),
+        unfinished=lambda: [],
+        parked={"x": [parked("p0", "x", 100), parked("p1", "x", 40)], "y": [parked("p2", "y", 60)]},
+        latency=StepLatencyModel(STEP_TIME_PRIOR), pager=SimpleNamespace(mean_load_seconds={"disk": fetch_s}),
+        max_running=8, pool=SimpleNamespace(block_size=16), adapter_tiers=lambda: {}, model_name="tiny")
+    config = SimpleNamespace(node_id="n0", host="127.0.0.1", advertise_url=None, gossip_interval_s=0.2, peers="",
+                             cluster_key=KEY, dispatch="least-pending", migration_threshold_s=0.0)
+    server = SimpleNamespace(config=config, metrics=None, engine=engine, scheduler=SimpleNamespace(mean_output=64.0))
+    actor = ClusterActor(server, port=1)
+    digest = actor.digest()
+    assert (digest.waiting, digest.measured) == (3, False)
+    c = digest.coefficients
+    assert c.load_disk_fixed_s == fetch_s                       # the fetch time it measured, not the prior's 0
+    work = pending_seconds(c, [QueuedWork(n, 64, 8) for n in (100, 40, 60)], 8)
+    assert work > 0
+    assert digest.pending_seconds == pytest.approx(work + fetch_backlog_seconds(c, [8, 8], FETCHERS))
+    assert digest.pending_seconds > fetch_s

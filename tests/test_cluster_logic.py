@@ -15,10 +15,11 @@ import pytest
 from asyncserve.cluster.auth import NONCE_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, AuthError, PeerSigner, PeerVerifier
 from asyncserve.cluster.membership import Membership, PeerState
 from asyncserve.cluster.messages import AdapterTiers, Digest
-from asyncserve.cluster.migration import MOVE_PRICE, Candidate, CoMigrator, build_problem, solve
+from asyncserve.cluster.migration import MAX_MIGRATIONS, MOVE_PRICE, Candidate, CoMigrator, build_problem, solve
 from asyncserve.cluster.routing import (AdapterPlacement, ClusterView, Consolidate, LeastPending, Local, NodeLoad,
-                                        Random, RankAware, RoundRobin, RouteRequest, Router)
-from asyncserve.perf_model import (PerfCoefficients, QueuedWork, StepLatencyModel, StepSample, fit, pending_seconds,
+                                        Random, RankAware, RoundRobin, RouteRequest, Router, cluster_coefficients)
+from asyncserve.perf_model import (STEP_TIME_PRIOR, PerfCoefficients, QueuedWork, StepLatencyModel, StepSample,
+                                   adapter_load_seconds, drain_seconds, fetch_backlog_seconds, fit, pending_seconds,
                                    predict_step_seconds, request_work_seconds)
 
 COEFFS = PerfCoefficients(beta=0.02, alpha_token=4e-4, alpha_rank=2e-6, load_host_s_per_rank=1e-4,
@@ -403,6 +404,89 @@ def test_comigrator_triggers_on_imbalance_and_plans_moves():
     assert all(adapter == "a" and node == "n1" for adapter, node in plan.loads)
     assert bool(plan.loads) == any(mv.target == "n1" for mv in plan.moves)
     assert len({mv.request_id for mv in plan.moves}) == len(plan.moves) <= 4
+
+
+def test_only_the_busiest_node_migrates_in_a_round():
+    """Every node plans alone on the same digests: two overloaded nodes moving in one round would
+    both fill the same idle node as if alone (issue #16)."""
+    m = CoMigrator(threshold_s=2.0)
+    assert m.mover([_load("n0", 3.0), _load("n1", 2.0)]) is None
+    nodes = [_load("n0", 12.0), _load("n1", 0.5), _load("n3", 11.0)]
+    assert len(m.overloaded(nodes)) == 2 and m.mover(nodes) == "n0"
+
+
+def test_staying_where_the_adapter_is_being_fetched_loads_nothing():
+    """A request's node has its adapter or is fetching it for it (that wait is in its pending time):
+    the program used to charge staying a second load, so moving to a cold node looked as cheap."""
+    slow_fetch = PerfCoefficients(beta=0.02, alpha_token=4e-4, alpha_rank=2e-6, load_disk_fixed_s=4.0)
+    nodes = [NodeLoad("hot", 2, 0, 6.0, 1000, 16, 32, 0, 0, set(), set(), slow_fetch),
+             NodeLoad("cold", 0, 2, 3.0, 1000, 16, 32, 32, 16, set(), set(), slow_fetch)]
+    candidates = [Candidate("r0", "hot", "a", 16, 100, 100, 64), Candidate("r1", "hot", "a", 16, 100, 100, 64)]
+    p = build_problem(nodes, candidates, budget_tokens=10_000)
+    assert not p.needs_load[:, 0].any() and p.needs_load[:, 1].all()
+    plan = CoMigrator(threshold_s=2.0).plan(nodes, candidates)
+    assert plan.moves == [] and plan.loads == []            # a 4 s fetch on "cold" outweighs the 3 s spread
+    assert plan.makespan_before == pytest.approx(6.0)
+
+
+def test_a_plan_prefers_requests_never_moved_and_never_passes_the_cap():
+    nodes = [_load("n0", 12.0, device={"a"}), _load("n1", 0.5, device={"a"})]
+    fresh = Candidate("fresh", "n0", "a", 16, 0, 200, 100)
+    moved = Candidate("moved", "n0", "a", 16, 0, 200, 300, migrations=1)   # more work: it would go first
+    capped = Candidate("capped", "n0", "a", 16, 0, 200, 300, migrations=MAX_MIGRATIONS)
+    plan = CoMigrator(threshold_s=2.0, top_k_requests=1, min_gain_s=0.0).plan(nodes, [moved, capped, fresh])
+    assert [mv.request_id for mv in plan.moves] == ["fresh"]
+    assert CoMigrator(threshold_s=2.0, min_gain_s=0.0).plan(nodes, [capped]).moves == []
+
+
+def test_a_plan_that_gains_less_than_the_threshold_moves_nothing():
+    """Pending times are predictions (output lengths are guesses): a round whose moves shorten the
+    makespan by less than the threshold would trade a sure recompute for noise."""
+    nodes = [_load("n0", 12.0, device={"a"}), _load("n1", 0.5, device={"a"})]
+    few = [Candidate(f"r{i}", "n0", "a", 16, 0, 200, 100) for i in range(2)]
+    small = CoMigrator(threshold_s=2.0, min_gain_s=0.0).plan(nodes, few)
+    assert small.moves and 0 < small.makespan_before - small.makespan_after < 2.0
+    assert CoMigrator(threshold_s=2.0).plan(nodes, few).moves == []
+    many = [Candidate(f"r{i}", "n0", "a", 16, 0, 200, 1000) for i in range(8)]
+    big = CoMigrator(threshold_s=2.0).plan(nodes, many)
+    assert big.moves and big.makespan_before - big.makespan_after >= 2.0
+
+
+# ---- what a node tells its peers -------------------------------------------------------------------------
+def test_a_node_on_the_prior_prices_with_a_fitted_peers_model_and_fetch_time():
+    """The engine's prior says 20 ms steps and free adapter loads; a fitted peer on a busy CPU says
+    5x that and 4 s fetches. A node still on the prior must not look 5x cheaper (issue #16)."""
+    fitted = PerfCoefficients(beta=0.1, alpha_token=1e-3, alpha_rank=1e-5, load_disk_fixed_s=4.0, source="fitted")
+    peers = [_digest("n2", "u2", coefficients=STEP_TIME_PRIOR),
+             _digest("n1", "u1", coefficients=fitted, measured=True)]
+    assert cluster_coefficients(STEP_TIME_PRIOR, False, None, peers) == fitted
+    assert cluster_coefficients(STEP_TIME_PRIOR, False, None, peers[:1]) == STEP_TIME_PRIOR    # nothing fitted yet
+    own = PerfCoefficients(beta=0.09, alpha_token=9e-4, alpha_rank=0.0)
+    mine = cluster_coefficients(own, True, None, peers)         # its own steps, a peer's fetch time
+    assert (mine.beta, mine.load_disk_fixed_s) == (0.09, 4.0)
+    mine = cluster_coefficients(own, True, 2.5, peers)          # its own fetches measured
+    assert adapter_load_seconds(mine, 16, None) == pytest.approx(2.5)
+    assert cluster_coefficients(COEFFS, True, None, peers) == COEFFS     # a disk model of its own: kept
+    queue = [QueuedWork(100, 50, 8)]
+    assert pending_seconds(cluster_coefficients(STEP_TIME_PRIOR, False, None, peers), queue, 8) > \
+        4 * pending_seconds(STEP_TIME_PRIOR, queue, 8)
+
+
+def test_adapter_reads_overlap_the_runnable_work_and_the_parked_work_follows():
+    runnable, parked = [QueuedWork(0, 4000, 8)], [QueuedWork(100, 64, 8)]
+    both = pending_seconds(COEFFS, runnable + parked, 8)
+    only_parked = pending_seconds(COEFFS, parked, 8)
+    assert both > 4.0 + only_parked
+    assert drain_seconds(COEFFS, runnable, parked, 4.0, 8) == pytest.approx(both)          # hidden by the work
+    assert drain_seconds(COEFFS, runnable, parked, both, 8) == pytest.approx(both + only_parked)
+    assert drain_seconds(COEFFS, [], parked, 4.0, 8) == pytest.approx(4.0 + only_parked)
+    assert drain_seconds(COEFFS, runnable, [], 4.0, 8) == pytest.approx(pending_seconds(COEFFS, runnable, 8))
+
+
+def test_the_fetch_backlog_is_the_cold_adapters_loads_shared_by_the_fetchers():
+    c = PerfCoefficients(beta=0.02, alpha_token=4e-4, alpha_rank=0.0, load_disk_fixed_s=4.0)
+    assert fetch_backlog_seconds(c, [8, 16, 64], fetchers=2) == pytest.approx(6.0)
+    assert fetch_backlog_seconds(c, [], fetchers=2) == 0.0
 
 
 # ---- simulator ------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ node keeps the client's connection and relays the TokenEvents that the peer stre
 stalls past the dead time or answers garbage is resubmitted with its tokens so far to a live peer
 or to this node; one that its peer moved (Moved) continues where it went.
 
-When the predicted pending times spread past the threshold and this node is among the busiest,
+When the predicted pending times spread past the threshold and this node is the busiest,
 dLoRA's integer program (cluster/migration.py) picks which of its requests move where. Each is
 taken out of the scheduler between steps (Export) with every token it generated already on its
 stream, and continues on the target by recompute: a request whose client is here becomes a
@@ -26,21 +26,21 @@ from dataclasses import dataclass, field
 import aiohttp
 import msgspec
 
+from asyncserve.actors.pager import FETCHERS
 from asyncserve.cluster.auth import PeerSigner, PeerVerifier
 from asyncserve.cluster.membership import Membership, PeerState
 from asyncserve.cluster.messages import AdapterTiers, Digest, ForwardedRequest, ForwardLine, Moved
-from asyncserve.cluster.migration import Candidate, CoMigrator
-from asyncserve.cluster.routing import POLICIES, RouteRequest, Router
+from asyncserve.cluster.migration import MAX_MIGRATIONS, Candidate, CoMigrator
+from asyncserve.cluster.routing import POLICIES, RouteRequest, Router, cluster_coefficients
 from asyncserve.engine import RequestError
 from asyncserve.messages import Export, Submit, TokenEvent
-from asyncserve.perf_model import QueuedWork, expected_remaining_tokens, pending_seconds
+from asyncserve.perf_model import QueuedWork, drain_seconds, expected_remaining_tokens, fetch_backlog_seconds
 from asyncserve.sequence import Sequence
 from asyncserve.step import Failure
 
 log = logging.getLogger("asyncserve.cluster")
 
 MAX_RESUBMITS = 4          # peers a request may lose before it fails
-MAX_MIGRATIONS = 2         # times one request may be moved for load: never ping-pong
 RESPONSE_LINE_LIMIT = 64 * 2**20
 _line_decoder = msgspec.json.Decoder(ForwardLine)
 
@@ -146,22 +146,30 @@ class ClusterActor:
         load = engine.load_snapshot()
         seqs = engine.unfinished()
         running = seqs[:load.running]
-        c = engine.latency.coefficients
+        parked = [seq for waiting in engine.parked.values() for seq in waiting]   # their adapters are on disk
+        c = cluster_coefficients(engine.latency.coefficients, engine.latency.measured,
+                                 engine.pager.mean_load_seconds.get("disk"),
+                                 [d for node_id, d in self.router.view.digests.items() if node_id != self.node_id])
         mean = self.server.scheduler.mean_output
-        queue = [QueuedWork(seq.num_tokens - seq.num_computed if seq.in_prefill else 0,
-                            expected_remaining_tokens(len(seq.output_ids), mean, seq.params.max_tokens),
-                            seq.adapter_rank) for seq in seqs]
+
+        def work(seq: Sequence) -> QueuedWork:
+            return QueuedWork(seq.num_tokens - seq.num_computed if seq.in_prefill else 0,
+                              expected_remaining_tokens(len(seq.output_ids), mean, seq.params.max_tokens),
+                              seq.adapter_rank)
+        cold = [waiting[0].adapter_rank for waiting in engine.parked.values() if waiting]
         tiers = engine.adapter_tiers()
         self._seq += 1
         return Digest(node_id=self.node_id, url=self.url, seq=self._seq, timestamp=time.time(),
                       waiting=load.waiting, running=load.running,
-                      pending_seconds=pending_seconds(c, queue, engine.max_running),
+                      pending_seconds=drain_seconds(c, [work(s) for s in seqs], [work(s) for s in parked],
+                                                    fetch_backlog_seconds(c, cold, FETCHERS), engine.max_running),
                       free_pages=load.pool.free, page_tokens=engine.pool.block_size, max_running=engine.max_running,
                       running_rank_sum=sum(s.adapter_rank for s in running),
                       running_rank_max=max((s.adapter_rank for s in running), default=0),
                       adapters=AdapterTiers(device=sorted(n for n, (t, _) in tiers.items() if t == "device"),
                                             host=sorted(n for n, (t, _) in tiers.items() if t == "host")),
-                      coefficients=c, routed_per_s=self.router.arrivals.rate(time.monotonic()))
+                      coefficients=c, measured=engine.latency.measured,
+                      routed_per_s=self.router.arrivals.rate(time.monotonic()))
 
     async def _push(self, digest: Digest) -> None:
         """The digest to every peer (dead ones too, so they can rejoin); a peer that does not answer
@@ -350,15 +358,16 @@ class ClusterActor:
                 continue
             out.append(Candidate(seq.request_id, self.node_id, seq.adapter, seq.adapter_rank,
                                  seq.num_tokens - seq.num_computed if seq.in_prefill else 0, seq.num_tokens,
-                                 expected_remaining_tokens(len(seq.output_ids), mean, seq.params.max_tokens)))
+                                 expected_remaining_tokens(len(seq.output_ids), mean, seq.params.max_tokens),
+                                 seq.migrations))
         return out
 
     async def _rebalance(self) -> None:
-        """dLoRA's co-migration round, run by each node for its own requests when it is among the
-        busiest: the MILP (in a worker thread: it may take up to its time limit) picks the moves."""
+        """dLoRA's co-migration round, run by each node for its own requests when it is the busiest
+        (CoMigrator.mover): the MILP (in a worker thread: it may take up to its time limit) picks the moves."""
         live = self.live_nodes()
         loads = [n for n in self.router.view.loads() if n.node_id in live]
-        if self.node_id not in {n.node_id for n in self.migrator.overloaded(loads)}:
+        if self.migrator.mover(loads) != self.node_id:
             return
         candidates = self.candidates(self.migrator.top_k_requests)
         if not candidates:
@@ -372,10 +381,12 @@ class ClusterActor:
             log.info("migration: %d moves, makespan %.2f s -> %.2f s (MILP %.1f ms)", len(plan.moves),
                      plan.makespan_before, plan.makespan_after, plan.solve_seconds * 1e3)
             self._next_rebalance += 2 * self.rebalance_every_s     # let the digests show the moves first
-        for _, node in plan.loads:
-            self.metrics.migrations.labels("adapter").inc()
-        for move in plan.moves:
-            await self.move(move.request_id, move.target)
+        adapter_of = {c.request_id: c.adapter for c in candidates}
+        moved = {(adapter_of[move.request_id], move.target) for move in plan.moves
+                 if await self.move(move.request_id, move.target)}
+        for load in plan.loads:             # the adapter loads that moves made happen
+            if load in moved:
+                self.metrics.migrations.labels("adapter").inc()
 
     async def move(self, request_id: str, target: str) -> bool:
         """Move one of this node's requests to peer `target` (the node id); False if it is no longer

@@ -92,7 +92,7 @@ class PagerActor:
                 self.scheduler_mailbox.put_nowait(Abort(request_id, reason="error", failure=failure))
             return
         if pager.host_admit(name, load, handle, view):      # else unloaded meanwhile
-            pager.load_times.append(("disk", name, time.perf_counter() - t0))
+            pager.record_load("disk", name, time.perf_counter() - t0)
         self.scheduler_mailbox.put_nowait(AdapterReady(name))
 
     async def _build(self, folder: PeftFolder) -> HostAdapter:
@@ -131,7 +131,7 @@ class PagerActor:
         reg = engine.pager.register(AdapterInfo(msg.name, msg.path, folder.ranks, len(folder.weights)))
         try:
             if await self._store(msg.name, reg.load, adapter, wait=msg.pinned):
-                engine.pager.load_times.append(("disk", msg.name, time.perf_counter() - t0))
+                engine.pager.record_load("disk", msg.name, time.perf_counter() - t0)
             if msg.pinned:
                 engine.pager.pin(msg.name)
         except BaseException:

@@ -29,6 +29,7 @@ class Digest(msgspec.Struct):
     running_rank_max: int              # rank-aware router needs to price adding one more
     adapters: AdapterTiers
     coefficients: PerfCoefficients
+    measured: bool = False             # coefficients fitted to this node's own steps (not a prior or borrowed)
     routed_per_s: float = 0.0          # arrivals this node routed (as a client's entry point), per second
 
 

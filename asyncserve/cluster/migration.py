@@ -30,6 +30,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from asyncserve.cluster.routing import NodeLoad
 from asyncserve.perf_model import QueuedWork, adapter_load_seconds, request_work_seconds
 
+MAX_MIGRATIONS = 2     # times one request may be moved for load: never ping-pong
 MOVE_PRICE = 1e-4      # objective units (seconds) per recomputed token: breaks ties towards staying
 
 
@@ -42,6 +43,7 @@ class Candidate:
     prefill_tokens: int                # still to prefill where it is
     context_tokens: int                # prompt + output so far: what a move recomputes
     decode_tokens: int                 # expected output still to come
+    migrations: int = 0                # times it has been moved already
 
 
 @dataclass
@@ -84,15 +86,18 @@ def build_problem(nodes: list[NodeLoad], candidates: list[Candidate], budget_tok
     col = {node: j for j, node in enumerate(ids)}
     base = np.array([n.pending_seconds for n in nodes], dtype=np.float64)
     work = np.zeros((len(candidates), len(nodes)))
+    # a node that holds a candidate has its adapter, or is fetching it for it already (a cost in its
+    # pending time): staying, or another candidate joining it there, loads nothing (issue #16)
+    held = {(c.adapter, c.source) for c in candidates}
     adapters = sorted({c.adapter for c in candidates if c.adapter is not None
-                       and any(c.adapter not in n.device for n in nodes)})
+                       and any(c.adapter not in n.device and (c.adapter, n.node_id) not in held for n in nodes)})
     row = {a: k for k, a in enumerate(adapters)}
     needs_load = np.zeros((len(adapters), len(nodes)), dtype=bool)
     load = np.zeros((len(adapters), len(nodes)))
     rank_of = {c.adapter: c.rank for c in candidates}
     for k, a in enumerate(adapters):
         for j, n in enumerate(nodes):
-            needs_load[k, j] = a not in n.device
+            needs_load[k, j] = a not in n.device and (a, n.node_id) not in held
             load[k, j] = adapter_load_seconds(n.coefficients, rank_of[a], n.tier(a))
     for i, c in enumerate(candidates):
         for j, n in enumerate(nodes):
@@ -170,12 +175,22 @@ class CoMigrator:
     """Decides when to migrate and what: imbalance trigger, top-K nodes each way, top-K candidates."""
 
     def __init__(self, threshold_s: float = 2.0, top_k_nodes: int = 3, top_k_requests: int = 16,
-                 budget_tokens: int = 8192, time_limit_s: float = 1.0):
+                 budget_tokens: int = 8192, time_limit_s: float = 1.0, min_gain_s: float | None = None):
         self.threshold_s = threshold_s
         self.top_k_nodes = top_k_nodes
         self.top_k_requests = top_k_requests
         self.budget_tokens = budget_tokens
         self.time_limit_s = time_limit_s
+        # a plan must shorten the predicted makespan this much (default: the trigger's threshold)
+        self.min_gain_s = threshold_s if min_gain_s is None else min_gain_s
+
+    def mover(self, nodes: list[NodeLoad]) -> str | None:
+        """The one node that moves its requests this round: the busiest, if the spread passes the
+        threshold. Each node plans alone on the same digests: were every overloaded node to move in
+        the same round, each would fill the same least-loaded targets as if it were the only one,
+        overshooting them, and they would move the requests on (issue #16)."""
+        sources = self.overloaded(nodes)
+        return sources[0].node_id if sources else None
 
     def overloaded(self, nodes: list[NodeLoad]) -> list[NodeLoad]:
         """The sources of a migration round: the top-K by pending time, if the spread between the
@@ -197,7 +212,11 @@ class CoMigrator:
         involved = [n for n in nodes if n.node_id in sources] + targets
         if not candidates or not targets:
             return MigrationPlan()
-        candidates = sorted(candidates, key=lambda c: -(c.prefill_tokens + c.decode_tokens))[:self.top_k_requests]
+        # never past the cap; a request moved already (recomputed once, and its target's newest) last
+        candidates = sorted((c for c in candidates if c.migrations < MAX_MIGRATIONS),
+                            key=lambda c: (c.migrations, -(c.prefill_tokens + c.decode_tokens)))[:self.top_k_requests]
+        if not candidates:
+            return MigrationPlan()
         p = build_problem(involved, candidates, self.budget_tokens)
         stay = p.base.copy()
         np.add.at(stay, p.source, p.work[np.arange(len(candidates)), p.source])
@@ -216,6 +235,10 @@ class CoMigrator:
         np.add.at(after, assign, p.work[np.arange(len(candidates)), assign])
         for k, j in needed:
             after[j] += p.load[k, j]
+        if stay.max() - after.max() < self.min_gain_s:
+            # predicted pending times are off by more than this (output lengths are guesses): a smaller
+            # gain is noise, and every move costs a recompute
+            moves, needed = [], []
         return MigrationPlan(moves=moves, loads=[(p.adapters[k], p.nodes[j]) for k, j in needed],
                              makespan_before=float(stay.max()), makespan_after=float(after.max()),
                              objective=objective, solve_seconds=spent)

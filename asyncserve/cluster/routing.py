@@ -26,6 +26,8 @@ import math
 import random
 from dataclasses import dataclass
 
+import msgspec
+
 from asyncserve.cluster.messages import Digest
 from asyncserve.perf_model import (PerfCoefficients, QueuedWork, adapter_load_seconds, decode_step_seconds,
                                    request_work_seconds)
@@ -132,6 +134,26 @@ class ClusterView:
                     load.add(req)
             out.append(load)
         return out
+
+
+def cluster_coefficients(own: PerfCoefficients, measured: bool, fetch_s: float | None,
+                         digests: list[Digest]) -> PerfCoefficients:
+    """The model a node prices its queue with in its digest (and its peers price sending it work).
+
+    Steps: its own once fitted to its steps, before that a peer's fitted one (peers serve the same
+    model): a node still on the prior would look several times cheaper than its fitted peers.
+    Adapter fetches from disk: `fetch_s`, the mean this node measured (the pager builds an adapter a
+    layer per step, seconds on a busy CPU), else the slowest a fitted peer measured; the prior's 0
+    would make a cold adapter look free to route to or migrate to (issue #16)."""
+    fitted = sorted((d for d in digests if d.measured), key=lambda d: d.node_id)
+    c = own if measured or not fitted else fitted[0].coefficients
+    if fetch_s is None:
+        if adapter_load_seconds(c, 1, None) > 0.0:          # a disk model of its own (a profile)
+            return c
+        fetch_s = max((d.coefficients.load_disk_fixed_s for d in fitted), default=0.0)
+        if fetch_s <= 0.0:
+            return c
+    return msgspec.structs.replace(c, load_disk_fixed_s=fetch_s, load_disk_s_per_rank=0.0)
 
 
 def rendezvous_weight(adapter: str, node_id: str) -> int:

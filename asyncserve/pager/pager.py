@@ -117,7 +117,14 @@ class AdapterPager:
         self.pending: deque[PageIn] = deque()
         # (tier loaded from: "disk" | "host", name, seconds), appended by either thread, drained by metrics
         self.load_times: deque[tuple[str, str, float]] = deque(maxlen=4096)
+        self.mean_load_seconds: dict[str, float] = {}                    # by tier: recent loads, weighted
         self._generation = 0
+
+    def record_load(self, tier: str, name: str, seconds: float) -> None:
+        """An adapter load from `tier` ("disk" | "host") took `seconds`: for metrics and load estimates."""
+        self.load_times.append((tier, name, seconds))
+        mean = self.mean_load_seconds.get(tier, seconds)
+        self.mean_load_seconds[tier] = mean + (seconds - mean) / 8
 
     # ---- disk tier ---------------------------------------------------------------------------
     def register(self, info: AdapterInfo, pinned: bool = False) -> Registration:
@@ -429,5 +436,5 @@ class AdapterPager:
                 i += r
             if page_of is None:
                 pool.data[torch.tensor(device.pages, device=pool.device)] = target.to(pool.device)
-            self.load_times.append(("host", device.name, time.perf_counter() - since))
+            self.record_load("host", device.name, time.perf_counter() - since)
         self.pending.extendleft(reversed(held))
