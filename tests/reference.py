@@ -72,6 +72,22 @@ def reference_greedy(model, prompt_ids: list[int], n: int) -> ReferenceRun:
     return ReferenceRun(out, logits)
 
 
+def peft_references(base, adapter_paths: dict, cases, new_tokens: int) -> list[ReferenceRun]:
+    """transformers+PEFT greedy runs of (prompt ids, adapter name or None) cases on ``base``, one
+    adapter active at a time."""
+    from peft import PeftModel
+
+    refs = [None] * len(cases)
+    for adapter in dict.fromkeys(a for _, a in cases):
+        model = base if adapter is None else PeftModel.from_pretrained(base, adapter_paths[adapter]).eval()
+        for i, (ids, a) in enumerate(cases):
+            if a == adapter:
+                refs[i] = reference_greedy(model, ids, new_tokens)
+        if adapter is not None:
+            model.unload()   # restore the base modules for the next adapter
+    return refs
+
+
 def assert_greedy_matches(ours: list[int], ref: ReferenceRun, tie_tol: float, label: str) -> bool:
     """Tokens must equal the reference; a difference is allowed only at a near-tie of the reference's
     top-2 logits, after which the continuations legitimately differ. Returns True if fully equal."""

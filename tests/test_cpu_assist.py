@@ -16,7 +16,7 @@ import signal
 
 import pytest
 import torch
-from reference import ADAPTERS, TEST_DEVICE, assert_greedy_matches, reference_greedy
+from reference import ADAPTERS, TEST_DEVICE, assert_greedy_matches, peft_references
 
 from asyncserve import LLM, SamplingParams
 from asyncserve.config import Config
@@ -40,20 +40,9 @@ def _prompts(tok, n: int, seed: int) -> list[list[int]]:
 def cases(tiny_model):
     """Prompts x (base and every adapter: ranks 1-64, all seven projections among them), with their
     transformers+PEFT greedy references."""
-    from peft import PeftModel
-
     prompts = _prompts(tiny_model.tokenizer, 2, seed=3)
     cases = [(ids, a) for ids in prompts for a in [None, *ADAPTERS]]
-    refs = {}
-    for adapter in [None, *ADAPTERS]:
-        model = tiny_model.base if adapter is None else PeftModel.from_pretrained(
-            tiny_model.base, tiny_model.adapters[adapter]).eval()
-        for i, (ids, a) in enumerate(cases):
-            if a == adapter:
-                refs[i] = reference_greedy(model, ids, NEW_TOKENS)
-        if adapter is not None:
-            model.unload()
-    return cases, refs
+    return cases, peft_references(tiny_model.base, tiny_model.adapters, cases, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import torch
 from asyncserve import LLM, SamplingParams
 from asyncserve.lora.backend import TorchLoraBackend
 from asyncserve.model.llama import PrefillChunk, StepInputs, attention, plan_attention
-from reference import ADAPTERS, TEST_DEVICE, assert_greedy_matches, reference_greedy
+from reference import ADAPTERS, TEST_DEVICE, assert_greedy_matches, peft_references
 
 NEW_TOKENS = 12
 
@@ -28,20 +28,7 @@ def prompts_for(tok, n, seed):
 
 
 def references(base, paths, cases):
-    """Greedy references with transformers+PEFT, one adapter active at a time."""
-    from peft import PeftModel
-
-    refs = {}
-    by_adapter = {}
-    for i, (ids, adapter) in enumerate(cases):
-        by_adapter.setdefault(adapter, []).append((i, ids))
-    for adapter, items in by_adapter.items():
-        model = base if adapter is None else PeftModel.from_pretrained(base, paths[adapter]).eval()
-        for i, ids in items:
-            refs[i] = reference_greedy(model, ids, NEW_TOKENS)
-        if adapter is not None:
-            model.unload()   # restore the base modules for the next adapter
-    return refs
+    return peft_references(base, paths, cases, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("stacks", ["default", "packed_at_once", "in_pieces"])

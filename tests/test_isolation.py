@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from reference import TEST_DEVICE, assert_greedy_matches, reference_greedy
+from reference import TEST_DEVICE, assert_greedy_matches, peft_references
 
 from asyncserve import LLM, SamplingParams
 from asyncserve.config import Config
@@ -30,20 +30,8 @@ def _prompts(tok, n: int, seed: int) -> list[list[int]]:
     return [tok.encode(" ".join(rng.choice(words) for _ in range(rng.randint(4, 30)))) for _ in range(n)]
 
 
-def _references(tiny_model, cases) -> dict[int, object]:
-    """transformers+PEFT greedy runs, one adapter active at a time."""
-    from peft import PeftModel
-
-    refs = {}
-    for adapter in dict.fromkeys(a for _, a in cases):
-        model = tiny_model.base if adapter is None else PeftModel.from_pretrained(
-            tiny_model.base, tiny_model.adapters[adapter]).eval()
-        for i, (ids, a) in enumerate(cases):
-            if a == adapter:
-                refs[i] = reference_greedy(model, ids, NEW_TOKENS)
-        if adapter is not None:
-            model.unload()
-    return refs
+def _references(tiny_model, cases) -> list:
+    return peft_references(tiny_model.base, tiny_model.adapters, cases, NEW_TOKENS)
 
 
 def _poison(engine, name: str, value: float) -> None:

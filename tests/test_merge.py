@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from reference import ADAPTERS, TEST_DEVICE, assert_greedy_matches, reference_greedy
+from reference import ADAPTERS, TEST_DEVICE, assert_greedy_matches, peft_references
 
 from asyncserve import LLM, SamplingParams
 from asyncserve.lora.backend import TorchLoraBackend
@@ -30,19 +30,7 @@ def _prompts(tok, n: int, seed: int) -> list[list[int]]:
 
 
 def _references(tiny_model, cases, new_tokens: int = NEW_TOKENS) -> list:
-    """transformers+PEFT greedy runs of (prompt ids, adapter) cases, one adapter active at a time."""
-    from peft import PeftModel
-
-    refs = [None] * len(cases)
-    for adapter in dict.fromkeys(a for _, a in cases):
-        model = tiny_model.base if adapter is None else PeftModel.from_pretrained(
-            tiny_model.base, tiny_model.adapters[adapter]).eval()
-        for i, (ids, a) in enumerate(cases):
-            if a == adapter:
-                refs[i] = reference_greedy(model, ids, new_tokens)
-        if adapter is not None:
-            model.unload()
-    return refs
+    return peft_references(tiny_model.base, tiny_model.adapters, cases, new_tokens)
 
 
 def _llm(tiny_model, names=tuple(ADAPTERS), **kwargs) -> LLM:
