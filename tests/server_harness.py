@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -15,14 +16,21 @@ from asyncserve.server import Server
 
 
 class ServerThread:
-    def __init__(self, config: Config):
-        config.port = 0                       # any free port
-        self.server = Server(config)
+    def __init__(self, config: Config, any_port: bool = True, wait: bool = True, resolver=socket.getaddrinfo):
+        """any_port: listen on a free port of 127.0.0.1, else at config's host and port; wait: until the
+        model is loaded, else see wait_ready; resolver: how cluster mode resolves its dns: peers."""
+        if any_port:
+            config.port = 0
+        self.server = Server(config, resolver=resolver)
         self.loop = uvloop.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.call(self.server.start())
-        self.base = f"http://127.0.0.1:{self.server.port}"
+        self.base = f"http://127.0.0.1:{self.server.port}" if any_port else f"http://{config.host}:{config.port}"
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
         deadline = time.monotonic() + 120
         while not self.server.ready:
             assert self.server.failed is None, self.server.failed
@@ -68,7 +76,7 @@ class ServerThread:
         raise AssertionError("the stream ended without data: [DONE]")
 
     def metric(self, name: str, labels: str = "") -> float:
-        _, text, _ = self.request("GET", "/metrics")
+        text = self.request("GET", "/metrics")[1]
         key = f"{name}{{{labels}}}" if labels else name
         for line in text.splitlines():
             if line.startswith(key + " "):

@@ -5,18 +5,15 @@ Every output is checked against the offline engine: forwarded, migrated and resu
 give the tokens and text of an unmoved run."""
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import socket
 import threading
 import time
-import urllib.error
 import urllib.request
 
 import msgspec
 import pytest
-import uvloop
 
 from asyncserve import LLM, SamplingParams, StructuredOutputs
 from asyncserve.cli import main as cli_main
@@ -25,7 +22,7 @@ from asyncserve.cluster.messages import AdapterTiers, Digest
 from asyncserve.cluster.migration import CoMigrator
 from asyncserve.config import Config
 from asyncserve.perf_model import PerfCoefficients
-from asyncserve.server import Server
+from server_harness import ServerThread
 
 KEY = "test-cluster-key"
 API_KEY = "client-key"
@@ -58,31 +55,16 @@ def free_port() -> int:
     raise RuntimeError("no free port")
 
 
-class Node:
-    """A Server on its own uvloop thread at a fixed address."""
+class Node(ServerThread):
+    """A Server on its own uvloop thread at a fixed address, finding its peers through the stub DNS."""
 
     def __init__(self, config: Config):
-        self.server = Server(config, resolver=stub_resolver)
-        self.loop = uvloop.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.call(self.server.start())
-        self.base = f"http://{config.host}:{config.port}"
+        super().__init__(config, any_port=False, wait=False, resolver=stub_resolver)
         self.killed = False
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + 120
-        while not self.server.ready:
-            assert self.server.failed is None, self.server.failed
-            assert time.monotonic() < deadline, "server did not become ready"
-            time.sleep(0.05)
 
     @property
     def cluster(self):
         return self.server.cluster
-
-    def call(self, coro, timeout: float = 60):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def kill(self, reset: bool) -> None:
         """Stop dead. reset: as a SIGKILLed process, whose sockets the kernel closes (its peers'
@@ -110,22 +92,11 @@ class Node:
     def stop(self) -> None:
         if self.killed:       # bring the loop back only to release what the server holds
             self.revive()
-        self.call(self.server.stop())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        super().stop()
 
     def request(self, method: str, path: str, body: bytes | dict | None = None, headers: dict | None = None):
-        data = json.dumps(body).encode() if isinstance(body, dict) else body
-        req = urllib.request.Request(self.base + path, data=data, method=method, headers=headers or {})
-        try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                status, raw = r.status, r.read()
-        except urllib.error.HTTPError as e:
-            status, raw = e.code, e.read()
-        try:
-            return status, json.loads(raw)
-        except ValueError:
-            return status, raw.decode(errors="replace")
+        """(status, parsed JSON or text)."""
+        return super().request(method, path, body, headers)[:2]
 
     def signed(self, method: str, path: str, body: bytes = b"", key: str = KEY) -> tuple[int, object]:
         headers = PeerSigner(key).headers(method, path, body)
@@ -155,12 +126,11 @@ class Node:
         return True
 
     def metric(self, name: str, labels: str = "") -> float:
-        _, text = self.request("GET", "/metrics")
-        key = f"{name}{{{labels}}}" if labels else name
-        for line in text.splitlines():
-            if line.startswith(key + " "):
-                return float(line.split()[-1])
-        return 0.0
+        """0 for a labelled counter nothing has counted yet."""
+        try:
+            return super().metric(name, labels)
+        except KeyError:
+            return 0.0
 
 
 @pytest.fixture(scope="module")
