@@ -181,17 +181,8 @@ def skewed_popularity(
     rest = (1.0 - top_share) / (n_adapters - 1) if n_adapters > 1 else 0.0
     probabilities = np.array([top_share] + [rest] * (n_adapters - 1))
     adapter_ids = rng.choice(n_adapters, size=n_requests, p=probabilities / probabilities.sum())
-    arrivals = gamma_arrival_times(rng, n_requests, rate, cv=1.0) if rate is not None else np.zeros(n_requests)
-    return [
-        Request(
-            index=i,
-            arrival_time_s=float(arrivals[i]),
-            model=adapter_name(adapter_prefix, int(adapter_ids[i])),
-            max_tokens=output_tokens,
-            **_prompt_fields(rng, prompt_tokens, prompt_vocab_size),
-        )
-        for i in range(n_requests)
-    ]
+    return _poisson_requests(rng, adapter_ids, [prompt_tokens] * n_requests, [output_tokens] * n_requests, rate,
+                             adapter_prefix, prompt_vocab_size)
 
 
 def punica_adapter_counts(kind: str, n_requests: int) -> list[int]:
@@ -245,7 +236,15 @@ def punica_mix(
     prompt_lens = prompt_lens.astype(int)
     total_lens = np.maximum(prompt_lens + 2, rng.integers(0, max_len, size=n_requests))
     output_lens = total_lens - prompt_lens
-    arrivals = gamma_arrival_times(rng, n_requests, rate, cv=1.0) if rate is not None else np.zeros(n_requests)
+    return _poisson_requests(rng, adapter_ids, prompt_lens, output_lens, rate, adapter_prefix, prompt_vocab_size)
+
+
+def _poisson_requests(rng, adapter_ids, prompt_lens, output_lens, rate: float | None, adapter_prefix: str,
+                      prompt_vocab_size: int | None) -> list[Request]:
+    """Requests i = 0.. with these adapters and lengths: a closed loop (all at 0), or Poisson arrivals at
+    ``rate`` per second."""
+    n = len(adapter_ids)
+    arrivals = gamma_arrival_times(rng, n, rate, cv=1.0) if rate is not None else np.zeros(n)
     return [
         Request(
             index=i,
@@ -254,7 +253,7 @@ def punica_mix(
             max_tokens=int(output_lens[i]),
             **_prompt_fields(rng, int(prompt_lens[i]), prompt_vocab_size),
         )
-        for i in range(n_requests)
+        for i in range(n)
     ]
 
 
