@@ -264,7 +264,7 @@ class TorchLoraBackend(LoraBackend):
         a_stack, b_stack = self._stacks[group][0], self._stacks[group][1]
         layers = self._linears.get(group) or [StackLinears(Linear(a), Linear(b.t()), False)
                                               for a, b in zip(a_stack, b_stack)]
-        if packed:
+        if packed and not layers[-1].packed:           # packed in layer order: the last one means all
             nbytes = (a_stack[0].numel() + b_stack[0].numel()) * a_stack.element_size()
             for layer, linears in enumerate(layers):
                 if not linears.packed and self._take(nbytes):
