@@ -47,7 +47,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "against starvation; dLoRA), merged-only (one adapter at a time; a baseline) "
                         "(default: fcfs)")
     p.add_argument("--max-step-adapters", type=int, default=4, metavar="D",
-                   help="affinity: the most distinct adapters in the running batch, the base model aside (default: 4)")
+                   help="affinity: the most distinct adapters a step carries, the base model aside (default: 4)")
     p.add_argument("--slo-ttft", type=float, default=None, metavar="SECONDS",
                    help="slo: answer a waiting request at once with a 429 (code slo_unattainable) when it can no "
                         "longer get its first token within this")

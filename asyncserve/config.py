@@ -36,7 +36,7 @@ class Config:
     block_size: int = 16
     threads: int | None = None               # torch intra-op threads on CPU
     policy: str = "fcfs"                     # fcfs | affinity | slo | dlora | merged-only (scheduler/policies.py)
-    max_step_adapters: int = 4               # affinity: distinct adapters in the running batch, base aside
+    max_step_adapters: int = 4               # affinity: distinct adapters per step, base aside
     slo_ttft_s: float | None = None          # slo: refuse (429) waiting requests that cannot get a first token in time
     slo_tpot_s: float | None = None          # slo: admit while the predicted decode step stays within this
     prefix_caching: bool = True              # reuse the KV of full blocks of earlier prompts (per adapter)

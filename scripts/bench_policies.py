@@ -12,6 +12,8 @@ affinity and slo; TTFT SLO attainment (requests refused with 429 count as misses
     python scripts/make_adapters.py 8 /tmp/policy-adapters --model default
     python scripts/bench_policies.py dlora --adapters /tmp/policy-adapters --out /tmp/bench-policies --plot
     python scripts/bench_policies.py slora --adapters /tmp/policy-adapters --out /tmp/bench-policies --plot
+    python scripts/bench_policies.py slora --adapters /tmp/policy-adapters --policies fcfs,affinity \
+        --max-step-adapters 1,2,4,8 --alpha 1       # S-LoRA's Figure 12: affinity's d against FCFS
 
 Each server runs with --log-level WARNING and its log goes to OUT/<run>.log. Run it on a quiet
 machine: the server and the client share its cores.
@@ -69,10 +71,19 @@ def bench(args, name: str, workload: list[str]) -> dict:
     return json.loads(report.read_text())
 
 
-def policy_flags(args, policy: str, slo_ttft: float | None) -> list[str]:
+def runs(policies: list[str], step_adapters: list[int]) -> list[tuple[str, int | None]]:
+    """(policy, d) per run: affinity once per --max-step-adapters d, the others once."""
+    return [(p, d) for p in policies for d in (step_adapters if p == "affinity" else [None])]
+
+
+def run_label(policy: str, d: int | None) -> str:
+    return policy if d is None else f"{policy}-d{d}"
+
+
+def policy_flags(args, policy: str, slo_ttft: float | None, d: int | None = None) -> list[str]:
     flags = ["--policy", policy]
-    if policy == "affinity":
-        flags += ["--max-step-adapters", str(args.max_step_adapters)]
+    if d is not None:
+        flags += ["--max-step-adapters", str(d)]
     if policy == "slo":
         flags += ["--slo-ttft", str(slo_ttft)]
     return flags
@@ -136,9 +147,10 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--max-in-flight", type=int, default=32)
     s = ap.add_argument_group("slora sweep")
     s.add_argument("--slo-ttft", default="auto", help="seconds, or auto (FCFS's 65th percentile at the first cv)")
-    s.add_argument("--max-step-adapters", type=int, default=2)
+    s.add_argument("--max-step-adapters", default="2", help="affinity's d, comma-separated for a sweep (2,4,8)")
     s.add_argument("--n-adapters", type=int, default=8)
-    s.add_argument("--alpha", type=float, default=0.3, help="power law of adapter popularity: smaller is more skewed")
+    s.add_argument("--alpha", type=float, default=0.3, help="power law of adapter popularity: smaller is more "
+                   "skewed, 1 uniform (S-LoRA's Figures 11-12 use 1)")
     s.add_argument("--rate", type=float, default=2.0, help="requests/s")
     s.add_argument("--duration", type=float, default=60.0)
     s.add_argument("--input-range", type=int, nargs=2, default=[8, 256])
@@ -159,21 +171,23 @@ def main(argv: list[str] | None = None) -> None:
         slo_ttft = round(ttft_percentile(report, 65), 3)
         print(f"TTFT SLO: {slo_ttft} s (FCFS's 65th percentile at cv {points[0]:g})", flush=True)
     rows = []
+    step_adapters = [int(d) for d in args.max_step_adapters.split(",")]
     for point in points:
-        for policy in policies:
-            name = f"{args.sweep}-{policy}-{point:g}"
-            proc = start_server(args, name, policy_flags(args, policy, slo_ttft), adapters)
+        for policy, d in runs(policies, step_adapters):
+            label = run_label(policy, d)
+            name = f"{args.sweep}-{label}-{point:g}"
+            proc = start_server(args, name, policy_flags(args, policy, slo_ttft, d), adapters)
             try:
                 summary = bench(args, name, workload(args, point, slo_ttft))["summary"]
             finally:
                 stop_nodes([proc])
-            rows.append({"policy": policy, "point": point, "output_tokens_per_s": summary["output_tokens_per_s"],
+            rows.append({"policy": label, "point": point, "output_tokens_per_s": summary["output_tokens_per_s"],
                          "mean_latency_s": summary["latency_s"]["mean"], "mean_ttft_s": summary["ttft_s"]["mean"],
                          "errors": summary["errors"],
                          "slo_attainment": summary["slo"]["attainment"]["all"] if "slo" in summary else None})
             r = rows[-1]
             attained = f"  SLO {100 * r['slo_attainment']:5.1f} %" if r["slo_attainment"] is not None else ""
-            print(f"{args.sweep} {point:<6g} {policy:<12} {r['output_tokens_per_s'] or 0:8.1f} tok/s  mean latency "
+            print(f"{args.sweep} {point:<6g} {label:<12} {r['output_tokens_per_s'] or 0:8.1f} tok/s  mean latency "
                   f"{r['mean_latency_s'] or float('nan'):7.2f} s{attained}  errors {r['errors']}", flush=True)
     (args.out / f"{args.sweep}.json").write_text(json.dumps({
         "args": {k: str(v) for k, v in vars(args).items()}, "slo_ttft_s": slo_ttft, "loadavg": os.getloadavg(),

@@ -1,20 +1,33 @@
-"""Adapter affinity (S-LoRA §4.2, "adapter clustering"), with a cap that holds and aging that bounds it.
+"""Adapter affinity (S-LoRA §4.2 and Appendix A.2, "adapter clustering"), with a cap per step and
+aging that bounds it.
 
-The running batch, so every step, holds requests of at most d = --max-step-adapters distinct
-adapters (the base model's requests aside: they need no adapter). Waiting requests of the batch's
-adapters join freely; another adapter joins when the batch has fewer than d. Admission tries the
-adapters with the most waiting requests first, in arrival order within each.
+Every step carries requests of at most d = --max-step-adapters distinct adapters (the base model's
+requests aside: they need no adapter). The running batch itself is not capped: S-LoRA's clustering
+is work-conserving (requests of other adapters join when the batch's adapters cannot fill it), and
+capping the batch instead idles it. On S-LoRA's trace (8 adapters, power law 0.3, d = 2) a capped
+batch held two adapters' requests while the others queued beside free slots, and an adapter's turn
+ended only when its last request did, so the others waited for whole requests to finish (L steps
+each) and, once aged, drained the batch, the most popular adapter's requests with it.
 
-Aging: an adapter whose requests have waited outside the batch for ``aging_steps`` steps is aged.
-Aged adapters come first, longest-waiting first, and while one waits for a slot the batch's adapters
-take no new requests, so the batch drains until one of them leaves. Bound: an adapter with a waiting
-request enters the batch within aging_steps + ceil(m / d) * L steps, where m is the number of aged
-adapters ahead of it and L the most steps a running request still takes (its prompt's chunks plus
-max_tokens; more if it is preempted and recomputed), pages permitting.
+So the running batch takes any request, and each step picks which d of its adapters run (the
+others' running sequences sit that step out, keeping their pages): a turn lasts one step. The
+adapters with the most waiting work run first: an adapter's priority is its requests (running and
+waiting) plus the request-steps they sat out since it last ran, so a popular adapter runs nearly
+every step and the others take the remaining places in proportion to what waits. A request whose
+adapter does not run that step is not admitted; admission is in arrival order, aged adapters' first.
+
+Aging: an adapter with requests that has not run for ``aging_steps`` steps is aged. Aged adapters
+take the first places, longest-idle first; one whose requests all wait takes a place only while the
+batch has a free slot (else it could not run). Bound: an adapter with a running request runs within
+aging_steps + ceil((m + 1) / d) steps of its last step, m the aged adapters ahead of it; one with
+only waiting requests, within that many steps once the batch has a free slot for it (pages
+permitting). A popular adapter's requests never wait for the batch to drain.
 """
 from __future__ import annotations
 
-from asyncserve.scheduler.policy import PolicySettings, SchedulingPolicy
+from collections import Counter
+
+from asyncserve.scheduler.policy import ANY, PolicySettings, SchedulingPolicy, StepRule
 from asyncserve.sequence import Sequence
 
 
@@ -26,47 +39,44 @@ class AdapterAffinity(SchedulingPolicy):
         self.max_adapters = settings.max_step_adapters
         self.aging_steps = aging_steps
         self.steps = 0
-        self.blocked_since: dict[str | None, int] = {}   # adapter (None: base) -> step it began waiting outside
-        self._batch_size = -1                             # the batch whose adapters _batch_adapters holds
-        self._batch_adapters: set[str] = set()
+        self.credit: dict[str, int] = {}        # adapter -> request-steps its requests sat out since it last ran
+        self.idle_since: dict[str, int] = {}    # adapter with requests -> the step since which it has not run
 
-    def aged(self) -> list[str | None]:
-        """Adapters waiting outside the batch for aging_steps or more, longest first."""
-        old = [t for t, since in self.blocked_since.items() if self.steps - since >= self.aging_steps]
-        return sorted(old, key=self.blocked_since.__getitem__)
+    def aged(self) -> list[str]:
+        """Adapters with requests that have not run for aging_steps steps or more, longest first."""
+        old = [t for t, since in self.idle_since.items() if self.steps - since >= self.aging_steps]
+        return sorted(old, key=self.idle_since.__getitem__)
 
     def step_rule(self, running, waiting):
-        self._batch_size = -1
-        return super().step_rule(running, waiting)
-
-    def admission_order(self, waiting, resident_adapters):
-        groups: dict[str | None, list[Sequence]] = {}
-        for seq in waiting:
-            groups.setdefault(seq.adapter, []).append(seq)
+        work = _requests_by_adapter(running + waiting)
+        if len(work) <= self.max_adapters:
+            return ANY
+        room = len(running) < self.settings.max_running
+        in_batch = {s.adapter for s in running}
         aged = {t: i for i, t in enumerate(self.aged())}
-        first_index = {t: i for i, t in enumerate(groups)}
 
         def priority(t):
-            return (0, aged[t]) if t in aged else (1, -len(groups[t]), first_index[t])
-        return [seq for t in sorted(groups, key=priority) for seq in groups[t]]
+            return (0, aged[t]) if t in aged else (1, -(work[t] + self.credit.get(t, 0)))
+        runnable = [t for t in work if room or t in in_batch]
+        return StepRule(frozenset(sorted(runnable, key=priority)[:self.max_adapters]) | {None})
 
-    def admits(self, seq, batch):
-        if seq.adapter is None:
-            return True
-        if len(batch) != self._batch_size:        # the batch grows during one admission pass only
-            self._batch_size = len(batch)
-            self._batch_adapters = {s.adapter for s in batch if s.adapter is not None}
-        adapters = self._batch_adapters
-        if seq.adapter in adapters:
-            return not self._draining(adapters)
-        return len(adapters) < self.max_adapters
+    def progress_rule(self, running, waiting):
+        """The adapters of the oldest sequences: running ones are preempted newest first, so these run."""
+        first = list(_requests_by_adapter(running + waiting))[:self.max_adapters]
+        return StepRule(frozenset(first) | {None})
 
-    def _draining(self, adapters: set[str]) -> bool:
-        """The batch is full and an aged adapter waits for a slot."""
-        return len(adapters) >= self.max_adapters and any(t is not None and t not in adapters for t in self.aged())
+    def admission_order(self, waiting, resident_adapters):
+        aged = {t: i for i, t in enumerate(self.aged())}
+        return sorted(waiting, key=lambda s: aged.get(s.adapter, len(aged)))     # stable: arrival order
 
     def observe(self, plan, running, waiting):
         self.steps += 1
-        in_batch = {s.adapter for s in running}
-        outside = {s.adapter for s in waiting} - in_batch
-        self.blocked_since = {t: self.blocked_since.get(t, self.steps) for t in outside}
+        ran = {c.seq.adapter for c in plan.chunks}
+        work = _requests_by_adapter(running + waiting)
+        self.credit = {t: 0 if t in ran else self.credit.get(t, 0) + n for t, n in work.items()}
+        self.idle_since = {t: self.idle_since.get(t, self.steps) for t in work if t not in ran}
+
+
+def _requests_by_adapter(seqs: list[Sequence]) -> Counter:
+    """Requests per adapter (the base model's aside), in the order of each adapter's first."""
+    return Counter(s.adapter for s in seqs if s.adapter is not None)

@@ -5,6 +5,7 @@ One class per policy behind one interface (S-LoRA's idea). The Scheduler keeps t
 the page fitting and preemption; a policy only decides:
   step_rule      which adapters the next step may carry, and whether it runs merged with one
                  (dLoRA): running sequences of other adapters sit that step out, keeping their pages
+  progress_rule  what the step carries instead when step_rule's requests cannot run now (pages)
   admission_order the order admission tries the waiting sequences (it stops at the first that does
                  not fit, so the order is also the priority)
   admits         whether a sequence may join the batch beside what it holds (an adapter cap, a TPOT SLO)
@@ -27,7 +28,7 @@ class PolicySettings:
     max_running: int
     max_step_tokens: int
     latency: StepLatencyModel
-    max_step_adapters: int = 4               # affinity: distinct adapters in the batch, the base model aside
+    max_step_adapters: int = 4               # affinity: distinct adapters per step, the base model aside
     slo_ttft_s: float | None = None          # slo: time to first token to attain
     slo_tpot_s: float | None = None          # slo: time per output token to keep the running batch within
     # dlora: seconds one merge (or unmerge) of the named adapter costs, dLoRA's t_M; None: estimated
@@ -59,6 +60,11 @@ class SchedulingPolicy:
         self.settings = settings
 
     def step_rule(self, running: list[Sequence], waiting: list[Sequence]) -> StepRule:
+        return ANY
+
+    def progress_rule(self, running: list[Sequence], waiting: list[Sequence]) -> StepRule:
+        """The rule of a step whose step_rule's requests cannot run now (their pages do not fit): one
+        that makes progress; by default anything may run."""
         return ANY
 
     def admission_order(self, waiting: list[Sequence], resident_adapters: set[str]) -> Iterable[Sequence]:

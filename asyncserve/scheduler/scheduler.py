@@ -86,8 +86,8 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         rule = self.policy.step_rule(self.running, list(self.waiting))
         plan = self._plan(rule)
-        if not plan and rule is not ANY:
-            plan = self._plan(ANY)     # the rule's requests cannot run now (their pages do not fit): progress first
+        if not plan and rule is not ANY:   # the rule's requests cannot run now (their pages do not fit): progress first
+            plan = self._plan(self.policy.progress_rule(self.running, list(self.waiting)))
         self.policy.observe(plan, self.running, list(self.waiting))
         return plan
 
