@@ -26,7 +26,7 @@ from asyncserve.pager.adapters import (AdapterError, PeftFolder, build_host_adap
                                       read_peft_folder)
 from asyncserve.pager.pager import AdapterPager, Registration
 from asyncserve.pager.pool import PagedPool
-from asyncserve.perf_model import STEP_TIME_PRIOR, StepLatencyModel
+from asyncserve.perf_model import STEP_TIME_PRIOR, StepLatencyModel, adapter_load_seconds
 from asyncserve.sampling_params import SamplingParams
 from asyncserve.scheduler.policies import make_policy
 from asyncserve.scheduler.policy import PolicySettings
@@ -128,7 +128,7 @@ class Engine:
             log.info("removed %d shared-memory objects of dead asyncserve processes", len(removed))
         self.pager = AdapterPager(self.pool, mc, self.dtype, config.host_adapter_bytes())
         self.parked: dict[str, list[Sequence]] = {}    # adapter on disk -> requests waiting for its load
-        self._loading: set[str] = set()                 # parked adapters whose load has started (server)
+        self._loading: dict[str, float] = {}            # parked adapter whose load has started (server) -> when
         self.lora_backend_name = config.resolved_lora_backend(self.device)
         lora = make_lora_backend(self.lora_backend_name, self.pool, mc)
         eos = self.tokenizer.eos_token_ids
@@ -231,7 +231,7 @@ class Engine:
     def take_fetches(self) -> list[str]:
         """Adapters that parked requests wait for and whose load has not begun; marked begun."""
         names = [name for name in self.parked if name not in self._loading]
-        self._loading.update(names)
+        self._loading.update(dict.fromkeys(names, time.monotonic()))
         return names
 
     def host_room(self, name: str) -> bool:
@@ -250,13 +250,13 @@ class Engine:
 
     def unpark(self, name: str) -> None:
         """The name's adapter is on the host tier: its parked requests join the scheduler's queue."""
-        self._loading.discard(name)
+        self._loading.pop(name, None)
         for seq in self.parked.pop(name, []):
             self.scheduler.add(seq)
 
     def load_failed(self, name: str) -> list[str]:
         """The name's load failed: the ids of the requests parked for it (the caller ends them)."""
-        self._loading.discard(name)
+        self._loading.pop(name, None)
         return [seq.request_id for seq in self.parked.get(name, [])]
 
     def _load_now(self, name: str) -> None:
@@ -379,15 +379,19 @@ class Engine:
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
-        for name, seqs in self.parked.items():
+        for seqs in self.parked.values():
             for seq in seqs:
                 if seq.request_id == request_id:
-                    seqs.remove(seq)
-                    if not seqs:
-                        del self.parked[name]
+                    self._unpark_one(seq)
                     seq.status, seq.finish_reason = SeqStatus.FINISHED, "abort"
                     return seq
         return self.scheduler.abort(request_id)
+
+    def _unpark_one(self, seq: Sequence) -> None:
+        seqs = self.parked[seq.adapter]
+        seqs.remove(seq)
+        if not seqs:
+            del self.parked[seq.adapter]
 
     # ---- requests that move between servers (cluster mode: dLoRA §5.2, Punica §5) -----------------
     def export_sequence(self, request_id: str) -> Sequence | None:
@@ -480,9 +484,30 @@ class Engine:
         return self.latency.predict(_rank_chunks(plan))
 
     def abort_unattainable(self, now: float | None = None) -> list[SeqUpdate]:
-        """End the waiting requests that can no longer meet the policy's SLO (429 slo_unattainable);
-        ``now`` on the clock of the requests' arrival times (default: time.monotonic())."""
-        return self.scheduler.abort_unattainable(time.monotonic() if now is None else now)
+        """End the waiting requests that can no longer meet the policy's SLO (429 slo_unattainable),
+        parked ones included; ``now`` on the clock of the requests' arrival times (default:
+        time.monotonic())."""
+        now = time.monotonic() if now is None else now
+        updates = self.scheduler.abort_unattainable(now)
+        for name in list(self.parked):
+            # a parked request starts no sooner than its adapter is read: as if it had waited that long already
+            later = now + self.disk_load_seconds_left(name)
+            for seq, failure in self.scheduler.policy.unattainable(self.scheduler.running, self.parked[name], later,
+                                                                   self.scheduler.blocks.cached_prefix_tokens):
+                self._unpark_one(seq)
+                seq.status, seq.finish_reason = SeqStatus.FINISHED, "error"
+                updates.append(SeqUpdate(seq, [], "", True, "error", failure))
+        return updates
+
+    def disk_load_seconds_left(self, name: str) -> float:
+        """Predicted seconds until a parked adapter is in the host tier: the mean disk load this engine
+        measured (before any, the step-time model's disk price: 0 unless profiled), less the time its
+        load has run so far."""
+        mean = self.pager.mean_load_seconds.get("disk")
+        if mean is None:
+            mean = adapter_load_seconds(self.latency.coefficients, max(self.pager.registry[name].ranks), None)
+        started = self._loading.get(name)
+        return max(0.0, mean - (time.monotonic() - started)) if started is not None else mean
 
     # ---- dLoRA's merged mode (stepper/merge.py) --------------------------------------------------
     @property

@@ -293,3 +293,31 @@ def test_switch_estimates_step_model_and_metrics(tiny_model, prompts):
     assert "asyncserve_merged_adapter{" not in text
     assert "asyncserve_merge_switches_total 2.0" in text
     assert 'asyncserve_merge_switch_seconds_total{kind="unmerge"}' in text
+
+
+def test_prefix_cache_keeps_merged_kv_to_its_adapter(tiny_model):
+    """KV written by merged steps is the merged adapter's: the prefix cache keys it under that adapter's
+    load, so its own later requests reuse it, merged or not, while the base model's and another
+    adapter's requests with the same prompt never do (nor does the merged adapter reuse theirs). Each
+    request's greedy tokens equal transformers+PEFT's with the cache on."""
+    tok = tiny_model.tokenizer
+    words = "the fox jumps over lazy dog adapters serve many models batch token step rank".split()
+    rng = random.Random(31)
+    first, second = (tok.encode(" ".join(rng.choice(words) for _ in range(60)))[:40] for _ in range(2))
+    merged, other = "r64_all", "r8_attn_rs"
+    # first: the merged adapter's KV is written first; second: the base model's and the other's first
+    runs = [(first, merged, True), (first, None, False), (first, other, False), (first, merged, False),
+            (second, None, False), (second, other, True), (second, merged, True), (second, merged, False)]
+    refs = _references(tiny_model, [(ids, adapter) for ids, adapter, _ in runs])
+    llm = _llm(tiny_model, names=(merged, other), prefix_caching=True)
+    engine = llm.engine
+    blocks = engine.scheduler.blocks
+    hits = []
+    for (ids, adapter, as_merged), ref in zip(runs, refs):
+        before = blocks.prefix_hit_tokens
+        out = generate(engine, [(ids, adapter)], merge_when_alone(adapter) if as_merged else lambda plan, step: None)
+        assert engine.merged_adapter == (adapter if as_merged else None)
+        assert_greedy_matches(out[0], ref, tie_tol=1e-3, label=f"{adapter} merged={as_merged}")
+        hits.append(blocks.prefix_hit_tokens - before)
+    # only a request of an adapter (or the base model) that ran the prompt before finds it cached
+    assert hits == [0, 0, 0, 32, 0, 0, 0, 32]
