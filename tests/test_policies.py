@@ -476,3 +476,27 @@ def test_early_abort_counts_a_parked_request_s_adapter_load(llm, tiny_model):
         assert run.tokens[kept.request_id] == reference(llm, [(ids, "r8_attn_rs", 4)])[0]
     finally:
         engine.pager.mean_load_seconds.pop("disk", None)
+
+
+def test_affinity_cap_holds_when_pages_run_short(tiny_model):
+    """A pool of 48 pages: an aged adapter's request often does not fit, so the step its rule asks for
+    cannot run; the step that runs instead (progress_rule: the oldest sequences' adapters) still
+    carries one adapter (d = 1), where running anything would mix up to three, and all finish."""
+    llm = LLM(model=str(tiny_model.root), adapters={n: str(tiny_model.adapters[n]) for n in NAMES}, dtype="float32",
+              device=TEST_DEVICE, max_step_tokens=BUDGET, max_running=MAX_RUNNING, prefix_caching=False,
+              pool_mem="384KiB")
+    engine = llm.engine
+    assert engine.pool.num_pages == 48
+    policy = AdapterAffinity(PolicySettings(max_running=MAX_RUNNING, max_step_tokens=BUDGET, latency=engine.latency,
+                                            max_step_adapters=1), aging_steps=1)
+    engine.scheduler.policy = policy
+    progress = []
+    rule = policy.progress_rule
+    policy.progress_rule = lambda running, waiting: progress.append(1) or rule(running, waiting)
+    rng = random.Random(1)
+    run = Run(engine)
+    for i in range(24):
+        run.add([rng.randrange(5, 380) for _ in range(rng.randint(10, 40))], NAMES[i % 4], 40)
+    run.drain()
+    assert progress and max(len(adapters_of(p)) for p in run.plans) == 1
+    assert len(run.finished_step) == 24 and not run.errors
