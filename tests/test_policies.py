@@ -419,7 +419,7 @@ def test_affinity_serves_the_popular_adapter_while_others_age(llm, tiny_model):
     most d = 2 adapters a step. Every request starts within the stated bound of its arrival,
     aging_steps + ceil(A / d) steps (A adapters with requests; the batch keeps a free slot), so the
     popular adapter's requests never wait for a batch to drain while the others age (the policy that
-    capped the batch at d adapters kept them waiting 14 steps here, and filled the batch)."""
+    capped the batch at d adapters let requests wait up to 14 steps here, and filled the batch)."""
     tok = tiny_model.tokenizer
     aging, d = 6, 2
     use(llm, AdapterAffinity, max_step_adapters=d, aging_steps=aging)
