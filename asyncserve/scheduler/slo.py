@@ -7,7 +7,9 @@ its prompt's prefill admitted now, in chunks of the whole step budget beside the
 each step priced by the engine's step-time model, less what the prefix cache holds of its prompt.
 That is a lower bound on its TTFT whenever steps take what the model predicts, so a request is
 refused only when it cannot meet the SLO; those it leaves queued may still miss it behind the queue
-ahead of them. Until the model's first refit from this server's steps (about 70 steps) nothing is
+ahead of them. A request parked while its adapter is read from disk is checked too, as if it had
+waited the rest of the read already (engine.disk_load_seconds_left: the mean read measured, less what
+has run). Until the model's first refit from this server's steps (about 70 steps) nothing is
 refused: a prior's guess could refuse every request, and with no step run the model would never
 learn better.
 
