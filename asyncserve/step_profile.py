@@ -56,7 +56,7 @@ def random_step(rng: random.Random, kind: str, active: list[str], max_batch: int
 
     decodes, prefills = [], []
     if kind == "decode" or kind == "mixed":
-        batch = rng.randint(max(1, len(active) if kind == "decode" else 1), max(max_batch, len(active)))
+        batch = rng.randint(len(active) if kind == "decode" and active else 1, max(max_batch, len(active)))
         names = adapters(batch) if kind == "decode" else [rng.choice(choices) for _ in range(batch)]
         decodes = [ChunkSpec(1, rng.randint(1, max_context), name) for name in names]
     if kind == "prefill" or kind == "mixed":
@@ -80,16 +80,16 @@ def timed_step(engine: Engine, kind: str, specs: list[ChunkSpec], repeats: int =
     seqs, chunks = [], []
     try:
         for spec in specs:
-            prompt = [1 + i % (engine.vocab_size - 1) for i in range(spec.context + spec.tokens)]
+            prompt = [1 + i % (engine.vocab_size - 1) for i in range(spec.context + spec.tokens)]   # any ids: same time
             seq = engine.make_sequence(prompt, _GREEDY, spec.adapter)
             seq.block_table = pool.allocate(pool.pages_for_tokens(len(prompt)), "kv")
             seq.num_computed = spec.context
+            seqs.append(seq)
             if spec.adapter is not None:
                 if pager.ensure_resident(spec.adapter, admission=False) is None:
                     raise RuntimeError(f"adapter {spec.adapter!r} does not fit in the pool for profiling")
+                pager.acquire(pager.registration(spec.adapter))
                 seq.adapter_load = pager.registration(spec.adapter)
-                pager.acquire(seq.adapter_load)
-            seqs.append(seq)
             chunks.append(ScheduledChunk(seq, spec.tokens))
         nd = next((i for i, spec in enumerate(specs) if spec.tokens != 1), len(specs))   # the leading decodes
         plan = StepPlan(decodes=chunks[:nd], prefills=chunks[nd:])
@@ -104,9 +104,9 @@ def timed_step(engine: Engine, kind: str, specs: list[ChunkSpec], repeats: int =
 
 
 def warm_set(engine: Engine, active: list[str]) -> None:
-    """Run one-decode-per-adapter steps of ``active`` until the LoRA backend has built, packed and fused
-    that set's stacks (it spreads the work over steps; see lora/backend.py): the steps timed next
-    then measure the set's steady state, which a server runs nearly all its steps in."""
+    """Run one-decode-per-adapter steps of ``active`` for as long as the LoRA backend takes to build,
+    pack and fuse that set's stacks (it spreads the work over steps; see lora/backend.py): the steps
+    timed next then measure the set's steady state, which a server runs nearly all its steps in."""
     if active:
         timed_step(engine, "decode", [ChunkSpec(1, 16, name) for name in active],
                    repeats=PACK_AFTER_STEPS + WARM_BUILD_STEPS)

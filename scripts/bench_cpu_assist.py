@@ -166,7 +166,8 @@ def main(argv: list[str] | None = None) -> None:
         results = json.loads(report.read_text())
         summary = results["summary"]
         rows.append({"mode": mode, "saturated": saturated(results["requests"]),
-                     "host_tier_holds_trace": host_holds(args, adapters, needed_adapters(args, n_adapters)), "ttft_mean_s": summary["ttft_s"]["mean"], "ttft_p99_s": summary["ttft_s"]["p99"],
+                     "host_tier_holds_trace": host_holds(args, adapters, needed_adapters(args, n_adapters)),
+                     "ttft_mean_s": summary["ttft_s"]["mean"], "ttft_p99_s": summary["ttft_s"]["p99"],
                      "output_tokens_per_s": summary["output_tokens_per_s"], "requests_per_s": summary["requests_per_s"],
                      "errors": summary["errors"], "cpu_workers": metric(page, "asyncserve_cpu_workers"),
                      "assisted_tokens": metric(page, "asyncserve_cpu_assist_tokens_total"),
