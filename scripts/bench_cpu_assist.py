@@ -173,11 +173,12 @@ def main(argv: list[str] | None = None) -> None:
                      "assisted_tokens": metric(page, "asyncserve_cpu_assist_tokens_total"),
                      "worker_restarts": metric(page, "asyncserve_cpu_worker_restarts_total"),
                      "device_loads": metric(page, "asyncserve_adapter_loads_total"),
-                     "disk_loads": metric(page, "asyncserve_adapter_load_seconds_count", 'from="disk"')})
+                     "disk_loads": metric(page, "asyncserve_adapter_load_seconds_count", 'from="disk"'),
+                     "steps": metric(page, "asyncserve_step_duration_seconds_count")})
         r = rows[-1]
         print(f"{mode:<12} TTFT mean {r['ttft_mean_s']:7.3f} s  p99 {r['ttft_p99_s']:7.3f} s  "
               f"{r['output_tokens_per_s']:7.1f} tok/s  errors {r['errors']}  assisted tokens "
-              f"{r['assisted_tokens']:.0f}  device loads {r['device_loads']:.0f}  disk loads {r['disk_loads']:.0f}  "
+              f"{r['assisted_tokens']:.0f}  device loads {r['device_loads']:.0f}  disk loads {r['disk_loads']:.0f}  steps {r['steps']:.0f}  "
               f"saturated {r['saturated']}  host tier holds the trace's adapters {r['host_tier_holds_trace']}",
               flush=True)
     tok_s = {r["mode"]: r["output_tokens_per_s"] for r in rows}
