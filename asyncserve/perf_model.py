@@ -19,8 +19,10 @@ context and one adapter per distinct rank. Fitted by least squares on the relati
 short decode steps weigh as much as long prefill steps.
 
 The pending time of a queue is the sum of each request's additive share of the steps it will be in
-(dLoRA's "estimated queuing time"): each of its tokens costs alpha_token + alpha_rank * r, and each
-decode token also carries its share beta / batch of the step's fixed cost. Adapter loads are priced
+(dLoRA's "estimated queuing time"): each of its tokens costs alpha_token + alpha_rank * r, each
+decode token also alpha_seq and its share beta / batch of the step's fixed cost, and its attention
+pairs alpha_attn each (an adapter's cost per step is shared by requests the queue does not name
+together, so it is left out). Adapter loads are priced
 by tier: host memory -> pool per unit of rank, disk -> pool with a fixed cost on top.
 """
 from __future__ import annotations
