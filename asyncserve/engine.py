@@ -26,7 +26,7 @@ from asyncserve.pager.adapters import (AdapterError, PeftFolder, build_host_adap
                                       read_peft_folder)
 from asyncserve.pager.pager import AdapterPager, Registration
 from asyncserve.pager.pool import PagedPool
-from asyncserve.perf_model import STEP_TIME_PRIOR, StepLatencyModel, adapter_load_seconds
+from asyncserve.perf_model import STEP_TIME_PRIOR, StepChunk, StepLatencyModel, adapter_load_seconds
 from asyncserve.sampling_params import SamplingParams
 from asyncserve.scheduler.policies import make_policy
 from asyncserve.scheduler.policy import PolicySettings
@@ -626,6 +626,8 @@ class Engine:
                                 cpu_worker_restarts=self.assist.restarts)))
 
 
-def _rank_chunks(plan: StepPlan) -> list[tuple[int, int]]:
-    """A step as the latency model sees it: (tokens, adapter rank) per chunk; merged, no rank at all."""
-    return [(c.num_tokens, 0 if plan.merged else c.seq.adapter_rank) for c in plan.chunks]
+def _rank_chunks(plan: StepPlan) -> list[StepChunk]:
+    """A step as the latency model sees it: tokens, adapter rank, cached context and adapter load per
+    chunk; merged, no rank at all."""
+    return [StepChunk(c.num_tokens, 0 if plan.merged else c.seq.adapter_rank, c.seq.num_computed, c.seq.adapter_load)
+            for c in plan.chunks]

@@ -4,15 +4,25 @@ A step runs `tokens` tokens (decodes and prefill chunks) of sequences whose adap
 Its time is modelled as
 
     seconds = beta + alpha_token * tokens + alpha_rank * rank_work
+            + alpha_seq * sequences + alpha_adapter * adapters + alpha_attn * attention
 
 where rank_work is CaraServe's rank term generalised from decode-only batches to chunks of n_i tokens:
     "sum" (padding-free kernels: MBGMV, SGMV, our stacked GEMMs)   rank_work = sum_i n_i * r_i
     "max" (padded BGMV)                                             rank_work = (sum_i n_i) * max_i r_i
 For a decode-only batch S these are CaraServe's alpha * Sum(rank) + beta and alpha * |S| * Max(rank) + beta.
+The other terms are what CaraServe's decode-only fit leaves out and a mixed step on a CPU shows
+(scripts/bench_step_model.py): each sequence's own work (its sampled row through the LM head, its
+attention call), each distinct adapter's (a LoRA turn or a segment of the stacked GEMMs), and
+attention's quadratic part, attention = sum_i n_i * (context_i + (n_i + 1) / 2) query-key pairs for
+a chunk of n_i tokens after context_i cached ones. Chunks given as (tokens, rank) alone count no
+context and one adapter per distinct rank. Fitted by least squares on the relative error, so that
+short decode steps weigh as much as long prefill steps.
 
 The pending time of a queue is the sum of each request's additive share of the steps it will be in
-(dLoRA's "estimated queuing time"): each of its tokens costs alpha_token + alpha_rank * r, and each
-decode token also carries its share beta / batch of the step's fixed cost. Adapter loads are priced
+(dLoRA's "estimated queuing time"): each of its tokens costs alpha_token + alpha_rank * r, each
+decode token also alpha_seq and its share beta / batch of the step's fixed cost, and its attention
+pairs alpha_attn each (an adapter's cost per step is shared by requests the queue does not name
+together, so it is left out). Adapter loads are priced
 by tier: host memory -> pool per unit of rank, disk -> pool with a fixed cost on top.
 """
 from __future__ import annotations
@@ -30,6 +40,9 @@ class PerfCoefficients(msgspec.Struct, frozen=True):
     alpha_token: float                 # seconds per token in the step
     alpha_rank: float                  # seconds per unit of rank work
     rank_cost: str = "sum"             # how rank work is counted (RANK_COSTS)
+    alpha_seq: float = 0.0             # seconds per sequence (chunk) in the step
+    alpha_adapter: float = 0.0         # seconds per distinct adapter in the step
+    alpha_attn: float = 0.0            # seconds per attended query-key pair
     load_host_s_per_rank: float = 0.0  # paging an adapter from host memory into the pool, per unit of rank
     load_disk_s_per_rank: float = 0.0  # reading it from disk first, per unit of rank ...
     load_disk_fixed_s: float = 0.0     # ... plus a fixed cost (open, parse, allocate)
@@ -41,10 +54,24 @@ class PerfCoefficients(msgspec.Struct, frozen=True):
 STEP_TIME_PRIOR = PerfCoefficients(beta=0.02, alpha_token=2e-4, alpha_rank=0.0, source="prior")
 
 
+class StepChunk(NamedTuple):
+    """One sequence's part of a step, as the model sees it; a (tokens, rank) tuple is one too."""
+    tokens: int
+    rank: int = 0                      # its adapter's rank (0: base model, or merged)
+    context: int = 0                   # tokens whose KV is cached before them (their attention reads those too)
+    adapter: object = None             # which adapter (any hashable id), to count a step's distinct ones
+
+
 class StepSample(NamedTuple):
     tokens: int
     rank_work: float
     seconds: float
+    sequences: int = 0
+    adapters: int = 0
+    attention: float = 0.0
+
+
+FEATURES = ("beta", "alpha_token", "alpha_rank", "alpha_seq", "alpha_adapter", "alpha_attn")   # a sample's columns
 
 
 class QueuedWork(NamedTuple):
@@ -67,46 +94,69 @@ def rank_work(chunks: Iterable[tuple[int, int]], rank_cost: str = "sum") -> floa
     raise ValueError(f"rank_cost must be one of {RANK_COSTS}, got {rank_cost!r}")
 
 
-def step_seconds(c: PerfCoefficients, tokens: int, work: float) -> float:
-    return c.beta + c.alpha_token * tokens + c.alpha_rank * work
+def step_sample(chunks: Iterable[tuple], seconds: float, rank_cost: str = "sum") -> StepSample:
+    """A step's terms (see the module's docstring) from its chunks: StepChunks or (tokens, rank) tuples."""
+    chunks = [StepChunk(*c) for c in chunks]
+    adapters = {c.adapter if c.adapter is not None else ("rank", c.rank) for c in chunks if c.rank > 0}
+    return StepSample(sum(c.tokens for c in chunks), rank_work([(c.tokens, c.rank) for c in chunks], rank_cost),
+                      seconds, len(chunks), len(adapters),
+                      float(sum(c.tokens * (c.context + (c.tokens + 1) / 2) for c in chunks)))
 
 
-def predict_step_seconds(c: PerfCoefficients, chunks: Iterable[tuple[int, int]]) -> float:
-    """Predicted seconds of a step made of (num_tokens, rank) chunks."""
-    chunks = list(chunks)
-    return step_seconds(c, sum(n for n, _ in chunks), rank_work(chunks, c.rank_cost))
+def _columns(s: StepSample) -> tuple[float, ...]:
+    return (1.0, s.tokens, s.rank_work, s.sequences, s.adapters, s.attention)       # FEATURES' order
+
+
+def sample_seconds(c: PerfCoefficients, s: StepSample) -> float:
+    """The model's seconds for a step's terms."""
+    return sum(getattr(c, name) * x for name, x in zip(FEATURES, _columns(s)))
+
+
+def step_seconds(c: PerfCoefficients, tokens: int, work: float, sequences: int = 0, adapters: int = 0,
+                 attention: float = 0.0) -> float:
+    return sample_seconds(c, StepSample(tokens, work, 0.0, sequences, adapters, attention))
+
+
+def predict_step_seconds(c: PerfCoefficients, chunks: Iterable[tuple]) -> float:
+    """Predicted seconds of a step made of chunks: StepChunks or (num_tokens, rank) tuples."""
+    return sample_seconds(c, step_sample(chunks, 0.0, c.rank_cost))
 
 
 def decode_step_seconds(c: PerfCoefficients, batch: int, rank_sum: int, max_rank: int) -> float:
-    """A decode-only step of `batch` sequences whose ranks sum to rank_sum, the largest max_rank."""
+    """A decode-only step of `batch` sequences whose ranks sum to rank_sum, the largest max_rank (their
+    contexts and distinct adapters unknown: counted as none)."""
     work = rank_sum if c.rank_cost == "sum" else batch * max_rank
-    return step_seconds(c, batch, work)
+    return step_seconds(c, batch, work, sequences=batch, attention=float(batch))
 
 
 def fit(samples: Iterable[StepSample], rank_cost: str = "sum", **extra) -> PerfCoefficients:
-    """Least-squares fit of beta, alpha_token, alpha_rank to measured steps.
+    """Least-squares fit of the coefficients (FEATURES) to measured steps, on the relative error.
 
-    A coefficient the data would make negative (noise, or a term the data does not exercise) is
-    held at zero and the rest refitted, so predictions never fall as work grows."""
+    A term the samples never exercise (all zero) is held at zero; so is one the data would make
+    negative (noise, or a term confounded with another), and the rest refitted, so predictions never
+    fall as work grows."""
     if rank_cost not in RANK_COSTS:
         raise ValueError(f"rank_cost must be one of {RANK_COSTS}, got {rank_cost!r}")
-    rows = np.array([(1.0, s.tokens, s.rank_work) for s in samples], dtype=np.float64)   # [n, 3]
-    secs = np.array([s.seconds for s in samples], dtype=np.float64)                     # [n]
+    samples = list(samples)
+    rows = np.array([_columns(s) for s in samples], dtype=np.float64)      # [n, features]
+    secs = np.array([s.seconds for s in samples], dtype=np.float64)        # [n]
     if len(rows) < 2:
         raise ValueError("need at least two samples to fit")
-    active = [0, 1, 2]
+    # each row over its seconds: the squares summed are those of the relative errors
+    scaled = rows / np.maximum(secs, 1e-12)[:, None]
+    ones = np.ones(len(secs))
+    active = [j for j in range(rows.shape[1]) if rows[:, j].any()]
     while True:
-        coef, *_ = np.linalg.lstsq(rows[:, active], secs, rcond=None)
+        coef, *_ = np.linalg.lstsq(scaled[:, active], ones, rcond=None)
         if (coef >= 0).all() or len(active) == 1:
             break
         active.pop(int(np.argmin(coef)))
-    full = np.zeros(3)
+    full = np.zeros(rows.shape[1])
     full[active] = np.maximum(coef, 0.0)
     resid = secs - rows @ full
     total = float(((secs - secs.mean()) ** 2).sum())
     r2 = 1.0 - float((resid ** 2).sum()) / total if total > 0 else 1.0
-    return PerfCoefficients(beta=float(full[0]), alpha_token=float(full[1]), alpha_rank=float(full[2]),
-                            rank_cost=rank_cost, r2=r2, **extra)
+    return PerfCoefficients(**dict(zip(FEATURES, map(float, full))), rank_cost=rank_cost, r2=r2, **extra)
 
 
 def adapter_load_seconds(c: PerfCoefficients, rank: int, tier: str | None) -> float:
@@ -138,7 +188,11 @@ def request_work_seconds(c: PerfCoefficients, work: QueuedWork, batch: int, batc
     """A request's additive share of the steps that will run its remaining tokens."""
     r = work.rank if c.rank_cost == "sum" else max(work.rank, batch_max_rank)
     per_token = c.alpha_token + c.alpha_rank * r
-    return work.prefill_tokens * per_token + work.decode_tokens * (per_token + c.beta / max(batch, 1))
+    p, d = work.prefill_tokens, work.decode_tokens
+    # attention: the prompt's pairs, then each decode token reads the prompt and the tokens before it
+    attention = p * (p + 1) / 2 + d * p + d * (d + 1) / 2
+    return (p * per_token + d * (per_token + c.alpha_seq + c.beta / max(batch, 1))
+            + c.alpha_attn * attention)
 
 
 def pending_seconds(c: PerfCoefficients, queue: Iterable[QueuedWork], max_running: int) -> float:
@@ -179,7 +233,7 @@ class StepLatencyModel:
         self._samples: list[StepSample] = []
         self._since_fit = 0
 
-    def predict(self, chunks: Iterable[tuple[int, int]]) -> float:
+    def predict(self, chunks: Iterable[tuple]) -> float:
         return predict_step_seconds(self.coefficients, chunks)
 
     @property
@@ -187,19 +241,17 @@ class StepLatencyModel:
         """Whether the coefficients are no longer the prior (refitted from steps, or set from a profile)."""
         return self.coefficients is not self._prior
 
-    def record(self, chunks: list[tuple[int, int]], seconds: float) -> None:
+    def record(self, chunks: list[tuple], seconds: float) -> None:
         if self._skip > 0:
             self._skip -= 1
             return
-        tokens = sum(n for n, _ in chunks)
-        self._samples.append(StepSample(tokens, rank_work(chunks, self.coefficients.rank_cost), seconds))
+        self._samples.append(step_sample(chunks, seconds, self.coefficients.rank_cost))
         del self._samples[:-self.window]
         self._since_fit += 1
         if self._since_fit >= self.refit_every and len({s.tokens for s in self._samples}) >= 3:
             self._since_fit = 0
             self.coefficients = self._fit(self._samples)
-            typical = [s for s in self._samples
-                       if s.seconds <= 3 * step_seconds(self.coefficients, s.tokens, s.rank_work)]
+            typical = [s for s in self._samples if s.seconds <= 3 * sample_seconds(self.coefficients, s)]
             if len({s.tokens for s in typical}) >= 3:
                 self.coefficients = self._fit(typical)
 

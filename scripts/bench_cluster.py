@@ -47,12 +47,14 @@ def get(url: str, timeout: float = 5.0) -> str:
         return r.read().decode()
 
 
-def linked_adapters(folder: Path, prefix: str, out: Path) -> Path:
-    """bench_serving names adapters PREFIX0, PREFIX1, ...: a folder of links with those names."""
-    links = out / "adapters"
+def linked_adapters(folder: Path, prefix: str, out: Path, count: int | None = None, name: str = "adapters") -> Path:
+    """bench_serving names adapters PREFIX0, PREFIX1, ...: a folder out/name of links with those names
+    to the first ``count`` adapter folders (default: all)."""
+    links = out / name
     shutil.rmtree(links, ignore_errors=True)
     links.mkdir(parents=True)
-    for k, src in enumerate(sorted(p for p in folder.iterdir() if (p / "adapter_config.json").is_file())):
+    sources = sorted(p for p in folder.iterdir() if (p / "adapter_config.json").is_file())
+    for k, src in enumerate(sources[:count]):
         (links / f"{prefix}{k}").symlink_to(src.resolve())
     return links
 
