@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import asyncserve.actors.pager as pager_actor
+import asyncserve.pager.adapters as adapters_module
 from asyncserve import LLM
 from asyncserve.config import Config
 from asyncserve.pager.adapters import AdapterError, build_host_adapter, read_peft_folder
@@ -203,8 +204,9 @@ def test_reloading_a_name_serves_the_new_weights_while_old_streams_finish_on_the
 # ---- a large adapter loads in pieces between steps ------------------------------------------------
 
 def test_a_large_adapter_is_built_between_steps(tiny_model, tmp_path, monkeypatch):
-    """Building an adapter's tensors runs in the torch thread one layer per call, so a stream's steps
-    go on between the pieces instead of waiting for the whole adapter (issue 12: 1.3 s stalls)."""
+    """Building an adapter's tensors runs in the torch thread a piece (here: a layer) per call, so a
+    stream's steps go on between the pieces instead of waiting for the whole adapter (issue 12: 1.3 s
+    stalls)."""
     base = save_tiny_llama(tmp_path / "deep", tiny_model.tokenizer, layers=12)
     root = tmp_path / "root"
     save_random_adapter(base, root / "big", r=256, targets=["q_proj", "k_proj", "v_proj", "o_proj",
@@ -223,6 +225,7 @@ def test_a_large_adapter_is_built_between_steps(tiny_model, tmp_path, monkeypatc
 
     monkeypatch.setattr(ModelRunner, "run", run)
     monkeypatch.setattr(pager_actor, "build_in_pieces", pieces)
+    monkeypatch.setattr(adapters_module, "PIECE_BYTES", 1)     # a piece per layer
     st = ServerThread(Config(model=str(tmp_path / "deep"), dtype="float32", device="cpu", served_model_name="deep",
                              adapter_root=str(root)))
     try:

@@ -2,8 +2,8 @@
 prefetch for queued requests.
 
 Disk reads and the checks of the files run in a worker thread; building the adapter's tensors runs
-in the stepper's torch thread (all tensor work stays in that one thread) one layer per call, so
-steps run between the pieces and a large adapter never pauses the streams for long; so does the
+in the stepper's torch thread (all tensor work stays in that one thread) a few MiB of rows per call
+(PIECE_BYTES), so steps run between the pieces and a large adapter never pauses the streams for long; so does the
 copy into the host tier's shared arena. Registration, eviction and arena allocation happen on the
 event loop between scheduling decisions, the row copies into the pool at the start of the next step.
 

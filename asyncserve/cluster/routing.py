@@ -143,7 +143,7 @@ def cluster_coefficients(own: PerfCoefficients, measured: bool, fetch_s: float |
     Steps: its own once fitted to its steps, before that a peer's fitted one (peers serve the same
     model): a node still on the prior would look several times cheaper than its fitted peers.
     Adapter fetches from disk: `fetch_s`, the mean this node measured (the pager builds an adapter a
-    layer per step, seconds on a busy CPU), else the slowest a fitted peer measured; the prior's 0
+    few MiB per step, up to seconds on a busy CPU), else the slowest a fitted peer measured; the prior's 0
     would make a cold adapter look free to route to or migrate to (issue #16)."""
     fitted = sorted((d for d in digests if d.measured), key=lambda d: d.node_id)
     c = own if measured or not fitted else fitted[0].coefficients

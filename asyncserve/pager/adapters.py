@@ -272,12 +272,20 @@ def build_host_adapter(folder: PeftFolder, dtype: torch.dtype) -> HostAdapter:
     return adapter
 
 
+# bytes of rows one piece builds: a piece waits for a step to end, so a piece per layer made every
+# cold adapter take a step per layer (32 for SmolLM2) and starved a server fetching many small ones;
+# a rank-256 adapter on every projection (150 MB for SmolLM2) still builds in 15 pieces
+PIECE_BYTES = 8 << 20
+
+
 def build_in_pieces(folder: PeftFolder, dtype: torch.dtype) -> Iterator[HostAdapter | None]:
-    """Lay the tensors out as pool rows one layer at a time: yields None after each layer, then the
-    adapter. The server runs one piece per call in the torch thread, so steps run in between."""
+    """Lay the tensors out as pool rows, whole layers at a time: yields None after each run of
+    layers that built PIECE_BYTES or more, then the adapter. The server runs one piece per call in
+    the torch thread, so steps run in between."""
     config, ranks = folder.config, folder.ranks
     shapes = config.projection_shapes()
     a_rows, b_rows = {}, {}
+    built = 0
     for layer in range(config.num_layers):
         for p, proj in enumerate(PROJECTIONS):
             if not ranks[p]:
@@ -294,7 +302,10 @@ def build_in_pieces(folder: PeftFolder, dtype: torch.dtype) -> Iterator[HostAdap
             # a: [r, in], b: [out, r]
             a_rows[(layer, p)] = _rows(folder, ab["A"], a, ranks[p], dtype)
             b_rows[(layer, p)] = _rows(folder, ab["B"], b.t(), ranks[p], dtype)
-        yield None
+            built += a_rows[(layer, p)].nbytes + b_rows[(layer, p)].nbytes
+        if built >= PIECE_BYTES:
+            built = 0
+            yield None
     scaling = torch.tensor(folder.scaling, dtype=torch.float32)      # [L, P]
     yield HostAdapter(name=folder.name, path=folder.path, ranks=list(ranks), scaling=scaling,
                       a_rows=a_rows, b_rows=b_rows)
