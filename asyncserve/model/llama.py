@@ -226,8 +226,7 @@ def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, 
         o = lora.project(li, "o", attn, lw.o) if use_lora else lw.o(attn)
         h, x = _residual_norm(h, o, lw.post_norm, eps, native)
         gu = lora.project(li, "gate_up", x, lw.gate_up) if use_lora else lw.gate_up(x)   # [T, 2 inter]
-        gate, up = gu.chunk(2, dim=-1)
-        act = F.silu(gate) * up
+        act = silu_mul(gu)                                         # [T, inter]
         d = lora.project(li, "down", act, lw.down) if use_lora else lw.down(act)
         if li + 1 < len(w.layers):
             h, x = _residual_norm(h, d, w.layers[li + 1].input_norm, eps, native)
@@ -235,6 +234,12 @@ def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, 
             h = h + d
     hs = F.rms_norm(h[inp.sample_index], (h.shape[-1],), w.norm, eps)
     return w.lm_head(hs)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """The MLP's activation: gate_up [T, 2 inter] (gate, then up) -> silu(gate) * up [T, inter]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def _residual_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
