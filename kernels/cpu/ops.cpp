@@ -142,6 +142,7 @@ void paged_prefill_attention_op(at::Tensor out, at::Tensor q, at::Tensor k_cache
   const PrefillAttentionShape s{q.size(1), k_cache.size(2) / q.size(2), q.size(2), k_cache.size(1)};
   TORCH_CHECK(s.nkv > 0 && k_cache.size(2) == s.nkv * s.hd && s.nh % s.nkv == 0,
               "num_heads must be a multiple of the cache's KV heads");
+  TORCH_CHECK(s.hd % 2 == 0, "head_dim must be even");     // bf16 runs as pairs of dimensions
   check_index(tables, "tables");
   check_index(query_starts, "query_starts");
   check_index(first_pos, "first_pos");
