@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_step_split.py --threads 2            # W1's 4 adapters
     .venv/bin/python scripts/bench_step_split.py --threads 1 --base     # the base model
+    .venv/bin/python scripts/bench_step_split.py --threads 1 --cpu-clock   # on a loaded box
 
 16 W1 requests decode (max_running 17, prefix cache off, stacks packed after 44 warm-up steps);
 then, --samples times each, the steps are measured as they come:
@@ -25,6 +26,8 @@ wrapped around them for the run, ~0.3 us per call):
     other       the rest of engine.step(): schedule, postprocess, the ops and Python between the above
 
 Prints one table per run (mean ms per step over each kind's steps), in BENCHMARKS.md's format.
+--cpu-clock times the thread's CPU (time.thread_time) instead of the wall: with --threads 1 the
+time other processes take the core from it then does not count.
 """
 from __future__ import annotations
 
@@ -53,7 +56,8 @@ class Timers:
     """Exclusive seconds per class of the wrapped functions: a call's time less that of the wrapped
     calls inside it."""
 
-    def __init__(self):
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls = 0
         self._inner: list[float] = []          # per open call: seconds of wrapped calls inside it
@@ -62,11 +66,11 @@ class Timers:
         """label: a class, or a function of the call's arguments giving one."""
         def timed(*args, **kwargs):
             self._inner.append(0.0)
-            t0 = time.perf_counter()
+            t0 = self.clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                elapsed = time.perf_counter() - t0
+                elapsed = self.clock() - t0
                 inner = self._inner.pop()
                 self.seconds[label(*args) if callable(label) else label] += elapsed - inner
                 self.calls += 1
@@ -124,6 +128,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--base", action="store_true", help="the base model instead of W1's adapters")
     ap.add_argument("--samples", type=int, default=12, help="measured steps of each kind")
+    ap.add_argument("--cpu-clock", action="store_true", help="the thread's CPU time instead of the wall (1 thread)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
@@ -143,7 +148,8 @@ def main() -> None:
     for _ in range(44):                        # prefills done, the adapter set's stacks packed and fused
         engine.step()
 
-    timers = Timers()
+    clock = time.thread_time if args.cpu_clock else time.perf_counter
+    timers = Timers(clock)
     instrument(llm, timers)
     kinds: dict[str, list[dict]] = defaultdict(list)
     run = engine.run
@@ -158,9 +164,9 @@ def main() -> None:
     def measured_step():
         timers.seconds.clear()
         calls = timers.calls
-        t0 = time.perf_counter()
+        t0 = clock()
         engine.step()
-        wall = time.perf_counter() - t0
+        wall = clock() - t0
         split = dict(timers.seconds)
         split["other"] = wall - sum(split.values())
         kinds[last_kind[0]].append({"wall": wall, "calls": timers.calls - calls, **split})
@@ -184,13 +190,13 @@ def main() -> None:
                 if line.startswith("model name")), "?")
     print(f"# {cpu}, {args.threads} threads, {args.dtype}, {'base model' if args.base else 'W1 4 adapters'}, "
           f"native kernels {'on' if cpu_kernels.enabled_for(llm.engine.runner.weights.embed) else 'off'}, "
-          f"load average before {load_before[0]:.2f}")
+          f"{'thread CPU time' if args.cpu_clock else 'wall time'}, load average before {load_before[0]:.2f}")
     print("| class | " + " | ".join(f"{k} (ms, {len(kinds[k])} steps)" for k in shown) + " |")
     print("|---|" + "---:|" * len(shown))
     for c in CLASSES:
         print(f"| {c} | " + " | ".join(f"{mean(k, c):.2f} ({100 * mean(k, c) / mean(k, 'wall'):.0f}%)"
                                         for k in shown) + " |")
-    print("| **step wall** | " + " | ".join(f"**{mean(k, 'wall'):.2f}**" for k in shown) + " |")
+    print("| **step** | " + " | ".join(f"**{mean(k, 'wall'):.2f}**" for k in shown) + " |")
     print("timed calls per step: " + ", ".join(f"{k}: {statistics.fmean(s['calls'] for s in kinds[k]):.0f}"
                                                for k in shown))
 
