@@ -16,7 +16,8 @@ block 16, so KV rows are strided as in the pool):
     add + RMSNorm      eager: h + delta, F.rms_norm          native: add_rms_norm
     RoPE + KV write    eager: apply_rope, index_copy_        native: rope_write_kv
 
-Prints the median microseconds per call over --repeats calls and the per-step total (x layers).
+Prints the median microseconds per call over --repeats calls and the per-step total (x layers);
+with --cpu-clock (for --threads 1 on a loaded box) of the thread's CPU time, not the wall.
 """
 from __future__ import annotations
 
@@ -38,14 +39,14 @@ from asyncserve.model.llama import (PrefillChunk, StepInputs, _decode_attention,
                                     plan_attention)
 
 
-def median_us(fn, repeats: int) -> float:
+def median_us(fn, repeats: int, clock=time.perf_counter) -> float:
     for _ in range(max(3, repeats // 10)):
         fn()
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return statistics.median(times) * 1e6
 
 
@@ -65,6 +66,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--repeats", type=int, default=300)
+    p.add_argument("--cpu-clock", action="store_true", help="time the thread's CPU (time.thread_time), not the wall")
     p.add_argument("--chunk", type=int, default=240, help="prefill chunk rows (240: the 256-token budget beside 16 decodes)")
     p.add_argument("--chunk-start", type=int, default=240, help="the chunk's first position: rows cached before it")
     args = p.parse_args()
@@ -154,7 +156,8 @@ def main() -> None:
     print(f"{'kernel':<18} {'eager us':>9} {'native us':>10} {'speedup':>8} {'eager ms/step':>14} {'native ms/step':>15}")
     per_layer = {"decode attention": 1, "prefill attention": 1, "add + RMSNorm": 2, "RoPE + KV write": 1}
     for name, (eager, native) in cases.items():
-        e, nt = median_us(eager, args.repeats), median_us(native, args.repeats)
+        clock = time.thread_time if args.cpu_clock else time.perf_counter
+        e, nt = median_us(eager, args.repeats, clock), median_us(native, args.repeats, clock)
         k = per_layer[name] * layers
         print(f"{name:<18} {e:9.1f} {nt:10.1f} {e / nt:7.1f}x {e * k / 1e3:14.2f} {nt * k / 1e3:15.2f}")
 
