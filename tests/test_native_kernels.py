@@ -207,6 +207,10 @@ def test_paged_prefill_attention_rejects_bad_tables():
     with pytest.raises(RuntimeError, match="query rows outside q"):
         cpu_kernels.paged_prefill_attention(out, q, kv[:, 0, 0], kv[:, 1, 0], torch.tensor([[1]]), torch.tensor([0, 4]),
                                             torch.tensor([0]), 1.0)
+    odd = torch.zeros(3, 2, 7)                      # head_dim 7: bf16 runs as pairs of dimensions
+    with pytest.raises(RuntimeError, match="head_dim must be even"):
+        cpu_kernels.paged_prefill_attention(odd, odd, kv[:, 0, 0, :, :14], kv[:, 1, 0, :, :14], torch.tensor([[1]]),
+                                            starts, torch.tensor([0]), 1.0)
 
 
 # ---- residual add + RMSNorm ----------------------------------------------------------------------
