@@ -3,9 +3,10 @@
 // table (the step's K/V are in the pool already: rope_write_kv ran first). Work items are
 // (chunk, block of query rows, KV head): the item's query rows times the group's heads form the
 // lanes m of small GEMMs against each tile of keys, computed transposed (scores [key, m], output
-// [d, m]) so that the softmax statistics are per-lane vectors and K, V tiles are converted to fp32
-// once per item without a transpose. Online softmax over the tiles, fp32 accumulation. Keys past a
-// row's own position are masked; keys past the item's last row are never read.
+// [d, m]) so that the softmax statistics are per-lane vectors and K rows are used as they lie.
+// bf16 runs the GEMMs as AVX512-BF16 dot products of pairs (where the CPU has them), fp32 as FMAs;
+// online softmax over the tiles, fp32 accumulation. Keys past a row's own position are masked;
+// keys past the item's last row are never read.
 #pragma once
 
 #include <algorithm>
