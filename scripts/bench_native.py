@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_native.py                        # SmolLM2-135M's shapes, bf16, 2 threads
     .venv/bin/python scripts/bench_native.py --dtype float32 --batch 1 --context 2048
+    .venv/bin/python scripts/bench_native.py --chunk 32 --chunk-start 480     # a prompt's last chunk
 
 One layer's call of each, for a decode step of --batch sequences whose contexts are drawn around
 --context (SmolLM2-135M by default: 9 query heads, 3 KV heads, head_dim 64, hidden 576, 30 layers,
@@ -9,10 +10,14 @@ block 16, so KV rows are strided as in the pool):
 
     decode attention   eager: plan_attention's bmm's (bf16) or SDPA (fp32) over gathered pages
                        native: paged_decode_attention over the block tables
+    prefill attention  one prefill chunk of --chunk rows at positions --chunk-start.. (its earlier
+                       rows cached): llama.attention, eager (gathered pages, a causal mask) or native
+                       (paged_prefill_attention over the block table)
     add + RMSNorm      eager: h + delta, F.rms_norm          native: add_rms_norm
     RoPE + KV write    eager: apply_rope, index_copy_        native: rope_write_kv
 
-Prints the median microseconds per call over --repeats calls and the per-step total (x layers).
+Prints the median microseconds per call over --repeats calls and the per-step total (x layers);
+with --cpu-clock (for --threads 1 on a loaded box) of the thread's CPU time, not the wall.
 """
 from __future__ import annotations
 
@@ -30,17 +35,18 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import kernels.cpu as cpu_kernels  # noqa: E402
-from asyncserve.model.llama import StepInputs, _decode_attention, apply_rope, plan_attention  # noqa: E402
+from asyncserve.model.llama import (PrefillChunk, StepInputs, _decode_attention, apply_rope, attention,  # noqa: E402
+                                    plan_attention)
 
 
-def median_us(fn, repeats: int) -> float:
+def median_us(fn, repeats: int, clock=time.perf_counter) -> float:
     for _ in range(max(3, repeats // 10)):
         fn()
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return statistics.median(times) * 1e6
 
 
@@ -60,6 +66,9 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--repeats", type=int, default=300)
+    p.add_argument("--cpu-clock", action="store_true", help="time the thread's CPU (time.thread_time), not the wall")
+    p.add_argument("--chunk", type=int, default=240, help="prefill chunk rows (240: the 256-token budget beside 16 decodes)")
+    p.add_argument("--chunk-start", type=int, default=240, help="the chunk's first position: rows cached before it")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -87,6 +96,27 @@ def main() -> None:
     q = torch.randn(n, nh, hd, generator=g).to(dtype)
     k_cache, v_cache = kv[:, 0, 3], kv[:, 1, 3]
 
+    # one prefill chunk, its sequence's pages scattered over a pool of its own
+    chunk_rows, ctx = args.chunk, args.chunk_start + args.chunk
+    chunk_pages = -(-ctx // block)
+    chunk_kv = torch.randn(chunk_pages + 1, 2, layers, block, kv_size, generator=g).to(dtype)
+    chunk_table = torch.randperm(chunk_pages + 1, generator=g)[:chunk_pages]
+    chunk_positions = torch.arange(args.chunk_start, ctx)
+    chunk_inp = StepInputs(input_ids=torch.zeros(chunk_rows, dtype=torch.int64), positions=chunk_positions,
+                           write_rows=chunk_table[chunk_positions // block] * (2 * layers * block) + chunk_positions % block,
+                           num_decode=0, decode_pages=torch.zeros(0, dtype=torch.int64),
+                           decode_mask=torch.zeros(0, 1, 1, block, dtype=torch.bool),
+                           decode_padding=torch.zeros(0, dtype=torch.int64),
+                           prefills=[PrefillChunk(0, chunk_rows, args.chunk_start, chunk_table)],
+                           sample_index=torch.tensor([chunk_rows - 1]))
+    chunk_plans = [plan_attention(chunk_inp, nh, nkv, hd, dtype, native=native) for native in (False, True)]
+    chunk_q = torch.randn(chunk_rows, nh, hd, generator=g).to(dtype)
+    chunk_k = chunk_kv[:, 0, 3][chunk_table].view(-1, nkv, hd)[args.chunk_start:ctx]   # the chunk's own, as written
+    chunk_v = chunk_kv[:, 1, 3][chunk_table].view(-1, nkv, hd)[args.chunk_start:ctx]
+
+    def prefill(plan):
+        return attention(chunk_q, chunk_k, chunk_v, chunk_kv[:, 0, 3], chunk_kv[:, 1, 3], chunk_inp, plan)
+
     h = torch.randn(n, args.hidden, generator=g).to(dtype)
     delta = torch.randn(n, args.hidden, generator=g).to(dtype)
     weight = torch.randn(args.hidden, generator=g).to(dtype)
@@ -108,6 +138,7 @@ def main() -> None:
         "decode attention": (
             lambda: _decode_attention(q, k_cache, v_cache, eager_plan),
             lambda: _decode_attention(q, k_cache, v_cache, native_plan)),
+        "prefill attention": (lambda: prefill(chunk_plans[0]), lambda: prefill(chunk_plans[1])),
         "add + RMSNorm": (
             lambda: F.rms_norm(h + delta, (args.hidden,), weight, 1e-5),
             lambda: cpu_kernels.add_rms_norm(h.clone(), delta, weight, 1e-5)),   # clone: like eager's new h
@@ -118,12 +149,15 @@ def main() -> None:
     }
     torch.testing.assert_close(_decode_attention(q, k_cache, v_cache, native_plan).float(),
                                _decode_attention(q, k_cache, v_cache, eager_plan).float(), atol=2e-2, rtol=0)
+    torch.testing.assert_close(prefill(chunk_plans[1]).float(), prefill(chunk_plans[0]).float(), atol=2e-2, rtol=0)
     print(f"# {cpu_name()}, {args.threads} threads, {args.dtype}, {n} decodes, contexts {int(lens.min())}-"
-          f"{int(lens.max())} (mean {float(lens.float().mean()):.0f}), heads {nh}/{nkv}x{hd}, hidden {args.hidden}")
+          f"{int(lens.max())} (mean {float(lens.float().mean()):.0f}), prefill chunk {chunk_rows}@{args.chunk_start}, heads {nh}/{nkv}x{hd}, "
+          f"hidden {args.hidden}")
     print(f"{'kernel':<18} {'eager us':>9} {'native us':>10} {'speedup':>8} {'eager ms/step':>14} {'native ms/step':>15}")
-    per_layer = {"decode attention": 1, "add + RMSNorm": 2, "RoPE + KV write": 1}
+    per_layer = {"decode attention": 1, "prefill attention": 1, "add + RMSNorm": 2, "RoPE + KV write": 1}
     for name, (eager, native) in cases.items():
-        e, nt = median_us(eager, args.repeats), median_us(native, args.repeats)
+        clock = time.thread_time if args.cpu_clock else time.perf_counter
+        e, nt = median_us(eager, args.repeats, clock), median_us(native, args.repeats, clock)
         k = per_layer[name] * layers
         print(f"{name:<18} {e:9.1f} {nt:10.1f} {e / nt:7.1f}x {e * k / 1e3:14.2f} {nt * k / 1e3:15.2f}")
 

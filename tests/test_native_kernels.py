@@ -124,6 +124,95 @@ def test_paged_decode_attention_rejects_bad_tables():
         cpu_kernels.paged_decode_attention(out, q, kv[:, 0, 0], kv[:, 1, 0], torch.tensor([[1]]), torch.tensor([9]), 1.0)
 
 
+# ---- paged prefill attention ---------------------------------------------------------------------
+
+def reference_prefill(q, first_pos, k, v, nkv, scale):
+    """One chunk: q [n, nh, hd] float64 at positions first_pos.., k, v [first_pos + n, nkv * hd] its
+    sequence's keys and values (the chunk's own last). Causal. Returns [n, nh, hd]."""
+    n, nh, hd = q.shape
+    group = nh // nkv
+    k, v = k.view(-1, nkv, hd), v.view(-1, nkv, hd)
+    future = torch.arange(k.shape[0])[None, :] > torch.arange(first_pos, first_pos + n)[:, None]   # [n, ctx]
+    out = torch.empty(n, nh, hd, dtype=torch.float64)
+    for h in range(nh):
+        scores = (q[:, h] @ k[:, h // group].T * scale).masked_fill(future, float("-inf"))
+        out[:, h] = torch.softmax(scores, dim=-1) @ v[:, h // group]
+    return out
+
+
+def run_prefill(g, dtype, nh, nkv, hd, block, chunks, decodes=0):
+    """chunks: (first_pos, rows) per chunk, all in one call after `decodes` rows the kernel must leave
+    alone (as a mixed step's decodes). Returns the kernel's output [T, nh, hd] and the float64
+    reference of the chunks' rows."""
+    layers, layer = 2, 1
+    lens = [first + rows for first, rows in chunks]
+    kv = make_pool(g, sum(-(-n // block) for n in lens) + 2, layers, block, nkv * hd, dtype)
+    tables, contexts = fill_contexts(g, kv, layer, lens, dtype)
+    T = decodes + sum(rows for _, rows in chunks)
+    # q as the model passes it: a strided view into the rows of a wider qkv buffer
+    qkv = torch.randn(T, (nh + 2 * nkv) * hd, generator=g).to(dtype)
+    q = qkv[:, :nh * hd].view(T, nh, hd)
+    out = torch.full((T, nh, hd), 5.0, dtype=dtype)
+    starts = torch.tensor([decodes] + [rows for _, rows in chunks]).cumsum(0)
+    scale = hd ** -0.5
+    cpu_kernels.paged_prefill_attention(out, q, kv[:, 0, layer], kv[:, 1, layer], tables, starts,
+                                        torch.tensor([first for first, _ in chunks]), scale)
+    expected = torch.cat([reference_prefill(q[a:b].double(), first, k, v, nkv, scale)
+                          for (first, _), (k, v), a, b in zip(chunks, contexts, starts[:-1], starts[1:])])
+    assert torch.equal(out[:decodes], torch.full_like(out[:decodes], 5.0)), "wrote rows outside the chunks"
+    return out[decodes:], expected
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("nh, nkv, hd, block, chunks", [
+    (9, 3, 64, 16, [(0, 64), (240, 240), (480, 32)]),         # SmolLM2's heads: W1's first chunk, a 512-token
+                                                               # prompt's second and third (GQA 3)
+    (8, 2, 128, 16, [(0, 1), (17, 300), (1748, 300)]),        # GQA 4, head_dim 128, a context of 2,048
+    (6, 6, 24, 5, [(0, 7), (3, 1), (11, 13), (49, 2)]),       # no grouping, odd block: partial pages everywhere
+    (12, 4, 40, 3, [(1, 1), (0, 300), (100, 17)]),            # GQA 3, head_dim not a multiple of 16
+    (4, 1, 10, 16, [(2047, 1), (5, 33)]),                     # MQA, tiny heads, one row at position 2,047
+])
+def test_paged_prefill_attention_equals_float64(dtype, nh, nkv, hd, block, chunks):
+    g = torch.Generator().manual_seed(nh * hd + len(chunks))
+    out, expected = run_prefill(g, dtype, nh, nkv, hd, block, chunks, decodes=3)
+    assert not out.isnan().any(), "read a slot past a chunk's context"
+    torch.testing.assert_close(out.double(), expected, rtol=0.0, atol=ATOL[dtype])
+
+
+def test_paged_prefill_attention_random_chunks_and_thread_counts():
+    """Random chunks of 1..300 rows over contexts up to 2,048, several per call, 1 and 2 threads (which
+    split the work differently): the result must not change beyond rounding."""
+    rng = random.Random(3)
+    chunks = [(rng.randint(0, 1748), rng.randint(1, 300)) for _ in range(5)]
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            out, expected = run_prefill(torch.Generator().manual_seed(4), torch.bfloat16, 9, 3, 64, 16, chunks)
+            torch.testing.assert_close(out.double(), expected, rtol=0.0, atol=ATOL[torch.bfloat16])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_paged_prefill_attention_rejects_bad_tables():
+    kv = torch.zeros(4, 2, 1, 8, 16)
+    q, out = torch.zeros(3, 2, 8), torch.zeros(3, 2, 8)
+    starts = torch.tensor([0, 3])
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        cpu_kernels.paged_prefill_attention(out, q, kv[:, 0, 0], kv[:, 1, 0], torch.tensor([[9]]), starts,
+                                            torch.tensor([2]), 1.0)
+    with pytest.raises(RuntimeError, match="does not fit the block table"):
+        cpu_kernels.paged_prefill_attention(out, q, kv[:, 0, 0], kv[:, 1, 0], torch.tensor([[1]]), starts,
+                                            torch.tensor([6]), 1.0)
+    with pytest.raises(RuntimeError, match="query rows outside q"):
+        cpu_kernels.paged_prefill_attention(out, q, kv[:, 0, 0], kv[:, 1, 0], torch.tensor([[1]]), torch.tensor([0, 4]),
+                                            torch.tensor([0]), 1.0)
+    odd = torch.zeros(3, 2, 7)                      # head_dim 7: bf16 runs as pairs of dimensions
+    with pytest.raises(RuntimeError, match="head_dim must be even"):
+        cpu_kernels.paged_prefill_attention(odd, odd, kv[:, 0, 0, :, :14], kv[:, 1, 0, :, :14], torch.tensor([[1]]),
+                                            starts, torch.tensor([0]), 1.0)
+
+
 # ---- residual add + RMSNorm ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -233,3 +322,38 @@ def test_engine_native_equals_eager_and_transformers(tiny_model, monkeypatch):
         exact += assert_greedy_matches(runs["1"][i], ref, tie_tol=1e-3, label=f"case {i} adapter {adapter}")
     assert exact >= len(cases) - 1
 
+
+
+def test_engine_native_prefill_over_cached_pages_equals_eager(tiny_model, monkeypatch):
+    """float32, prompts of 40-90 tokens chunked under a 24-token budget beside decodes, and a shared
+    40-token prefix that later prompts take from the prefix cache: the native prefill attention
+    (which then attends to cached pages) gives the eager path's greedy tokens."""
+    root, tok, paths = tiny_model.root, tiny_model.tokenizer, tiny_model.adapters
+    rng = random.Random(9)
+    prefix = [rng.randrange(3, len(tok)) for _ in range(40)]
+    prompts = [prefix + [rng.randrange(3, len(tok)) for _ in range(rng.randint(1, 50))] for _ in range(4)]
+    names = [None, "r8_attn_rs", None, "r64_all"]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    first_positions = []
+    attend = cpu_kernels.paged_prefill_attention
+
+    def counted(*args):
+        first_positions.extend(args[6].tolist())
+        attend(*args)
+
+    monkeypatch.setattr(cpu_kernels, "paged_prefill_attention", counted)
+    runs = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("ASYNCSERVE_NATIVE", mode)
+        llm = LLM(model=str(root), adapters={k: str(v) for k, v in paths.items()}, dtype="float32", device="cpu",
+                  max_step_tokens=24)
+        # the base prompt alone first: its blocks are then cached for prompts 2 (base) and, per adapter, not for 1, 3
+        tokens = [llm.generate([prompts[0]], params)[0].token_ids]
+        tokens += [o.token_ids for o in llm.generate(prompts[1:], params, adapters=names[1:])]
+        runs[mode] = tokens
+        assert llm.engine.load_snapshot().prefix_hit_tokens >= 32, "prompt 2 should take the cached prefix"
+        if mode == "1":
+            assert any(p > 0 for p in first_positions), "no native prefill chunk attended to cached pages"
+            used = len(first_positions)
+    assert len(first_positions) == used, "ASYNCSERVE_NATIVE=0 must keep the model on the eager path"
+    assert runs["1"] == runs["0"]

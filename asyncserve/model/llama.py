@@ -226,8 +226,7 @@ def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, 
         o = lora.project(li, "o", attn, lw.o) if use_lora else lw.o(attn)
         h, x = _residual_norm(h, o, lw.post_norm, eps, native)
         gu = lora.project(li, "gate_up", x, lw.gate_up) if use_lora else lw.gate_up(x)   # [T, 2 inter]
-        gate, up = gu.chunk(2, dim=-1)
-        act = F.silu(gate) * up
+        act = silu_mul(gu)                                         # [T, inter]
         d = lora.project(li, "down", act, lw.down) if use_lora else lw.down(act)
         if li + 1 < len(w.layers):
             h, x = _residual_norm(h, d, w.layers[li + 1].input_norm, eps, native)
@@ -235,6 +234,12 @@ def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, 
             h = h + d
     hs = F.rms_norm(h[inp.sample_index], (h.shape[-1],), w.norm, eps)
     return w.lm_head(hs)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """The MLP's activation: gate_up [T, 2 inter] (gate, then up) -> silu(gate) * up [T, inter]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def _residual_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -268,7 +273,7 @@ def _bmm_attention(device: torch.device, dtype: torch.dtype) -> bool:
 class StepAttention:
     """What attention needs in every layer of a step, built once per step by plan_attention."""
     bmm: bool                           # _bmm_attention(): the bmm forms instead of SDPA
-    native: bool                        # decodes run kernels.cpu.paged_decode_attention (no mask, no gather)
+    native: bool                        # kernels.cpu's paged decode and prefill attention (no masks, no gathers)
     decode_pages: torch.Tensor          # [n * p] int64: the decodes' block tables padded to p pages
     decode_padding: torch.Tensor        # StepInputs.decode_padding
     decode_mask: torch.Tensor           # SDPA: [n, 1, 1, p * block] bool (True = attend); bmm: [n, 1, p * block]
@@ -277,6 +282,9 @@ class StepAttention:
     prefill_masks: list[torch.Tensor | None]   # per chunk: bmm: [group * n, ctx] additive bias;
                                                # SDPA: [n, ctx] bool, None for a causal chunk from position 0
     decode_lens: torch.Tensor | None = None    # native: [n] int64, each decode's context length
+    prefill_tables: torch.Tensor | None = None     # native: [chunks, max_pages] int64, padded with page 0
+    prefill_starts: torch.Tensor | None = None     # native: [chunks + 1] int64, the chunks' first rows, then the end
+    prefill_first_pos: torch.Tensor | None = None  # native: [chunks] int64, each chunk's first position
 
 
 def plan_attention(inp: StepInputs, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -285,6 +293,10 @@ def plan_attention(inp: StepInputs, num_heads: int, num_kv_heads: int, head_dim:
     device = inp.input_ids.device
     bmm = _bmm_attention(device, dtype)
     group = num_heads // num_kv_heads
+    if native:
+        # a decode's context ends at its own token; prefill chunks follow the decodes, one after another
+        return StepAttention(bmm, True, inp.decode_pages, inp.decode_padding, inp.decode_mask, None, [],
+                             inp.positions[:inp.num_decode] + 1, *_prefill_tables(inp.prefills))
     masks = []
     for chunk in inp.prefills:
         n = chunk.end - chunk.start
@@ -296,15 +308,22 @@ def plan_attention(inp: StepInputs, num_heads: int, num_kv_heads: int, head_dim:
         attend = torch.arange(ctx, device=device)[None, :] <= qpos[:, None]        # [n, ctx]
         masks.append(_bias(attend, dtype).repeat(group, 1) if bmm else attend)
     mask, q_blocks = inp.decode_mask, None
-    if native:
-        # a decode's context ends at its own token
-        return StepAttention(bmm, True, inp.decode_pages, inp.decode_padding, mask, None, masks,
-                             inp.positions[:inp.num_decode] + 1)
     if bmm and inp.num_decode:
         n = inp.num_decode
         mask = _bias(mask, dtype).view(n, 1, -1)
         q_blocks = torch.zeros(n, num_kv_heads, group, num_kv_heads, head_dim, dtype=dtype, device=device)
     return StepAttention(bmm, False, inp.decode_pages, inp.decode_padding, mask, q_blocks, masks)
+
+
+def _prefill_tables(chunks: list[PrefillChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chunks' block tables padded with page 0 [chunks, max_pages], their rows [chunks + 1] and first
+    positions [chunks], as kernels.cpu.paged_prefill_attention takes them."""
+    width = max((len(c.block_table) for c in chunks), default=0)
+    tables = torch.zeros(len(chunks), width, dtype=torch.int64)
+    for i, c in enumerate(chunks):
+        tables[i, :len(c.block_table)] = c.block_table
+    starts = torch.tensor([c.start for c in chunks[:1]] + [c.end for c in chunks], dtype=torch.int64)
+    return tables, starts, torch.tensor([c.first_pos for c in chunks], dtype=torch.int64)
 
 
 def _bias(attend: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -371,6 +390,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     if nd:
         # all decodes at once: gather their pages, padded to the longest context, mask the rest
         out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, a)
+    if a.native:      # every chunk in one call, read through its block table (the chunks' own K/V included)
+        cpu_kernels.paged_prefill_attention(out, q, k_cache, v_cache, a.prefill_tables, a.prefill_starts,
+                                            a.prefill_first_pos, hd ** -0.5)
+        return out.view(T, nh * hd)
     for chunk, mask in zip(inp.prefills, a.prefill_masks):
         s, e = chunk.start, chunk.end
         if chunk.first_pos == 0:

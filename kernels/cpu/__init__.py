@@ -125,3 +125,13 @@ def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Te
     """out, q: [n, nh, hd]; k_cache, v_cache: [pages, block, nkv * hd] of one layer; block_tables:
     [n, max_pages] int64; context_lens: [n] int64. Attends each query to its first context_lens rows."""
     _lib().paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def paged_prefill_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_starts: torch.Tensor, first_pos: torch.Tensor,
+                            scale: float) -> None:
+    """out, q: [T, nh, hd]; k_cache, v_cache: [pages, block, nkv * hd] of one layer, holding the chunks'
+    own K/V already; block_tables: [chunks, max_pages] int64; query_starts: [chunks + 1] int64, chunk i's
+    rows of q and out; first_pos: [chunks] int64, the position of each chunk's first row. Each row
+    attends causally to its sequence's keys; rows of out outside the chunks are not written."""
+    _lib().paged_prefill_attention(out, q, k_cache, v_cache, block_tables, query_starts, first_pos, scale)

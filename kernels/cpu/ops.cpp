@@ -4,6 +4,7 @@
 
 #include "attention.h"
 #include "norm.h"
+#include "prefill_attention.h"
 #include "rope_kv.h"
 
 namespace asyncserve {
@@ -125,6 +126,51 @@ void paged_decode_attention_op(at::Tensor out, at::Tensor q, at::Tensor k_cache,
   });
 }
 
+// out, q: [tokens, nh, hd]; k_cache, v_cache as for decode; tables: [chunks, max_pages] page ids;
+// query_starts: [chunks + 1], chunk i's rows of q and out; first_pos: [chunks], the position of each
+// chunk's first row. Each row attends causally to its sequence's keys (the chunk's own K/V already
+// in the pool). Rows of out outside the chunks are left as they are.
+void paged_prefill_attention_op(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                at::Tensor tables, at::Tensor query_starts, at::Tensor first_pos, double scale) {
+  check_like(q, q, "q");
+  check_like(out, q, "out");
+  check_like(k_cache, q, "k_cache");
+  check_like(v_cache, q, "v_cache");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [tokens, num_heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() && v_cache.strides() == k_cache.strides(),
+              "k_cache and v_cache must be [pages, block, kv_size] with the same strides");
+  const PrefillAttentionShape s{q.size(1), k_cache.size(2) / q.size(2), q.size(2), k_cache.size(1)};
+  TORCH_CHECK(s.nkv > 0 && k_cache.size(2) == s.nkv * s.hd && s.nh % s.nkv == 0,
+              "num_heads must be a multiple of the cache's KV heads");
+  TORCH_CHECK(s.hd % 2 == 0, "head_dim must be even");     // bf16 runs as pairs of dimensions
+  check_index(tables, "tables");
+  check_index(query_starts, "query_starts");
+  check_index(first_pos, "first_pos");
+  const int64_t chunks = first_pos.numel();
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == chunks && query_starts.numel() == chunks + 1,
+              "tables must be [chunks, max_pages], query_starts [chunks + 1] and first_pos [chunks]");
+  const int64_t* table = tables.data_ptr<int64_t>();
+  const int64_t* starts = query_starts.data_ptr<int64_t>();
+  const int64_t* pos = first_pos.data_ptr<int64_t>();
+  const int64_t width = tables.size(1), pages = k_cache.size(0);
+  TORCH_CHECK(chunks == 0 || (starts[0] >= 0 && starts[chunks] <= q.size(0)), "query rows outside q");
+  for (int64_t i = 0; i < chunks; ++i) {
+    const int64_t keys = pos[i] + starts[i + 1] - starts[i];
+    TORCH_CHECK(starts[i + 1] >= starts[i] && pos[i] >= 0, "chunk ", i, " has a negative length or position");
+    TORCH_CHECK(keys <= width * s.block, "context length ", keys, " does not fit the block table");
+    for (int64_t p = 0; p < (keys + s.block - 1) / s.block; ++p)
+      TORCH_CHECK(table[i * width + p] >= 0 && table[i * width + p] < pages, "page ", table[i * width + p],
+                  " outside the pool");
+  }
+  dispatch_dtype(q, [&](auto zero) {
+    using T = decltype(zero);
+    pybind11::gil_scoped_release no_gil;
+    paged_prefill_attention<T>(out.data_ptr<T>(), out.stride(0), out.stride(1), q.data_ptr<T>(), q.stride(0),
+                               q.stride(1), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), k_cache.stride(0),
+                               k_cache.stride(1), table, width, starts, pos, chunks, s, float(scale));
+  });
+}
+
 }  // namespace
 }  // namespace asyncserve
 
@@ -132,4 +178,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &asyncserve::add_rms_norm_op, "h += delta (if given); returns rms_norm(h) * weight");
   m.def("rope_write_kv", &asyncserve::rope_write_kv_op, "RoPE on q and k in place; k and v into the pool");
   m.def("paged_decode_attention", &asyncserve::paged_decode_attention_op, "decode attention over block tables");
+  m.def("paged_prefill_attention", &asyncserve::paged_prefill_attention_op,
+        "prefill chunks' causal attention over block tables");
 }
