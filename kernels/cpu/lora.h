@@ -14,7 +14,7 @@
 
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -79,13 +79,56 @@ void lora_shrink(const T* x, int64_t x_stride, int64_t fan_in, const T* flat, co
     return;
   }
 #endif
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    // two accumulators per token: the tile's chains hide the FMA latency
+    const __mmask16 tail = fan_in % 16 ? __mmask16((1u << (fan_in % 16)) - 1) : 0;
+    const int64_t full = fan_in - fan_in % 32, half = fan_in - fan_in % 16;
+    for (int64_t j = 0; j < r; ++j) {
+      const float* a = flat + a_rows[j];
+      __m512 acc[N][2];
+      for (int t = 0; t < N; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+      for (int64_t k = 0; k < full; k += 32) {
+        const __m512 a0 = _mm512_loadu_ps(a + k), a1 = _mm512_loadu_ps(a + k + 16);
+        for (int t = 0; t < N; ++t) {
+          acc[t][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + t * x_stride + k), a0, acc[t][0]);
+          acc[t][1] = _mm512_fmadd_ps(_mm512_loadu_ps(x + t * x_stride + k + 16), a1, acc[t][1]);
+        }
+      }
+      if (half > full) {
+        const __m512 a0 = _mm512_loadu_ps(a + full);
+        for (int t = 0; t < N; ++t) acc[t][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + t * x_stride + full), a0, acc[t][0]);
+      }
+      if (tail) {
+        const __m512 a0 = _mm512_maskz_loadu_ps(tail, a + half);
+        for (int t = 0; t < N; ++t)
+          acc[t][1] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, x + t * x_stride + half), a0, acc[t][1]);
+      }
+      for (int t = 0; t < N; ++t) s[t * r + j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1])) * scale;
+    }
+    return;
+  }
+#endif
+  // kLoraColumns partial sums per token: independent FMA chains in registers, summed at the end
+  const int64_t full = fan_in - fan_in % kLoraColumns;
   for (int64_t j = 0; j < r; ++j) {
     const T* a = flat + a_rows[j];
+    float acc[N][kLoraColumns] = {};
+    float av[kLoraColumns];
+    for (int64_t k = 0; k < full; k += kLoraColumns) {
+#pragma omp simd
+      for (int64_t c = 0; c < kLoraColumns; ++c) av[c] = to_float(a[k + c]);
+      for (int t = 0; t < N; ++t) {
+        const T* xt = x + t * x_stride + k;
+#pragma omp simd
+        for (int64_t c = 0; c < kLoraColumns; ++c) acc[t][c] += to_float(xt[c]) * av[c];
+      }
+    }
     for (int t = 0; t < N; ++t) {
       const T* xt = x + t * x_stride;
       float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t k = 0; k < fan_in; ++k) dot += to_float(xt[k]) * to_float(a[k]);
+      for (int64_t k = full; k < fan_in; ++k) dot += to_float(xt[k]) * to_float(a[k]);
+      for (int64_t c = 0; c < kLoraColumns; ++c) dot += acc[t][c];
       s[t * r + j] = dot * scale;
     }
   }
