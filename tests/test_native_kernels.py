@@ -331,8 +331,9 @@ def test_lora_segments_rejects_rows_outside_the_pool():
 # ---- the engine ----------------------------------------------------------------------------------
 
 def test_engine_native_equals_eager_and_transformers(tiny_model, monkeypatch):
-    """float32, all adapters and the base in one generate call with prefill chunks beside decodes:
-    the native kernels give the eager path's greedy tokens, and both match transformers+PEFT."""
+    """float32, all adapters (ranks 1..64) and the base in one generate call with prefill chunks beside
+    decodes: the native kernels (decode attention, norm, RoPE, the LoRA backend's lora_segments) give
+    the eager path's greedy tokens, and both match transformers+PEFT."""
     from peft import PeftModel
 
     root, tok, base, paths = tiny_model.root, tiny_model.tokenizer, tiny_model.base, tiny_model.adapters
@@ -343,18 +344,21 @@ def test_engine_native_equals_eager_and_transformers(tiny_model, monkeypatch):
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     adapters = {k: str(v) for k, v in paths.items()}
 
-    calls = []
-    attend = cpu_kernels.paged_decode_attention
-    monkeypatch.setattr(cpu_kernels, "paged_decode_attention", lambda *a: (calls.append(1), attend(*a)))
+    calls = {"paged_decode_attention": 0, "lora_segments": 0}
+    for name in calls:
+        def counted(*a, _kernel=getattr(cpu_kernels, name), _name=name):
+            calls[_name] += 1
+            return _kernel(*a)
+        monkeypatch.setattr(cpu_kernels, name, counted)
     runs = {}
     for mode in ("1", "0"):
         monkeypatch.setenv("ASYNCSERVE_NATIVE", mode)
         llm = LLM(model=str(root), adapters=adapters, dtype="float32", device="cpu", max_step_tokens=24)
         runs[mode] = [o.token_ids for o in llm.generate([c[0] for c in cases], params, adapters=[c[1] for c in cases])]
         if mode == "1":
-            assert calls, "the engine did not run the native decode attention"
-            used = len(calls)
-    assert len(calls) == used, "ASYNCSERVE_NATIVE=0 must keep the model on the eager path"
+            assert all(calls.values()), f"the engine did not run every native kernel: {calls}"
+            used = dict(calls)
+    assert calls == used, "ASYNCSERVE_NATIVE=0 must keep the model and the LoRA backend on the eager path"
     assert runs["1"] == runs["0"]
 
     exact = 0
