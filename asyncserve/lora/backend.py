@@ -157,7 +157,7 @@ class TorchLoraBackend(LoraBackend):
         self.pool = pool
         self.layout = group_layout(config)
         self.mode = mode
-        self.native = mode == "auto" and cpu_kernels.enabled_for(pool.flat)
+        self.native = cpu_kernels.enabled_for(pool.flat)      # whether lora_segments runs here (mode "auto")
         # per group, what lora_segments needs of its projections: [P_g, 3] (projection, column, width)
         self._native_projections = {
             group: torch.tensor([(PROJ_INDEX[proj], col, fan_out) for proj, _, fan_out, col in rows], dtype=torch.int64)
@@ -192,7 +192,7 @@ class TorchLoraBackend(LoraBackend):
         self._plans = {}
         if batch is None or batch.empty:
             return
-        if self.native:
+        if self.native and self.mode == "auto":
             self._plans = self._native_plans(batch)
             return
         self._budget_left = self.build_bytes_per_step
