@@ -7,7 +7,9 @@ adapter a{i%4} (ranks 8,16,8,16 on q,k,v,o), 64 greedy tokens each with EOS igno
 Offline, "16 in flight" is max_running=16: a new request is admitted when one finishes.
 Prints how long our engine takes to load (and its GGUF tokenizer), output tokens/s per system and,
 with --profile, where the engine's step time goes; with --merge, dLoRA's merged mode: each merge's
-and unmerge's time, and decode steps merged against unmerged.
+and unmerge's time, and decode steps merged against unmerged. System ours-eager-lora is ours with
+the LoRA backend kept on its eager plans where the native lora_segments kernel would run; with
+--rounds, ours, ours-eager-lora and ours-base alternate in one process.
 """
 from __future__ import annotations
 
@@ -69,7 +71,23 @@ def time_loading(adapters, args) -> tuple[object, dict]:
     return llm, times
 
 
-def run_ours(llm, prompts, adapters, use_adapters: bool, args) -> dict:
+def run_ours(llm, prompts, adapters, use_adapters: bool, args, eager_lora: bool = False) -> dict:
+    """eager_lora: the torch LoRA backend on its eager plans (stacks, oneDNN) even where its native
+    lora_segments plan runs, to measure one against the other in one process."""
+    from asyncserve import SamplingParams
+
+    lora = llm.engine.runner.lora
+    native = getattr(lora, "native", None)
+    if eager_lora and native is not None:
+        lora.native = False
+    try:
+        return _timed_generate(llm, prompts, adapters, use_adapters, args)
+    finally:
+        if native is not None:
+            lora.native = native
+
+
+def _timed_generate(llm, prompts, adapters, use_adapters: bool, args) -> dict:
     from asyncserve import SamplingParams
 
     ids = [llm.tokenizer.encode(p) for p in prompts]
@@ -250,11 +268,12 @@ def main() -> None:
         return
     print(f"load average before: {os.getloadavg()}")
     systems = args.systems.split(",")
-    ours = [name for name in systems if name in ("ours", "ours-base")]
+    ours = [name for name in systems if name in ("ours", "ours-eager-lora", "ours-base")]
     llm, load_times = time_loading(adapters, args) if ours else (None, None)
     runners = {
         "ours": lambda: run_ours(llm, prompts, adapters, True, args),
         "ours-base": lambda: run_ours(llm, prompts, adapters, False, args),
+        "ours-eager-lora": lambda: run_ours(llm, prompts, adapters, True, args, eager_lora=True),
         "hf-grouped": lambda: run_hf(prompts, adapters, False, args),
         "hf-mixed": lambda: run_hf(prompts, adapters, True, args),
     }
@@ -268,13 +287,15 @@ def main() -> None:
     if args.rounds > 1:
         for name in ours:
             print(f"{name:12s} median of {args.rounds}: {results[name]['tok_s']:7.1f} tok/s")
-    overhead = None
-    if "ours" in results and "ours-base" in results:
-        # per round, from the two runs next to each other in time; then the median round
-        per_round = sorted(b["tok_s"] / a["tok_s"] - 1 for a, b in zip(runs["ours"], runs["ours-base"]))
-        overhead = per_round[len(per_round) // 2]
-        rounds = f" (median of rounds: {', '.join(f'{100 * o:.1f}%' for o in per_round)})" if args.rounds > 1 else ""
-        print(f"LoRA overhead vs base: {100 * overhead:.1f}%{rounds}")
+    overheads = {}
+    for name in ("ours", "ours-eager-lora"):
+        if name in results and "ours-base" in results:
+            # per round, from the runs next to each other in time; then the median round
+            per_round = sorted(b["tok_s"] / a["tok_s"] - 1 for a, b in zip(runs[name], runs["ours-base"]))
+            overheads[name] = per_round[len(per_round) // 2]
+            rounds = f" (median of rounds: {', '.join(f'{100 * o:.1f}%' for o in per_round)})" if args.rounds > 1 else ""
+            print(f"{name} LoRA overhead vs base: {100 * overheads[name]:.1f}%{rounds}")
+    overhead = overheads.get("ours")
     if args.json_out:
         args.json_out.write_text(json.dumps({"load_before": os.getloadavg(), "load_times": load_times,
                                               "results": results, "lora_overhead": overhead}, indent=2))
