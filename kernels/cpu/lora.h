@@ -109,7 +109,7 @@ void lora_shrink(const T* x, int64_t x_stride, int64_t fan_in, const T* flat, co
     return;
   }
 #endif
-  // kLoraColumns partial sums per token: independent FMA chains in registers, summed at the end
+  // other CPUs and dtypes: kLoraColumns partial sums per token (independent chains), summed at the end
   const int64_t full = fan_in - fan_in % kLoraColumns;
   for (int64_t j = 0; j < r; ++j) {
     const T* a = flat + a_rows[j];
