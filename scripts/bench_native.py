@@ -16,6 +16,17 @@ block 16, so KV rows are strided as in the pool):
     add + RMSNorm      eager: h + delta, F.rms_norm          native: add_rms_norm
     RoPE + KV write    eager: apply_rope, index_copy_        native: rope_write_kv
 
+and W1's LoRA (its four adapters from --bench-dir, ranks 8/16/8/16 on q, k, v, o, on SmolLM2's
+weights), one layer's group projection with its LoRA for a decode step of --batch sequences (runs
+of --batch/4 per adapter, grouped as the runner groups them) and a prefill step of 4 x --prefill
+tokens:
+
+    LoRA qkv / o       eager: TorchLoraBackend.project as it runs once a set has lasted (stacks
+                       packed for oneDNN, shrink fused into the base GEMM, mask, expand, add), or
+                       the per-adapter loop where its cost model picks it
+                       native: the base GEMM + lora_segments from the pool rows
+                       base: the base GEMM alone, i.e. what either spends beyond it is LoRA's
+
 Prints the median microseconds per call over --repeats calls and the per-step total (x layers);
 with --cpu-clock (for --threads 1 on a loaded box) of the thread's CPU time, not the wall.
 """
@@ -35,6 +46,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import kernels.cpu as cpu_kernels  # noqa: E402
+from asyncserve.lora.backend import TorchLoraBackend  # noqa: E402
+from asyncserve.lora.batch import LoraBatch  # noqa: E402
 from asyncserve.model.llama import (PrefillChunk, StepInputs, _decode_attention, apply_rope, attention,  # noqa: E402
                                     plan_attention)
 
@@ -69,6 +82,8 @@ def main() -> None:
     p.add_argument("--cpu-clock", action="store_true", help="time the thread's CPU (time.thread_time), not the wall")
     p.add_argument("--chunk", type=int, default=240, help="prefill chunk rows (240: the 256-token budget beside 16 decodes)")
     p.add_argument("--chunk-start", type=int, default=240, help="the chunk's first position: rows cached before it")
+    p.add_argument("--bench-dir", type=Path, default=REPO.parent / "shared" / "bench", help="W1's adapters")
+    p.add_argument("--prefill", type=int, default=64, help="prompt tokens per adapter in the LoRA prefill step")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -160,6 +175,50 @@ def main() -> None:
         e, nt = median_us(eager, args.repeats, clock), median_us(native, args.repeats, clock)
         k = per_layer[name] * layers
         print(f"{name:<18} {e:9.1f} {nt:10.1f} {e / nt:7.1f}x {e * k / 1e3:14.2f} {nt * k / 1e3:15.2f}")
+    bench_lora(args, dtype)
+
+
+def bench_lora(args, dtype: torch.dtype) -> None:
+    """W1's LoRA on one layer's qkv and o groups: eager backend against native, with the base GEMM."""
+    from asyncserve import LLM
+
+    folder = args.bench_dir / "w1" / "adapters"
+    paths = {p.name: str(p) for p in sorted(folder.iterdir())}
+    llm = LLM(adapters=paths, dtype=args.dtype, device="cpu", threads=args.threads, pool_mem=256 * 2**20)
+    engine = llm.engine
+    adapters = [engine.pager.ensure_resident(name) for name in paths]
+    engine.pager.write_pending()
+    eager = TorchLoraBackend(engine.pool, engine.model_config, pack_after_steps=1)
+    eager.native = False
+    native = TorchLoraBackend(engine.pool, engine.model_config)
+    if not native.native:
+        sys.exit("the backend does not run the native LoRA here")
+    layer = engine.runner.weights.layers[3]
+    g = torch.Generator().manual_seed(1)
+    steps = {"decode": [args.batch // len(adapters)] * len(adapters), "prefill": [args.prefill] * len(adapters)}
+    print(f"# W1 LoRA, {len(adapters)} adapters, layer 3; eager = packed stacks, shrink fused into the base GEMM")
+    print(f"{'kernel':<18} {'eager us':>9} {'native us':>10} {'speedup':>8} {'base us':>8} "
+          f"{'LoRA eager':>11} {'LoRA native':>12} (us beyond the base GEMM)")
+    for step, lengths in steps.items():
+        starts = [0]
+        for n in lengths:
+            starts.append(starts[-1] + n)
+        batch = LoraBatch(adapters, starts, list(range(len(adapters))), starts[-1], engine.pool.device,
+                          num_decode=starts[-1] if step == "decode" else 0)
+        for _ in range(2):                      # the first step builds the stacks, the second packs and fuses
+            eager.begin_step(batch)
+        native.begin_step(batch)
+        for group in ("qkv", "o"):
+            base = getattr(layer, group)
+            x = torch.randn(starts[-1], base.in_features, generator=g).to(dtype)
+            torch.testing.assert_close(native.project(3, group, x, base).float(), eager.project(3, group, x, base).float(),
+                                       atol=3e-2, rtol=3e-2)
+            e = median_us(lambda: eager.project(3, group, x, base), args.repeats)
+            nt = median_us(lambda: native.project(3, group, x, base), args.repeats)
+            b = median_us(lambda: base(x), args.repeats)
+            plan = eager._plans[group][0]
+            print(f"{'LoRA ' + group + ' ' + step:<18} {e:9.1f} {nt:10.1f} {e / nt:7.1f}x {b:8.1f} {e - b:11.1f} "
+                  f"{nt - b:12.1f}  ({step}: {starts[-1]} tokens, eager plan {plan})")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,10 @@ adapter a{i%4} (ranks 8,16,8,16 on q,k,v,o), 64 greedy tokens each with EOS igno
 Offline, "16 in flight" is max_running=16: a new request is admitted when one finishes.
 Prints how long our engine takes to load (and its GGUF tokenizer), output tokens/s per system and,
 with --profile, where the engine's step time goes; with --merge, dLoRA's merged mode: each merge's
-and unmerge's time, and decode steps merged against unmerged.
+and unmerge's time, and decode steps merged against unmerged; with --lora-steps, decode steps with
+the native LoRA kernel against the backend's eager plans, alternated. System ours-eager-lora is ours with
+the LoRA backend kept on its eager plans where the native lora_segments kernel would run; with
+--rounds, ours, ours-eager-lora and ours-base alternate in one process.
 """
 from __future__ import annotations
 
@@ -69,7 +72,23 @@ def time_loading(adapters, args) -> tuple[object, dict]:
     return llm, times
 
 
-def run_ours(llm, prompts, adapters, use_adapters: bool, args) -> dict:
+def run_ours(llm, prompts, adapters, use_adapters: bool, args, eager_lora: bool = False) -> dict:
+    """eager_lora: the torch LoRA backend on its eager plans (stacks, oneDNN) even where its native
+    lora_segments plan runs, to measure one against the other in one process."""
+    from asyncserve import SamplingParams
+
+    lora = llm.engine.runner.lora
+    native = getattr(lora, "native", None)
+    if eager_lora and native is not None:
+        lora.native = False
+    try:
+        return _timed_generate(llm, prompts, adapters, use_adapters, args)
+    finally:
+        if native is not None:
+            lora.native = native
+
+
+def _timed_generate(llm, prompts, adapters, use_adapters: bool, args) -> dict:
     from asyncserve import SamplingParams
 
     ids = [llm.tokenizer.encode(p) for p in prompts]
@@ -168,6 +187,34 @@ def profile_ours(prompts, adapters, args) -> None:
     print(prof.key_averages().table(sort_by=sort, row_limit=30))
 
 
+def bench_lora_steps(prompts, adapters, args) -> None:
+    """Decode steps at batch 16 with W1's adapters, the LoRA backend's native plan and its eager plans
+    alternated step by step (a busy box's drift then biases neither), after 40 eager steps in which
+    the set's stacks are built, packed and fused as in steady serving."""
+    import statistics
+
+    from asyncserve import SamplingParams
+
+    llm = build_ours(adapters, args)
+    engine, lora = llm.engine, llm.engine.runner.lora
+    params = SamplingParams(max_tokens=40 + args.ab_steps, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts[:16]):
+        engine.add(engine.make_sequence(llm.tokenizer.encode(p), params, adapter_of(i, adapters)))
+    lora.native = False
+    for _ in range(40):
+        engine.step()
+    times = {"native": [], "eager": []}
+    for i in range(args.ab_steps):
+        kind = "native" if i % 2 == 0 else "eager"
+        lora.native = kind == "native"
+        t0 = time.perf_counter()
+        engine.step()
+        times[kind].append(time.perf_counter() - t0)
+    native, eager = statistics.median(times["native"]), statistics.median(times["eager"])
+    print(f"decode step at batch 16, median of {args.ab_steps // 2} each: native LoRA {1e3 * native:.2f} ms, "
+          f"eager LoRA {1e3 * eager:.2f} ms ({100 * (eager / native - 1):+.1f}%)")
+
+
 def bench_merge(prompts, adapters, args) -> None:
     """Per W1 adapter, 16 of its requests decode in blocks of 8 steps, alternately unmerged and with the
     adapter merged into the base weights (StepPlan.merged, set here as a policy would): the median
@@ -238,6 +285,8 @@ def main() -> None:
                          "medians: a VM whose speed drifts within minutes then biases neither")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--merge", action="store_true", help="time dLoRA's merged mode instead (see bench_merge)")
+    ap.add_argument("--lora-steps", action="store_true", help="decode steps, native LoRA against eager, alternated")
+    ap.add_argument("--ab-steps", type=int, default=120, help="steps --lora-steps alternates")
     ap.add_argument("--json-out", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -248,13 +297,17 @@ def main() -> None:
     if args.merge:
         bench_merge(prompts, adapters, args)
         return
+    if args.lora_steps:
+        bench_lora_steps(prompts, adapters, args)
+        return
     print(f"load average before: {os.getloadavg()}")
     systems = args.systems.split(",")
-    ours = [name for name in systems if name in ("ours", "ours-base")]
+    ours = [name for name in systems if name in ("ours", "ours-eager-lora", "ours-base")]
     llm, load_times = time_loading(adapters, args) if ours else (None, None)
     runners = {
         "ours": lambda: run_ours(llm, prompts, adapters, True, args),
         "ours-base": lambda: run_ours(llm, prompts, adapters, False, args),
+        "ours-eager-lora": lambda: run_ours(llm, prompts, adapters, True, args, eager_lora=True),
         "hf-grouped": lambda: run_hf(prompts, adapters, False, args),
         "hf-mixed": lambda: run_hf(prompts, adapters, True, args),
     }
@@ -268,13 +321,15 @@ def main() -> None:
     if args.rounds > 1:
         for name in ours:
             print(f"{name:12s} median of {args.rounds}: {results[name]['tok_s']:7.1f} tok/s")
-    overhead = None
-    if "ours" in results and "ours-base" in results:
-        # per round, from the two runs next to each other in time; then the median round
-        per_round = sorted(b["tok_s"] / a["tok_s"] - 1 for a, b in zip(runs["ours"], runs["ours-base"]))
-        overhead = per_round[len(per_round) // 2]
-        rounds = f" (median of rounds: {', '.join(f'{100 * o:.1f}%' for o in per_round)})" if args.rounds > 1 else ""
-        print(f"LoRA overhead vs base: {100 * overhead:.1f}%{rounds}")
+    overheads = {}
+    for name in ("ours", "ours-eager-lora"):
+        if name in results and "ours-base" in results:
+            # per round, from the runs next to each other in time; then the median round
+            per_round = sorted(b["tok_s"] / a["tok_s"] - 1 for a, b in zip(runs[name], runs["ours-base"]))
+            overheads[name] = per_round[len(per_round) // 2]
+            rounds = f" (median of rounds: {', '.join(f'{100 * o:.1f}%' for o in per_round)})" if args.rounds > 1 else ""
+            print(f"{name} LoRA overhead vs base: {100 * overheads[name]:.1f}%{rounds}")
+    overhead = overheads.get("ours")
     if args.json_out:
         args.json_out.write_text(json.dumps({"load_before": os.getloadavg(), "load_times": load_times,
                                               "results": results, "lora_overhead": overhead}, indent=2))

@@ -33,7 +33,8 @@ def references(base, paths, cases):
 
 @pytest.mark.parametrize("stacks", ["default", "packed_at_once", "in_pieces"])
 def test_all_adapters_and_base_in_one_generate_call(tiny, stacks):
-    """packed_at_once: the torch backend packs every active set at its first step, so on CPU the
+    """default: on CPU with the native kernels, the torch backend's lora_segments plan. The other two
+    keep it on its eager stacks. packed_at_once: the torch backend packs every active set at its first step, so on CPU the
     stacked shrink rides on the base GEMMs (otherwise only sets that last 32 steps do). in_pieces:
     besides, it builds, packs and fuses one layer's stacks per step, computing each set's tokens from
     the pool rows until its stacks are complete (how a large adapter's set is built, issue 12)."""
@@ -47,6 +48,7 @@ def test_all_adapters_and_base_in_one_generate_call(tiny, stacks):
     torch_backend = isinstance(lora, TorchLoraBackend)
     fusing = stacks == "packed_at_once" and torch_backend and TEST_DEVICE == "cpu"
     if stacks != "default" and torch_backend:
+        lora.native = False
         lora.pack_after_steps = 1
     plan_kinds = set()
     if stacks == "in_pieces" and torch_backend:

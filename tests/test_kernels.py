@@ -30,6 +30,7 @@ from asyncserve.lora.triton_backend import SGMV_MAX_SEGMENT, TritonLoraBackend  
 from asyncserve.model.config import ModelConfig  # noqa: E402
 from asyncserve.model.linear import make_linear, onednn_packs  # noqa: E402
 from asyncserve.pager.pool import PagedPool, plan_row_packing  # noqa: E402
+from reference import require_native_kernels  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # (rtol, atol relative to the largest |expected|): fp32 accumulates exactly enough for 1e-5; bf16
@@ -359,12 +360,37 @@ def test_torch_backend_loop_equals_stacked(decode, dtype, packed):
                                        msg=lambda m: f"{m}\nlayer={layer} group={group} seed={seed}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("decode", [True, False])
+def test_torch_backend_native_equals_loop(decode, dtype):
+    """auto with the native kernels: one lora_segments call per group, reading the adapters' rows from
+    the pool pages (NaN everywhere else), gives the per-adapter loop's deltas; -1 segments untouched."""
+    require_native_kernels()
+    seed, g, pool, batch = seeded_step(dtype, decode=decode)
+    native, loop = TorchLoraBackend(pool, TINY), TorchLoraBackend(pool, TINY, mode="loop")
+    native.native = True                    # also under ASYNCSERVE_NATIVE=0, which only keeps the engine off it
+    native.begin_step(batch)
+    loop.begin_step(batch)
+    assert {kind for kind, _ in native._plans.values()} == {"native"}
+    layout = group_layout(TINY)
+    for layer in range(TINY.num_layers):
+        for group in GROUPS:
+            x = torch.randn(batch.num_tokens, layout[group][0][1], generator=g).to(DEVICE, dtype)
+            y = torch.randn(batch.num_tokens, sum(row[2] for row in layout[group]), generator=g).to(DEVICE, dtype)
+            expected = y.clone()
+            loop.apply(layer, group, x, expected)
+            native.apply(layer, group, x, y)
+            torch.testing.assert_close(y, expected, **backend_tolerance(dtype, expected),
+                                       msg=lambda m: f"{m}\nlayer={layer} group={group} seed={seed}")
+
+
 def test_torch_backend_loops_over_many_distinct_adapters():
     """auto: one stacked GEMM for a few adapters, the per-adapter loop when tokens x sum(ranks) explodes."""
     g = torch.Generator().manual_seed(0)
     pool = make_pool(torch.float32, num_pages=2000)
     few = make_step(g, pool, decode=True)
     backend = TorchLoraBackend(pool, TINY)
+    backend.native = False                  # auto's choice between its eager plans
     backend.begin_step(LoraBatch(few.adapters[:1], [0, 4], [0], 4, DEVICE, num_decode=4))
     assert {kind for kind, _ in backend._plans.values()} == {"stacked"}
     big = ModelConfig(vocab_size=64, hidden_size=4096, intermediate_size=64, num_layers=1, num_heads=32,
@@ -377,6 +403,7 @@ def test_torch_backend_loops_over_many_distinct_adapters():
     pool_big = PagedPool(4, num_layers=1, block_size=4, num_kv_heads=32, head_dim=128, dtype=torch.float32,
                          device=DEVICE)
     backend = TorchLoraBackend(pool_big, big, build_bytes_per_step=2**40)      # its 168 MB of stacks at once
+    backend.native = False
     # a turn's cost as measured on quiet CPUs (0 to 1.5e6 multiply-adds); measured on a loaded box
     # it can come out 30x higher, and the choice with it
     backend.turn_macs = {group: 1.5e6 for group in backend.turn_macs}
@@ -391,6 +418,7 @@ def test_torch_backend_chooses_by_the_documented_costs():
     pool = make_pool(torch.float32, num_pages=2000)
     batch = make_step(g, pool, decode=False)
     backend = TorchLoraBackend(pool, TINY)
+    backend.native = False
     layout = group_layout(TINY)
     for group, rows in layout.items():
         fan_in, fan_out = rows[0][1], sum(r[2] for r in rows)

@@ -12,7 +12,7 @@ import torch
 
 import kernels.cpu as cpu_kernels
 from asyncserve import LLM, SamplingParams
-from reference import ADAPTERS, assert_greedy_matches, reference_greedy
+from reference import ADAPTERS, assert_greedy_matches, reference_greedy, require_native_kernels
 
 DTYPES = [torch.float32, torch.bfloat16]
 # output tolerance relative to the values' scale: fp32 accumulation either way, bf16 rounds the result
@@ -21,8 +21,7 @@ ATOL = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2}
 
 @pytest.fixture(scope="module", autouse=True)
 def native():
-    if cpu_kernels.library() is None:
-        pytest.skip(f"native CPU kernels cannot be built here: {cpu_kernels.error()}")
+    require_native_kernels()
 
 
 # ---- paged decode attention ----------------------------------------------------------------------
@@ -284,11 +283,145 @@ def test_rope_write_kv_rejects_rows_outside_the_pool():
         cpu_kernels.rope_write_kv(qkv, torch.tensor([0]), table, table, kv_rows, torch.tensor([9]), 0, 4, 2, 1)
 
 
+# ---- LoRA of a step's segments -------------------------------------------------------------------
+
+def make_adapter_pool(g, ranks, fan_in, fan_outs, layers, dtype):
+    """Adapters' A and B^T rows scattered over a flat pool (shuffled slots, NaN between them: a kernel
+    reading a wrong offset returns NaN), and the step tables pointing at them. ranks: [n][P] (0: not
+    targeted). Returns flat, (ranks, a_ptr, b_ptr, scaling) as LoraBatch.tables() has them, and each
+    adapter's float64 (A [L, P] of [r, in], B^T [L, P] of [r, out])."""
+    n, P = len(ranks), len(fan_outs)
+    r_max = max(1, max(max(r) for r in ranks))
+    width = max(fan_in, *fan_outs)
+    rows = [(i, l, p, j, kind) for i in range(n) for l in range(layers) for p in range(P)
+            for j in range(ranks[i][p]) for kind in (0, 1)]
+    slots = torch.randperm(len(rows) + 3, generator=g).tolist()
+    flat = torch.full(((len(rows) + 3) * width,), float("nan"), dtype=dtype)
+    a_ptr = torch.zeros(n, layers, P, r_max, dtype=torch.int64)
+    b_ptr = torch.zeros(n, layers, P, r_max, dtype=torch.int64)
+    weights = [[[None] * P for _ in range(layers)] for _ in range(n)]
+    for slot, (i, l, p, j, kind) in zip(slots, rows):
+        size = fan_in if kind == 0 else fan_outs[p]
+        values = (torch.randn(size, generator=g) / size ** 0.5).to(dtype)
+        flat[slot * width:slot * width + size] = values
+        (a_ptr if kind == 0 else b_ptr)[i, l, p, j] = slot * width
+    for i in range(n):
+        for l in range(layers):
+            for p in range(P):
+                r = ranks[i][p]
+                a = torch.stack([flat[o:o + fan_in] for o in a_ptr[i, l, p, :r].tolist()]) if r else None
+                b = torch.stack([flat[o:o + fan_outs[p]] for o in b_ptr[i, l, p, :r].tolist()]) if r else None
+                weights[i][l][p] = (a.double(), b.double()) if r else None
+    scaling = torch.rand(n, layers, P, generator=g) * 4
+    return flat, (torch.tensor(ranks, dtype=torch.int32), a_ptr, b_ptr, scaling), weights
+
+
+def reference_lora(x, y, runs, tables, weights, layer, projections):
+    """float64: y + for each run and targeted projection scaling * (x[run] @ A^T) @ B at its columns."""
+    scaling = tables[3].double()
+    out = y.double().clone()
+    for begin, end, i in runs:
+        for p, col, fan_out in projections:
+            if weights[i][layer][p] is not None:
+                a, b = weights[i][layer][p]
+                out[begin:end, col:col + fan_out] += scaling[i, layer, p] * (x[begin:end].double() @ a.t()) @ b
+    return out
+
+
+def lora_case(dtype, fan_in, fan_outs, ranks, segments, seed):
+    """segments: [(tokens, adapter or -1)], neighbours of one adapter merged into runs as the backend does."""
+    g = torch.Generator().manual_seed(seed)
+    layers, layer = 3, 1
+    flat, tables, weights = make_adapter_pool(g, ranks, fan_in, fan_outs, layers, dtype)
+    runs, start = [], 0
+    for tokens, adapter in segments:
+        if adapter >= 0 and runs and runs[-1][1] == start and runs[-1][2] == adapter:
+            runs[-1][1] += tokens
+        elif adapter >= 0:
+            runs.append([start, start + tokens, adapter])
+        start += tokens
+    out_total = sum(fan_outs)
+    # x and y as the model passes them: views into wider buffers (row strides beyond their widths)
+    x = torch.randn(start, fan_in + 3, generator=g).to(dtype)[:, :fan_in]
+    y = torch.randn(start, out_total + 5, generator=g).to(dtype)[:, :out_total]
+    columns = [sum(fan_outs[:p]) for p in range(len(fan_outs))]
+    projections = [(p, col, fo) for p, (col, fo) in enumerate(zip(columns, fan_outs))]
+    return x, y, flat, runs, tables, weights, layer, projections
+
+
+def run_lora(x, y, flat, runs, tables, layer, projections):
+    cpu_kernels.lora_segments(y, x, flat, torch.tensor(runs, dtype=torch.int64).view(-1, 3), *tables, layer,
+                              torch.tensor(projections, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fan_in, fan_outs, ranks, segments", [
+    # W1's q, k, v at SmolLM2's sizes: four adapters of ranks 8/16 interleaved, one token per segment
+    (576, [576, 192, 192], [[8] * 3, [16] * 3, [8] * 3, [16] * 3],
+     [(1, 0), (1, 0), (1, 1), (1, 2), (1, 1), (1, 3), (1, -1), (1, 3), (1, 0)]),
+    # odd widths (no multiple of 32 or 16), ranks 1..64, untargeted projections, base-model segments
+    (37, [29, 70, 5], [[1, 0, 3], [64, 64, 64], [0, 7, 0], [33, 2, 17]],
+     [(3, 2), (1, -1), (17, 1), (2, 0), (9, 3), (4, -1), (1, 1), (30, 2)]),
+    # long prefill runs (tiles of 8 and a remainder) beside decodes of another adapter
+    (96, [160], [[16], [5]], [(1, 1), (1, 1), (45, 0), (13, 1), (1, 0)]),
+    # one token, one rank-1 projection
+    (1, [1], [[1]], [(1, 0)]),
+])
+def test_lora_segments_equals_float64(dtype, fan_in, fan_outs, ranks, segments):
+    x, y, flat, runs, tables, weights, layer, projections = lora_case(dtype, fan_in, fan_outs, ranks, segments,
+                                                                       seed=fan_in + len(segments))
+    before = y.clone()
+    expected = reference_lora(x, before, runs, tables, weights, layer, projections)
+    run_lora(x, y, flat, runs, tables, layer, projections)
+    assert not y.isnan().any(), "read a pool element outside the adapter's rows"
+    untouched = torch.ones(y.shape[0], dtype=torch.bool)
+    for begin, end, _ in runs:
+        untouched[begin:end] = False
+    assert torch.equal(y[untouched], before[untouched]), "tokens without LoRA must stay as they were"
+    scale = expected.abs().amax()
+    torch.testing.assert_close(y.double() / scale, expected / scale, rtol=0.0, atol=ATOL[dtype])
+
+
+def test_lora_segments_thread_counts_and_many_adapters():
+    """16 adapters of ranks 1..64, each one decode and a few prefill runs (the Punica 'distinct' mix),
+    with 1 and 2 threads: the threads split the items differently, the result must not change."""
+    g = torch.Generator().manual_seed(3)
+    ranks = [[int(r)] * 2 for r in torch.randint(1, 65, (16,), generator=g)]
+    segments = [(1, i) for i in range(16)] + [(int(torch.randint(1, 40, (1,), generator=g)), i) for i in (3, 9, 12)]
+    x, y, flat, runs, tables, weights, layer, projections = lora_case(torch.bfloat16, 576, [576, 1536], ranks,
+                                                                       segments, seed=4)
+    expected = reference_lora(x, y, runs, tables, weights, layer, projections)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            out = y.clone()
+            run_lora(x, out, flat, runs, tables, layer, projections)
+            scale = expected.abs().amax()
+            torch.testing.assert_close(out.double() / scale, expected / scale, rtol=0.0, atol=ATOL[torch.bfloat16])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_lora_segments_rejects_rows_outside_the_pool():
+    x, y, flat, runs, tables, weights, layer, projections = lora_case(torch.float32, 8, [8], [[2]], [(2, 0)], seed=1)
+    ranks, a_ptr, b_ptr, scaling = tables
+    bad = a_ptr.clone()
+    bad[0, layer, 0, 1] = flat.numel() - 4
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        run_lora(x, y, flat, runs, (ranks, bad, b_ptr, scaling), layer, projections)
+    with pytest.raises(RuntimeError, match="outside the tables"):
+        run_lora(x, y, flat, [[0, 2, 1]], tables, layer, projections)
+    with pytest.raises(RuntimeError, match="inside x"):
+        run_lora(x, y, flat, [[0, 3, 0]], tables, layer, projections)
+
+
 # ---- the engine ----------------------------------------------------------------------------------
 
 def test_engine_native_equals_eager_and_transformers(tiny_model, monkeypatch):
-    """float32, all adapters and the base in one generate call with prefill chunks beside decodes:
-    the native kernels give the eager path's greedy tokens, and both match transformers+PEFT."""
+    """float32, all adapters (ranks 1..64) and the base in one generate call with prefill chunks beside
+    decodes: the native kernels (decode attention, norm, RoPE, the LoRA backend's lora_segments) give
+    the eager path's greedy tokens, and both match transformers+PEFT."""
     from peft import PeftModel
 
     root, tok, base, paths = tiny_model.root, tiny_model.tokenizer, tiny_model.base, tiny_model.adapters
@@ -299,18 +432,21 @@ def test_engine_native_equals_eager_and_transformers(tiny_model, monkeypatch):
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     adapters = {k: str(v) for k, v in paths.items()}
 
-    calls = []
-    attend = cpu_kernels.paged_decode_attention
-    monkeypatch.setattr(cpu_kernels, "paged_decode_attention", lambda *a: (calls.append(1), attend(*a)))
+    calls = {"paged_decode_attention": 0, "lora_segments": 0}
+    for name in calls:
+        def counted(*a, _kernel=getattr(cpu_kernels, name), _name=name):
+            calls[_name] += 1
+            return _kernel(*a)
+        monkeypatch.setattr(cpu_kernels, name, counted)
     runs = {}
     for mode in ("1", "0"):
         monkeypatch.setenv("ASYNCSERVE_NATIVE", mode)
         llm = LLM(model=str(root), adapters=adapters, dtype="float32", device="cpu", max_step_tokens=24)
         runs[mode] = [o.token_ids for o in llm.generate([c[0] for c in cases], params, adapters=[c[1] for c in cases])]
         if mode == "1":
-            assert calls, "the engine did not run the native decode attention"
-            used = len(calls)
-    assert len(calls) == used, "ASYNCSERVE_NATIVE=0 must keep the model on the eager path"
+            assert all(calls.values()), f"the engine did not run every native kernel: {calls}"
+            used = dict(calls)
+    assert calls == used, "ASYNCSERVE_NATIVE=0 must keep the model and the LoRA backend on the eager path"
     assert runs["1"] == runs["0"]
 
     exact = 0

@@ -32,7 +32,15 @@ SmolLM2, and doing any of the three at once stalled every stream for 0.4-0.9 s o
 step does at most ``build_bytes_per_step`` of that work, a layer at a time: until a set's stacks
 are complete its tokens are computed per adapter straight from its pool rows, and layers not yet
 packed or fused run on the plain stacks.
-The Triton backend (lora/triton_backend.py) reads the pages in place instead.
+With the native CPU kernels (kernels/cpu, ``cpu_kernels.enabled_for``) and mode "auto", none of
+that runs: per group, one ``lora_segments`` call reads each run's A and B^T rows straight from the
+pool pages through the step tables and computes only its own rank (no stacks to build or pack, no
+mask, no per-adapter GEMM call). For W1 on SmolLM2 in bf16 (scripts/bench_native.py, Zen 4, 2
+threads) its LoRA costs 15 and 12 us beyond the base GEMM per layer for q/k/v and o at 16 decodes,
+against 55 and 37 us for the packed stacks with the shrink fused into the base GEMM, and 92 and
+51 us against 303 and 131 us for a 256-token prefill step. The stacked and loop plans stay the path
+without the kernels (ASYNCSERVE_NATIVE=0, no compiler, float16).
+The Triton backend (lora/triton_backend.py) reads the pages in place too.
 """
 from __future__ import annotations
 
@@ -41,6 +49,7 @@ from typing import NamedTuple
 
 import torch
 
+import kernels.cpu as cpu_kernels
 from asyncserve.lora.batch import LoraBatch
 from asyncserve.model.checkpoint import all_finite
 from asyncserve.model.config import GROUPS, PROJ_INDEX, ModelConfig
@@ -143,12 +152,18 @@ class TorchLoraBackend(LoraBackend):
 
     def __init__(self, pool: PagedPool, config: ModelConfig, mode: str = "auto",
                  pack_after_steps: int = PACK_AFTER_STEPS, build_bytes_per_step: int | None = None):
-        """mode: "auto" (per step and group, whichever costs less), "stacked" or "loop"."""
+        """mode: "auto" (the native kernel where it runs, else per step and group whichever of the stacked
+        and loop plans costs less), "stacked" or "loop"."""
         if mode not in ("auto", "stacked", "loop"):
             raise ValueError(f"mode must be 'auto', 'stacked' or 'loop', got {mode!r}")
         self.pool = pool
         self.layout = group_layout(config)
         self.mode = mode
+        self.native = cpu_kernels.enabled_for(pool.flat)      # whether lora_segments runs here (mode "auto")
+        # per group, what lora_segments needs of its projections: [P_g, 3] (projection, column, width)
+        self._native_projections = {
+            group: torch.tensor([(PROJ_INDEX[proj], col, fan_out) for proj, _, fan_out, col in rows], dtype=torch.int64)
+            for group, rows in self.layout.items()}
         self.pack_after_steps = pack_after_steps
         self.turn_macs = {group: loop_turn_macs(pool.device, pool.dtype, rows[0][1], sum(r[2] for r in rows))
                           for group, rows in self.layout.items()}
@@ -166,8 +181,9 @@ class TorchLoraBackend(LoraBackend):
         # (group, layer) -> Linear over [W; A_stack] (or None: not fused), built once packed; cleared
         # with the stacks (whatever changes the base weights, e.g. merging an adapter, must clear it too)
         self._fused: dict[tuple[str, int], Linear | None] = {}
-        # group -> ("stacked", mask [tokens, R]), ("loop", [(row spans, c0, c1)]) or, while the stacks
-        # are built, ("pool", [(row spans, adapter, its scalings, [(projection, r, in, out, column)])])
+        # group -> ("stacked", mask [tokens, R]), ("loop", [(row spans, c0, c1)]), while the stacks
+        # are built ("pool", [(row spans, adapter, its scalings, [(projection, r, in, out, column)])]),
+        # or with the native kernels ("native", (runs [num_runs, 3], the step's tables))
         self._plans: dict[str, tuple[str, object]] = {}
 
     @property
@@ -177,6 +193,9 @@ class TorchLoraBackend(LoraBackend):
     def begin_step(self, batch: LoraBatch | None) -> None:
         self._plans = {}
         if batch is None or batch.empty:
+            return
+        if self.native and self.mode == "auto":
+            self._plans = self._native_plans(batch)
             return
         self._budget_left = self.build_bytes_per_step
         # The stacks hold the active set in a fixed order (by name), so a step that lists the same
@@ -257,6 +276,15 @@ class TorchLoraBackend(LoraBackend):
                 plans[group] = ("pool", work)
         return plans
 
+    def _native_plans(self, batch: LoraBatch) -> dict[str, tuple[str, object]]:
+        """Per group some run's adapter targets: its runs of one adapter's consecutive tokens (in token
+        order) and the step's tables, which lora_segments follows into the pool."""
+        spans = adapter_spans(batch)
+        runs = sorted((sl.start, sl.stop, i) for i, slices in spans.items() for sl in slices)
+        data = (torch.tensor(runs, dtype=torch.int64), batch.tables())
+        return {group: ("native", data) for group, rows in self.layout.items()
+                if any(batch.adapters[i].ranks[PROJ_INDEX[proj]] for i in spans for proj, *_ in rows)}
+
     def _stack_linears(self, group: str, packed: bool) -> list[StackLinears]:
         """Per layer, the stacked plan's shrink and expand: over views of the stacks, or (packed) over
         make_linear's copies, which on CPU are oneDNN's reordered layout; layers are packed while the
@@ -298,6 +326,10 @@ class TorchLoraBackend(LoraBackend):
         if plan is None:
             return
         kind, data = plan
+        if kind == "native":
+            runs, tables = data
+            cpu_kernels.lora_segments(y, x, self.pool.flat, runs, *tables, layer, self._native_projections[group])
+            return
         if kind == "stacked":
             shrink, expand, _ = self._linears[group][layer]
             s = shrink(x)                         # [tokens, R]

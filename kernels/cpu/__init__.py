@@ -135,3 +135,14 @@ def paged_prefill_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.T
     rows of q and out; first_pos: [chunks] int64, the position of each chunk's first row. Each row
     attends causally to its sequence's keys; rows of out outside the chunks are not written."""
     _lib().paged_prefill_attention(out, q, k_cache, v_cache, block_tables, query_starts, first_pos, scale)
+
+
+def lora_segments(y: torch.Tensor, x: torch.Tensor, flat: torch.Tensor, runs: torch.Tensor, ranks: torch.Tensor,
+                  a_ptr: torch.Tensor, b_ptr: torch.Tensor, scaling: torch.Tensor, layer: int,
+                  projections: torch.Tensor) -> None:
+    """y: [tokens, out] += each run's LoRA of x: [tokens, in], read from the pool rows of flat: for runs
+    [num_runs, 3] int64 (first token, end token, step adapter) and each projections [num_projs, 3] int64
+    (index in the tables, first column of y, width) its adapter targets, y[run, cols] +=
+    scaling * (x[run] @ A^T) @ B. ranks [n, P] int32, a_ptr, b_ptr [n, L, P, R], scaling [n, L, P]:
+    LoraBatch.tables(); layer picks the tables' layer."""
+    _lib().lora_segments(y, x, flat, runs, ranks, a_ptr, b_ptr, scaling, layer, projections)

@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include "attention.h"
+#include "lora.h"
 #include "norm.h"
 #include "prefill_attention.h"
 #include "rope_kv.h"
@@ -171,6 +172,65 @@ void paged_prefill_attention_op(at::Tensor out, at::Tensor q, at::Tensor k_cache
   });
 }
 
+// y: [tokens, out] (the group's output, updated in place), x: [tokens, fan_in]; flat: the pool,
+// one dimension; runs: [num_runs, 3] (first token, end token, step adapter); ranks [n, P] int32,
+// a_ptr, b_ptr [n, L, P, R] int64, scaling [n, L, P] float32: the step's tables; projections:
+// [num_projs, 3] (index in the tables, first column in y, width). Adds each run's LoRA into y.
+void lora_segments_op(at::Tensor y, at::Tensor x, at::Tensor flat, at::Tensor runs, at::Tensor ranks, at::Tensor a_ptr,
+                      at::Tensor b_ptr, at::Tensor scaling, int64_t layer, at::Tensor projections) {
+  check_like(x, x, "x");
+  check_like(y, x, "y");
+  check_like(flat, x, "flat");
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && y.size(0) == x.size(0), "x and y must be [tokens, features]");
+  TORCH_CHECK(flat.dim() == 1, "flat must be the pool's one-dimensional view");
+  check_index(runs, "runs");
+  check_index(a_ptr, "a_ptr");
+  check_index(b_ptr, "b_ptr");
+  check_index(projections, "projections");
+  TORCH_CHECK(ranks.device().is_cpu() && ranks.scalar_type() == at::kInt && ranks.is_contiguous(),
+              "ranks must be a contiguous int32 CPU tensor");
+  TORCH_CHECK(scaling.device().is_cpu() && scaling.scalar_type() == at::kFloat && scaling.is_contiguous(),
+              "scaling must be a contiguous float32 CPU tensor");
+  TORCH_CHECK(a_ptr.dim() == 4 && b_ptr.sizes() == a_ptr.sizes(), "a_ptr and b_ptr must be [adapters, layers, P, R]");
+  const int64_t n = a_ptr.size(0), P = a_ptr.size(2);
+  const LoraTables tables{ranks.data_ptr<int32_t>(), a_ptr.data_ptr<int64_t>(), b_ptr.data_ptr<int64_t>(),
+                          scaling.data_ptr<float>(), a_ptr.size(1), P, a_ptr.size(3), layer};
+  TORCH_CHECK(ranks.dim() == 2 && ranks.size(0) == n && ranks.size(1) == P, "ranks must be [adapters, P]");
+  TORCH_CHECK(scaling.dim() == 3 && scaling.size(0) == n && scaling.size(1) == tables.layers && scaling.size(2) == P,
+              "scaling must be [adapters, layers, P]");
+  TORCH_CHECK(layer >= 0 && layer < tables.layers, "layer ", layer, " outside the tables");
+  TORCH_CHECK(runs.dim() == 2 && runs.size(1) == 3, "runs must be [num_runs, 3]");
+  TORCH_CHECK(projections.dim() == 2 && projections.size(1) == 3, "projections must be [num_projs, 3]");
+  const auto* run = reinterpret_cast<const LoraRun*>(runs.data_ptr<int64_t>());
+  const auto* proj = reinterpret_cast<const LoraProjection*>(projections.data_ptr<int64_t>());
+  const int64_t fan_in = x.size(1), limit = flat.numel();
+  for (int64_t p = 0; p < projections.size(0); ++p)
+    TORCH_CHECK(proj[p].index >= 0 && proj[p].index < P && proj[p].column >= 0 && proj[p].fan_out > 0 &&
+                    proj[p].column + proj[p].fan_out <= y.size(1),
+                "projection ", p, " outside the tables or y");
+  for (int64_t i = 0; i < runs.size(0); ++i) {
+    TORCH_CHECK(run[i].begin >= 0 && run[i].begin <= run[i].end && run[i].end <= x.size(0) &&
+                    (i == 0 || run[i].begin >= run[i - 1].end),
+                "runs must be ordered token ranges inside x");
+    TORCH_CHECK(run[i].adapter >= 0 && run[i].adapter < n, "run adapter ", run[i].adapter, " outside the tables");
+    for (int64_t p = 0; p < projections.size(0); ++p) {
+      const int64_t r = tables.rank(run[i].adapter, proj[p].index);
+      TORCH_CHECK(r >= 0 && r <= tables.max_rank, "rank ", r, " outside the tables");
+      const int64_t* a = tables.a_rows(run[i].adapter, proj[p].index);
+      const int64_t* b = tables.b_rows(run[i].adapter, proj[p].index);
+      for (int64_t j = 0; j < r; ++j)
+        TORCH_CHECK(a[j] >= 0 && a[j] + fan_in <= limit && b[j] >= 0 && b[j] + proj[p].fan_out <= limit,
+                    "adapter row outside the pool");
+    }
+  }
+  dispatch_dtype(x, [&](auto zero) {
+    using T = decltype(zero);
+    pybind11::gil_scoped_release no_gil;
+    lora_segments<T>(y.data_ptr<T>(), y.stride(0), x.data_ptr<T>(), x.stride(0), fan_in, flat.data_ptr<T>(), tables,
+                     run, runs.size(0), proj, projections.size(0));
+  });
+}
+
 }  // namespace
 }  // namespace asyncserve
 
@@ -180,4 +240,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &asyncserve::paged_decode_attention_op, "decode attention over block tables");
   m.def("paged_prefill_attention", &asyncserve::paged_prefill_attention_op,
         "prefill chunks' causal attention over block tables");
+  m.def("lora_segments", &asyncserve::lora_segments_op, "y += each run's LoRA, read from the pool rows");
 }
