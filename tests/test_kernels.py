@@ -347,16 +347,21 @@ def test_torch_backend_loop_equals_stacked(decode, dtype, packed):
     loop.begin_step(batch)
     assert {kind for kind, _ in loop._plans.values()} == {"loop"}
     assert {layer.packed for layers in stacked._linears.values() for layer in layers} == {packed}
+    assert_same_deltas(stacked, loop, batch, dtype, g, seed)
+
+
+def assert_same_deltas(expected_backend, backend, batch, dtype, g, seed) -> None:
+    """Both backends (begun on ``batch``) add the same LoRA deltas to random y for random x, in every
+    layer and group."""
     layout = group_layout(TINY)
     for layer in range(TINY.num_layers):
         for group in GROUPS:
             x = torch.randn(batch.num_tokens, layout[group][0][1], generator=g).to(DEVICE, dtype)
             y = torch.randn(batch.num_tokens, sum(row[2] for row in layout[group]), generator=g).to(DEVICE, dtype)
             expected = y.clone()
-            stacked.apply(layer, group, x, expected)
-            loop.apply(layer, group, x, y)
-            tol = backend_tolerance(dtype, expected)
-            torch.testing.assert_close(y, expected, **tol,
+            expected_backend.apply(layer, group, x, expected)
+            backend.apply(layer, group, x, y)
+            torch.testing.assert_close(y, expected, **backend_tolerance(dtype, expected),
                                        msg=lambda m: f"{m}\nlayer={layer} group={group} seed={seed}")
 
 
@@ -372,16 +377,7 @@ def test_torch_backend_native_equals_loop(decode, dtype):
     native.begin_step(batch)
     loop.begin_step(batch)
     assert {kind for kind, _ in native._plans.values()} == {"native"}
-    layout = group_layout(TINY)
-    for layer in range(TINY.num_layers):
-        for group in GROUPS:
-            x = torch.randn(batch.num_tokens, layout[group][0][1], generator=g).to(DEVICE, dtype)
-            y = torch.randn(batch.num_tokens, sum(row[2] for row in layout[group]), generator=g).to(DEVICE, dtype)
-            expected = y.clone()
-            loop.apply(layer, group, x, expected)
-            native.apply(layer, group, x, y)
-            torch.testing.assert_close(y, expected, **backend_tolerance(dtype, expected),
-                                       msg=lambda m: f"{m}\nlayer={layer} group={group} seed={seed}")
+    assert_same_deltas(loop, native, batch, dtype, g, seed)
 
 
 def test_torch_backend_loops_over_many_distinct_adapters():

@@ -19,6 +19,17 @@ DTYPES = [torch.float32, torch.bfloat16]
 ATOL = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2}
 
 
+def at_thread_counts(counts=(1, 2)):
+    """Yields each torch thread count in turn (set for the loop's body), then restores the old one."""
+    threads = torch.get_num_threads()
+    try:
+        for t in counts:
+            torch.set_num_threads(t)
+            yield t
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def native():
     require_native_kernels()
@@ -103,15 +114,10 @@ def test_paged_decode_attention_many_sequences_and_thread_counts():
     tables, contexts = fill_contexts(g, kv, 0, lens, torch.bfloat16)
     q = torch.randn(16, nh, hd, generator=g).bfloat16()
     expected = reference_decode(q.double(), contexts, nkv, hd ** -0.5)
-    threads = torch.get_num_threads()
-    try:
-        for t in (1, 2):
-            torch.set_num_threads(t)
-            out = torch.empty_like(q)
-            cpu_kernels.paged_decode_attention(out, q, kv[:, 0, 0], kv[:, 1, 0], tables, torch.tensor(lens), hd ** -0.5)
-            torch.testing.assert_close(out.double(), expected, rtol=0.0, atol=ATOL[torch.bfloat16])
-    finally:
-        torch.set_num_threads(threads)
+    for _ in at_thread_counts():
+        out = torch.empty_like(q)
+        cpu_kernels.paged_decode_attention(out, q, kv[:, 0, 0], kv[:, 1, 0], tables, torch.tensor(lens), hd ** -0.5)
+        torch.testing.assert_close(out.double(), expected, rtol=0.0, atol=ATOL[torch.bfloat16])
 
 
 def test_paged_decode_attention_rejects_bad_tables():
@@ -183,14 +189,9 @@ def test_paged_prefill_attention_random_chunks_and_thread_counts():
     split the work differently): the result must not change beyond rounding."""
     rng = random.Random(3)
     chunks = [(rng.randint(0, 1748), rng.randint(1, 300)) for _ in range(5)]
-    threads = torch.get_num_threads()
-    try:
-        for t in (1, 2):
-            torch.set_num_threads(t)
-            out, expected = run_prefill(torch.Generator().manual_seed(4), torch.bfloat16, 9, 3, 64, 16, chunks)
-            torch.testing.assert_close(out.double(), expected, rtol=0.0, atol=ATOL[torch.bfloat16])
-    finally:
-        torch.set_num_threads(threads)
+    for _ in at_thread_counts():
+        out, expected = run_prefill(torch.Generator().manual_seed(4), torch.bfloat16, 9, 3, 64, 16, chunks)
+        torch.testing.assert_close(out.double(), expected, rtol=0.0, atol=ATOL[torch.bfloat16])
 
 
 def test_paged_prefill_attention_rejects_bad_tables():
@@ -391,16 +392,11 @@ def test_lora_segments_thread_counts_and_many_adapters():
     x, y, flat, runs, tables, weights, layer, projections = lora_case(torch.bfloat16, 576, [576, 1536], ranks,
                                                                        segments, seed=4)
     expected = reference_lora(x, y, runs, tables, weights, layer, projections)
-    threads = torch.get_num_threads()
-    try:
-        for t in (1, 2):
-            torch.set_num_threads(t)
-            out = y.clone()
-            run_lora(x, out, flat, runs, tables, layer, projections)
-            scale = expected.abs().amax()
-            torch.testing.assert_close(out.double() / scale, expected / scale, rtol=0.0, atol=ATOL[torch.bfloat16])
-    finally:
-        torch.set_num_threads(threads)
+    for _ in at_thread_counts():
+        out = y.clone()
+        run_lora(x, out, flat, runs, tables, layer, projections)
+        scale = expected.abs().amax()
+        torch.testing.assert_close(out.double() / scale, expected / scale, rtol=0.0, atol=ATOL[torch.bfloat16])
 
 
 def test_lora_segments_rejects_rows_outside_the_pool():
