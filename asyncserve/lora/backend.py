@@ -277,7 +277,7 @@ class TorchLoraBackend(LoraBackend):
         return plans
 
     def _native_plans(self, batch: LoraBatch) -> dict[str, tuple[str, object]]:
-        """Per group some run's adapter targets: its runs of one adapter's consecutive tokens (in token
+        """Per group that some run's adapter targets: the runs of one adapter's consecutive tokens (in token
         order) and the step's tables, which lora_segments follows into the pool."""
         spans = adapter_spans(batch)
         runs = sorted((sl.start, sl.stop, i) for i, slices in spans.items() for sl in slices)
