@@ -51,7 +51,7 @@ def align(n: int) -> int:
 
 
 def element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 class ControlBlock:

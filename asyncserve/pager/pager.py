@@ -33,6 +33,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from asyncserve.model.config import PROJECTIONS, ModelConfig
@@ -77,12 +78,14 @@ ROW_PLANS_KEPT = 32
 
 class RowPlan(NamedTuple):
     """Where an adapter's rows go in the pages it is given, the same for every adapter of its ranks:
-    computed once per rank set, so paging in is a few tensor ops on the event loop."""
+    computed once per rank set, so paging in is a few array ops on the event loop. numpy, not torch:
+    a torch op on the event loop's thread starts a second OpenMP team, and with more OpenMP threads
+    than cores libgomp stops spinning between parallel regions: every step ~20% slower (BENCHMARKS.md)."""
     pages: int                           # pages it takes
     placements: list[tuple[int, int]]    # per row in packing order: (index into its pages, offset)
-    page_index: torch.Tensor             # [2 (A, B^T), L, P, r_max] int64: index into its pages
-    offset: torch.Tensor                 # [2, L, P, r_max] int64: offset in that page
-    used: torch.Tensor                   # [2, L, P, r_max] bool: j < rank of the projection
+    page_index: np.ndarray               # [2 (A, B^T), L, P, r_max] int64: index into its pages
+    offset: np.ndarray                   # [2, L, P, r_max] int64: offset in that page
+    used: np.ndarray                     # [2, L, P, r_max] bool: j < rank of the projection
 
 
 class PageIn(NamedTuple):
@@ -188,17 +191,17 @@ class AdapterPager:
             return self._row_plans[key]
         pages, placements = plan_row_packing(row_lengths(ranks, self.config), self.pool.page_numel)
         L, P, r_max = self.config.num_layers, len(PROJECTIONS), max(ranks)
-        used = torch.zeros(2, L, P, r_max, dtype=torch.bool)
+        used = np.zeros((2, L, P, r_max), dtype=bool)
         for p, r in enumerate(ranks):
             used[:, :, p, :r] = True
         # packing order (row_lengths): layer, projection, A rows then B^T rows: the order of
-        # used.permute(1, 2, 0, 3)'s True entries
-        order = used.permute(1, 2, 0, 3)
-        page_index = torch.zeros(L, P, 2, r_max, dtype=torch.int64)
-        offset = torch.zeros(L, P, 2, r_max, dtype=torch.int64)
-        where = torch.tensor(placements, dtype=torch.int64).reshape(-1, 2)
+        # used.transpose(1, 2, 0, 3)'s True entries
+        order = used.transpose(1, 2, 0, 3)
+        page_index = np.zeros((L, P, 2, r_max), dtype=np.int64)
+        offset = np.zeros((L, P, 2, r_max), dtype=np.int64)
+        where = np.asarray(placements, dtype=np.int64).reshape(-1, 2)
         page_index[order], offset[order] = where[:, 0], where[:, 1]
-        plan = RowPlan(pages, placements, page_index.permute(2, 0, 1, 3), offset.permute(2, 0, 1, 3), used)
+        plan = RowPlan(pages, placements, page_index.transpose(2, 0, 1, 3), offset.transpose(2, 0, 1, 3), used)
         self._row_plans[key] = plan
         if len(self._row_plans) > ROW_PLANS_KEPT:
             self._row_plans.popitem(last=False)
@@ -393,12 +396,13 @@ class AdapterPager:
     def _place(self, adapter: HostAdapter, pages: list[int], plan: RowPlan) -> DeviceAdapter:
         """Each row's offset in the pool (0 past a projection's rank); the rows are copied later by
         ``write_pending``."""
-        page_start = torch.tensor(pages, dtype=torch.int64) * self.pool.page_numel
-        ptr = torch.where(plan.used, page_start[plan.page_index] + plan.offset, 0)     # [2, L, P, r_max]
+        page_start = np.asarray(pages, dtype=np.int64) * self.pool.page_numel
+        ptr = np.where(plan.used, page_start[plan.page_index] + plan.offset, 0)     # [2, L, P, r_max]
         self._generation += 1
         dev = self.pool.device
-        return DeviceAdapter(name=adapter.name, ranks=list(adapter.ranks), a_ptr=ptr[0].contiguous().to(dev),
-                             b_ptr=ptr[1].contiguous().to(dev),
+        return DeviceAdapter(name=adapter.name, ranks=list(adapter.ranks),
+                             a_ptr=torch.from_numpy(np.ascontiguousarray(ptr[0])).to(dev),
+                             b_ptr=torch.from_numpy(np.ascontiguousarray(ptr[1])).to(dev),
                              scaling=adapter.scaling.to(dev), pages=pages, generation=self._generation)
 
     def write_pending(self, hold: frozenset[int] = frozenset()) -> None:

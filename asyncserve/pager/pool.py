@@ -77,7 +77,7 @@ class PagedPool:
 
     @classmethod
     def page_bytes(cls, num_layers: int, block_size: int, kv_size: int, dtype: torch.dtype) -> int:
-        return num_layers * 2 * block_size * kv_size * torch.empty((), dtype=dtype).element_size()
+        return num_layers * 2 * block_size * kv_size * dtype.itemsize
 
     # ---- allocation -------------------------------------------------------------------------
     @property
