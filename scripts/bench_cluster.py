@@ -11,7 +11,10 @@ bench_serving reports to --out.
     python scripts/make_adapters.py 40 /tmp/cluster-adapters --model default
     python scripts/bench_cluster.py --adapters /tmp/cluster-adapters --out /tmp/bench-cluster
 
-Run it on a quiet machine: the three servers and the client share its cores.
+Run it on a quiet machine: the three servers and the client share its cores. With --cpu-limit C
+each server runs in a CPU cgroup of its own capped at C cores (CFS quota: what a Kubernetes
+`limits.cpu` does), so the three behave as machines of their own, none able to use what another
+leaves idle; it needs a writable cgroup cpu controller (v1 at /sys/fs/cgroup/cpu, or v2), i.e. root.
 """
 from __future__ import annotations
 
@@ -59,20 +62,54 @@ def linked_adapters(folder: Path, prefix: str, out: Path, count: int | None = No
     return links
 
 
-def core_sets(threads: int) -> list[str | None]:
+def core_sets(args) -> list[str | None]:
+    """Each node's own cores for taskset, where the machine has enough and no --cpu-limit shares them."""
     cores = sorted(os.sched_getaffinity(0))
-    if shutil.which("taskset") is None or len(cores) < NODES * threads:
+    if args.cpu_limit or shutil.which("taskset") is None or len(cores) < NODES * args.threads:
         return [None] * NODES
-    return [",".join(map(str, cores[i * threads:(i + 1) * threads])) for i in range(NODES)]
+    return [",".join(map(str, cores[i * args.threads:(i + 1) * args.threads])) for i in range(NODES)]
 
 
-def start_nodes(args, policy: str, adapters: Path, log_dir: Path) -> list[subprocess.Popen]:
+class CpuLimit:
+    """A CPU cgroup capping its processes at `cores` cores (quota per 100 ms period), removed by
+    `remove` once they have exited."""
+    PERIOD_US = 100_000
+
+    def __init__(self, name: str, cores: float):
+        quota = int(cores * self.PERIOD_US)
+        v1 = Path("/sys/fs/cgroup/cpu")
+        if (v1 / "cpu.cfs_quota_us").is_file():
+            self.path = v1 / name
+            self.path.mkdir()
+            (self.path / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
+            (self.path / "cpu.cfs_quota_us").write_text(str(quota))
+        elif "cpu" in Path("/sys/fs/cgroup/cgroup.subtree_control").read_text().split():
+            self.path = Path("/sys/fs/cgroup") / name
+            self.path.mkdir()
+            (self.path / "cpu.max").write_text(f"{quota} {self.PERIOD_US}")
+        else:
+            raise SystemExit("--cpu-limit needs a cgroup cpu controller (v1 /sys/fs/cgroup/cpu or v2 with cpu enabled)")
+
+    def add(self, pid: int) -> None:
+        (self.path / "cgroup.procs").write_text(str(pid))
+
+    def throttled_s(self) -> float:
+        """Seconds its processes waited for quota so far."""
+        stat = dict(line.split() for line in (self.path / "cpu.stat").read_text().splitlines())
+        return int(stat["throttled_time"]) / 1e9 if "throttled_time" in stat else int(stat["throttled_usec"]) / 1e6
+
+    def remove(self) -> None:
+        self.path.rmdir()
+
+
+def start_nodes(args, policy: str, adapters: Path, log_dir: Path,
+                limits: list[CpuLimit | None]) -> list[subprocess.Popen]:
     dispatch, _, extra = policy.partition("+")
     ports = [args.base_port + i for i in range(NODES)]
     peers = ",".join(f"http://127.0.0.1:{p}" for p in ports)
     env = {**os.environ, "ASYNCSERVE_CLUSTER_KEY": secrets.token_hex(32), "ASYNCSERVE_THREADS": str(args.threads)}
     procs = []
-    for i, (port, cores) in enumerate(zip(ports, core_sets(args.threads))):
+    for i, (port, cores, limit) in enumerate(zip(ports, core_sets(args), limits)):
         cmd = [str(REPO / ".venv/bin/asyncserve"), "serve", "--port", str(port), "--node-id", f"n{i}",
                "--threads", str(args.threads), "--pool-mem", args.pool_mem, "--max-running", str(args.max_running),
                "--adapter-dir", str(adapters), "--peers", peers, "--dispatch", dispatch,
@@ -84,6 +121,8 @@ def start_nodes(args, policy: str, adapters: Path, log_dir: Path) -> list[subpro
             cmd = ["taskset", "-c", cores] + cmd
         log = open(log_dir / f"{policy}-n{i}.log", "w")
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+        if limit is not None:
+            limit.add(procs[-1].pid)
     deadline = time.monotonic() + args.start_timeout
     for port in ports:
         while True:
@@ -115,6 +154,32 @@ def stop_nodes(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
+def run_policy(args, policy: str, adapters: Path, report: Path) -> tuple[list[str], list[float]]:
+    """One policy's run on three fresh servers: their /metrics pages at the end, and with --cpu-limit
+    the seconds each server waited for its quota."""
+    limits: list[CpuLimit | None] = []
+    try:
+        for i in range(NODES):
+            limits.append(CpuLimit(f"asyncserve-bench-{os.getpid()}-n{i}", args.cpu_limit) if args.cpu_limit else None)
+        procs = start_nodes(args, policy, adapters, args.out, limits)
+        try:
+            subprocess.run([sys.executable, str(REPO / "scripts/bench_serving.py"),
+                            "--base-url", f"http://127.0.0.1:{args.base_port}/v1", "--workload", "slora",
+                            "--adapter-prefix", "lora", "--n-adapters", str(args.n_adapters), "--alpha", str(args.alpha),
+                            "--rate", str(args.rate), "--cv", str(args.cv), "--duration", str(args.duration),
+                            "--input-range", *map(str, args.input_range), "--output-range", *map(str, args.output_range),
+                            "--slo-latency", str(args.slo_latency), "--json-out", str(report), "--no-progress"],
+                           check=True, stdout=subprocess.DEVNULL)
+            pages = [get(f"http://127.0.0.1:{args.base_port + i}/metrics") for i in range(NODES)]
+            return pages, [limit.throttled_s() for limit in limits if limit is not None]
+        finally:
+            stop_nodes(procs)
+    finally:
+        for limit in limits:
+            if limit is not None:
+                limit.remove()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--adapters", type=Path, required=True, help="a folder of adapter folders (make_adapters.py)")
@@ -135,24 +200,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--input-range", type=int, nargs=2, default=[16, 256])
     ap.add_argument("--output-range", type=int, nargs=2, default=[16, 128])
     ap.add_argument("--slo-latency", type=float, default=20.0, help="seconds")
+    ap.add_argument("--cpu-limit", type=float, help="cap each server at this many cores, in a cgroup of its own")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     adapters = linked_adapters(args.adapters, "lora", args.out)
     rows = []
     for policy in args.policies.split(","):
-        procs = start_nodes(args, policy, adapters, args.out)
-        try:
-            report = args.out / f"{policy}.json"
-            subprocess.run([sys.executable, str(REPO / "scripts/bench_serving.py"),
-                            "--base-url", f"http://127.0.0.1:{args.base_port}/v1", "--workload", "slora",
-                            "--adapter-prefix", "lora", "--n-adapters", str(args.n_adapters), "--alpha", str(args.alpha),
-                            "--rate", str(args.rate), "--cv", str(args.cv), "--duration", str(args.duration),
-                            "--input-range", *map(str, args.input_range), "--output-range", *map(str, args.output_range),
-                            "--slo-latency", str(args.slo_latency), "--json-out", str(report), "--no-progress"],
-                           check=True, stdout=subprocess.DEVNULL)
-            pages = [get(f"http://127.0.0.1:{args.base_port + i}/metrics") for i in range(NODES)]
-        finally:
-            stop_nodes(procs)
+        report = args.out / f"{policy}.json"
+        pages, throttled = run_policy(args, policy, adapters, report)
         summary = json.loads(report.read_text())["summary"]
         rows.append({"policy": policy, "mean_latency_s": summary["latency_s"]["mean"],
                      "p99_latency_s": summary["latency_s"]["p99"],
@@ -161,14 +216,16 @@ def main(argv: list[str] | None = None) -> None:
                      # requests moved for load; resubmitted after a peer failed; adapter loads moves caused
                      **{column: sum(metric(p, "asyncserve_migrations_total", f'kind="{kind}"') for p in pages)
                         for column, kind in (("migrated", "request"), ("resubmitted", "resubmit"),
-                                             ("migration_adapter_loads", "adapter"))}})
+                                             ("migration_adapter_loads", "adapter"))},
+                     "cpu_throttled_s": throttled})
         r = rows[-1]
         print(f"{policy:<22} mean {r['mean_latency_s']:7.2f} s  p99 {r['p99_latency_s']:7.2f} s  "
               f"SLO {100 * r['slo_attainment']:5.1f} %  errors {r['errors']}  forwarded {r['forwarded']:.0f}  "
               f"migrated {r['migrated']:.0f}  resubmitted {r['resubmitted']:.0f}  "
-              f"adapter loads for moves {r['migration_adapter_loads']:.0f}", flush=True)
+              f"adapter loads for moves {r['migration_adapter_loads']:.0f}"
+              + (f"  throttled {'/'.join(f'{t:.0f}' for t in throttled)} s" if throttled else ""), flush=True)
     (args.out / "summary.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                        "cores": core_sets(args.threads), "rows": rows}, indent=2))
+                                                        "cores": core_sets(args), "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":
