@@ -312,7 +312,8 @@ async def served_base_model(base_url: str, api_key: str | None) -> str:
 def workload_generator(args: argparse.Namespace, base_model_name: str | None) -> tuple[Callable[..., list[Request]], dict]:
     """The workloads.py generator for --workload and its keyword arguments (recorded in the JSON report)."""
     if args.workload in ("w1", "w1-base"):
-        return w1, {"bench_dir": str(args.bench_dir), "base_model_name": base_model_name, "use_adapters": args.workload == "w1"}
+        return w1, {"bench_dir": str(args.bench_dir), "base_model_name": base_model_name, "use_adapters": args.workload == "w1",
+                    **({"num_requests": args.num_requests} if args.num_requests else {})}
     common = {"seed": args.seed, "adapter_prefix": args.adapter_prefix, "prompt_vocab_size": args.prompt_vocab_size}
     if args.workload == "slora":
         return slora_synthetic, {
@@ -375,7 +376,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
     synthetic = parser.add_argument_group("synthetic workloads (slora, skew, punica-*)")
     synthetic.add_argument("--seed", type=int, default=42)
-    synthetic.add_argument("--num-requests", type=int, help="slora: instead of rate × duration; skew: default 256; punica: default 1000")
+    synthetic.add_argument("--num-requests", type=int, help="slora: instead of rate × duration; skew: default 256; "
+                                                            "punica: default 1000; w1: default 64 (more cycle its prompts)")
     synthetic.add_argument("--adapter-prefix", default="lora", help="adapters are named PREFIX0, PREFIX1, ...")
     synthetic.add_argument(
         "--prompt-vocab-size", type=int,

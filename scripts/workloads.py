@@ -73,8 +73,11 @@ def adapters_needed(requests: list[Request], base_model_name: str | None = None)
     return sorted(names, key=numeric_suffix_order)
 
 
-def w1(bench_dir: str | Path, base_model_name: str | None, use_adapters: bool = True) -> list[Request]:
-    """W1 of /work/shared/bench/README.md: request i = prompts.json[i] on adapter a{i % 4} (or the base model)."""
+def w1(bench_dir: str | Path, base_model_name: str | None, use_adapters: bool = True,
+       num_requests: int = W1_NUM_REQUESTS) -> list[Request]:
+    """W1 of /work/shared/bench/README.md: request i = prompts.json[i] on adapter a{i % 4} (or the base model).
+    Another num_requests (a concurrency sweep's) cycles through the 64 prompts: serve it with prefix
+    caching off, or the repeats are cache hits."""
     prompts = json.loads((Path(bench_dir) / "w1" / "prompts.json").read_text())
     if len(prompts) < W1_NUM_REQUESTS:
         raise ValueError(f"W1 needs {W1_NUM_REQUESTS} prompts, found {len(prompts)}")
@@ -84,10 +87,10 @@ def w1(bench_dir: str | Path, base_model_name: str | None, use_adapters: bool = 
             arrival_time_s=0.0,
             model=adapter_name("a", i % W1_NUM_ADAPTERS) if use_adapters else base_model_name,
             max_tokens=W1_OUTPUT_TOKENS,
-            prompt=prompts[i],
+            prompt=prompts[i % W1_NUM_REQUESTS],
             prompt_len=W1_PROMPT_TOKENS,
         )
-        for i in range(W1_NUM_REQUESTS)
+        for i in range(num_requests)
     ]
 
 

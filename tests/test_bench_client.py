@@ -135,6 +135,9 @@ def test_w1_has_64_requests_cycling_four_adapters() -> None:
     assert all(r.max_tokens == 64 and r.arrival_time_s == 0 for r in requests)
     assert workloads.adapters_needed(requests) == ["a0", "a1", "a2", "a3"]
     assert {r.model for r in workloads.w1(SHARED_BENCH_DIR, "smollm2", use_adapters=False)} == {"smollm2"}
+    sweep = workloads.w1(SHARED_BENCH_DIR, "smollm2", num_requests=130)      # a concurrency sweep's size
+    assert [r.prompt for r in sweep] == prompts[:64] * 2 + prompts[:2]
+    assert [r.model for r in sweep] == [f"a{i % 4}" for i in range(130)]
 
 
 def test_shared_prefix_leads_every_prompt_with_the_same_words() -> None:
