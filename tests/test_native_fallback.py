@@ -1,5 +1,9 @@
 """kernels/cpu without a working compiler: the eager path runs and the log says so once (this runs
-everywhere, also where the library cannot be built)."""
+everywhere, also where the library cannot be built); and the sources compile for CPUs other than
+this one."""
+import shutil
+import subprocess
+
 import pytest
 import torch
 
@@ -32,3 +36,21 @@ def test_failed_build_falls_back_to_eager_and_logs_once(monkeypatch, caplog):
     assert not TorchLoraBackend(pool, config).native, "the LoRA backend must stay on its eager plans"
     with pytest.raises(RuntimeError, match="unavailable"):
         cpu_kernels.add_rms_norm(torch.zeros(1, 4), None, torch.ones(4), 1e-5)
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+def test_library_compiles_for_a_cpu_without_avx512():
+    """The build uses -march=native, so this machine's tests cannot see code that only compiles with
+    AVX-512 BF16 (a bf16 branch once broke every AVX2-only build, which then fell back to eager ops):
+    the sources must also pass the compiler's checks for an AVX2-only CPU (x86-64-v3)."""
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    flags = [f for f in cpu_kernels.CFLAGS if not f.startswith("-march")]
+    cmd = ["c++", "-std=c++20", "-fsyntax-only", "-march=x86-64-v3", *flags,
+           *(f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]),
+           str(cpu_kernels.SOURCE_DIR / cpu_kernels.SOURCES[0])]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert result.returncode == 0, "\n".join(errors[:10])

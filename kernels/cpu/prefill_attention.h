@@ -54,6 +54,8 @@ struct Bf16PairMadd {
     return (f32x16)_mm512_dpbf16_ps((__m512)c, (__m512bh)_mm512_set1_epi32(int(a)), b);
   }
 };
+#else
+struct Bf16PairMadd;   // only named in branches that kBf16Pairs discards on CPUs without AVX512-BF16
 #endif
 
 // c[a, m] = sum_b A[a * a_stride + b * b_stride] * B[b, m] for a < AB, m < 16 * MV, with
@@ -202,6 +204,9 @@ void prefill_item(T* out, int64_t out_s0, int64_t out_s1, const T* q, int64_t q_
   const int64_t group = s.nh / s.nkv, hd = s.hd, tile = kPrefillKeyTile;
   const int64_t used = rows * group, lanes = (used + kLanes - 1) / kLanes * kLanes;
   const int64_t keys = first_pos + t0 + rows;          // the item attends to keys [0, keys)
+  // a type that depends on T: the branches that kBf16Pairs discards are then never checked, so CPUs
+  // without AVX512-BF16 (where Bf16PairMadd is only declared) compile them
+  using PairMadd = std::conditional_t<kBf16Pairs<T>, Bf16PairMadd, Fp32Madd>;
   for (int64_t m = 0; m < lanes; ++m) {
     const T* src = q + (t0 + m / group) * q_s0 + (kv_head * group + m % group) * q_s1;
     if constexpr (kBf16Pairs<T>) {    // unscaled (bf16 exactly); the scores are scaled in fp32
@@ -238,7 +243,7 @@ void prefill_item(T* out, int64_t out_s0, int64_t out_s1, const T* q, int64_t q_
     }
     // scores [tile_rows, lanes]
     if constexpr (kBf16Pairs<T>)
-      gemm_lanes<Bf16PairMadd, false>(w.k_pairs, hd / 2, 1, w.q_pairs, w.scores, tile_rows, lanes, hd / 2, nullptr, scale);
+      gemm_lanes<PairMadd, false>(w.k_pairs, hd / 2, 1, w.q_pairs, w.scores, tile_rows, lanes, hd / 2, nullptr, scale);
     else
       gemm_lanes<Fp32Madd, false>(w.k, hd, 1, w.q_t, w.scores, tile_rows, lanes, hd, nullptr, 1.0f);
     softmax_tile(w, key0, tile_rows, lanes, key0 + tile_rows - 1 > first_pos + t0);
@@ -252,7 +257,7 @@ void prefill_item(T* out, int64_t out_s0, int64_t out_s1, const T* q, int64_t q_
         for (int64_t m = 0; m < lanes; ++m)
           pp[m] = uint32_t(from_float<bf16>(p0[m]).x) | (odd ? 0u : uint32_t(from_float<bf16>(p0[lanes + m]).x) << 16);
       }
-      gemm_lanes<Bf16PairMadd, true>(w.v_pairs, 1, hd, w.p_pairs, w.acc_t, hd, lanes, key_pairs, w.correction, 1.0f);
+      gemm_lanes<PairMadd, true>(w.v_pairs, 1, hd, w.p_pairs, w.acc_t, hd, lanes, key_pairs, w.correction, 1.0f);
     } else {
       gemm_lanes<Fp32Madd, true>(w.v, 1, hd, w.scores, w.acc_t, hd, lanes, tile_rows, w.correction, 1.0f);
     }
