@@ -84,6 +84,14 @@ def reference_decode(q, contexts, nkv, scale):
     (4, 4, 16, 3, [1, 2, 3, 700]),                             # no grouping, mixed lengths with splits
     (7, 7, 8, 16, [1]),
     (8, 2, 128, 16, [1, 17, 200, 1000]),                      # head_dim 128 (its own compiled loop)
+    # the AVX-512 path's edges: 16-row score tiles and 256-row softmax chunks (contexts one short of,
+    # at and one past them), runtime head_dims with masked tails (odd; 32-wide bf16 steps; column
+    # blocks of 64), query groups of 1, 2, 5 and 8 (blocks of up to 4 heads in P.V)
+    (16, 2, 128, 16, [1, 31, 255, 256, 257, 511, 1500]),      # group 8, head_dim 128
+    (5, 1, 33, 7, [1, 16, 17, 255, 256, 300]),                # group 5, odd head_dim, block 7
+    (6, 3, 96, 16, [3, 100, 513]),                            # group 2, three 32-wide steps
+    (10, 2, 80, 4, [47, 129]),                                # group 5, head_dim 80 (five 16-wide chunks)
+    (3, 3, 17, 2, [1, 9, 40]),                                # group 1, odd head_dim, block 2
 ])
 def test_paged_decode_attention_equals_float64(dtype, nh, nkv, hd, block, context_lens):
     g = torch.Generator().manual_seed(len(context_lens) * nh + hd)
@@ -118,6 +126,26 @@ def test_paged_decode_attention_many_sequences_and_thread_counts():
         out = torch.empty_like(q)
         cpu_kernels.paged_decode_attention(out, q, kv[:, 0, 0], kv[:, 1, 0], tables, torch.tensor(lens), hd ** -0.5)
         torch.testing.assert_close(out.double(), expected, rtol=0.0, atol=ATOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_paged_decode_attention_nan_stays_in_its_group(dtype):
+    """A NaN in one sequence's cached K (inside its context) or in one query head gives NaN for that
+    KV head's group or that head only; every other output stays finite, whatever the split."""
+    g = torch.Generator().manual_seed(11)
+    nh, nkv, hd, block, lens = 9, 3, 64, 16, [40, 300, 17, 2048]
+    kv = make_pool(g, sum(-(-n // block) for n in lens) + 3, 1, block, nkv * hd, dtype)
+    tables, _ = fill_contexts(g, kv, 0, lens, dtype)
+    q = torch.randn(len(lens), nh, hd, generator=g).to(dtype)
+    q[1, 4, 7] = float("nan")
+    kv[tables[0, 1], 0, 0, 3, 5] = float("nan")          # sequence 0, row 19, KV head 0
+    expected = torch.zeros(len(lens), nh, dtype=torch.bool)
+    expected[0, :3] = expected[1, 4] = True
+    for _ in at_thread_counts((1, 4)):
+        out = torch.empty_like(q)
+        cpu_kernels.paged_decode_attention(out, q, kv[:, 0, 0], kv[:, 1, 0], tables, torch.tensor(lens), hd ** -0.5)
+        assert torch.equal(out.isnan().any(-1), expected)
+        assert out[~expected].isfinite().all()
 
 
 def test_paged_decode_attention_rejects_bad_tables():

@@ -1,10 +1,26 @@
 // Paged decode attention: one query token per sequence against its cached K/V pages, read in place
 // through the block table (no gather copy). Work items are (sequence, KV head, context part): the
 // group of query heads that shares a KV head is computed together, so each K/V row is read once
-// for the group. Online softmax over tiles of rows inside a page; fp32 accumulation. Rows past a
-// sequence's context length are never read, so stale or uninitialised pool slots cannot leak in.
-// When the step has too few (sequence, KV head) pairs to keep the threads busy, contexts are split
-// into parts (flash-decoding) whose partial results are merged by their softmax statistics.
+// for the group. Rows past a sequence's context length are never read, so stale or uninitialised
+// pool slots cannot leak in. When the step has too few (sequence, KV head) pairs to keep the
+// threads busy, contexts are split into parts (flash-decoding) whose partial results are merged by
+// their softmax statistics. fp32 accumulation throughout.
+//
+// On CPUs with AVX-512 (F, BW, VL; the build is -march=native per CPU, as for lora.h, so this is
+// chosen at build time for the machine that runs it) an item walks its rows in chunks of up to
+// kDecodeChunk, with one online-softmax update per chunk:
+//   1. scores, 16 rows at a time: per query head, each row's q.k accumulates vertically in one
+//      register of partial sums (bf16: AVX512-BF16 dot products of q and K pairs as they lie in
+//      the cache, q not rounded (it is bf16 already; the scale is applied to the sums); without
+//      AVX512-BF16, or fp32: FMAs), and a shuffle/add tree reduces the 16 registers into one
+//      register of 16 scores (instead of 16 horizontal sums); a lane-wise running max per head;
+//   2. per head: one horizontal max, one rescale factor for the state so far, then p = exp(s - max)
+//      16 lanes at a time (exact zeros for lanes past the chunk) and one horizontal sum;
+//   3. P.V in fp32 FMAs with up to 4 heads x 64 columns of accumulators in registers over all the
+//      chunk's rows: each V row is read (and bf16 widened, by an exact shift and mask) once for
+//      those heads and multiplied by each head's probability.
+// Other CPUs run the portable loops below (gcc vectorises them for their width): per tile of rows
+// inside a page, K and V widened to fp32 scratch, one dot product per (head, row).
 #pragma once
 
 #include <algorithm>
@@ -15,6 +31,13 @@
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define ASYNCSERVE_DECODE_AVX512 1
+#include <immintrin.h>
+#else
+#define ASYNCSERVE_DECODE_AVX512 0
+#endif
 
 #include "common.h"
 
@@ -27,6 +50,7 @@ struct DecodeAttentionShape {
   int64_t n, nh, nkv, hd, block;
 };
 
+// The portable path (other CPUs: gcc vectorises it for their width).
 // One (sequence, KV head, part): the group's softmax state over rows [row_begin, row_end).
 // q: the group's first query row (query head rows q_head_stride apart); table: this sequence's
 // block table. On return acc holds the unnormalised sum of p * v, row_max/row_sum the statistics.
@@ -101,6 +125,259 @@ void attend_part(const T* q, int64_t q_head_stride, const T* k_cache, const T* v
   }
 }
 
+#if ASYNCSERVE_DECODE_AVX512
+// AVX-512 path (see the top of the file).
+constexpr int kDecodeRows = 16;                // rows scored together: one register of scores
+constexpr int64_t kDecodeChunk = 256;   // rows per softmax update: their scores are kept, then weighted
+
+// reduce_rows puts the sum of v[kRowSlot[j]] in lane j (the map is its own inverse).
+constexpr int kRowSlot[kDecodeRows] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+
+inline __m512 reduce_rows(const __m512* v) {
+  __m512 w[8], u[4], h[2];
+  for (int i = 0; i < 8; ++i)     // 256-bit halves: row i in chunks 0-1, row i + 8 in chunks 2-3
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+  for (int i = 0; i < 4; ++i)     // 128-bit chunks: rows i, i + 8, i + 4, i + 12
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[i], w[i + 4], 0x88), _mm512_shuffle_f32x4(w[i], w[i + 4], 0xDD));
+  for (int i = 0; i < 2; ++i)     // pairs of lanes
+    h[i] = _mm512_add_ps(_mm512_shuffle_ps(u[i], u[i + 2], 0x44), _mm512_shuffle_ps(u[i], u[i + 2], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(h[0], h[1], 0x88), _mm512_shuffle_ps(h[0], h[1], 0xDD));
+}
+
+// exp_nonpositive on 16 lanes (the same reduction and polynomial; NaN stays NaN).
+inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);           // returns x when x is NaN
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 y = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  y = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), y);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// How scores multiply and add: W elements of q and K per step (a masked load for the tail).
+template <typename T>
+struct DecodeDot;
+
+template <>
+struct DecodeDot<float> {
+  static constexpr int W = 16;
+  using V = __m512;
+  static V load(const float* p, __mmask32 m) { return _mm512_maskz_loadu_ps(__mmask16(m), p); }
+  static __m512 madd(__m512 acc, V q, V k) { return _mm512_fmadd_ps(q, k, acc); }
+};
+
+#if defined(__AVX512BF16__)
+template <>
+struct DecodeDot<bf16> {   // pairs of bf16 straight into fp32 dot products (the products are exact)
+  static constexpr int W = 32;
+  using V = __m512i;
+  static V load(const bf16* p, __mmask32 m) { return _mm512_maskz_loadu_epi16(m, p); }
+  static __m512 madd(__m512 acc, V q, V k) { return _mm512_dpbf16_ps(acc, (__m512bh)q, (__m512bh)k); }
+};
+#else
+template <>
+struct DecodeDot<bf16> {   // AVX-512 without BF16: widened to fp32 on load
+  static constexpr int W = 16;
+  using V = __m512;
+  static V load(const bf16* p, __mmask32 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(__mmask16(m), p)), 16));
+  }
+  static __m512 madd(__m512 acc, V q, V k) { return _mm512_fmadd_ps(q, k, acc); }
+};
+#endif
+
+// P.V, fp32 V: acc[h][c0 .. c0 + 16 C) = acc * correction[h] + sum_j p[h][j] * v_j[c0 ..] over the
+// chunk's rows, heads h < H (acc rows hd apart, p rows kDecodeChunk apart); `last` masks the last
+// 16 columns. H x C accumulators in registers (independent FMA chains), each V row read once.
+template <int H, int C>
+inline void accumulate_values(const float* v_cache, const int64_t* offsets, int64_t rows, int64_t c0,
+                              __mmask16 last, const float* p, const float* correction, float* acc, int64_t hd) {
+  __m512 a[H][C];
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < C; ++c)
+      a[h][c] = _mm512_mul_ps(_mm512_maskz_loadu_ps(c + 1 < C ? __mmask16(0xffff) : last, acc + h * hd + c0 + 16 * c),
+                              _mm512_set1_ps(correction[h]));
+  for (int64_t j = 0; j < rows; ++j) {
+    const float* row = v_cache + offsets[j] + c0;
+    for (int c = 0; c < C; ++c) {
+      const __m512 v = _mm512_maskz_loadu_ps(c + 1 < C ? __mmask16(0xffff) : last, row + 16 * c);
+      for (int h = 0; h < H; ++h) a[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[h * kDecodeChunk + j]), v, a[h][c]);
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < C; ++c)
+      _mm512_mask_storeu_ps(acc + h * hd + c0 + 16 * c, c + 1 < C ? __mmask16(0xffff) : last, a[h][c]);
+}
+
+template <int H>
+inline void accumulate_values_heads(const float* v_cache, const int64_t* offsets, int64_t rows, int64_t hd,
+                                    const float* p, const float* correction, float* acc) {
+  const int64_t steps = (hd + 15) / 16, tail = hd - (steps - 1) * 16;
+  const __mmask16 tail_mask = __mmask16((1u << tail) - 1);
+  for (int64_t c = 0; c < steps; c += 4) {      // at most 4 x 4 accumulators
+    const int64_t n = std::min<int64_t>(4, steps - c);
+    const __mmask16 last = c + n < steps ? __mmask16(0xffff) : tail_mask;
+    switch (n) {
+      case 1: accumulate_values<H, 1>(v_cache, offsets, rows, c * 16, last, p, correction, acc, hd); break;
+      case 2: accumulate_values<H, 2>(v_cache, offsets, rows, c * 16, last, p, correction, acc, hd); break;
+      case 3: accumulate_values<H, 3>(v_cache, offsets, rows, c * 16, last, p, correction, acc, hd); break;
+      default: accumulate_values<H, 4>(v_cache, offsets, rows, c * 16, last, p, correction, acc, hd); break;
+    }
+  }
+}
+
+// P.V, bf16 V: 32 columns per load, split exactly into their even and odd columns as fp32 (a shift
+// and a mask: two operations per 32 values); acc is read and written in its natural order and
+// de-interleaved into even/odd registers for the rows in between. C steps of 32 columns from c0;
+// `last` masks the last step's columns. (Dot products of bf16 pairs of rows would need p rounded
+// to bf16, and measured slower on Zen 4 than these FMAs.)
+template <int H, int C>
+inline void accumulate_values_pairs(const bf16* v_cache, const int64_t* offsets, int64_t rows, int64_t c0,
+                                    __mmask32 last, const float* p, const float* correction, float* acc, int64_t hd) {
+  const __m512i even_index = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd_index = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  const __m512i low_index = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i high_index = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  const __m512i high_half = _mm512_set1_epi32(int(0xffff0000u));
+  __m512 even[H][C], odd[H][C];
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < C; ++c) {
+      const __mmask32 m = c + 1 < C ? ~__mmask32(0) : last;
+      const float* a = acc + h * hd + c0 + 32 * c;
+      const __m512 scale = _mm512_set1_ps(correction[h]);
+      const __m512 lo = _mm512_maskz_loadu_ps(__mmask16(m), a), hi = _mm512_maskz_loadu_ps(__mmask16(m >> 16), a + 16);
+      even[h][c] = _mm512_mul_ps(_mm512_permutex2var_ps(lo, even_index, hi), scale);
+      odd[h][c] = _mm512_mul_ps(_mm512_permutex2var_ps(lo, odd_index, hi), scale);
+    }
+  for (int64_t j = 0; j < rows; ++j) {
+    const bf16* row = v_cache + offsets[j] + c0;
+    for (int c = 0; c < C; ++c) {
+      const __m512i x = _mm512_maskz_loadu_epi16(c + 1 < C ? ~__mmask32(0) : last, row + 32 * c);
+      const __m512 ve = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      const __m512 vo = _mm512_castsi512_ps(_mm512_and_si512(x, high_half));
+      for (int h = 0; h < H; ++h) {
+        const __m512 ph = _mm512_set1_ps(p[h * kDecodeChunk + j]);
+        even[h][c] = _mm512_fmadd_ps(ph, ve, even[h][c]);
+        odd[h][c] = _mm512_fmadd_ps(ph, vo, odd[h][c]);
+      }
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < C; ++c) {
+      const __mmask32 m = c + 1 < C ? ~__mmask32(0) : last;
+      float* a = acc + h * hd + c0 + 32 * c;
+      _mm512_mask_storeu_ps(a, __mmask16(m), _mm512_permutex2var_ps(even[h][c], low_index, odd[h][c]));
+      _mm512_mask_storeu_ps(a + 16, __mmask16(m >> 16), _mm512_permutex2var_ps(even[h][c], high_index, odd[h][c]));
+    }
+}
+
+template <int H>
+inline void accumulate_values_heads(const bf16* v_cache, const int64_t* offsets, int64_t rows, int64_t hd,
+                                    const float* p, const float* correction, float* acc) {
+  const int64_t steps = (hd + 31) / 32, tail = hd - (steps - 1) * 32;
+  const __mmask32 tail_mask = tail == 32 ? ~__mmask32(0) : __mmask32((1u << tail) - 1);
+  for (int64_t c = 0; c < steps; c += 2) {      // at most 4 x 2 x 2 accumulators
+    const int64_t n = std::min<int64_t>(2, steps - c);
+    const __mmask32 last = c + n < steps ? ~__mmask32(0) : tail_mask;
+    if (n == 1)
+      accumulate_values_pairs<H, 1>(v_cache, offsets, rows, c * 32, last, p, correction, acc, hd);
+    else
+      accumulate_values_pairs<H, 2>(v_cache, offsets, rows, c * 32, last, p, correction, acc, hd);
+  }
+}
+
+// attend_part's contract. Scratch: scores [group * kDecodeChunk], head_max [group * 16] (lanes of
+// running maxima), correction [group].
+template <typename T, int HD>
+void attend_part_avx512(const T* q, int64_t q_head_stride, const T* k_cache, const T* v_cache, int64_t kv_head,
+                        int64_t page_stride, int64_t slot_stride, const int64_t* table, int64_t row_begin,
+                        int64_t row_end, const DecodeAttentionShape& s, float scale, float* __restrict__ acc,
+                        float* row_max, float* row_sum, float* __restrict__ scores, float* __restrict__ head_max,
+                        float* __restrict__ correction) {
+  using Dot = DecodeDot<T>;
+  constexpr int W = Dot::W;
+  const int64_t group = s.nh / s.nkv, hd = HD > 0 ? HD : s.hd;
+  const int64_t chunks = (hd + W - 1) / W, tail = hd - (chunks - 1) * W;   // q/K steps; the last one's width
+  const __mmask32 tail_mask = tail == 32 ? ~__mmask32(0) : __mmask32((1u << tail) - 1);
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t g = 0; g < group; ++g) {
+    row_max[g] = -std::numeric_limits<float>::infinity();
+    row_sum[g] = 0.0f;
+  }
+  std::fill(acc, acc + group * hd, 0.0f);
+  int64_t offsets[kDecodeChunk];
+  for (int64_t t0 = row_begin; t0 < row_end; t0 += kDecodeChunk) {
+    const int64_t n = std::min(kDecodeChunk, row_end - t0);
+    for (int64_t j = 0, page = t0 / s.block, slot = t0 % s.block; j < n; ++j) {
+      offsets[j] = table[page] * page_stride + slot * slot_stride + kv_head * hd;
+      if (++slot == s.block) {
+        slot = 0;
+        ++page;
+      }
+    }
+    // scores of the chunk's rows, 16 at a time, and each head's lane-wise running max
+    for (int64_t g = 0; g < group; ++g) _mm512_storeu_ps(head_max + g * 16, minus_inf);
+    for (int64_t j0 = 0; j0 < n; j0 += kDecodeRows) {
+      const int64_t rows = std::min<int64_t>(kDecodeRows, n - j0);
+      const __mmask16 valid = __mmask16((1u << rows) - 1);
+      for (int64_t g = 0; g < group; ++g) {
+        const T* qg = q + g * q_head_stride;
+        __m512 partial[kDecodeRows];
+#pragma GCC unroll 16
+        for (int j = 0; j < kDecodeRows; ++j) {
+          __m512 sum = _mm512_setzero_ps();
+          if (j < rows) {       // rows past the context are never read
+            const T* k = k_cache + offsets[j0 + j];
+            for (int64_t c = 0; c + 1 < chunks; ++c)
+              sum = Dot::madd(sum, Dot::load(qg + c * W, ~__mmask32(0)), Dot::load(k + c * W, ~__mmask32(0)));
+            sum = Dot::madd(sum, Dot::load(qg + (chunks - 1) * W, tail_mask),
+                            Dot::load(k + (chunks - 1) * W, tail_mask));
+          }
+          partial[kRowSlot[j]] = sum;
+        }
+        const __m512 sc = _mm512_mask_blend_ps(valid, minus_inf, _mm512_mul_ps(reduce_rows(partial), _mm512_set1_ps(scale)));
+        _mm512_storeu_ps(scores + g * kDecodeChunk + j0, sc);
+        _mm512_storeu_ps(head_max + g * 16, _mm512_max_ps(_mm512_loadu_ps(head_max + g * 16), sc));
+      }
+    }
+    // one softmax update per head for the chunk: probabilities in place of the scores
+    for (int64_t g = 0; g < group; ++g) {
+      float* sg = scores + g * kDecodeChunk;
+      const float new_max = std::max(row_max[g], _mm512_reduce_max_ps(_mm512_loadu_ps(head_max + g * 16)));
+      // exp(-inf) on the first chunk: clamped to ~1e-38, times a zero sum and zero acc
+      correction[g] = exp_nonpositive(row_max[g] - new_max);
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t j0 = 0; j0 < n; j0 += kDecodeRows) {
+        const __mmask16 valid = __mmask16((1u << std::min<int64_t>(kDecodeRows, n - j0)) - 1);
+        const __m512 p = _mm512_maskz_mov_ps(
+            valid, exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(sg + j0), _mm512_set1_ps(new_max))));
+        _mm512_storeu_ps(sg + j0, p);
+        sum = _mm512_add_ps(sum, p);
+      }
+      row_sum[g] = row_sum[g] * correction[g] + _mm512_reduce_add_ps(sum);
+      row_max[g] = new_max;
+    }
+    for (int64_t g = 0; g < group; g += 4) {
+      const float* pg = scores + g * kDecodeChunk;
+      switch (std::min<int64_t>(4, group - g)) {
+        case 1: accumulate_values_heads<1>(v_cache, offsets, n, hd, pg, correction + g, acc + g * hd); break;
+        case 2: accumulate_values_heads<2>(v_cache, offsets, n, hd, pg, correction + g, acc + g * hd); break;
+        case 3: accumulate_values_heads<3>(v_cache, offsets, n, hd, pg, correction + g, acc + g * hd); break;
+        default: accumulate_values_heads<4>(v_cache, offsets, n, hd, pg, correction + g, acc + g * hd); break;
+      }
+    }
+  }
+}
+#endif
+
 // out, q: [n, nh, hd] with row strides (*_s0, *_s1; hd contiguous). k_cache, v_cache: one layer's
 // K and V; row `slot` of page p starts at p * page_stride + slot * slot_stride and holds nkv * hd
 // values. tables: [n, table_stride] page ids; context_lens: [n], each >= 1.
@@ -125,12 +402,21 @@ void paged_decode_attention(T* out, int64_t out_s0, int64_t out_s1, const T* q, 
     part_sum.resize(pairs * parts * group);
   }
   at::parallel_for(0, pairs * parts, 1, [&](int64_t begin, int64_t end) {
+#if ASYNCSERVE_DECODE_AVX512
+    std::vector<float> scratch(group * hd + group * kDecodeChunk + group * 16 + 3 * group);
+    float* acc_own = scratch.data();
+    float* scores = acc_own + group * hd;
+    float* head_max = scores + group * kDecodeChunk;
+    float* correction = head_max + group * 16;
+    float* max_own = correction + group;
+#else
     std::vector<float> scratch(group * hd * 2 + group * kAttentionTile + kAttentionTile * hd + 2 * group);
     float* q_f32 = scratch.data();
     float* acc_own = q_f32 + group * hd;
     float* scores = acc_own + group * hd;
     float* tile_f32 = scores + group * kAttentionTile;
     float* max_own = tile_f32 + kAttentionTile * hd;
+#endif
     float* sum_own = max_own + group;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t i = item / (s.nkv * parts), kv_head = (item / parts) % s.nkv, part = item % parts;
@@ -143,10 +429,16 @@ void paged_decode_attention(T* out, int64_t out_s0, int64_t out_s1, const T* q, 
         continue;
       }
       auto attend = [&](auto head_dim) {
+#if ASYNCSERVE_DECODE_AVX512
+        attend_part_avx512<T, decltype(head_dim)::value>(
+            q + i * q_s0 + kv_head * group * q_s1, q_s1, k_cache, v_cache, kv_head, page_stride, slot_stride,
+            tables + i * table_stride, row_begin, row_end, s, scale, acc, row_max, row_sum, scores, head_max, correction);
+#else
         attend_part<T, decltype(head_dim)::value>(
             q + i * q_s0 + kv_head * group * q_s1, q_s1, k_cache, v_cache, kv_head, page_stride, slot_stride,
             tables + i * table_stride, row_begin, row_end, s, scale, acc, row_max, row_sum, q_f32, scores,
             tile_f32);
+#endif
       };
       switch (hd) {
         case 64: attend(std::integral_constant<int, 64>{}); break;
