@@ -183,7 +183,8 @@ def relative_errors(coefficients: PerfCoefficients, steps: list[TimedStep],
 # PROFILE_STEPS random steps, the kinds in turn, spread over the active sets: the base model alone,
 # one adapter, and up to PROFILE_ADAPTERS together, of those in host memory at start (--adapter,
 # pinned ones; the highest-ranked), each set warmed first and each step the fastest of
-# PROFILE_REPEATS runs; fitted with perf_model.fit. Sets of different sizes are what separate the
+# PROFILE_REPEATS runs, within PROFILE_BUDGET_S (SmolLM2, bf16, 2 threads: 15 steps in 5.3 s);
+# fitted with perf_model.fit. Sets of different sizes are what separate the
 # per-adapter cost from the rest: with one adapter only (tiny model), the per-adapter term came out
 # 7x the full fit's and the held-out error grew from 17% on base-model steps to 120% on steps of five
 # adapters. Cached as JSON with the command that made it in Config.step_profile_dir, one file per
@@ -195,8 +196,8 @@ def relative_errors(coefficients: PerfCoefficients, steps: list[TimedStep],
 SHIPPED_PROFILE_DIR = Path(__file__).resolve().parent / "lora" / "latency_models"
 PROFILE_STEPS = 36             # in all, spread evenly over the active sets
 PROFILE_ADAPTERS = 3           # the most adapters profiled (sets of 0, 1 and this many)
-PROFILE_REPEATS = 3            # runs of each step; the fastest counts
-PROFILE_BUDGET_S = 6.0         # past its share of this, a set stops once it has two steps of each kind
+PROFILE_REPEATS = 2            # runs of each step; the fastest counts
+PROFILE_BUDGET_S = 5.0         # past its share of this a set stops (once it has a step of each kind)
 PROFILE_MAX_ERROR = 0.3        # a fit further off its own steps (median) is not cached
 MEASURED, CACHED, SHIPPED = "step profile measured at start", "cached step profile", "shipped step profile"
 
@@ -270,7 +271,9 @@ def profile_adapters(engine: Engine) -> list[str]:
 def measure_profile(engine: Engine, adapters: list[str], steps: int = PROFILE_STEPS,
                     repeats: int = PROFILE_REPEATS, budget_s: float = PROFILE_BUDGET_S,
                     seed: int = 2026) -> StepProfile:
-    """Profile the idle ``engine`` (see above) with ``adapters`` (the first alone, then all)."""
+    """Profile the idle ``engine`` (see above) with ``adapters`` (the first alone, then all). Set n of
+    N ends at n / N of ``budget_s`` once it has a step of each kind; one not begun within the budget
+    is left out."""
     t0 = time.perf_counter()
     hi = min(256, engine.scheduler.max_step_tokens)
     shape = {"max_batch": min(32, engine.config.max_running), "prefill_tokens": (min(16, hi), hi),
@@ -280,16 +283,19 @@ def measure_profile(engine: Engine, adapters: list[str], steps: int = PROFILE_ST
         timed_step(engine, kind, random_step(rng, kind, [], **shape), repeats=1)
     sets = [[], *([adapters[:1]] if adapters else []), *([adapters] if len(adapters) > 1 else [])]
     timed: list[TimedStep] = []
+    profiled: list[str] = []
     for n, active in enumerate(sets, 1):
+        if active and time.perf_counter() - t0 > budget_s:
+            break
         warm_set(engine, active)
-        deadline = t0 + budget_s * n / len(sets)
-        for i in range(max(steps // len(sets), 2 * len(STEP_KINDS))):
-            if i >= 2 * len(STEP_KINDS) and time.perf_counter() > deadline:
+        profiled = active
+        for i in range(steps // len(sets)):
+            if i >= len(STEP_KINDS) and time.perf_counter() - t0 > budget_s * n / len(sets):
                 break
             kind = STEP_KINDS[i % len(STEP_KINDS)]
             timed.append(timed_step(engine, kind, random_step(rng, kind, active, **shape), repeats))
     coefficients = fit([step_sample(s.chunks, s.seconds) for s in timed], source="step profile")
-    ranks = [max(engine.pager.registry[name].ranks) for name in adapters]
+    ranks = [max(engine.pager.registry[name].ranks) for name in profiled]
     return StepProfile(
         key=profile_key(engine), coefficients=coefficients, adapter_ranks=ranks,
         command=f"{shlex.join(sys.argv)}  # at start-up: {len(timed)} steps, best of {repeats} runs, "

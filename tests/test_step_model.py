@@ -8,10 +8,10 @@ MEDIAN_BOUND 0.35; per kind up to 0.47 at load 5.5 (the longest steps, mixed one
 within every repeat on a busy box), against KIND_MEDIAN_BOUND 0.75. An engine's own generate loop:
 0.13-0.16 at load 1.9, 0.26 at load 5.5, against LOOP_MEDIAN_BOUND 0.5 (its decode steps run ~15%
 under the profile's of the same size and adapters).
-START_MEDIAN_BOUND: the engine's start profile (36 steps, sets of 0, 1 and 3 adapters; see
-step_profile.measure_profile) on the same held-out steps (up to five adapters at once): 0.08-0.13
-at load 3 over four starts (the 180 steps' own fit, held out: 0.04-0.06), its generate loop
-0.06-0.20; profiled with one adapter only, 0.21-0.74 and 0.36-1.37 (the per-adapter term 7x off).
+START_MEDIAN_BOUND: the engine's start profile (36 steps, best of 2, sets of 0, 1 and 3 adapters;
+see step_profile.measure_profile) on the same held-out steps (up to five adapters at once): 0.06-0.21
+at load 1.5-2.5 over three starts (the 180 steps' own fit, held out: 0.03-0.04), its generate loop
+0.10-0.37; profiled with one adapter only, 0.21-0.74 and 0.36-1.37 (the per-adapter term 7x off).
 """
 from __future__ import annotations
 
@@ -208,3 +208,20 @@ def test_online_refit_starts_from_the_profile_and_keeps_terms_its_steps_never_ex
     assert (got.alpha_rank, got.alpha_adapter) == (profile.alpha_rank, profile.alpha_adapter)
     for term in ("beta", "alpha_token", "alpha_seq", "alpha_attn"):
         assert getattr(got, term) == pytest.approx(getattr(truth, term), rel=0.05), term
+
+
+def test_step_profile_flags():
+    import argparse
+
+    from asyncserve.cli import _config, _engine_args
+    from asyncserve.config import Config
+
+    for default in ("auto", "off"):                  # serve's, generate's
+        ap = argparse.ArgumentParser()
+        _engine_args(ap, step_profile=default)
+        assert _config(ap.parse_args([])).step_profile == default
+    c = _config(ap.parse_args(["--step-profile", "auto", "--step-profile-dir", "/p"]))
+    assert (c.step_profile, c.resolved_step_profile_dir().as_posix()) == ("auto", "/p")
+    assert Config().step_profile == "off" and Config().resolved_step_profile_dir().name == "step-profiles"
+    with pytest.raises(ValueError, match="step_profile"):
+        Config(step_profile="sometimes").validate()
