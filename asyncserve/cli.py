@@ -19,7 +19,9 @@ def _adapter_pairs(values: list[str]) -> dict[str, str]:
     return adapters
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
+def _engine_args(p: argparse.ArgumentParser, step_profile: str = "off") -> None:
+    """step_profile: --step-profile's default (auto for `serve`, which measures once per machine and model;
+    off for a one-off `generate`)."""
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH", help="a PEFT LoRA folder")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
@@ -61,6 +63,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "auto when the workers' profile predicts a lower TTFT than waiting for the load")
     p.add_argument("--cpu-profile-dir", default=None, metavar="DIR",
                    help="cached CPU worker profiles (default: ~/.cache/asyncserve/cpu-profiles)")
+    p.add_argument("--step-profile", default=step_profile, choices=["auto", "off"],
+                   help="where the step-time model (predicted step seconds: the slo and dlora policies, the "
+                        "cluster's routing) starts: auto, from a profile of this device, model, dtype and threads "
+                        "cached in --step-profile-dir, else measured at start (a few seconds) and cached; off, "
+                        f"from a generic prior; either way refitted from the steps run (default: {step_profile})")
+    p.add_argument("--step-profile-dir", default=None, metavar="DIR",
+                   help="cached step profiles (default: ~/.cache/asyncserve/step-profiles)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="recompute every prompt, even when an earlier one began with the same blocks")
 
@@ -75,7 +84,8 @@ def _config(args):
                   pinned_adapters=args.pin_adapter, threads=args.threads, policy=args.policy,
                   max_step_adapters=args.max_step_adapters, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
                   prefix_caching=args.prefix_caching, cpu_workers=args.cpu_workers, cpu_assist=args.cpu_assist,
-                  cpu_profile_dir=args.cpu_profile_dir)
+                  cpu_profile_dir=args.cpu_profile_dir, step_profile=args.step_profile,
+                  step_profile_dir=args.step_profile_dir)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -83,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     sub = ap.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run the OpenAI-compatible server")
-    _engine_args(s)
+    _engine_args(s, step_profile="auto")
     s.add_argument("--served-model-name", default=None,
                    help="the base model's name in the API (the `model` field, /v1/models); default: the name in "
                         "the model's config")
@@ -122,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--log-level", default="INFO")
 
     g = sub.add_parser("generate", help="generate offline and print the outputs")
-    _engine_args(g)
+    _engine_args(g, step_profile="off")
     g.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
     g.add_argument("--use-adapter", default=None, help="adapter name for all prompts (default: base model)")
     g.add_argument("--chat", action="store_true", help="apply the chat template to each prompt")

@@ -45,6 +45,10 @@ class Config:
     cpu_workers: int | None = None           # None: cores the device's threads leave free (default_workers); 0: none
     cpu_assist: str = "auto"                 # auto (when the profile says it pays) | on | off
     cpu_profile_dir: str | None = None       # cached worker profiles; default ~/.cache/asyncserve/cpu-profiles
+    # the step-time model's start (step_profile.py): auto (a cached or shipped profile of this device and
+    # model, else measured at start, a few seconds) | off (the prior; `asyncserve serve` defaults to auto)
+    step_profile: str = "off"
+    step_profile_dir: str | None = None      # cached step profiles; default ~/.cache/asyncserve/step-profiles
     # server
     host: str = "127.0.0.1"
     port: int = 8000
@@ -114,6 +118,8 @@ class Config:
             raise ValueError(f"cpu_workers must not be negative, got {self.cpu_workers}")
         if self.cpu_assist not in ("auto", "on", "off"):
             raise ValueError(f"cpu_assist must be auto, on or off, got {self.cpu_assist!r}")
+        if self.step_profile not in ("auto", "off"):
+            raise ValueError(f"step_profile must be auto or off, got {self.step_profile!r}")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must not be negative, got {self.shutdown_grace_s}")
         if self.peers is not None:
@@ -188,6 +194,9 @@ class Config:
 
     def resolved_cpu_profile_dir(self) -> Path:
         return Path(self.cpu_profile_dir or "~/.cache/asyncserve/cpu-profiles").expanduser()
+
+    def resolved_step_profile_dir(self) -> Path:
+        return Path(self.step_profile_dir or "~/.cache/asyncserve/step-profiles").expanduser()
 
     def host_adapter_bytes(self) -> int:
         """The host tier's size: host_adapter_mem, else a quarter of RAM; at most what /dev/shm has free

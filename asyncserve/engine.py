@@ -33,14 +33,13 @@ from asyncserve.scheduler.policy import PolicySettings
 from asyncserve.scheduler.scheduler import Scheduler
 from asyncserve.sequence import SeqStatus, Sequence
 from asyncserve.step import Failure, SeqUpdate, StepPlan, StepResult
+from asyncserve.step_profile import starting_coefficients
 from asyncserve.stepper.assist import CpuAssist
 from asyncserve.stepper.runner import ModelRunner, make_lora_backend
 from asyncserve.structured import GuideCompiler, StructuredOutputError
 from ipc import cleanup_stale
 
 log = logging.getLogger("asyncserve.engine")
-
-# where the step-time model starts until this engine's own steps refit it (SmolLM2-sized on 2 CPU cores)
 
 # the head request cannot fit even with the pool to itself (make_sequence admits few such): no retry helps
 UNSCHEDULABLE = Failure("the request cannot be scheduled: its KV pages and its adapter's do not fit in the pool "
@@ -155,6 +154,10 @@ class Engine:
             self.register_adapter_dir(config.adapter_dir)
         for name in config.pinned_adapters:
             self.pin_adapter(name)
+        if config.step_profile == "auto":         # on the idle engine, before the CPU workers start
+            start = starting_coefficients(self, config.resolved_step_profile_dir())
+            if start is not None:
+                self.latency.start_from(start)
         self.assist: CpuAssist | None = None
         workers = config.resolved_cpu_workers(self.device)
         if workers:       # last: nothing after it can fail and leave the workers running
@@ -478,8 +481,9 @@ class Engine:
             self.pager.release(load)
 
     def predict_step_seconds(self, plan: StepPlan) -> float:
-        """The rank-aware step-time model's estimate for a plan (CaraServe §5), refitted from the
-        steps this engine has run; a merged plan (plan.merged) costs what the base model's step does.
+        """The rank-aware step-time model's estimate for a plan (CaraServe §5): from this device's step
+        profile (config.step_profile "auto"; else a generic prior), refitted from the steps this engine
+        has run; a merged plan (plan.merged) costs what the base model's step does.
         Not counted: a switch of the merged adapter before it (merge_switch_seconds)."""
         return self.latency.predict(_rank_chunks(plan))
 

@@ -217,29 +217,41 @@ def drain_seconds(c: PerfCoefficients, runnable: list[QueuedWork], parked: list[
 
 
 class StepLatencyModel:
-    """The engine's live step-time model: starts from given coefficients (a cached profile, or a
-    prior) and refits them from the steps it is shown, over a sliding window of recent steps.
+    """The engine's live step-time model: starts from given coefficients (a step profile of this
+    device and model, or the prior) and refits them from the steps it is shown, over a sliding
+    window of recent steps.
 
     The first steps (kernel set-up, first page-ins: seconds instead of milliseconds) are not shown
     to the fit, and a step far slower than the fit predicts (a stall of the machine) is dropped
-    before one refit. While all recorded steps look alike, the coefficients it has are kept."""
+    before one refit. While all recorded steps look alike, the coefficients it has are kept; a term
+    the window's steps never exercise (no adapter in them, say) keeps the value it had, which the
+    fit of the others does not depend on."""
 
-    def __init__(self, prior: PerfCoefficients, window: int = 512, refit_every: int = 64, warmup: int = 8):
+    def __init__(self, prior: PerfCoefficients, window: int = 512, refit_every: int = 64, warmup: int = 8,
+                 measured: bool = False):
+        """measured: ``prior`` was measured on this device (a step profile), not a guess."""
         self.coefficients = prior
-        self._prior = prior
+        self.start = prior                 # where it started (its source says from what)
+        self._start_measured = measured
         self.window = window
         self.refit_every = refit_every
         self._skip = warmup
         self._samples: list[StepSample] = []
         self._since_fit = 0
 
+    def start_from(self, coefficients: PerfCoefficients, measured: bool = True) -> None:
+        """Start from other coefficients (a step profile), before any step is recorded."""
+        self.coefficients = self.start = coefficients
+        self._start_measured = measured
+
     def predict(self, chunks: Iterable[tuple]) -> float:
         return predict_step_seconds(self.coefficients, chunks)
 
     @property
     def measured(self) -> bool:
-        """Whether the coefficients are no longer the prior (refitted from steps, or set from a profile)."""
-        return self.coefficients is not self._prior
+        """Whether the coefficients are measured on this device: refitted from its steps, or set from a
+        profile (not the prior's guess)."""
+        return self._start_measured or self.coefficients is not self.start
 
     def record(self, chunks: list[tuple], seconds: float) -> None:
         if self._skip > 0:
@@ -257,6 +269,8 @@ class StepLatencyModel:
 
     def _fit(self, samples: list[StepSample]) -> PerfCoefficients:
         c = self.coefficients
-        return fit(samples, c.rank_cost, load_host_s_per_rank=c.load_host_s_per_rank,
-                   load_disk_s_per_rank=c.load_disk_s_per_rank, load_disk_fixed_s=c.load_disk_fixed_s,
-                   source="fitted online")
+        fitted = fit(samples, c.rank_cost, load_host_s_per_rank=c.load_host_s_per_rank,
+                     load_disk_s_per_rank=c.load_disk_s_per_rank, load_disk_fixed_s=c.load_disk_fixed_s,
+                     source="fitted online")
+        idle = [name for name, column in zip(FEATURES, zip(*map(_columns, samples))) if not any(column)]
+        return msgspec.structs.replace(fitted, **{name: getattr(c, name) for name in idle})

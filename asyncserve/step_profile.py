@@ -1,5 +1,6 @@
 """Steps of chosen shapes run on a real engine and timed: what the step-time model (perf_model.py)
-is fitted to and checked against (scripts/bench_step_model.py, tests/test_step_model.py).
+is fitted to and checked against (scripts/bench_step_model.py, tests/test_step_model.py), and the
+step profile an engine starts its model from (``starting_coefficients``, at the end).
 
 A step is described by its chunks (tokens computed, tokens already cached before them, adapter).
 ``timed_step`` makes one sequence per chunk with KV pages of its own (their contents do not change
@@ -10,17 +11,35 @@ prefill chunks after some cached context, and decodes with a prefill chunk besid
 """
 from __future__ import annotations
 
+import logging
+import os
 import random
+import re
+import shlex
+import statistics
+import sys
+import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from asyncserve.engine import Engine
+import msgspec
+import torch
+
 from asyncserve.lora.backend import PACK_AFTER_STEPS
-from asyncserve.perf_model import PerfCoefficients, StepChunk, StepSample, fit, sample_seconds, step_sample
+from asyncserve.perf_model import (STEP_TIME_PRIOR, PerfCoefficients, StepChunk, StepSample, fit, sample_seconds,
+                                   step_sample)
 from asyncserve.sampling_params import SamplingParams
 from asyncserve.step import ScheduledChunk, StepPlan
 
+if TYPE_CHECKING:
+    from asyncserve.engine import Engine
+
+log = logging.getLogger("asyncserve.step_profile")
+
 STEP_KINDS = ("decode", "prefill", "mixed")
-_GREEDY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+# a seed of its own: the engine's seed stream (config.seed) is left as it was
+_GREEDY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, seed=0)
 # steps the backend may take beyond PACK_AFTER_STEPS to pack and fuse a set (24 MiB a step: ~10 for
 # SmolLM2's fused projections and four rank-64 adapters)
 WARM_BUILD_STEPS = 16
@@ -142,9 +161,196 @@ def holdout(steps: list[TimedStep], caraserve_terms_only: bool = False) -> Holdo
     if caraserve_terms_only:
         samples = [StepSample(s.tokens, s.rank_work, s.seconds) for s in samples]
     coefficients = fit(samples[0::2], source="fitted to profiled steps")
+    return Holdout(coefficients, relative_errors(coefficients, steps[1::2], samples[1::2]))
+
+
+def relative_errors(coefficients: PerfCoefficients, steps: list[TimedStep],
+                    samples: list[StepSample] | None = None) -> dict[str, list[float]]:
+    """Kind (and "all") -> |predicted / measured - 1| of each step (``samples``: their terms, if not
+    all of step_sample's)."""
+    samples = samples or [step_sample(s.chunks, s.seconds) for s in steps]
     errors: dict[str, list[float]] = {"all": []}
-    for step, sample in zip(steps[1::2], samples[1::2]):
+    for step, sample in zip(steps, samples):
         error = abs(sample_seconds(coefficients, sample) / sample.seconds - 1)
         errors["all"].append(error)
         errors.setdefault(step.kind, []).append(error)
-    return Holdout(coefficients, errors)
+    return errors
+
+
+# ---- the engine's step profile: where its step-time model starts ----------------------------------
+#
+# A short profile of the engine just built (its device, model, dtype, threads and LoRA backend):
+# PROFILE_STEPS random steps, the kinds in turn, spread over the active sets: the base model alone,
+# one adapter, and up to PROFILE_ADAPTERS together, of those in host memory at start (--adapter,
+# pinned ones; the highest-ranked), each set warmed first and each step the fastest of
+# PROFILE_REPEATS runs, within PROFILE_BUDGET_S (SmolLM2, bf16, 2 threads: 15 steps in 5.3 s);
+# fitted with perf_model.fit. Sets of different sizes are what separate the
+# per-adapter cost from the rest: with one adapter only (tiny model), the per-adapter term came out
+# 7x the full fit's and the held-out error grew from 17% on base-model steps to 120% on steps of five
+# adapters. Cached as JSON with the command that made it in Config.step_profile_dir, one file per
+# key; a file shipped in SHIPPED_PROFILE_DIR (named step-<key>.json) serves when none is cached.
+# The other files there are scripts/bench_kernels.py's operator fits (one LoRA operator at a hidden
+# size, in microseconds; BENCHMARKS.md cites them): no step model can be made of them, and nothing
+# here reads them.
+
+SHIPPED_PROFILE_DIR = Path(__file__).resolve().parent / "lora" / "latency_models"
+PROFILE_STEPS = 36             # in all, spread evenly over the active sets
+PROFILE_ADAPTERS = 3           # the most adapters profiled (sets of 0, 1 and this many)
+PROFILE_REPEATS = 2            # runs of each step; the fastest counts
+PROFILE_BUDGET_S = 5.0         # past its share of this a set stops (once it has a step of each kind)
+PROFILE_MAX_ERROR = 0.3        # a fit further off its own steps (median) is not cached
+MEASURED, CACHED, SHIPPED = "step profile measured at start", "cached step profile", "shipped step profile"
+
+
+class ProfileKey(msgspec.Struct, frozen=True):
+    """What a step profile holds for: step times on anything else differ."""
+    device: str                  # the CPU's model name, or the CUDA device's
+    model: str                   # the model's name and shape (layers x hidden)
+    dtype: str
+    threads: int                 # torch threads on a CPU device (0 on a GPU, where they barely count)
+    lora_backend: str
+
+    def slug(self) -> str:
+        text = f"{self.device} {self.model} {self.dtype} {self.threads}t {self.lora_backend}"
+        return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()
+
+
+class ProfiledStep(msgspec.Struct, array_like=True):
+    kind: str
+    chunks: list[tuple[int, int, int, str | None]]   # StepChunks: tokens, rank, context, adapter
+    seconds: float
+
+
+class StepProfile(msgspec.Struct):
+    key: ProfileKey
+    coefficients: PerfCoefficients
+    adapter_ranks: list[int]     # of the adapters profiled (none: the rank and adapter terms are unmeasured)
+    command: str                 # what started the engine that measured it
+    created: str
+    seconds: float               # the profile's wall time
+    median_error: float          # of the fit over its own steps (absolute relative error)
+    steps: list[ProfiledStep]
+
+
+def profile_key(engine: Engine) -> ProfileKey:
+    from ipc.profile import cpu_model
+
+    mc, device = engine.model_config, engine.device
+    cpu = device.type == "cpu"
+    return ProfileKey(device=cpu_model() if cpu else torch.cuda.get_device_name(device),
+                      model=f"{mc.name} {mc.num_layers}x{mc.hidden_size}",
+                      dtype=str(engine.dtype).removeprefix("torch."), threads=torch.get_num_threads() if cpu else 0,
+                      lora_backend=engine.lora_backend_name)
+
+
+def profile_file(directory: Path, key: ProfileKey, shipped: bool = False) -> Path:
+    return directory / f"{'step-' if shipped else ''}{key.slug()}.json"
+
+
+def read_profile(path: Path, key: ProfileKey) -> StepProfile:
+    """The profile in ``path``; ValueError if it does not parse or holds for another key."""
+    profile = msgspec.json.decode(path.read_bytes(), type=StepProfile)
+    if profile.key != key:
+        raise ValueError(f"it holds for {profile.key}, not {key}")
+    return profile
+
+
+def save_profile(path: Path, profile: StepProfile) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")        # two servers starting at once: whole files only
+    partial.write_bytes(msgspec.json.format(msgspec.json.encode(profile), indent=1) + b"\n")
+    partial.replace(path)
+
+
+def profile_adapters(engine: Engine) -> list[str]:
+    """The adapters a profile runs: of those in host memory at start, the PROFILE_ADAPTERS highest-ranked."""
+    ranked = sorted(engine.pager.host, key=lambda name: (-max(engine.pager.registry[name].ranks), name))
+    return ranked[:PROFILE_ADAPTERS]
+
+
+def measure_profile(engine: Engine, adapters: list[str], steps: int = PROFILE_STEPS,
+                    repeats: int = PROFILE_REPEATS, budget_s: float = PROFILE_BUDGET_S,
+                    seed: int = 2026) -> StepProfile:
+    """Profile the idle ``engine`` (see above) with ``adapters`` (the first alone, then all). Set n of
+    N ends at n / N of ``budget_s`` once it has a step of each kind; one not begun within the budget
+    is left out."""
+    t0 = time.perf_counter()
+    hi = min(256, engine.scheduler.max_step_tokens)
+    shape = {"max_batch": min(32, engine.config.max_running), "prefill_tokens": (min(16, hi), hi),
+             "max_context": max(1, min(256, engine.max_model_len - hi - 2))}
+    rng = random.Random(seed)
+    for kind in STEP_KINDS:                         # first-run costs
+        timed_step(engine, kind, random_step(rng, kind, [], **shape), repeats=1)
+    sets = [[], *([adapters[:1]] if adapters else []), *([adapters] if len(adapters) > 1 else [])]
+    timed: list[TimedStep] = []
+    profiled: list[str] = []
+    for n, active in enumerate(sets, 1):
+        if active and time.perf_counter() - t0 > budget_s:
+            break
+        warm_set(engine, active)
+        profiled = active
+        for i in range(steps // len(sets)):
+            if i >= len(STEP_KINDS) and time.perf_counter() - t0 > budget_s * n / len(sets):
+                break
+            kind = STEP_KINDS[i % len(STEP_KINDS)]
+            timed.append(timed_step(engine, kind, random_step(rng, kind, active, **shape), repeats))
+    coefficients = fit([step_sample(s.chunks, s.seconds) for s in timed], source="step profile")
+    ranks = [max(engine.pager.registry[name].ranks) for name in profiled]
+    return StepProfile(
+        key=profile_key(engine), coefficients=coefficients, adapter_ranks=ranks,
+        command=f"{shlex.join(sys.argv)}  # at start-up: {len(timed)} steps, best of {repeats} runs, "
+                f"adapters of ranks {ranks}",
+        created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), seconds=time.perf_counter() - t0,
+        median_error=statistics.median(relative_errors(coefficients, timed)["all"]),
+        steps=[ProfiledStep(s.kind, [tuple(c) for c in s.chunks], s.seconds) for s in timed])
+
+
+def starting_coefficients(engine: Engine, directory: Path) -> PerfCoefficients | None:
+    """The step-time model's starting coefficients for ``engine`` (just built, idle): its key's
+    profile cached in ``directory``, else shipped (SHIPPED_PROFILE_DIR), else measured now and
+    cached. A cached file that is unreadable (warned), holds for another key or was made with fewer
+    adapters than are in host memory now (up to PROFILE_ADAPTERS) is measured again; a measured fit
+    off its own steps by more than PROFILE_MAX_ERROR is not cached, and serves only if the prior is
+    further off them. The source says which, and the file. None: start from the prior (also when
+    the profile cannot run here)."""
+    key, adapters = profile_key(engine), profile_adapters(engine)
+    cached, shipped = profile_file(directory, key), profile_file(SHIPPED_PROFILE_DIR, key, shipped=True)
+    for path, source in ((cached, CACHED), (shipped, SHIPPED)):
+        if not path.exists():
+            continue
+        try:
+            profile = read_profile(path, key)
+        except (OSError, ValueError) as e:
+            log.warning("step profile %s is unreadable (%s); %s", path, e,
+                        "measuring again" if source == CACHED else "not using it")
+            continue
+        if len(profile.adapter_ranks) < len(adapters):
+            log.info("step profile %s was measured with %d adapters; measuring again with %d", path,
+                     len(profile.adapter_ranks), len(adapters))
+            continue
+        log.info("step-time model from %s (%s)", path, profile.command)
+        return msgspec.structs.replace(profile.coefficients, source=f"{source} {path}")
+    try:
+        profile = measure_profile(engine, adapters)
+    except Exception as e:         # a pool too small for the shapes, say: the prior serves, as it did before
+        log.warning("could not profile the steps (%s: %s); the step-time model starts from its prior",
+                    type(e).__name__, e)
+        return None
+    c = profile.coefficients
+    log.info("step profile measured in %.1f s (%d steps, median error %.0f%%): %.3f ms + %.2f us/token + "
+             "%.2f ns/rank unit + %.1f us/sequence + %.1f us/adapter + %.2f ns/attended pair", profile.seconds,
+             len(profile.steps), 100 * profile.median_error, 1e3 * c.beta, 1e6 * c.alpha_token,
+             1e9 * c.alpha_rank, 1e6 * c.alpha_seq, 1e6 * c.alpha_adapter, 1e9 * c.alpha_attn)
+    if profile.median_error > PROFILE_MAX_ERROR:
+        # steps disturbed by other work on the machine: not kept for later starts
+        prior_error = statistics.median(relative_errors(STEP_TIME_PRIOR, profile.steps)["all"])
+        use = profile.median_error < prior_error
+        log.warning("the step profile's fit is off its own steps by a median %.0f%% (the machine busy?): not "
+                    "cached%s", 100 * profile.median_error,
+                    "" if use else f"; the prior ({100 * prior_error:.0f}% off them) serves instead")
+        return msgspec.structs.replace(c, source=f"{MEASURED} (not cached)") if use else None
+    try:
+        save_profile(cached, profile)
+    except OSError as e:
+        log.warning("cannot cache the step profile in %s: %s", cached, e)
+    return msgspec.structs.replace(c, source=f"{MEASURED} {cached}")

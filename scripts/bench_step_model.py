@@ -7,7 +7,9 @@ format), each step timed --repeats times keeping the fastest (asyncserve/step_pr
 set of adapters lasts a few steps and is warmed first (stacks built, packed, fused), as a server's
 mostly does. Fits the model to every other step and prints the absolute relative error of its
 predictions for the other half, median and p90 per step kind, for the full model and for
-CaraServe's terms alone (beta + alpha_token * tokens + alpha_rank * rank work).
+CaraServe's terms alone (beta + alpha_token * tokens + alpha_rank * rank work), and for the
+coefficients of the step profile the engine measured at its start (--step-profile auto in a fresh
+folder: asyncserve/step_profile.py), all of these steps held out from it.
 
     .venv/bin/python scripts/bench_step_model.py --threads 2
     .venv/bin/python scripts/bench_step_model.py --threads 1 --steps 120 --json-out /tmp/step-model.json
@@ -69,14 +71,17 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
 
     from asyncserve import LLM
-    from asyncserve.step_profile import holdout, profile_steps
+    from asyncserve.step_profile import holdout, profile_steps, relative_errors
     from ipc.profile import cpu_model
 
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as folder:
         adapters = make_adapters(Path(folder), args.model, args.ranks)
+        t0 = time.perf_counter()
         llm = LLM(model=args.model, adapters=adapters, dtype=args.dtype, device="cpu", threads=args.threads,
-                  prefix_caching=False)
+                  prefix_caching=False, step_profile="auto", step_profile_dir=str(Path(folder) / "p"))
+        start_s = time.perf_counter() - t0
+    start = llm.engine.latency.start
     shape = {"max_batch": args.max_batch, "prefill_tokens": tuple(args.prefill_tokens),
              "max_context": args.max_context}
     profile_steps(llm.engine, 3, list(adapters), seed=args.seed + 1, repeats=1, **shape)   # first-run costs
@@ -90,6 +95,8 @@ def main(argv: list[str] | None = None) -> None:
           f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")
     print(error_table("full model (absolute relative error of held-out steps)", full.errors))
     print(error_table("CaraServe's terms alone", caraserve.errors))
+    print(error_table(f"the start profile ({start.source.split(' /')[0]}; engine built with it in {start_s:.1f} s)",
+                      relative_errors(start, steps)))
     c = full.coefficients
     print(f"fitted: beta {1e3 * c.beta:.3f} ms, per token {1e6 * c.alpha_token:.2f} us, per rank unit "
           f"{1e9 * c.alpha_rank:.2f} ns, per sequence {1e6 * c.alpha_seq:.1f} us, per adapter "
@@ -99,7 +106,9 @@ def main(argv: list[str] | None = None) -> None:
             "command": " ".join([sys.executable, *sys.argv]), "cpu": cpu_model(), "threads": args.threads,
             "dtype": args.dtype, "loadavg_before": load_before, "loadavg_after": load_after,
             "coefficients": {f: getattr(c, f) for f in c.__struct_fields__},
-            "errors": {"full": full.errors, "caraserve_terms": caraserve.errors},
+            "errors": {"full": full.errors, "caraserve_terms": caraserve.errors,
+                       "start_profile": relative_errors(start, steps)},
+            "start_profile": {f: getattr(start, f) for f in start.__struct_fields__},
             "steps": [{"kind": s.kind, "chunks": [list(ch) for ch in s.chunks], "seconds": s.seconds}
                       for s in steps]}, indent=1))
 

@@ -272,7 +272,7 @@ def test_offline_an_unattainable_request_finishes_with_its_error(llm):
     before the step-time model has been fitted (only its prior), none is refused."""
     use(llm, SloAware, slo_ttft_s=1e-6)
     latency = llm.engine.latency
-    latency.coefficients = latency._prior
+    latency.coefficients = latency.start
     try:
         outs = llm.generate(["the fox jumps"], SamplingParams(max_tokens=4), NAMES[0])
         assert outs[0].finish_reason == "length" and len(outs[0].token_ids) == 4

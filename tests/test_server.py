@@ -768,11 +768,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_sigterm_finishes_in_flight_stream_and_exits_zero(tiny_model):
+def test_sigterm_finishes_in_flight_stream_and_exits_zero(tiny_model, tmp_path):
+    """(`serve` measures its step profile at start, into --step-profile-dir.)"""
     port = _free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "asyncserve.cli", "serve", "--model", str(tiny_model.root),
-                             "--dtype", "float32", "--device", "cpu", "--port", str(port), "--threads", "1"],
+                             "--dtype", "float32", "--device", "cpu", "--port", str(port), "--threads", "1",
+                             "--step-profile-dir", str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -799,6 +801,7 @@ def test_sigterm_finishes_in_flight_stream_and_exits_zero(tiny_model):
         assert proc.wait(60) == 0
         log = proc.stdout.read().decode()
         assert "shutting down" in log and "stopped" in log
+        assert "step profile measured" in log and len(list(tmp_path.glob("*.json"))) == 1
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -27,7 +27,7 @@ REPO = Path(asyncserve.__file__).resolve().parents[1]
 def _serve(*args: str, timeout: float = 90) -> tuple[int, str]:
     """Run `asyncserve serve ARGS` on a free port until it exits by itself: (exit status, its log)."""
     proc = subprocess.Popen([sys.executable, "-m", "asyncserve.cli", "serve", "--port", "0", "--threads", "1",
-                             "--device", "cpu", "--dtype", "float32", *args],
+                             "--device", "cpu", "--dtype", "float32", "--step-profile", "off", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:

@@ -1,5 +1,5 @@
 """The rank-aware step-time model (perf_model.py) against this machine's steps (step_profile.py),
-and its fit on synthetic timings.
+its fit on synthetic timings, and the step profile an engine starts it from.
 
 Bounds, from what the tiny model (float32, 1 thread) measured on a 2-core Zen 4 box shared with
 other jobs. Profiled steps held out from the fit, median absolute relative error: 0.05-0.065 at load
@@ -8,32 +8,85 @@ MEDIAN_BOUND 0.35; per kind up to 0.47 at load 5.5 (the longest steps, mixed one
 within every repeat on a busy box), against KIND_MEDIAN_BOUND 0.75. An engine's own generate loop:
 0.13-0.16 at load 1.9, 0.26 at load 5.5, against LOOP_MEDIAN_BOUND 0.5 (its decode steps run ~15%
 under the profile's of the same size and adapters).
+START_MEDIAN_BOUND: the engine's start profile (36 steps, best of 2, sets of 0, 1 and 3 adapters;
+see step_profile.measure_profile) on the same held-out steps (up to five adapters at once): 0.06-0.21
+at load 1.5-2.5 over three starts (the 180 steps' own fit, held out: 0.03-0.04), its generate loop
+0.10-0.37; profiled with one adapter only, 0.21-0.74 and 0.36-1.37 (the per-adapter term 7x off).
 """
 from __future__ import annotations
 
+import logging
 import random
 import statistics
 
+import msgspec
 import numpy as np
 import pytest
 from reference import TEST_DEVICE
 
 from asyncserve import LLM, SamplingParams
-from asyncserve.perf_model import (PerfCoefficients, StepChunk, StepSample, fit, predict_step_seconds,
-                                   step_sample)
-from asyncserve.step_profile import STEP_KINDS, holdout, profile_steps
+from asyncserve import step_profile
+from asyncserve.perf_model import (STEP_TIME_PRIOR, PerfCoefficients, StepChunk, StepLatencyModel, StepSample, fit,
+                                   predict_step_seconds, step_sample)
+from asyncserve.step_profile import (CACHED, MEASURED, SHIPPED, STEP_KINDS, holdout, profile_file, profile_key,
+                                     profile_steps, read_profile, relative_errors)
 
 MEDIAN_BOUND = 0.35        # of the held-out steps, all kinds together
 KIND_MEDIAN_BOUND = 0.75   # of each kind's
 LOOP_MEDIAN_BOUND = 0.5    # of a generate loop's steps
+START_MEDIAN_BOUND = 0.5   # of the held-out steps and of a generate loop, by the start profile's coefficients
 REPEATS = 5                # runs of each step; the fastest counts
+SHAPE = {"max_batch": 32, "prefill_tokens": (16, 256), "max_context": 200}
+
+
+def start_engine(tiny_model, profile_dir, adapters: bool = True, step_profile: str = "auto") -> LLM:
+    """The tiny model's engine (float32, 1 thread, no CPU workers), its step-time model started from its step profile
+    (step_profile auto) cached in profile_dir."""
+    return LLM(model=str(tiny_model.root), dtype="float32", device=TEST_DEVICE, threads=1, prefix_caching=False,
+               adapters={name: str(path) for name, path in tiny_model.adapters.items()} if adapters else {},
+               step_profile=step_profile, step_profile_dir=str(profile_dir), cpu_workers=0)
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_model):
-    adapters = {name: str(path) for name, path in tiny_model.adapters.items()}
-    return LLM(model=str(tiny_model.root), adapters=adapters, dtype="float32", device=TEST_DEVICE, threads=1,
-               prefix_caching=False)
+def llm(tiny_model, tmp_path_factory):
+    llm = start_engine(tiny_model, tmp_path_factory.mktemp("step-profiles"))
+    yield llm
+    llm.engine.close()
+
+
+@pytest.fixture(scope="module")
+def steps(llm):
+    """180 profiled steps of every kind (decode batches, prefill chunks after cached context, both
+    together; active sets of 0-4 adapters of ranks 1-64), none of the start profile's shapes."""
+    adapters = list(llm.engine.pager.registry)
+    profile_steps(llm.engine, 3, adapters, seed=1, repeats=1, **SHAPE)          # first-run costs
+    return profile_steps(llm.engine, 180, adapters, seed=0, repeats=REPEATS, **SHAPE)
+
+
+def loop_errors(engine, coefficients: PerfCoefficients) -> list[float]:
+    """|predicted / measured - 1| of the steps of a generate loop (the engine's own plans: 24 requests
+    of every adapter and the base model), predicted by engine.predict_step_seconds with
+    ``coefficients`` (not refitted meanwhile)."""
+    adapters = list(engine.pager.registry)
+    latency, refit_every = engine.latency, engine.latency.refit_every
+    latency.coefficients, latency.refit_every = coefficients, 10**9
+    rng = random.Random(0)
+    for i in range(24):
+        prompt = [rng.randrange(3, engine.vocab_size) for _ in range(rng.randint(4, 120))]
+        params = SamplingParams(max_tokens=rng.randint(4, 24), temperature=0.0, ignore_eos=True)
+        engine.add(engine.make_sequence(prompt, params, [None, *adapters][i % (len(adapters) + 1)]))
+    errors = []
+    try:
+        while engine.has_unfinished():
+            plan = engine.schedule()
+            predicted = engine.predict_step_seconds(plan)
+            runs = [engine.run(plan) for _ in range(REPEATS)]       # a run changes no state until postprocess
+            errors.append(abs(predicted / min(r.duration_s for r in runs) - 1))
+            engine.postprocess(plan, runs[-1])
+    finally:
+        latency.refit_every = refit_every
+    assert len(errors) >= 20
+    return errors
 
 
 def test_fit_recovers_every_term_from_synthetic_steps():
@@ -58,34 +111,117 @@ def test_fit_recovers_every_term_from_synthetic_steps():
         predict_step_seconds(truth, [StepChunk(4, 8, 0, "a"), StepChunk(2, 8, 0, "a"), StepChunk(1, 16, 0, "b")]))
 
 
-def test_step_model_predicts_measured_steps(llm):
-    """Fitted to half of 180 profiled steps of every kind (decode batches, prefill chunks after
-    cached context, both together; active sets of 0-4 adapters of ranks 1-64), it predicts the
-    other half within MEDIAN_BOUND; then, given to the engine, it predicts the steps of a real
-    generate loop (the engine's own plans) within LOOP_MEDIAN_BOUND."""
-    adapters = list(llm.engine.pager.registry)
-    shape = {"max_batch": 32, "prefill_tokens": (16, 256), "max_context": 200}
-    profile_steps(llm.engine, 3, adapters, seed=1, repeats=1, **shape)          # first-run costs
-    steps = profile_steps(llm.engine, 180, adapters, seed=0, repeats=REPEATS, **shape)
+def test_step_model_predicts_measured_steps(llm, steps):
+    """Fitted to half of the profiled steps, it predicts the other half within MEDIAN_BOUND; then,
+    given to the engine, it predicts the steps of a real generate loop within LOOP_MEDIAN_BOUND."""
     result = holdout(steps)
     medians = {kind: statistics.median(errors) for kind, errors in result.errors.items()}
     assert set(medians) == {"all", *STEP_KINDS}
     assert medians["all"] < MEDIAN_BOUND, medians
     assert all(m < KIND_MEDIAN_BOUND for m in medians.values()), medians
-
-    engine = llm.engine
-    engine.latency.coefficients = result.coefficients
-    rng = random.Random(0)
-    for i in range(24):
-        prompt = [rng.randrange(3, engine.vocab_size) for _ in range(rng.randint(4, 120))]
-        params = SamplingParams(max_tokens=rng.randint(4, 24), temperature=0.0, ignore_eos=True)
-        engine.add(engine.make_sequence(prompt, params, [None, *adapters][i % (len(adapters) + 1)]))
-    errors = []
-    while engine.has_unfinished():
-        plan = engine.schedule()
-        predicted = engine.predict_step_seconds(plan)
-        runs = [engine.run(plan) for _ in range(REPEATS)]       # a run changes no state until postprocess
-        errors.append(abs(predicted / min(r.duration_s for r in runs) - 1))
-        engine.postprocess(plan, runs[-1])
-    assert len(errors) >= 20
+    errors = loop_errors(llm.engine, result.coefficients)
     assert statistics.median(errors) < LOOP_MEDIAN_BOUND, sorted(errors)
+
+
+def test_start_profile_predicts_measured_steps(llm, steps):
+    """The engine started from a step profile measured at its start (sets of 0, 1 and 3 adapters):
+    it predicts the held-out profiled steps, and its own generate loop's, within START_MEDIAN_BOUND."""
+    latency = llm.engine.latency
+    assert latency.start.source.startswith(MEASURED) and latency.measured
+    errors = relative_errors(latency.start, steps)
+    assert statistics.median(errors["all"]) < START_MEDIAN_BOUND, {k: statistics.median(v) for k, v in errors.items()}
+    loop = loop_errors(llm.engine, latency.start)
+    assert statistics.median(loop) < START_MEDIAN_BOUND, sorted(loop)
+
+
+def test_step_profile_cached_shipped_and_measured_again(tiny_model, tmp_path, monkeypatch, caplog):
+    """Measured at the first start and cached with the command that made it; read at the next start
+    without measuring (the file unchanged; the source says so); measured again when the cached file
+    is unreadable or was made with fewer adapters than are loaded now; a shipped file serves when
+    none is cached; a fit far off its own steps is not cached."""
+    monkeypatch.setattr(step_profile, "SHIPPED_PROFILE_DIR", tmp_path / "shipped")
+    cache = tmp_path / "cache"
+
+    def start(**kwargs):
+        llm = start_engine(tiny_model, cache, **kwargs)
+        llm.engine.close()
+        return llm.engine, llm.engine.latency.coefficients
+
+    engine, base_only = start(adapters=False)
+    path = profile_file(cache, profile_key(engine))
+    assert base_only.source == f"{MEASURED} {path}" and engine.latency.measured
+    saved = read_profile(path, profile_key(engine))
+    assert saved.adapter_ranks == [] and "at start-up" in saved.command and saved.coefficients.alpha_rank == 0
+    assert len(saved.steps) >= 2 * len(STEP_KINDS)
+
+    engine, first = start()                          # adapters now: measured again, with the highest-ranked
+    saved = read_profile(path, profile_key(engine))
+    ranks = sorted((max(reg.ranks) for reg in engine.pager.registry.values()), reverse=True)
+    assert first.source == f"{MEASURED} {path}" and sorted(saved.adapter_ranks, reverse=True) == ranks[:3]
+    assert list(cache.iterdir()) == [path]
+    written = path.read_bytes()
+
+    engine, second = start()
+    assert second.source == f"{CACHED} {path}" and path.read_bytes() == written
+    assert {f: getattr(second, f) for f in second.__struct_fields__ if f != "source"} == \
+        {f: getattr(first, f) for f in first.__struct_fields__ if f != "source"}
+    assert engine.latency.measured and engine.latency.start is second
+
+    path.write_text('{"key": "not a profile"')
+    with caplog.at_level(logging.WARNING, logger="asyncserve.step_profile"):
+        engine, third = start()
+    assert "unreadable" in caplog.text
+    assert third.source == f"{MEASURED} {path}" and read_profile(path, profile_key(engine)).coefficients.beta > 0
+
+    shipped = profile_file(tmp_path / "shipped", profile_key(engine), shipped=True)
+    shipped.parent.mkdir()
+    path.rename(shipped)
+    engine, fourth = start()
+    assert fourth.source == f"{SHIPPED} {shipped}" and not path.exists()
+
+    engine, off = start(step_profile="off")
+    assert off.source == "prior" and not engine.latency.measured
+
+    # a fit far off its own steps (a busy machine) is not cached; it serves where the prior is further off
+    monkeypatch.setattr(step_profile, "PROFILE_MAX_ERROR", -1.0)
+    shipped.unlink()
+    engine, busy = start()
+    assert busy.source == f"{MEASURED} (not cached)" and not path.exists()
+
+
+def test_online_refit_starts_from_the_profile_and_keeps_terms_its_steps_never_exercise():
+    """Refitted from base-model steps alone, the model keeps the start profile's rank and adapter
+    terms (nothing in those steps bears on them) and stays measured."""
+    profile = PerfCoefficients(beta=5e-4, alpha_token=6e-6, alpha_rank=2e-7, alpha_seq=1.5e-5, alpha_adapter=1.6e-4,
+                               alpha_attn=8e-8, source="cached step profile x")
+    truth = msgspec.structs.replace(profile, beta=1e-3, alpha_token=1e-5)
+    latency = StepLatencyModel(STEP_TIME_PRIOR, refit_every=32, warmup=0)
+    latency.start_from(profile)
+    assert latency.measured and latency.start is profile
+    rng = np.random.default_rng(0)
+    for _ in range(32):
+        sizes = rng.choice([1, 1, 1, 64], size=int(rng.integers(1, 16)))        # decodes, some prefill chunks
+        chunks = [StepChunk(int(n), 0, int(rng.integers(0, 100))) for n in sizes]
+        latency.record(chunks, predict_step_seconds(truth, chunks))
+    got = latency.coefficients
+    assert got.source == "fitted online" and latency.measured
+    assert (got.alpha_rank, got.alpha_adapter) == (profile.alpha_rank, profile.alpha_adapter)
+    for term in ("beta", "alpha_token", "alpha_seq", "alpha_attn"):
+        assert getattr(got, term) == pytest.approx(getattr(truth, term), rel=0.05), term
+
+
+def test_step_profile_flags():
+    import argparse
+
+    from asyncserve.cli import _config, _engine_args
+    from asyncserve.config import Config
+
+    for default in ("auto", "off"):                  # serve's, generate's
+        ap = argparse.ArgumentParser()
+        _engine_args(ap, step_profile=default)
+        assert _config(ap.parse_args([])).step_profile == default
+    c = _config(ap.parse_args(["--step-profile", "auto", "--step-profile-dir", "/p"]))
+    assert (c.step_profile, c.resolved_step_profile_dir().as_posix()) == ("auto", "/p")
+    assert Config().step_profile == "off" and Config().resolved_step_profile_dir().name == "step-profiles"
+    with pytest.raises(ValueError, match="step_profile"):
+        Config(step_profile="sometimes").validate()

@@ -327,7 +327,7 @@ def test_offline_adapter_dir_and_host_tier(tiny_model, adapter_dir):
 
 
 SERVE = [sys.executable, "-m", "asyncserve.cli", "serve", "--port", "0", "--threads", "1", "--device", "cpu",
-         "--dtype", "float32", "--host-adapter-mem", HOST_MEM]
+         "--dtype", "float32", "--host-adapter-mem", HOST_MEM, "--step-profile", "off"]
 
 
 class Served:
