@@ -227,22 +227,20 @@ class StepLatencyModel:
     the window's steps never exercise (no adapter in them, say) keeps the value it had, which the
     fit of the others does not depend on."""
 
-    def __init__(self, prior: PerfCoefficients, window: int = 512, refit_every: int = 64, warmup: int = 8,
-                 measured: bool = False):
-        """measured: ``prior`` was measured on this device (a step profile), not a guess."""
+    def __init__(self, prior: PerfCoefficients, window: int = 512, refit_every: int = 64, warmup: int = 8):
         self.coefficients = prior
         self.start = prior                 # where it started (its source says from what)
-        self._start_measured = measured
+        self._start_measured = False       # start_from a step profile: measured on this device
         self.window = window
         self.refit_every = refit_every
         self._skip = warmup
         self._samples: list[StepSample] = []
         self._since_fit = 0
 
-    def start_from(self, coefficients: PerfCoefficients, measured: bool = True) -> None:
-        """Start from other coefficients (a step profile), before any step is recorded."""
+    def start_from(self, coefficients: PerfCoefficients) -> None:
+        """Start from a step profile's coefficients (measured on this device), before any step is recorded."""
         self.coefficients = self.start = coefficients
-        self._start_measured = measured
+        self._start_measured = True
 
     def predict(self, chunks: Iterable[tuple]) -> float:
         return predict_step_seconds(self.coefficients, chunks)
