@@ -1,7 +1,10 @@
 """asyncserve: serve many LoRA fine-tunes of one base LLM."""
-from importlib.metadata import version as _version
+from importlib.metadata import PackageNotFoundError, version as _version
 
-__version__ = _version("asyncserve")
+try:
+    __version__ = _version("asyncserve")
+except PackageNotFoundError:        # run from a source checkout on PYTHONPATH, not installed
+    __version__ = "0+source"
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutputs"]
 
 

@@ -410,6 +410,18 @@ def test_tokenize_detokenize_and_version(srv, offline):
     assert status == 200 and out["version"] == asyncserve.__version__
 
 
+def test_version_without_package_metadata():
+    """Run from a source checkout (PYTHONPATH, nothing installed, as on a GPU box): the package
+    imports and names its version instead of failing on the missing metadata."""
+    code = ("import importlib.metadata as m\n"
+            "def missing(name): raise m.PackageNotFoundError(name)\n"
+            "m.version = missing\n"
+            "import asyncserve; print(asyncserve.__version__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0+source"
+
+
 BAD_REQUESTS = [
     # (path, raw body or dict, expected status, param that must be named, if any)
     ("/v1/completions", b"{not json", 400, None),
