@@ -92,7 +92,7 @@ def instrument(llm, timers: Timers) -> None:
             return "GEMM"
         return "LoRA"
 
-    for cls in (linear_module.Linear, linear_module.OneDnnLinear):
+    for cls in (linear_module.Linear, linear_module.OneDnnLinear, linear_module.NativeLinear):
         cls.__call__ = timers.wrap(linear_class, cls.__call__)
     project = timers.wrap("LoRA", lora.project)
 

@@ -21,3 +21,25 @@ def test_linear_matches_f_linear(rows):
         y = lin(x)
         assert y.shape == (rows, 96) and lin.shape == (96, 40)
         torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_bfloat16_linear_choice_and_exact_weights(monkeypatch):
+    """bf16 on CPU: the native packed GEMM where this CPU has it (else oneDNN's reorder), both
+    F.linear's function to bf16 rounding, both giving W back bit for bit (merged mode needs it);
+    an odd in_features, which the kernel's pairs cannot hold, stays on oneDNN."""
+    import kernels.cpu as cpu_kernels
+    from asyncserve.model.linear import NativeLinear, native_packs
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(50, 64, generator=g).to(torch.bfloat16)
+    x = torch.randn(16, 64, generator=g).to(torch.bfloat16)
+    ref = F.linear(x.double(), w.double())
+    lin = make_linear(w)
+    assert isinstance(lin, NativeLinear) == native_packs(w) == cpu_kernels.bf16_gemm_available()
+    torch.testing.assert_close(lin(x).double(), ref, rtol=2 ** -7, atol=1e-3)
+    assert torch.equal(lin.dense_weight(), w) and lin.shape == (50, 64)
+    assert not isinstance(make_linear(torch.randn(50, 63).to(torch.bfloat16)), NativeLinear)
+    monkeypatch.setattr(cpu_kernels, "bf16_gemm_available", lambda: False)    # an AVX2-only CPU
+    fallback = make_linear(w)
+    assert type(fallback) is (OneDnnLinear if onednn_packs(w.device, w.dtype) else Linear)
+    torch.testing.assert_close(fallback(x).double(), ref, rtol=2 ** -7, atol=1e-3)

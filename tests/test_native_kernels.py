@@ -517,3 +517,58 @@ def test_engine_native_prefill_over_cached_pages_equals_eager(tiny_model, monkey
             used = len(first_positions)
     assert len(first_positions) == used, "ASYNCSERVE_NATIVE=0 must keep the model on the eager path"
     assert runs["1"] == runs["0"]
+
+
+# ---- bf16 GEMM over packed weights (kernels/cpu/gemm.h, NativeLinear) ----------------------------
+
+def require_bf16_gemm():
+    if not cpu_kernels.library().bf16_gemm_available():
+        pytest.skip("this CPU has no AVX512-BF16: make_linear uses oneDNN (tests/test_linear.py)")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 33, 64, 70])
+def test_packed_linear_matches_float64(rows):
+    """Row tiles of 1..16 and their remainders, column blocks with a partial last one, K from one
+    pair to past the prefetch distance; at 1 and 2 threads; rows of x strided (a step's slices)."""
+    require_bf16_gemm()
+    from asyncserve.model.linear import NativeLinear
+    g = torch.Generator().manual_seed(rows)
+    for k, n in [(2, 1), (64, 15), (96, 16), (576, 17), (1538, 130), (576, 960)]:
+        w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+        x = torch.randn(rows, 2 * k, generator=g).to(torch.bfloat16)[:, ::2]
+        ref = x.double() @ w.double().t()
+        packed = NativeLinear.pack(w)
+        assert packed.shape == (-(-n // 16), k // 2, 16, 2)
+        for _ in at_thread_counts():
+            y = cpu_kernels.packed_linear(x, packed, n)
+            assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+            # fp32 accumulation, one bf16 rounding of the result (2^-9 relative) per element
+            torch.testing.assert_close(y.double(), ref, rtol=2 ** -8, atol=1e-5 * ref.abs().max().item(),
+                                       msg=lambda m: f"{m}\nrows={rows} k={k} n={n}")
+
+
+def test_packed_linear_keeps_a_nan_row_to_itself():
+    """A NaN in one row of x (a request's bad activations) reaches that row of y only."""
+    require_bf16_gemm()
+    from asyncserve.model.linear import NativeLinear
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(40, 64, generator=g).to(torch.bfloat16)
+    x = torch.randn(20, 64, generator=g).to(torch.bfloat16)
+    x[3, 10] = float("nan")
+    y = cpu_kernels.packed_linear(x, NativeLinear.pack(w), 40)
+    assert y[3].isnan().all()
+    assert torch.isfinite(torch.cat([y[:3], y[4:]])).all()
+
+
+def test_packed_linear_refuses_what_it_cannot_compute():
+    require_bf16_gemm()
+    from asyncserve.model.linear import NativeLinear
+    packed = NativeLinear.pack(torch.randn(32, 64).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="in_features must be even"):
+        cpu_kernels.packed_linear(torch.randn(4, 63).to(torch.bfloat16), packed, 32)
+    with pytest.raises(RuntimeError, match="packed must be"):
+        cpu_kernels.packed_linear(torch.randn(4, 62).to(torch.bfloat16), packed, 32)
+    with pytest.raises(RuntimeError, match="blocks of 16 columns"):
+        cpu_kernels.packed_linear(torch.randn(4, 64).to(torch.bfloat16), packed, 33)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        cpu_kernels.packed_linear(torch.randn(4, 64), packed, 32)

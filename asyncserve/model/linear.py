@@ -3,12 +3,16 @@
 Decode steps multiply 1..64 rows by every weight once, so the step is bound by how fast the GEMM
 streams weights. On CPU, oneDNN with the weight reordered once into its blocked layout streams
 1.5-2.4x faster than MKL's F.linear at 16 rows (lm_head [16x576]x[576x49152]: 9.8 vs 23.8 ms on
-the AVX2 EPYC of BENCHMARKS.md). cuBLAS takes the checkpoint layout at full speed.
+the AVX2 EPYC of BENCHMARKS.md). On CPUs with AVX512-BF16, the native kernel (kernels/cpu/gemm.h)
+overlaps the weight stream with the arithmetic that oneDNN runs after it: 1.3-1.6x oneDNN at 16
+rows of bf16 (BENCHMARKS.md). cuBLAS takes the checkpoint layout at full speed.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+import kernels.cpu as cpu_kernels
 
 
 class Linear:
@@ -46,6 +50,36 @@ class OneDnnLinear(Linear):
         return self.weight.to_dense()
 
 
+class NativeLinear(Linear):
+    """W packed once for kernels/cpu/gemm.h as [ceil(out / 16), in / 2, 16, 2] (16 output columns
+    per block, pairs of consecutive inputs per lane); only the packed copy is kept."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__(weight)
+        self.weight = self.pack(weight)
+
+    @staticmethod
+    def pack(weight: torch.Tensor) -> torch.Tensor:
+        out_features, in_features = weight.shape
+        blocks = -(-out_features // 16)
+        padded = torch.zeros(blocks * 16, in_features, dtype=weight.dtype, device=weight.device)
+        padded[:out_features] = weight
+        return padded.view(blocks, 16, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.packed_linear(x, self.weight, self.out_features)   # x: [T, in] -> [T, out]
+
+    def dense_weight(self) -> torch.Tensor:
+        blocks = self.weight.shape[0]
+        return self.weight.permute(0, 2, 1, 3).reshape(blocks * 16, self.in_features)[:self.out_features]
+
+
+def native_packs(weight: torch.Tensor) -> bool:
+    """Whether NativeLinear runs for this weight here: bf16 on a CPU whose build has the AVX512-BF16 GEMM."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+            and weight.shape[1] % 2 == 0 and cpu_kernels.bf16_gemm_available())
+
+
 def onednn_packs(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether this CPU has oneDNN kernels for reordered weights of ``dtype``."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
@@ -59,6 +93,8 @@ def onednn_packs(device: torch.device, dtype: torch.dtype) -> bool:
 
 def make_linear(weight: torch.Tensor) -> Linear:
     """weight: [out, in] already on its device and in its dtype."""
+    if native_packs(weight):
+        return NativeLinear(weight.contiguous())
     if onednn_packs(weight.device, weight.dtype):
         return OneDnnLinear(weight.contiguous())
     return Linear(weight.contiguous())

@@ -21,14 +21,14 @@ import torch
 from asyncserve.lora.backend import LoraBackend, _rows, group_layout
 from asyncserve.model.checkpoint import all_finite
 from asyncserve.model.config import GROUPS, PROJ_INDEX, ModelConfig
-from asyncserve.model.linear import Linear, OneDnnLinear
+from asyncserve.model.linear import Linear, NativeLinear, OneDnnLinear
 from asyncserve.model.llama import LlamaWeights
 from asyncserve.pager.pager import DeviceAdapter
 from asyncserve.pager.pool import PagedPool
 from asyncserve.step import StepPlan
 
 # The Linear kinds whose weight can be rebuilt exactly from a merged dense copy.
-MERGEABLE = (Linear, OneDnnLinear)
+MERGEABLE = (Linear, OneDnnLinear, NativeLinear)
 # Seconds per base-weight element a switch rewrites, until this process has measured one. A merge:
 # the delta GEMMs, the add and cast and, on CPU, oneDNN's reorders (SmolLM2 with W1's adapters on
 # q/k/v/o, 26.5 M elements, bf16, one thread of a busy 2-core EPYC: 81 ms; bench_offline.py --merge).

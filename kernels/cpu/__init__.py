@@ -146,3 +146,14 @@ def lora_segments(y: torch.Tensor, x: torch.Tensor, flat: torch.Tensor, runs: to
     scaling * (x[run] @ A^T) @ B. ranks [n, P] int32, a_ptr, b_ptr [n, L, P, R], scaling [n, L, P]:
     LoraBatch.tables(); layer picks the tables' layer."""
     _lib().lora_segments(y, x, flat, runs, ranks, a_ptr, b_ptr, scaling, layer, projections)
+
+
+def bf16_gemm_available() -> bool:
+    """Whether packed_linear runs here: the library built for a CPU with AVX512-BF16 (else None of it)."""
+    return not disabled() and library() is not None and library().bf16_gemm_available()
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x: [rows, in] bf16 (in even) -> x W^T: [rows, out_features] bf16, for W packed by
+    asyncserve.model.linear.NativeLinear as [ceil(out / 16), in / 2, 16, 2]."""
+    return _lib().packed_linear(x, packed, out_features)

@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include "attention.h"
+#include "gemm.h"
 #include "lora.h"
 #include "norm.h"
 #include "prefill_attention.h"
@@ -231,6 +232,32 @@ void lora_segments_op(at::Tensor y, at::Tensor x, at::Tensor flat, at::Tensor ru
   });
 }
 
+// x: [M, K] bf16, K even; packed: [ceil(N / 16), K / 2, 16, 2] bf16 (linear.py's NativeLinear.pack).
+// Returns x W^T as a new [M, N] bf16 tensor. Only where bf16_gemm_available().
+at::Tensor packed_linear_op(at::Tensor x, at::Tensor packed, int64_t out_features) {
+  TORCH_CHECK(kBf16Gemm, "this build has no AVX512-BF16 GEMM (bf16_gemm_available() is False)");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2,
+              "x must be a [rows, in_features] bfloat16 CPU tensor");
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), N = out_features;
+  TORCH_CHECK(K % 2 == 0, "in_features must be even, got ", K);
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.dim() == 4 && packed.size(1) == K / 2 && packed.size(2) == 16 && packed.size(3) == 2,
+              "packed must be a contiguous [blocks, in_features / 2, 16, 2] bfloat16 tensor");
+  TORCH_CHECK(N > 0 && packed.size(0) == (N + 15) / 16, "packed holds ", packed.size(0),
+              " blocks of 16 columns, not the ", (N + 15) / 16, " that ", N, " outputs need");
+  at::Tensor y = at::empty({M, N}, xc.options());
+#if ASYNCSERVE_BF16_GEMM
+  if (M > 0) {
+    pybind11::gil_scoped_release no_gil;
+    packed_linear_bf16(reinterpret_cast<const uint16_t*>(xc.data_ptr()), M, K / 2,
+                       reinterpret_cast<const uint16_t*>(packed.data_ptr()), packed.size(0),
+                       reinterpret_cast<uint16_t*>(y.data_ptr()), N);
+  }
+#endif
+  return y;
+}
+
 }  // namespace
 }  // namespace asyncserve
 
@@ -240,5 +267,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &asyncserve::paged_decode_attention_op, "decode attention over block tables");
   m.def("paged_prefill_attention", &asyncserve::paged_prefill_attention_op,
         "prefill chunks' causal attention over block tables");
+  m.def("packed_linear", &asyncserve::packed_linear_op, "x W^T over a weight packed by NativeLinear (bf16)");
+  m.def("bf16_gemm_available", [] { return asyncserve::kBf16Gemm; }, "whether packed_linear runs on this build");
   m.def("lora_segments", &asyncserve::lora_segments_op, "y += each run's LoRA, read from the pool rows");
 }
