@@ -27,6 +27,13 @@ tokens:
                        native: the base GEMM + lora_segments from the pool rows
                        base: the base GEMM alone, i.e. what either spends beyond it is LoRA's
 
+--gemm instead times the base projections of a decode step (SmolLM2's qkv, o, gate_up, down and
+lm_head shapes) at --gemm-rows rows, oneDNN's reordered GEMM (OneDnnLinear) against the native
+packed one (NativeLinear, kernels/cpu/gemm.h; CPUs with AVX512-BF16, bf16), each call on the next of
+enough weight copies (--gemm-stream-mb in all) that the weights stream from DRAM as in a step:
+
+    .venv/bin/python scripts/bench_native.py --gemm
+
 Prints the median microseconds per call over --repeats calls and the per-step total (x layers);
 with --cpu-clock (for --threads 1 on a loaded box) of the thread's CPU time, not the wall.
 """
@@ -84,11 +91,16 @@ def main() -> None:
     p.add_argument("--chunk-start", type=int, default=240, help="the chunk's first position: rows cached before it")
     p.add_argument("--bench-dir", type=Path, default=REPO.parent / "shared" / "bench", help="W1's adapters")
     p.add_argument("--prefill", type=int, default=64, help="prompt tokens per adapter in the LoRA prefill step")
+    p.add_argument("--gemm", action="store_true", help="time the base projections instead (see above)")
+    p.add_argument("--gemm-rows", type=int, nargs="+", default=[1, 4, 16, 32, 64, 256])
+    p.add_argument("--gemm-stream-mb", type=int, default=256, help="weight copies per shape, MB in all")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     if cpu_kernels.library() is None:
         sys.exit(f"native kernels unavailable: {cpu_kernels.error()}")
+    if args.gemm:
+        return bench_gemm(args)
     g = torch.Generator().manual_seed(0)
     nh, nkv, hd = args.heads
     n, block, layers, kv_size = args.batch, args.block, args.layers, nkv * hd
@@ -176,6 +188,35 @@ def main() -> None:
         k = per_layer[name] * layers
         print(f"{name:<18} {e:9.1f} {nt:10.1f} {e / nt:7.1f}x {e * k / 1e3:14.2f} {nt * k / 1e3:15.2f}")
     bench_lora(args, dtype)
+
+
+def bench_gemm(args) -> None:
+    """oneDNN's reordered bf16 GEMM against the native packed one, weights streamed from DRAM."""
+    from asyncserve.model.linear import NativeLinear, OneDnnLinear
+
+    if not cpu_kernels.bf16_gemm_available():
+        sys.exit("the native bf16 GEMM needs AVX512-BF16 (and ASYNCSERVE_NATIVE unset)")
+    hidden = args.hidden
+    shapes = {"qkv": (hidden, 960), "o": (hidden, hidden), "gate_up": (hidden, 3072), "down": (1536, hidden),
+              "lm_head": (hidden, 49152)}
+    g = torch.Generator().manual_seed(0)
+    print(f"# {cpu_name()}, {args.threads} threads, bf16, weights rotated over {args.gemm_stream_mb} MB per shape")
+    print(f"{'projection':<10} {'rows':>5} {'oneDNN us':>10} {'GFLOP/s':>8} {'native us':>10} {'GFLOP/s':>8} {'speedup':>8}")
+    for name, (k, n) in shapes.items():
+        copies = max(2, args.gemm_stream_mb * 2**20 // (2 * k * n))
+        weights = [torch.randn(n, k, generator=g).to(torch.bfloat16) for _ in range(copies)]
+        linears = {"onednn": [OneDnnLinear(w) for w in weights], "native": [NativeLinear(w) for w in weights]}
+        del weights
+        for rows in args.gemm_rows:
+            x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+            times = {}
+            for kind, lins in linears.items():
+                turn = iter(range(1 << 62))
+                times[kind] = median_us(lambda: lins[next(turn) % copies](x), args.repeats)
+            flops = 2 * rows * k * n / 1e3           # per us -> GFLOP/s
+            print(f"{name:<10} {rows:>5} {times['onednn']:10.1f} {flops / times['onednn']:8.1f} "
+                  f"{times['native']:10.1f} {flops / times['native']:8.1f} {times['onednn'] / times['native']:7.2f}x")
+        del linears
 
 
 def bench_lora(args, dtype: torch.dtype) -> None:

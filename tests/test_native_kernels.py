@@ -572,3 +572,33 @@ def test_packed_linear_refuses_what_it_cannot_compute():
         cpu_kernels.packed_linear(torch.randn(4, 64).to(torch.bfloat16), packed, 33)
     with pytest.raises(RuntimeError, match="bfloat16"):
         cpu_kernels.packed_linear(torch.randn(4, 64), packed, 32)
+
+
+# ---- SiLU * mul ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_float64_and_eager(dtype):
+    """Rows 0..40 (one thread's grain and several), odd widths, large |gate| both ways (exp never
+    overflows), a strided gate_up (a step's slice); within one rounding of eager silu(gate) * up."""
+    from asyncserve.model.llama import silu_mul
+    g = torch.Generator().manual_seed(5)
+    for rows, inter in [(0, 8), (1, 1), (3, 17), (16, 1536), (40, 1000)]:
+        gate_up = (torch.randn(rows, 2 * inter + 6, generator=g) * 8).to(dtype)[:, 3:3 + 2 * inter]
+        gate_up[:, :1] = 100.0 if rows else 0.0
+        gate, up = gate_up.double().chunk(2, dim=-1)
+        ref = gate * torch.sigmoid(gate) * up
+        for _ in at_thread_counts():
+            out = cpu_kernels.silu_mul(gate_up)
+            assert out.shape == (rows, inter) and out.dtype == dtype
+            scale = ref.abs().max().item() if rows else 1.0
+            torch.testing.assert_close(out.double(), ref, rtol=ATOL[dtype], atol=ATOL[dtype] * scale * 1e-2)
+            eager = silu_mul(gate_up)
+            torch.testing.assert_close(out, eager, rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-6, atol=1e-6)
+
+
+def test_silu_mul_keeps_nan_where_it_is():
+    x = torch.randn(4, 64)
+    x[1, 5] = float("nan")            # gate of column 5
+    x[2, 32 + 7] = float("nan")       # up of column 7
+    out = cpu_kernels.silu_mul(x)
+    assert out[1, 5].isnan() and out[2, 7].isnan() and out.isnan().sum() == 2

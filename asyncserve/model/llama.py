@@ -226,7 +226,7 @@ def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, 
         o = lora.project(li, "o", attn, lw.o) if use_lora else lw.o(attn)
         h, x = _residual_norm(h, o, lw.post_norm, eps, native)
         gu = lora.project(li, "gate_up", x, lw.gate_up) if use_lora else lw.gate_up(x)   # [T, 2 inter]
-        act = silu_mul(gu)                                         # [T, inter]
+        act = silu_mul(gu, native)                                 # [T, inter]
         d = lora.project(li, "down", act, lw.down) if use_lora else lw.down(act)
         if li + 1 < len(w.layers):
             h, x = _residual_norm(h, d, w.layers[li + 1].input_norm, eps, native)
@@ -236,8 +236,11 @@ def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, 
     return w.lm_head(hs)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """The MLP's activation: gate_up [T, 2 inter] (gate, then up) -> silu(gate) * up [T, inter]."""
+def silu_mul(gate_up: torch.Tensor, native: bool = False) -> torch.Tensor:
+    """The MLP's activation: gate_up [T, 2 inter] (gate, then up) -> silu(gate) * up [T, inter]; native:
+    the C++ kernel's one pass (the eager form's rounding steps)."""
+    if native:
+        return cpu_kernels.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 

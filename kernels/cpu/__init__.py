@@ -111,6 +111,11 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     return _lib().add_rms_norm(h, delta, weight, eps)
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [rows, 2 inter] (gate, then up) -> silu(gate) * up: [rows, inter], new."""
+    return _lib().silu_mul(gate_up)
+
+
 def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   kv_rows: torch.Tensor, write_rows: torch.Tensor, k_offset: int, v_offset: int,
                   num_heads: int, num_kv_heads: int) -> None:

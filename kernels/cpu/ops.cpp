@@ -2,6 +2,7 @@
 // compile). Each op checks shapes, dtypes and every index it will follow, then releases the GIL.
 #include <torch/extension.h>
 
+#include "activation.h"
 #include "attention.h"
 #include "gemm.h"
 #include "lora.h"
@@ -54,6 +55,20 @@ at::Tensor add_rms_norm_op(at::Tensor h, c10::optional<at::Tensor> delta, at::Te
     add_rms_norm<T>(h.data_ptr<T>(), h.stride(0), delta ? delta->data_ptr<T>() : nullptr,
                     delta ? delta->stride(0) : 0, weight.data_ptr<T>(), out.data_ptr<T>(), hidden, rows, hidden,
                     float(eps));
+  });
+  return out;
+}
+
+// gate_up: [rows, 2 * inter]; returns silu(gate) * up as a new [rows, inter] tensor.
+at::Tensor silu_mul_op(at::Tensor gate_up) {
+  check_like(gate_up, gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [rows, 2 * intermediate]");
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({rows, inter}, gate_up.options());
+  dispatch_dtype(gate_up, [&](auto zero) {
+    using T = decltype(zero);
+    pybind11::gil_scoped_release no_gil;
+    silu_mul<T>(gate_up.data_ptr<T>(), gate_up.stride(0), out.data_ptr<T>(), inter, rows, inter);
   });
   return out;
 }
@@ -263,6 +278,7 @@ at::Tensor packed_linear_op(at::Tensor x, at::Tensor packed, int64_t out_feature
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &asyncserve::add_rms_norm_op, "h += delta (if given); returns rms_norm(h) * weight");
+  m.def("silu_mul", &asyncserve::silu_mul_op, "silu(gate) * up of gate_up = [gate, up]");
   m.def("rope_write_kv", &asyncserve::rope_write_kv_op, "RoPE on q and k in place; k and v into the pool");
   m.def("paged_decode_attention", &asyncserve::paged_decode_attention_op, "decode attention over block tables");
   m.def("paged_prefill_attention", &asyncserve::paged_prefill_attention_op,
