@@ -140,6 +140,33 @@ def test_twenty_merge_cycles_restore_base_weights_bitwise(tiny_model, prompts):
     _assert_matches(base_after, _references(tiny_model, base_cases), base_cases, "base after 20 cycles")
 
 
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the packed bf16 projections are CPU kernels")
+def test_bfloat16_merge_over_packed_weights_restores_them_bitwise(tiny_model, prompts):
+    """bf16 on CPU: projections in the native packed layout (AVX512-BF16) or oneDNN's; a merged
+    step swaps in merged copies of the same kind, and unmerging gives every weight back bit for bit."""
+    import kernels.cpu as cpu_kernels
+    from asyncserve.model.linear import NativeLinear
+
+    llm = LLM(model=str(tiny_model.root), adapters={"r64_all": str(tiny_model.adapters["r64_all"])},
+              dtype="bfloat16", device="cpu", max_step_tokens=24)
+    engine = llm.engine
+    kind = type(engine.runner.weights.layers[0].qkv)
+    assert (kind is NativeLinear) == cpu_kernels.bf16_gemm_available()
+    before = _base_weights(engine)
+    merged_kinds = []
+
+    def merged_every_other(plan, step):
+        merged_kinds.append(type(engine.runner.weights.layers[0].qkv))
+        return "r64_all" if step % 2 == 0 else None
+    outs = generate(engine, [(prompts[0], "r64_all")], merged_every_other)
+    assert len(outs[0]) == NEW_TOKENS and set(merged_kinds) == {kind}
+    generate(engine, [(prompts[1], None)], lambda plan, step: None)     # unmerges
+    assert engine.merged_adapter is None and engine.merge_stats().switches >= 2
+    after = _base_weights(engine)
+    for key, tensor in before.items():
+        assert torch.equal(after[key], tensor), key
+
+
 def test_adapter_unloaded_and_reloaded_while_merged(tiny_model, prompts):
     """A merged adapter counts as in use: unloading it keeps its pages until a step unmerges it."""
     cases_old = [(prompts[0], "r64_all")]
