@@ -602,3 +602,26 @@ def test_silu_mul_keeps_nan_where_it_is():
     x[2, 32 + 7] = float("nan")       # up of column 7
     out = cpu_kernels.silu_mul(x)
     assert out[1, 5].isnan() and out[2, 7].isnan() and out.isnan().sum() == 2
+
+
+# ---- greedy sampling -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_greedy_rows_is_torch_argmax(dtype):
+    """Random rows, ties (the first wins), a NaN (picked, not finite), +inf, all -inf, vocab sizes
+    around the 256-wide blocks, strided rows: the token torch's argmax picks, and its finiteness."""
+    g = torch.Generator().manual_seed(9)
+    for vocab in (1, 255, 256, 257, 1000, 49152):
+        x = (torch.randn(12, vocab + 5, generator=g) * 4).to(dtype)[:, 2:2 + vocab]
+        if vocab > 3:
+            x[1, 3] = x[1, vocab - 1] = x[1].max() + 1        # a tie: the first
+            x[2, vocab // 2] = float("nan")
+            x[2, vocab - 1] = float("nan")
+            x[3, vocab - 2] = float("inf")
+            x[5, :] = x[5, 0]                                  # all equal: 0
+        x[4, :] = float("-inf")
+        for _ in at_thread_counts():
+            tokens, finite = cpu_kernels.greedy_rows(x)
+            expected = x.float().argmax(-1)
+            assert torch.equal(tokens, expected), (vocab, tokens, expected)
+            assert torch.equal(finite, torch.isfinite(x.float().gather(1, expected[:, None])[:, 0])), vocab

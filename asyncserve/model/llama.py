@@ -232,7 +232,7 @@ def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, 
             h, x = _residual_norm(h, d, w.layers[li + 1].input_norm, eps, native)
         else:
             h = h + d
-    hs = F.rms_norm(h[inp.sample_index], (h.shape[-1],), w.norm, eps)
+    _, hs = _residual_norm(h[inp.sample_index], None, w.norm, eps, native)
     return w.lm_head(hs)
 
 

@@ -116,6 +116,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return _lib().silu_mul(gate_up)
 
 
+def greedy_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [rows, vocab] (fp32 or bf16) -> (tokens [rows] int64: torch's argmax, the first maximum
+    or the first NaN; finite [rows] bool: whether the chosen logit is finite)."""
+    return _lib().greedy_rows(logits)
+
+
 def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   kv_rows: torch.Tensor, write_rows: torch.Tensor, k_offset: int, v_offset: int,
                   num_heads: int, num_kv_heads: int) -> None:

@@ -9,6 +9,7 @@
 #include "norm.h"
 #include "prefill_attention.h"
 #include "rope_kv.h"
+#include "sampling.h"
 
 namespace asyncserve {
 namespace {
@@ -71,6 +72,23 @@ at::Tensor silu_mul_op(at::Tensor gate_up) {
     silu_mul<T>(gate_up.data_ptr<T>(), gate_up.stride(0), out.data_ptr<T>(), inter, rows, inter);
   });
   return out;
+}
+
+// logits: [rows, vocab]; returns (tokens int64 [rows], finite bool [rows]): torch's argmax per row
+// and whether the logit it picks is finite.
+std::tuple<at::Tensor, at::Tensor> greedy_rows_op(at::Tensor logits) {
+  check_like(logits, logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logits must be [rows, vocab] with vocab >= 1");
+  const int64_t rows = logits.size(0);
+  at::Tensor tokens = at::empty({rows}, logits.options().dtype(at::kLong));
+  at::Tensor finite = at::empty({rows}, logits.options().dtype(at::kBool));
+  dispatch_dtype(logits, [&](auto zero) {
+    using T = decltype(zero);
+    pybind11::gil_scoped_release no_gil;
+    greedy_rows<T>(logits.data_ptr<T>(), logits.stride(0), rows, logits.size(1), tokens.data_ptr<int64_t>(),
+                   finite.data_ptr<bool>());
+  });
+  return {tokens, finite};
 }
 
 // qkv: [tokens, (nh + 2 nkv) hd], rotated in place; positions, write_rows: [tokens];
@@ -279,6 +297,7 @@ at::Tensor packed_linear_op(at::Tensor x, at::Tensor packed, int64_t out_feature
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &asyncserve::add_rms_norm_op, "h += delta (if given); returns rms_norm(h) * weight");
   m.def("silu_mul", &asyncserve::silu_mul_op, "silu(gate) * up of gate_up = [gate, up]");
+  m.def("greedy_rows", &asyncserve::greedy_rows_op, "argmax per row (torch's ties and NaN) and its finiteness");
   m.def("rope_write_kv", &asyncserve::rope_write_kv_op, "RoPE on q and k in place; k and v into the pool");
   m.def("paged_decode_attention", &asyncserve::paged_decode_attention_op, "decode attention over block tables");
   m.def("paged_prefill_attention", &asyncserve::paged_prefill_attention_op,
