@@ -300,6 +300,8 @@ class TorchLoraBackend(LoraBackend):
         return layers
 
     def project(self, layer: int, group: str, x: torch.Tensor, base: Linear) -> torch.Tensor:
+        if group not in self._plans:        # no step adapter targets the group: the base projection alone
+            return base(x)
         fused = self._fused_linear(layer, group, base)
         if fused is None:
             return super().project(layer, group, x, base)
