@@ -296,12 +296,6 @@ inline void accumulate_values_heads(const bf16* v_cache, const int64_t* offsets,
 
 // attend_part's contract. Scratch: scores [group * kDecodeChunk], head_max [group * 16] (lanes of
 // running maxima), correction [group].
-template <int Hint>
-inline void prefetch_row(const void* row, int64_t bytes) {
-  const char* p = static_cast<const char*>(row);
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, static_cast<_mm_hint>(Hint));
-}
-
 template <typename T, int HD>
 void attend_part_avx512(const T* q, int64_t q_head_stride, const T* k_cache, const T* v_cache, int64_t kv_head,
                         int64_t page_stride, int64_t slot_stride, const int64_t* table, int64_t row_begin,
@@ -337,8 +331,8 @@ void attend_part_avx512(const T* q, int64_t q_head_stride, const T* k_cache, con
       // the rows come from scattered pages, in the cache only if this step wrote them: ask for the
       // next tile's K rows and this tile's V rows (read after the chunk's softmax) while these compute
       for (int64_t j = j0 + kDecodeRows; j < std::min(n, j0 + 2 * kDecodeRows); ++j)
-        prefetch_row<_MM_HINT_T0>(k_cache + offsets[j], hd * int64_t(sizeof(T)));
-      for (int64_t j = j0; j < j0 + rows; ++j) prefetch_row<_MM_HINT_T1>(v_cache + offsets[j], hd * int64_t(sizeof(T)));
+        prefetch_row<3>(k_cache + offsets[j], hd * int64_t(sizeof(T)));
+      for (int64_t j = j0; j < j0 + rows; ++j) prefetch_row<2>(v_cache + offsets[j], hd * int64_t(sizeof(T)));
       for (int64_t g = 0; g < group; ++g) {
         const T* qg = q + g * q_head_stride;
         __m512 partial[kDecodeRows];
