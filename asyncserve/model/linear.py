@@ -4,8 +4,8 @@ Decode steps multiply 1..64 rows by every weight once, so the step is bound by h
 streams weights. On CPU, oneDNN with the weight reordered once into its blocked layout streams
 1.5-2.4x faster than MKL's F.linear at 16 rows (lm_head [16x576]x[576x49152]: 9.8 vs 23.8 ms on
 the AVX2 EPYC of BENCHMARKS.md). On CPUs with AVX512-BF16, the native kernel (kernels/cpu/gemm.h)
-overlaps the weight stream with the arithmetic that oneDNN runs after it: 1.3-1.6x oneDNN at 16
-rows of bf16 (BENCHMARKS.md). cuBLAS takes the checkpoint layout at full speed.
+overlaps the weight stream with the arithmetic that oneDNN runs after it: 1.15-1.9x oneDNN at 16
+rows of bf16, and faster at 1..256 rows (BENCHMARKS.md). cuBLAS takes the checkpoint layout at full speed.
 """
 from __future__ import annotations
 

@@ -160,7 +160,7 @@ def lora_segments(y: torch.Tensor, x: torch.Tensor, flat: torch.Tensor, runs: to
 
 
 def bf16_gemm_available() -> bool:
-    """Whether packed_linear runs here: the library built for a CPU with AVX512-BF16 (else None of it)."""
+    """Whether packed_linear runs here: the native kernels are on and were built for a CPU with AVX512-BF16."""
     return not disabled() and library() is not None and library().bf16_gemm_available()
 
 
