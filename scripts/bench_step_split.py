@@ -4,7 +4,7 @@
     .venv/bin/python scripts/bench_step_split.py --threads 1 --base     # the base model
     .venv/bin/python scripts/bench_step_split.py --threads 1 --cpu-clock   # on a loaded box
 
-16 W1 requests decode (max_running 17, prefix cache off, stacks packed after 44 warm-up steps);
+16 W1 requests decode (--decodes; max_running one more, prefix cache off, stacks packed after 44 warm-up
 then, --samples times each, the steps are measured as they come:
 
     16 dec                  decode steps (contexts ~110-130)
@@ -128,6 +128,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--base", action="store_true", help="the base model instead of W1's adapters")
     ap.add_argument("--samples", type=int, default=12, help="measured steps of each kind")
+    ap.add_argument("--decodes", type=int, default=16, help="sequences decoding in every measured step (1..16)")
     ap.add_argument("--cpu-clock", action="store_true", help="the thread's CPU time instead of the wall (1 thread)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -137,12 +138,12 @@ def main() -> None:
 
     args.repeat, args.adapter_dir = 1, None
     prompts, adapters = load_w1(args)
-    llm = LLM(model=args.model, adapters=adapters, dtype=args.dtype, device="cpu", max_running=17,
+    llm = LLM(model=args.model, adapters=adapters, dtype=args.dtype, device="cpu", max_running=args.decodes + 1,
               threads=args.threads, prefix_caching=False)
     engine, tok = llm.engine, llm.tokenizer
     ids = [tok.encode(p) for p in prompts]
     name = (lambda i: None) if args.base else (lambda i: adapter_of(i, adapters))
-    for i in range(16):
+    for i in range(args.decodes):
         engine.add(engine.make_sequence(ids[i], SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True),
                                         name(i)))
     for _ in range(44):                        # prefills done, the adapter set's stacks packed and fused

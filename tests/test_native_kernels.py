@@ -103,13 +103,16 @@ def test_paged_decode_attention_equals_float64(dtype, nh, nkv, hd, block, contex
     # q as the model passes it: a strided view into the rows of a wider qkv buffer
     qkv = torch.randn(n, (nh + 2 * nkv) * hd, generator=g).to(dtype)
     q = qkv[:, :nh * hd].view(n, nh, hd)
-    out = torch.empty(n, nh, hd, dtype=dtype)
     scale = hd ** -0.5
-    cpu_kernels.paged_decode_attention(out, q, kv[:, 0, layer], kv[:, 1, layer], tables,
-                                       torch.tensor(context_lens), scale)
     expected = reference_decode(q.double(), contexts, nkv, scale)
-    assert not out.isnan().any(), "read a slot past a sequence's context"
-    torch.testing.assert_close(out.double(), expected, rtol=0.0, atol=ATOL[dtype])
+    # the thread count decides how the work splits: a row's KV heads in one item, or one KV head
+    # per item, contexts in parts or whole
+    for _ in at_thread_counts((1, 2, 3)):
+        out = torch.empty(n, nh, hd, dtype=dtype)
+        cpu_kernels.paged_decode_attention(out, q, kv[:, 0, layer], kv[:, 1, layer], tables,
+                                           torch.tensor(context_lens), scale)
+        assert not out.isnan().any(), "read a slot past a sequence's context"
+        torch.testing.assert_close(out.double(), expected, rtol=0.0, atol=ATOL[dtype])
 
 
 def test_paged_decode_attention_many_sequences_and_thread_counts():

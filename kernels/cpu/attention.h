@@ -1,10 +1,12 @@
 // Paged decode attention: one query token per sequence against its cached K/V pages, read in place
-// through the block table (no gather copy). Work items are (sequence, KV head, context part): the
-// group of query heads that shares a KV head is computed together, so each K/V row is read once
-// for the group. Rows past a sequence's context length are never read, so stale or uninitialised
-// pool slots cannot leak in. When the step has too few (sequence, KV head) pairs to keep the
-// threads busy, contexts are split into parts (flash-decoding) whose partial results are merged by
-// their softmax statistics. fp32 accumulation throughout.
+// through the block table (no gather copy). Work items are (sequence, context part, KV heads): with
+// sequences enough to share out, an item takes all of a row's KV heads, so it walks each page's
+// rows in order (the pages are scattered and cold: every step streams the weights in between, so
+// the rows come from DRAM and want long sequential runs and prefetches well ahead); with fewer,
+// one KV head per item, and contexts are split into parts (flash-decoding) whose partial results
+// are merged by their softmax statistics. The group of query heads that shares a KV head is
+// computed together, so each K/V row is read once for the group. Rows past a sequence's context
+// length are never read, so stale or uninitialised pool slots cannot leak in. fp32 accumulation.
 //
 // On CPUs with AVX-512 (F, BW, VL; the build is -march=native per CPU, as for lora.h, so this is
 // chosen at build time for the machine that runs it) an item walks its rows in chunks of up to
@@ -45,6 +47,7 @@ namespace asyncserve {
 
 constexpr int64_t kAttentionTile = 32;        // rows scored before their values are accumulated
 constexpr int64_t kMinContextPart = 128;      // shortest context part worth its own work item
+constexpr int64_t kAheadRows = 32;            // K rows asked for (into L2) this far ahead of their use (16, 64: slower)
 
 struct DecodeAttentionShape {
   int64_t n, nh, nkv, hd, block;
@@ -294,26 +297,30 @@ inline void accumulate_values_heads(const bf16* v_cache, const int64_t* offsets,
   }
 }
 
-// attend_part's contract. Scratch: scores [group * kDecodeChunk], head_max [group * 16] (lanes of
-// running maxima), correction [group].
+// attend_part's contract for KV heads [kv_head, kv_head + kv_heads) at once: their heads' q rows are
+// consecutive (q_head_stride apart) and so are their acc, row_max and row_sum entries. Taking a
+// row's KV heads together walks the pages once, row after row, while one KV head per item (when
+// the step has too few rows to share out otherwise) reads a strided slice of each row. Scratch:
+// scores [heads * kDecodeChunk], head_max [heads * 16] (lanes of running maxima), correction [heads].
 template <typename T, int HD>
 void attend_part_avx512(const T* q, int64_t q_head_stride, const T* k_cache, const T* v_cache, int64_t kv_head,
-                        int64_t page_stride, int64_t slot_stride, const int64_t* table, int64_t row_begin,
-                        int64_t row_end, const DecodeAttentionShape& s, float scale, float* __restrict__ acc,
-                        float* row_max, float* row_sum, float* __restrict__ scores, float* __restrict__ head_max,
-                        float* __restrict__ correction) {
+                        int64_t kv_heads, int64_t page_stride, int64_t slot_stride, const int64_t* table,
+                        int64_t row_begin, int64_t row_end, const DecodeAttentionShape& s, float scale,
+                        float* __restrict__ acc, float* row_max, float* row_sum, float* __restrict__ scores,
+                        float* __restrict__ head_max, float* __restrict__ correction) {
   using Dot = DecodeDot<T>;
   constexpr int W = Dot::W;
-  const int64_t group = s.nh / s.nkv, hd = HD > 0 ? HD : s.hd;
+  const int64_t group = s.nh / s.nkv, hd = HD > 0 ? HD : s.hd, heads = kv_heads * group;
   const int64_t chunks = (hd + W - 1) / W, tail = hd - (chunks - 1) * W;   // q/K steps; the last one's width
   const __mmask32 tail_mask = tail == 32 ? ~__mmask32(0) : __mmask32((1u << tail) - 1);
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t g = 0; g < group; ++g) {
+  const int64_t slice_bytes = hd * int64_t(sizeof(T));
+  for (int64_t g = 0; g < heads; ++g) {
     row_max[g] = -std::numeric_limits<float>::infinity();
     row_sum[g] = 0.0f;
   }
-  std::fill(acc, acc + group * hd, 0.0f);
-  int64_t offsets[kDecodeChunk];
+  std::fill(acc, acc + heads * hd, 0.0f);
+  int64_t offsets[kDecodeChunk];      // the rows' first element of KV head kv_head
   for (int64_t t0 = row_begin; t0 < row_end; t0 += kDecodeChunk) {
     const int64_t n = std::min(kDecodeChunk, row_end - t0);
     for (int64_t j = 0, page = t0 / s.block, slot = t0 % s.block; j < n; ++j) {
@@ -324,23 +331,27 @@ void attend_part_avx512(const T* q, int64_t q_head_stride, const T* k_cache, con
       }
     }
     // scores of the chunk's rows, 16 at a time, and each head's lane-wise running max
-    for (int64_t g = 0; g < group; ++g) _mm512_storeu_ps(head_max + g * 16, minus_inf);
+    for (int64_t g = 0; g < heads; ++g) _mm512_storeu_ps(head_max + g * 16, minus_inf);
     for (int64_t j0 = 0; j0 < n; j0 += kDecodeRows) {
       const int64_t rows = std::min<int64_t>(kDecodeRows, n - j0);
       const __mmask16 valid = __mmask16((1u << rows) - 1);
-      // the rows come from scattered pages, in the cache only if this step wrote them: ask for the
-      // next tile's K rows and this tile's V rows (read after the chunk's softmax) while these compute
-      for (int64_t j = j0 + kDecodeRows; j < std::min(n, j0 + 2 * kDecodeRows); ++j)
-        prefetch_row<3>(k_cache + offsets[j], hd * int64_t(sizeof(T)));
-      for (int64_t j = j0; j < j0 + rows; ++j) prefetch_row<2>(v_cache + offsets[j], hd * int64_t(sizeof(T)));
-      for (int64_t g = 0; g < group; ++g) {
+      const int64_t ahead = std::max<int64_t>(0, std::min<int64_t>(kDecodeRows, n - j0 - kAheadRows));
+      for (int64_t g = 0; g < heads; ++g) {
         const T* qg = q + g * q_head_stride;
+        const int64_t kv = (g / group) * hd;          // this head's KV slice, from offsets
         __m512 partial[kDecodeRows];
 #pragma GCC unroll 16
         for (int j = 0; j < kDecodeRows; ++j) {
+          // the rows come from scattered pages, in the cache only if this step wrote them: the first
+          // head of each KV head asks for its slice of the next tile's K rows and of this tile's V
+          // rows (read after the chunk's softmax), spread over the dot products so they overlap
+          if (g % group == 0) {
+            if (j < ahead) prefetch_row<2>(k_cache + offsets[j0 + kAheadRows + j] + kv, slice_bytes);
+            if (j < rows) prefetch_row<2>(v_cache + offsets[j0 + j] + kv, slice_bytes);
+          }
           __m512 sum = _mm512_setzero_ps();
           if (j < rows) {       // rows past the context are never read
-            const T* k = k_cache + offsets[j0 + j];
+            const T* k = k_cache + offsets[j0 + j] + kv;
             for (int64_t c = 0; c + 1 < chunks; ++c)
               sum = Dot::madd(sum, Dot::load(qg + c * W, ~__mmask32(0)), Dot::load(k + c * W, ~__mmask32(0)));
             sum = Dot::madd(sum, Dot::load(qg + (chunks - 1) * W, tail_mask),
@@ -354,7 +365,7 @@ void attend_part_avx512(const T* q, int64_t q_head_stride, const T* k_cache, con
       }
     }
     // one softmax update per head for the chunk: probabilities in place of the scores
-    for (int64_t g = 0; g < group; ++g) {
+    for (int64_t g = 0; g < heads; ++g) {
       float* sg = scores + g * kDecodeChunk;
       const float new_max = std::max(row_max[g], _mm512_reduce_max_ps(_mm512_loadu_ps(head_max + g * 16)));
       // exp(-inf) on the first chunk: clamped to ~1e-38, times a zero sum and zero acc
@@ -370,15 +381,18 @@ void attend_part_avx512(const T* q, int64_t q_head_stride, const T* k_cache, con
       row_sum[g] = row_sum[g] * correction[g] + _mm512_reduce_add_ps(sum);
       row_max[g] = new_max;
     }
-    for (int64_t g = 0; g < group; g += 4) {
-      const float* pg = scores + g * kDecodeChunk;
-      switch (std::min<int64_t>(4, group - g)) {
-        case 1: accumulate_values_heads<1>(v_cache, offsets, n, hd, pg, correction + g, acc + g * hd); break;
-        case 2: accumulate_values_heads<2>(v_cache, offsets, n, hd, pg, correction + g, acc + g * hd); break;
-        case 3: accumulate_values_heads<3>(v_cache, offsets, n, hd, pg, correction + g, acc + g * hd); break;
-        default: accumulate_values_heads<4>(v_cache, offsets, n, hd, pg, correction + g, acc + g * hd); break;
+    // per KV head, its group's heads over its V slice, at most 4 heads a pass
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t g = h * group; g < (h + 1) * group; g += 4) {
+        const float* pg = scores + g * kDecodeChunk;
+        const T* v = v_cache + h * hd;
+        switch (std::min<int64_t>(4, (h + 1) * group - g)) {
+          case 1: accumulate_values_heads<1>(v, offsets, n, hd, pg, correction + g, acc + g * hd); break;
+          case 2: accumulate_values_heads<2>(v, offsets, n, hd, pg, correction + g, acc + g * hd); break;
+          case 3: accumulate_values_heads<3>(v, offsets, n, hd, pg, correction + g, acc + g * hd); break;
+          default: accumulate_values_heads<4>(v, offsets, n, hd, pg, correction + g, acc + g * hd); break;
+        }
       }
-    }
   }
 }
 #endif
@@ -394,55 +408,75 @@ void paged_decode_attention(T* out, int64_t out_s0, int64_t out_s1, const T* q, 
   const int64_t group = s.nh / s.nkv, hd = s.hd;
   int64_t max_ctx = 1;
   for (int64_t i = 0; i < s.n; ++i) max_ctx = std::max(max_ctx, context_lens[i]);
-  const int64_t pairs = s.n * s.nkv;
-  const int64_t busy = 4 * int64_t(at::get_num_threads());
+  const int64_t threads = at::get_num_threads(), busy = 4 * threads;
+  // Items are (sequence, context part, KV heads): all of a row's KV heads when there are sequences
+  // enough to share out, else one KV head each, and with too few of those the contexts split too.
+  const int64_t kv_per_item = s.n >= 2 * threads ? s.nkv : 1;
+  const int64_t slices = s.nkv / kv_per_item, heads = kv_per_item * group;
+  const int64_t pairs = s.n * slices;
   int64_t parts = 1;
   if (pairs < busy) parts = std::max<int64_t>(1, std::min((busy + pairs - 1) / pairs, max_ctx / kMinContextPart));
   const int64_t part_len = (max_ctx + parts - 1) / parts;
-  // parts > 1: each item's statistics and unnormalised output, merged below
+  // parts > 1: each (sequence, part, head)'s statistics and unnormalised output, merged below
   std::vector<float> part_acc, part_max, part_sum;
   if (parts > 1) {
-    part_acc.resize(pairs * parts * group * hd);
-    part_max.resize(pairs * parts * group);
-    part_sum.resize(pairs * parts * group);
+    part_acc.resize(s.n * parts * s.nh * hd);
+    part_max.resize(s.n * parts * s.nh);
+    part_sum.resize(s.n * parts * s.nh);
   }
   at::parallel_for(0, pairs * parts, 1, [&](int64_t begin, int64_t end) {
 #if ASYNCSERVE_DECODE_AVX512
-    std::vector<float> scratch(group * hd + group * kDecodeChunk + group * 16 + 3 * group);
+    std::vector<float> scratch(heads * hd + heads * kDecodeChunk + heads * 16 + 3 * heads);
     float* acc_own = scratch.data();
-    float* scores = acc_own + group * hd;
-    float* head_max = scores + group * kDecodeChunk;
-    float* correction = head_max + group * 16;
-    float* max_own = correction + group;
+    float* scores = acc_own + heads * hd;
+    float* head_max = scores + heads * kDecodeChunk;
+    float* correction = head_max + heads * 16;
+    float* max_own = correction + heads;
 #else
-    std::vector<float> scratch(group * hd * 2 + group * kAttentionTile + kAttentionTile * hd + 2 * group);
+    std::vector<float> scratch(group * hd + heads * hd + group * kAttentionTile + kAttentionTile * hd + 2 * heads);
     float* q_f32 = scratch.data();
     float* acc_own = q_f32 + group * hd;
-    float* scores = acc_own + group * hd;
+    float* scores = acc_own + heads * hd;
     float* tile_f32 = scores + group * kAttentionTile;
     float* max_own = tile_f32 + kAttentionTile * hd;
 #endif
-    float* sum_own = max_own + group;
+    float* sum_own = max_own + heads;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t i = item / (s.nkv * parts), kv_head = (item / parts) % s.nkv, part = item % parts;
+      const int64_t i = item / (slices * parts), part = (item / slices) % parts;
+      const int64_t kv_head = item % slices * kv_per_item;
       const int64_t row_begin = part * part_len, row_end = std::min(context_lens[i], row_begin + part_len);
-      float* acc = parts > 1 ? part_acc.data() + item * group * hd : acc_own;
-      float* row_max = parts > 1 ? part_max.data() + item * group : max_own;
-      float* row_sum = parts > 1 ? part_sum.data() + item * group : sum_own;
+      const int64_t first_head = (i * parts + part) * s.nh + kv_head * group;   // in the part arrays
+      float* acc = parts > 1 ? part_acc.data() + first_head * hd : acc_own;
+      float* row_max = parts > 1 ? part_max.data() + first_head : max_own;
+      float* row_sum = parts > 1 ? part_sum.data() + first_head : sum_own;
       if (row_begin >= row_end) {       // a short sequence's empty part: merges with weight zero
-        std::fill(row_sum, row_sum + group, 0.0f);
+        std::fill(row_sum, row_sum + heads, 0.0f);
         continue;
       }
+      // the next item's first rows, which it reads before its own prefetches run ahead of it
+      if (item + 1 < end) {
+        const int64_t next = item + 1, ni = next / (slices * parts), nkv_head = next % slices * kv_per_item;
+        const int64_t first = (next / slices) % parts * part_len;
+        const int64_t last = std::min(context_lens[ni], first + kAheadRows);
+        for (int64_t t = first; t < last; ++t) {
+          const int64_t offset = tables[ni * table_stride + t / s.block] * page_stride + (t % s.block) * slot_stride +
+                                 nkv_head * hd;
+          prefetch_row<2>(k_cache + offset, kv_per_item * hd * int64_t(sizeof(T)));
+        }
+      }
+      const T* qi = q + i * q_s0 + kv_head * group * q_s1;
+      const int64_t* table = tables + i * table_stride;
       auto attend = [&](auto head_dim) {
 #if ASYNCSERVE_DECODE_AVX512
-        attend_part_avx512<T, decltype(head_dim)::value>(
-            q + i * q_s0 + kv_head * group * q_s1, q_s1, k_cache, v_cache, kv_head, page_stride, slot_stride,
-            tables + i * table_stride, row_begin, row_end, s, scale, acc, row_max, row_sum, scores, head_max, correction);
+        attend_part_avx512<T, decltype(head_dim)::value>(qi, q_s1, k_cache, v_cache, kv_head, kv_per_item,
+                                                         page_stride, slot_stride, table, row_begin, row_end, s,
+                                                         scale, acc, row_max, row_sum, scores, head_max, correction);
 #else
-        attend_part<T, decltype(head_dim)::value>(
-            q + i * q_s0 + kv_head * group * q_s1, q_s1, k_cache, v_cache, kv_head, page_stride, slot_stride,
-            tables + i * table_stride, row_begin, row_end, s, scale, acc, row_max, row_sum, q_f32, scores,
-            tile_f32);
+        for (int64_t h = 0; h < kv_per_item; ++h)
+          attend_part<T, decltype(head_dim)::value>(
+              qi + h * group * q_s1, q_s1, k_cache, v_cache, kv_head + h, page_stride, slot_stride, table, row_begin,
+              row_end, s, scale, acc + h * group * hd, row_max + h * group, row_sum + h * group, q_f32, scores,
+              tile_f32);
 #endif
       };
       switch (hd) {
@@ -451,7 +485,7 @@ void paged_decode_attention(T* out, int64_t out_s0, int64_t out_s1, const T* q, 
         default: attend(std::integral_constant<int, 0>{}); break;
       }
       if (parts == 1) {
-        for (int64_t g = 0; g < group; ++g) {
+        for (int64_t g = 0; g < heads; ++g) {
           T* o = out + i * out_s0 + (kv_head * group + g) * out_s1;
           const float inv = 1.0f / row_sum[g];
           for (int64_t d = 0; d < hd; ++d) o[d] = from_float<T>(acc[g * hd + d] * inv);
@@ -463,15 +497,16 @@ void paged_decode_attention(T* out, int64_t out_s0, int64_t out_s1, const T* q, 
   at::parallel_for(0, s.n * s.nh, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> merged(hd);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t i = item / s.nh, head = item % s.nh, kv_head = head / group, g = head % group;
-      const int64_t first = (i * s.nkv + kv_head) * parts;
+      const int64_t i = item / s.nh, head = item % s.nh;
       float global_max = -std::numeric_limits<float>::infinity();
-      for (int64_t p = 0; p < parts; ++p)
-        if (part_sum[(first + p) * group + g] > 0.0f) global_max = std::max(global_max, part_max[(first + p) * group + g]);
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t k = (i * parts + p) * s.nh + head;
+        if (part_sum[k] > 0.0f) global_max = std::max(global_max, part_max[k]);
+      }
       std::fill(merged.begin(), merged.end(), 0.0f);
       float total = 0.0f;
       for (int64_t p = 0; p < parts; ++p) {
-        const int64_t k = (first + p) * group + g;
+        const int64_t k = (i * parts + p) * s.nh + head;
         if (part_sum[k] == 0.0f) continue;
         const float w = exp_nonpositive(part_max[k] - global_max);
         total += w * part_sum[k];
