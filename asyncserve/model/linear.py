@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels.cpu as cpu_kernels
+from asyncserve.model import hugepages
 
 
 class Linear:
@@ -58,13 +59,17 @@ class NativeLinear(Linear):
         super().__init__(weight)
         self.weight = self.pack(weight)
 
-    @staticmethod
-    def pack(weight: torch.Tensor) -> torch.Tensor:
+    # the packed weights share huge pages: every decode step streams all of them
+    arena = hugepages.Arena()
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> torch.Tensor:
         out_features, in_features = weight.shape
         blocks = -(-out_features // 16)
         padded = torch.zeros(blocks * 16, in_features, dtype=weight.dtype, device=weight.device)
         padded[:out_features] = weight
-        return padded.view(blocks, 16, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
+        packed = cls.arena.take(padded.numel(), weight.dtype).view(blocks, in_features // 2, 16, 2)
+        return packed.copy_(padded.view(blocks, 16, in_features // 2, 2).permute(0, 2, 1, 3))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_kernels.packed_linear(x, self.weight, self.out_features)   # x: [T, in] -> [T, out]

@@ -36,6 +36,8 @@ from typing import Hashable
 
 import torch
 
+from asyncserve.model import hugepages
+
 
 class PoolExhausted(RuntimeError):
     """Not enough free pages for an allocation; the caller waits, evicts or preempts."""
@@ -63,8 +65,11 @@ class PagedPool:
         self.page_numel = num_layers * 2 * block_size * num_kv_heads * head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        # data: [num_pages, page_numel]
-        self.data = torch.zeros(num_pages, self.page_numel, dtype=dtype, device=self.device)
+        # data: [num_pages, page_numel]; on CPU on huge pages, as a step reads KV rows all over it
+        if self.device.type == "cpu":
+            self.data = hugepages.empty(num_pages * self.page_numel, dtype).view(num_pages, self.page_numel).zero_()
+        else:
+            self.data = torch.zeros(num_pages, self.page_numel, dtype=dtype, device=self.device)
         # LIFO free list: recently freed pages are reused first (warm in cache)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._kind = ["free"] * num_pages          # free | kv | adapter | cached
