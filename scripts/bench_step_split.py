@@ -25,6 +25,10 @@ wrapped around them for the run, ~0.3 us per call):
     prepare     ModelRunner._prepare: the plan as tensors
     other       the rest of engine.step(): schedule, postprocess, the ops and Python between the above
 
+The classes are timed on the layer loop in Python (ASYNCSERVE_NATIVE_DECODER=0): the native loop
+(kernels/cpu/decoder.h) runs the same kernels in one call, which no Python timer can split. A last
+line gives the decode step both ways, alternated step by step.
+
 Prints one table per run (mean ms per step over each kind's steps), in BENCHMARKS.md's format.
 --cpu-clock times the thread's CPU (time.thread_time) instead of the wall: with --threads 1 the
 time other processes take the core from it then does not count.
@@ -133,6 +137,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
+    os.environ["ASYNCSERVE_NATIVE_DECODER"] = "0"
 
     from asyncserve import LLM, SamplingParams
 
@@ -200,6 +205,16 @@ def main() -> None:
     print("| **step** | " + " | ".join(f"**{mean(k, 'wall'):.2f}**" for k in shown) + " |")
     print("timed calls per step: " + ", ".join(f"{k}: {statistics.fmean(s['calls'] for s in kinds[k]):.0f}"
                                                for k in shown))
+    loops = {"0": [], "1": []}
+    for j in range(4 * args.samples):            # the decodes go on: decode steps, the loop alternated
+        mode = "01"[j % 2]
+        os.environ["ASYNCSERVE_NATIVE_DECODER"] = mode
+        t0 = clock()
+        engine.step()
+        loops[mode].append(clock() - t0)
+    python_loop, native_loop = (statistics.median(loops[m]) * 1e3 for m in "01")
+    print(f"{args.decodes} dec, median step: layer loop in Python {python_loop:.2f} ms (timers on), "
+          f"native {native_loop:.2f} ms")
 
 
 if __name__ == "__main__":

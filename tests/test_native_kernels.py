@@ -522,6 +522,56 @@ def test_engine_native_prefill_over_cached_pages_equals_eager(tiny_model, monkey
     assert runs["1"] == runs["0"]
 
 
+def test_native_decoder_loop_gives_the_python_loops_logits(tiny_model, monkeypatch):
+    """bf16 over packed weights: the layer loop in one native call (kernels/cpu/decoder.h) runs the
+    Python loop's kernels in its order, so every step's logits are the same bits: greedy tokens and
+    the top-5 logprobs of each, for the base and all adapters (every projection, ranks 1..64) in one
+    batch, prompts chunked beside decodes, one taking a cached prefix; then in dLoRA's merged mode,
+    whose swapped weights the loop must pick up."""
+    require_bf16_gemm()
+    from asyncserve.model import llama
+
+    root, tok, paths = tiny_model.root, tiny_model.tokenizer, tiny_model.adapters
+    rng = random.Random(11)
+    prefix = [rng.randrange(3, len(tok)) for _ in range(20)]
+    prompts = [prefix + [rng.randrange(3, len(tok)) for _ in range(rng.randint(1, 40))] for _ in range(6)]
+    names = [None, *ADAPTERS]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
+    native_steps = []
+    forward_native = llama._forward_native
+
+    def counted(*args):
+        native_steps.append(args[4].num_decode)
+        return forward_native(*args)
+
+    monkeypatch.setattr(llama, "_forward_native", counted)
+    runs = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("ASYNCSERVE_NATIVE_DECODER", mode)
+        llm = LLM(model=str(root), adapters={k: str(v) for k, v in paths.items()}, dtype="bfloat16", device="cpu",
+                  max_step_tokens=24)
+        outs = llm.generate([prompts[0]], params) + llm.generate(prompts, params, adapters=names)
+        runs[mode] = [(o.token_ids, o.logprobs, o.top_logprobs) for o in outs]
+        # merged every other step: the loop must run the merged weights, then the base ones again
+        engine = llm.engine
+        seqs = [engine.make_sequence(ids, params, "r64_all") for ids in prompts[:2]]
+        for seq in seqs:
+            engine.add(seq)
+        step = 0
+        while engine.has_unfinished():
+            plan = engine.schedule()
+            plan.merged = "r64_all" if step % 2 == 0 else None
+            engine.postprocess(plan, engine.run(plan))
+            step += 1
+        assert engine.merge_stats().switches >= 2
+        runs[mode] += [(seq.output_ids, seq.logprobs, seq.top_logprobs) for seq in seqs]
+        if mode == "1":
+            assert any(n == 0 for n in native_steps) and any(n > 0 for n in native_steps), native_steps
+            used = len(native_steps)
+    assert len(native_steps) == used, "ASYNCSERVE_NATIVE_DECODER=0 must run the Python loop"
+    assert runs["1"] == runs["0"]
+
+
 # ---- bf16 GEMM over packed weights (kernels/cpu/gemm.h, NativeLinear) ----------------------------
 
 def require_bf16_gemm():

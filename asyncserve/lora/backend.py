@@ -54,6 +54,7 @@ from asyncserve.lora.batch import LoraBatch
 from asyncserve.model.checkpoint import all_finite
 from asyncserve.model.config import GROUPS, PROJ_INDEX, ModelConfig
 from asyncserve.model.linear import Linear, make_linear, onednn_packs
+from asyncserve.model.llama import NativeStepLora
 from asyncserve.pager.pager import DeviceAdapter
 from asyncserve.pager.pool import PagedPool
 
@@ -77,6 +78,11 @@ class LoraBackend:
     def active(self) -> bool:
         """False when no token of this step has a device LoRA: the model then skips the backend."""
         raise NotImplementedError
+
+    def native_step(self) -> NativeStepLora | None:
+        """The step's LoRA for the native layer loop, where lora_segments computes all of it (None here:
+        the model calls project per group)."""
+        return None
 
     def base_weights_changed(self) -> None:
         """The base projections were replaced (an adapter merged or unmerged): drop what was built from them."""
@@ -189,6 +195,13 @@ class TorchLoraBackend(LoraBackend):
     @property
     def active(self) -> bool:
         return bool(self._plans)
+
+    def native_step(self) -> NativeStepLora | None:
+        if not self._plans or any(kind != "native" for kind, _ in self._plans.values()):
+            return None
+        runs, tables = next(iter(self._plans.values()))[1]       # one runs tensor for all groups
+        return NativeStepLora([runs if g in self._plans else None for g in GROUPS],
+                              [self._native_projections[g] for g in GROUPS], self.pool.flat, tables)
 
     def begin_step(self, batch: LoraBatch | None) -> None:
         self._plans = {}

@@ -8,25 +8,41 @@ the unified pool's pages (pager/pool.py).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 import kernels.cpu as cpu_kernels
-from asyncserve.model.config import ModelConfig
-from asyncserve.model.linear import Linear, make_linear
+from asyncserve.model.config import GROUPS, ModelConfig
+from asyncserve.model.linear import Linear, NativeLinear, make_linear
 
 
 class LoraHook(Protocol):
     """What forward() asks of a batched-LoRA backend (asyncserve/lora/): whether the step has LoRA
-    tokens, and each projection group's output, base and LoRA together."""
+    tokens, and each projection group's output, base and LoRA together; or the whole step's LoRA
+    for the native layer loop."""
     @property
     def active(self) -> bool: ...
 
     def project(self, layer: int, group: str, x: torch.Tensor, base: Linear) -> torch.Tensor:
         """x: [T, in] -> [T, out] of ``base`` plus the step's adapters' LoRA for their tokens."""
+
+    def native_step(self) -> NativeStepLora | None:
+        """The step's LoRA as kernels.cpu.lora_segments computes it in every group, or None where
+        some group needs ``project``."""
+
+
+@dataclass
+class NativeStepLora:
+    """A step's LoRA for the native layer loop (kernels/cpu/decoder.h): per group in GROUPS order, its
+    runs [num_runs, 3] (None: no step adapter targets it) and projections [P_g, 3], with the pool and
+    the step's adapter tables (LoraBatch.tables()), as lora_segments takes them."""
+    runs: list[torch.Tensor | None]
+    projections: list[torch.Tensor]
+    flat: torch.Tensor
+    tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 # Projections are Linear objects over the checkpoint's [out, in] weights (model/linear.py picks
@@ -47,6 +63,24 @@ class LlamaWeights:
     layers: list[LayerWeights]
     norm: torch.Tensor         # [hidden]
     lm_head: Linear            # hidden -> vocab (over the embedding itself when tied, unless reordered)
+    # the native layer loop over these weights (kernels.cpu.native_decoder), built on first use;
+    # False where some projection is not a NativeLinear
+    _decoder: object = field(default=None, repr=False)
+
+    def set_projection(self, layer: int, group: str, linear: Linear) -> None:
+        """Swap one layer's projection group (e.g. for a merged adapter's weights)."""
+        setattr(self.layers[layer], group, linear)
+        self._decoder = None
+
+    def native_decoder(self, config: ModelConfig):
+        """The native layer loop over these weights, or None where it cannot run them."""
+        if self._decoder is None:
+            linears = [getattr(lw, g) for lw in self.layers for g in GROUPS] + [self.lm_head]
+            self._decoder = all(isinstance(p, NativeLinear) for p in linears) and cpu_kernels.native_decoder(
+                [t for lw in self.layers for t in (lw.input_norm, lw.post_norm)], [p.weight for p in linears],
+                [p.out_features for p in linears], self.norm, self.lm_head.weight, config.num_heads,
+                config.num_kv_heads, config.head_dim, config.rms_norm_eps)
+        return self._decoder or None
 
     def nbytes(self) -> int:
         tensors = [self.embed, self.norm] + [t for lw in self.layers for t in (lw.input_norm, lw.post_norm)]
@@ -201,6 +235,10 @@ def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, 
     native = cpu_kernels.enabled_for(w.embed)   # fused C++ norm, RoPE + KV write, decode attention
 
     step_attention = plan_attention(inp, nh, nkv, hd, w.embed.dtype, native)
+    if native and cpu_kernels.decoder_loop_enabled() and (decoder := w.native_decoder(config)):
+        step_lora = lora.native_step() if use_lora else None
+        if step_lora is not None or not use_lora:
+            return _forward_native(decoder, w, rope, kv, inp, step_attention, step_lora)
     if not native:
         cos, sin = rope.tables(inp.positions)
         # KV rows this step writes, per layer: K rows then V rows, [layers, 2T]
@@ -234,6 +272,20 @@ def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, 
             h = h + d
     _, hs = _residual_norm(h[inp.sample_index], None, w.norm, eps, native)
     return w.lm_head(hs)
+
+
+def _forward_native(decoder, w: LlamaWeights, rope: Rope, kv: torch.Tensor, inp: StepInputs, a: StepAttention,
+                    step_lora: NativeStepLora | None) -> torch.Tensor:
+    """forward() in one native call (kernels/cpu/decoder.h): the same kernels, the same logits."""
+    h = F.embedding(inp.input_ids, w.embed)                       # [T, hidden]
+    n = inp.num_decode
+    if step_lora is None:
+        lora = (None, [], [], None, None, None, None)
+    else:
+        lora = (step_lora.flat, step_lora.runs, step_lora.projections, *step_lora.tables)
+    decode_tables = a.decode_pages.view(n, -1) if n else a.decode_pages.view(0, 0)
+    return decoder.forward(h, inp.positions, rope.cos, rope.sin, kv, inp.write_rows, n, decode_tables, a.decode_lens,
+                           a.prefill_tables, a.prefill_starts, a.prefill_first_pos, inp.sample_index, *lora)
 
 
 def silu_mul(gate_up: torch.Tensor, native: bool = False) -> torch.Tensor:

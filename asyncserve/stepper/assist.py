@@ -236,6 +236,9 @@ class AssistedLora:
 
     active = True
 
+    def native_step(self) -> None:
+        return None          # the workers' deltas join per layer, in project
+
     def project(self, layer: int, group: str, x: torch.Tensor, base: Linear) -> torch.Tensor:
         backend = self.backend
         device_project = (lambda x: backend.project(layer, group, x, base)) if backend.active else base

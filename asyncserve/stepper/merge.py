@@ -168,12 +168,12 @@ class WeightMerger:
                 merged[(li, group)] = type(base)(w)
         for (li, group), linear in merged.items():
             self._originals[(li, group)] = getattr(self.weights.layers[li], group)
-            setattr(self.weights.layers[li], group, linear)
+            self.weights.set_projection(li, group, linear)
         self.lora.base_weights_changed()
 
     def _unmerge(self) -> None:
         for (li, group), linear in self._originals.items():
-            setattr(self.weights.layers[li], group, linear)
+            self.weights.set_projection(li, group, linear)
         self._originals.clear()
         self.merged, self.merged_load = None, None
         self.lora.base_weights_changed()

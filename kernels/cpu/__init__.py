@@ -5,7 +5,9 @@ The build is cached per source (and its folder), torch version, Python version a
 ``-march=native``, so each CPU gets its own vector width (AVX-512, AVX2, ...). ``scripts/setup.sh``
 builds it ahead of the first request. Without a compiler, or if the build fails, ``library()`` is
 None, the model runs its eager torch ops and the log says so once. ``ASYNCSERVE_NATIVE=0`` keeps
-the model on the eager ops (``enabled_for``) without building anything.
+the model on the eager ops (``enabled_for``) without building anything; ``ASYNCSERVE_NATIVE_DECODER=0``
+keeps the native kernels but runs the layer loop in Python (``decoder_loop_enabled``), as
+``scripts/bench_step_split.py`` does to time each kernel.
 """
 from __future__ import annotations
 
@@ -99,6 +101,11 @@ def enabled_for(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype in DTYPES and not disabled() and library() is not None
 
 
+def decoder_loop_enabled() -> bool:
+    """Whether forward may run the layers in one native call (NativeDecoder, decoder.h)."""
+    return os.environ.get("ASYNCSERVE_NATIVE_DECODER", "1") != "0"
+
+
 def _lib() -> ModuleType:
     lib = library()
     if lib is None:
@@ -168,3 +175,12 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> t
     """x: [rows, in] bf16 (in even) -> x W^T: [rows, out_features] bf16, for W packed by
     asyncserve.model.linear.NativeLinear as [ceil(out / 16), in / 2, 16, 2]."""
     return _lib().packed_linear(x, packed, out_features)
+
+
+def native_decoder(norms: list[torch.Tensor], packed: list[torch.Tensor], out_features: list[int],
+                   final_norm: torch.Tensor, lm_head: torch.Tensor, num_heads: int, num_kv_heads: int,
+                   head_dim: int, eps: float):
+    """The layer loop of one step in one call (decoder.h). norms: input_norm, post_norm per layer;
+    packed, out_features: NativeLinear's weights, qkv, o, gate_up, down per layer, then lm_head's."""
+    return _lib().NativeDecoder(norms, packed, out_features, final_norm, lm_head, num_heads, num_kv_heads,
+                                head_dim, eps)

@@ -1,5 +1,6 @@
 // Python bindings of the native CPU kernels (one translation unit: torch's headers are slow to
-// compile). Each op checks shapes, dtypes and every index it will follow, then releases the GIL.
+// compile). Each op checks shapes, dtypes and every index it will follow; the bindings release the
+// GIL around the whole call, so the ops also run inside the decoder's layer loop (decoder.h).
 #include <torch/extension.h>
 
 #include "activation.h"
@@ -52,7 +53,6 @@ at::Tensor add_rms_norm_op(at::Tensor h, c10::optional<at::Tensor> delta, at::Te
   at::Tensor out = at::empty({rows, hidden}, h.options());
   dispatch_dtype(h, [&](auto zero) {
     using T = decltype(zero);
-    pybind11::gil_scoped_release no_gil;
     add_rms_norm<T>(h.data_ptr<T>(), h.stride(0), delta ? delta->data_ptr<T>() : nullptr,
                     delta ? delta->stride(0) : 0, weight.data_ptr<T>(), out.data_ptr<T>(), hidden, rows, hidden,
                     float(eps));
@@ -68,7 +68,6 @@ at::Tensor silu_mul_op(at::Tensor gate_up) {
   at::Tensor out = at::empty({rows, inter}, gate_up.options());
   dispatch_dtype(gate_up, [&](auto zero) {
     using T = decltype(zero);
-    pybind11::gil_scoped_release no_gil;
     silu_mul<T>(gate_up.data_ptr<T>(), gate_up.stride(0), out.data_ptr<T>(), inter, rows, inter);
   });
   return out;
@@ -84,7 +83,6 @@ std::tuple<at::Tensor, at::Tensor> greedy_rows_op(at::Tensor logits) {
   at::Tensor finite = at::empty({rows}, logits.options().dtype(at::kBool));
   dispatch_dtype(logits, [&](auto zero) {
     using T = decltype(zero);
-    pybind11::gil_scoped_release no_gil;
     greedy_rows<T>(logits.data_ptr<T>(), logits.stride(0), rows, logits.size(1), tokens.data_ptr<int64_t>(),
                    finite.data_ptr<bool>());
   });
@@ -119,7 +117,6 @@ void rope_write_kv_op(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::
   }
   dispatch_dtype(qkv, [&](auto zero) {
     using T = decltype(zero);
-    pybind11::gil_scoped_release no_gil;
     rope_write_kv<T>(qkv.data_ptr<T>(), qkv.stride(0), pos, cos.data_ptr<T>(), sin.data_ptr<T>(), cos.stride(0),
                      kv_rows.data_ptr<T>(), rows, k_offset, v_offset, tokens, nh, nkv, hd);
   });
@@ -154,7 +151,6 @@ void paged_decode_attention_op(at::Tensor out, at::Tensor q, at::Tensor k_cache,
   }
   dispatch_dtype(q, [&](auto zero) {
     using T = decltype(zero);
-    pybind11::gil_scoped_release no_gil;
     paged_decode_attention<T>(out.data_ptr<T>(), out.stride(0), out.stride(1), q.data_ptr<T>(), q.stride(0),
                               q.stride(1), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), k_cache.stride(0),
                               k_cache.stride(1), table, width, lens, s, float(scale));
@@ -199,7 +195,6 @@ void paged_prefill_attention_op(at::Tensor out, at::Tensor q, at::Tensor k_cache
   }
   dispatch_dtype(q, [&](auto zero) {
     using T = decltype(zero);
-    pybind11::gil_scoped_release no_gil;
     paged_prefill_attention<T>(out.data_ptr<T>(), out.stride(0), out.stride(1), q.data_ptr<T>(), q.stride(0),
                                q.stride(1), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), k_cache.stride(0),
                                k_cache.stride(1), table, width, starts, pos, chunks, s, float(scale));
@@ -259,7 +254,6 @@ void lora_segments_op(at::Tensor y, at::Tensor x, at::Tensor flat, at::Tensor ru
   }
   dispatch_dtype(x, [&](auto zero) {
     using T = decltype(zero);
-    pybind11::gil_scoped_release no_gil;
     lora_segments<T>(y.data_ptr<T>(), y.stride(0), x.data_ptr<T>(), x.stride(0), fan_in, flat.data_ptr<T>(), tables,
                      run, runs.size(0), proj, projections.size(0));
   });
@@ -282,7 +276,6 @@ at::Tensor packed_linear_op(at::Tensor x, at::Tensor packed, int64_t out_feature
   at::Tensor y = at::empty({M, N}, xc.options());
 #if ASYNCSERVE_BF16_GEMM
   if (M > 0) {
-    pybind11::gil_scoped_release no_gil;
     packed_linear_bf16(reinterpret_cast<const uint16_t*>(xc.data_ptr()), M, K / 2,
                        reinterpret_cast<const uint16_t*>(packed.data_ptr()), packed.size(0),
                        reinterpret_cast<uint16_t*>(y.data_ptr()), N);
@@ -294,15 +287,24 @@ at::Tensor packed_linear_op(at::Tensor x, at::Tensor packed, int64_t out_feature
 }  // namespace
 }  // namespace asyncserve
 
+#include "decoder.h"
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("add_rms_norm", &asyncserve::add_rms_norm_op, "h += delta (if given); returns rms_norm(h) * weight");
-  m.def("silu_mul", &asyncserve::silu_mul_op, "silu(gate) * up of gate_up = [gate, up]");
-  m.def("greedy_rows", &asyncserve::greedy_rows_op, "argmax per row (torch's ties and NaN) and its finiteness");
-  m.def("rope_write_kv", &asyncserve::rope_write_kv_op, "RoPE on q and k in place; k and v into the pool");
-  m.def("paged_decode_attention", &asyncserve::paged_decode_attention_op, "decode attention over block tables");
-  m.def("paged_prefill_attention", &asyncserve::paged_prefill_attention_op,
+  namespace py = pybind11;
+  using namespace asyncserve;
+  const auto no_gil = py::call_guard<py::gil_scoped_release>();
+  m.def("add_rms_norm", &add_rms_norm_op, no_gil, "h += delta (if given); returns rms_norm(h) * weight");
+  m.def("silu_mul", &silu_mul_op, no_gil, "silu(gate) * up of gate_up = [gate, up]");
+  m.def("greedy_rows", &greedy_rows_op, no_gil, "argmax per row (torch's ties and NaN) and its finiteness");
+  m.def("rope_write_kv", &rope_write_kv_op, no_gil, "RoPE on q and k in place; k and v into the pool");
+  m.def("paged_decode_attention", &paged_decode_attention_op, no_gil, "decode attention over block tables");
+  m.def("paged_prefill_attention", &paged_prefill_attention_op, no_gil,
         "prefill chunks' causal attention over block tables");
-  m.def("packed_linear", &asyncserve::packed_linear_op, "x W^T over a weight packed by NativeLinear (bf16)");
-  m.def("bf16_gemm_available", [] { return asyncserve::kBf16Gemm; }, "whether packed_linear runs on this build");
-  m.def("lora_segments", &asyncserve::lora_segments_op, "y += each run's LoRA, read from the pool rows");
+  m.def("packed_linear", &packed_linear_op, no_gil, "x W^T over a weight packed by NativeLinear (bf16)");
+  m.def("bf16_gemm_available", [] { return kBf16Gemm; }, "whether packed_linear runs on this build");
+  m.def("lora_segments", &lora_segments_op, no_gil, "y += each run's LoRA, read from the pool rows");
+  py::class_<NativeDecoder>(m, "NativeDecoder")
+      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>, at::Tensor, at::Tensor,
+                    int64_t, int64_t, int64_t, double>())
+      .def("forward", &NativeDecoder::forward, no_gil, "the layers, final norm and lm_head of one step");
 }
