@@ -12,52 +12,38 @@ turns the advice off (to measure without it).
 """
 from __future__ import annotations
 
-import ctypes
-import logging
+import mmap
 import os
 import sys
 
 import torch
 
-log = logging.getLogger(__name__)
-
 HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE = 14
-# an Arena's region size (a larger request gets a region of its own); at 32 MiB and more, glibc
-# maps every allocation afresh (its mmap threshold tops out there), so the pages are untouched
-CHUNK_BYTES = 32 << 20
-
-_libc = None
+CHUNK_BYTES = 32 << 20         # an Arena's region size (a larger request gets a region of its own)
 
 
 def enabled() -> bool:
-    return sys.platform.startswith("linux") and os.environ.get("ASYNCSERVE_HUGE_PAGES", "1") != "0"
-
-
-def _advise(address: int, nbytes: int) -> bool:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    if _libc.madvise(address, nbytes, MADV_HUGEPAGE) == 0:
-        return True
-    log.debug("madvise(MADV_HUGEPAGE) failed: errno %d", ctypes.get_errno())
-    return False
+    return (sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE")
+            and os.environ.get("ASYNCSERVE_HUGE_PAGES", "1") != "0")
 
 
 def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A new 1-D CPU tensor of ``numel`` elements, uninitialised, starting on a 2 MiB boundary and
-    advised for huge pages (plain pages when not ``enabled()``)."""
-    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    """A new 1-D CPU tensor of ``numel`` elements, uninitialised, starting on a 2 MiB boundary of a
+    fresh anonymous mapping advised for huge pages (plain memory when not ``enabled()``). The
+    mapping is its own, not the allocator's: memory the allocator hands out again may have been
+    touched already, as 4 KiB pages."""
     if not enabled():
         return torch.empty(numel, dtype=dtype)
-    size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    # allocations this large are fresh anonymous mappings, untouched until written
-    raw = torch.empty(size + HUGE_PAGE, dtype=torch.uint8)
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    size = -(-max(nbytes, 1) // HUGE_PAGE) * HUGE_PAGE
+    mapping = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)           # keeps the mapping alive
     start = -raw.data_ptr() % HUGE_PAGE
-    region = raw[start:start + size]
-    _advise(region.data_ptr(), size)
-    return region[:nbytes].view(dtype)
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE, start, size)
+    except OSError:          # a kernel without THP: ordinary pages
+        pass
+    return raw[start:start + nbytes].view(dtype)
 
 
 class Arena:
