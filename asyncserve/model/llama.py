@@ -3,7 +3,9 @@
 A step's tokens from many sequences are concatenated: decode tokens first (one per sequence), then
 prefill chunks. Base projections run once for all tokens; when a step has LoRA tokens, the
 batched-LoRA backend runs each projection group (base and LoRA, which it may fuse). KV lives in
-the unified pool's pages (pager/pool.py).
+the unified pool's pages (pager/pool.py). On CPUs where every projection is a NativeLinear and the
+step's LoRA is lora_segments' (LoraHook.native_step), the same layer loop runs in one native call
+(kernels/cpu/decoder.h): the same kernels in the same order, the same logits.
 """
 from __future__ import annotations
 
