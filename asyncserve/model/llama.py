@@ -67,7 +67,7 @@ class LlamaWeights:
     lm_head: Linear            # hidden -> vocab (over the embedding itself when tied, unless reordered)
     # the native layer loop over these weights (kernels.cpu.native_decoder), built on first use;
     # False where some projection is not a NativeLinear
-    _decoder: object = field(default=None, repr=False)
+    _decoder: object = field(default=None, repr=False, compare=False)
 
     def set_projection(self, layer: int, group: str, linear: Linear) -> None:
         """Swap one layer's projection group (e.g. for a merged adapter's weights)."""
