@@ -26,6 +26,36 @@ def require_native_kernels() -> None:
     pytest.fail(f"native CPU kernels failed to build: {cpu_kernels.error()}")
 
 
+def record_calls(monkeypatch, owner, name: str, note) -> None:
+    """Replace ``owner.name`` (for the test) with a wrapper that calls note(*args), then the original."""
+    original = getattr(owner, name)
+
+    def recorded(*args):
+        note(*args)
+        return original(*args)
+
+    monkeypatch.setattr(owner, name, recorded)
+
+
+def run_merged(engine, cases, merged_for, params, after_step=None) -> list:
+    """Run (prompt ids, adapter) cases to the end through schedule -> run -> postprocess, each plan's
+    ``merged`` set to merged_for(plan, step index); after_step(step index) runs after each step.
+    Returns the cases' sequences."""
+    seqs = [engine.make_sequence(ids, params, adapter) for ids, adapter in cases]
+    for seq in seqs:
+        engine.add(seq)
+    step = 0
+    while engine.has_unfinished():
+        plan = engine.schedule()
+        assert plan
+        plan.merged = merged_for(plan, step)
+        engine.postprocess(plan, engine.run(plan))
+        if after_step is not None:
+            after_step(step)
+        step += 1
+    return seqs
+
+
 def save_tiny_llama(folder: Path, tokenizer_source, *, hidden=64, layers=2, heads=4, kv_heads=2,
                     intermediate=128, tie=False, seed=0, rope_theta=10000.0, max_pos=512,
                     max_shard_size=None):

@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from reference import ADAPTERS, TEST_DEVICE, assert_greedy_matches, peft_references
+from reference import ADAPTERS, TEST_DEVICE, assert_greedy_matches, peft_references, run_merged
 
 from asyncserve import LLM, SamplingParams
 from asyncserve.lora.backend import TorchLoraBackend
@@ -44,21 +44,8 @@ def merge_when_alone(name: str):
 
 
 def generate(engine, cases, merged_for, params: SamplingParams = GREEDY, after_step=None) -> list[list[int]]:
-    """Run (prompt ids, adapter) cases to the end through schedule -> run -> postprocess, each plan's
-    ``merged`` set to merged_for(plan, step index); after_step(step index) runs after each step."""
-    seqs = [engine.make_sequence(ids, params, adapter) for ids, adapter in cases]
-    for seq in seqs:
-        engine.add(seq)
-    step = 0
-    while engine.has_unfinished():
-        plan = engine.schedule()
-        assert plan
-        plan.merged = merged_for(plan, step)
-        engine.postprocess(plan, engine.run(plan))
-        if after_step is not None:
-            after_step(step)
-        step += 1
-    return [seq.output_ids for seq in seqs]
+    """The cases' output token ids, run through reference.run_merged."""
+    return [seq.output_ids for seq in run_merged(engine, cases, merged_for, params, after_step)]
 
 
 def _assert_matches(outs, refs, cases, label: str) -> None:

@@ -12,7 +12,8 @@ import torch
 
 import kernels.cpu as cpu_kernels
 from asyncserve import LLM, SamplingParams
-from reference import ADAPTERS, assert_greedy_matches, reference_greedy, require_native_kernels
+from reference import (ADAPTERS, assert_greedy_matches, record_calls, reference_greedy, require_native_kernels,
+                       run_merged)
 
 DTYPES = [torch.float32, torch.bfloat16]
 # output tolerance relative to the values' scale: fp32 accumulation either way, bf16 rounds the result
@@ -461,10 +462,7 @@ def test_engine_native_equals_eager_and_transformers(tiny_model, monkeypatch):
 
     calls = {"paged_decode_attention": 0, "lora_segments": 0}
     for name in calls:
-        def counted(*a, _kernel=getattr(cpu_kernels, name), _name=name):
-            calls[_name] += 1
-            return _kernel(*a)
-        monkeypatch.setattr(cpu_kernels, name, counted)
+        record_calls(monkeypatch, cpu_kernels, name, lambda *a, _name=name: calls.__setitem__(_name, calls[_name] + 1))
     runs = {}
     for mode in ("1", "0"):
         monkeypatch.setenv("ASYNCSERVE_NATIVE", mode)
@@ -498,13 +496,7 @@ def test_engine_native_prefill_over_cached_pages_equals_eager(tiny_model, monkey
     names = [None, "r8_attn_rs", None, "r64_all"]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     first_positions = []
-    attend = cpu_kernels.paged_prefill_attention
-
-    def counted(*args):
-        first_positions.extend(args[6].tolist())
-        attend(*args)
-
-    monkeypatch.setattr(cpu_kernels, "paged_prefill_attention", counted)
+    record_calls(monkeypatch, cpu_kernels, "paged_prefill_attention", lambda *a: first_positions.extend(a[6].tolist()))
     runs = {}
     for mode in ("1", "0"):
         monkeypatch.setenv("ASYNCSERVE_NATIVE", mode)
@@ -538,13 +530,7 @@ def test_native_decoder_loop_gives_the_python_loops_logits(tiny_model, monkeypat
     names = [None, *ADAPTERS]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
     native_steps = []
-    forward_native = llama._forward_native
-
-    def counted(*args):
-        native_steps.append(args[4].num_decode)
-        return forward_native(*args)
-
-    monkeypatch.setattr(llama, "_forward_native", counted)
+    record_calls(monkeypatch, llama, "_forward_native", lambda *a: native_steps.append(a[4].num_decode))
     runs = {}
     for mode in ("1", "0"):
         monkeypatch.setenv("ASYNCSERVE_NATIVE_DECODER", mode)
@@ -554,15 +540,8 @@ def test_native_decoder_loop_gives_the_python_loops_logits(tiny_model, monkeypat
         runs[mode] = [(o.token_ids, o.logprobs, o.top_logprobs) for o in outs]
         # merged every other step: the loop must run the merged weights, then the base ones again
         engine = llm.engine
-        seqs = [engine.make_sequence(ids, params, "r64_all") for ids in prompts[:2]]
-        for seq in seqs:
-            engine.add(seq)
-        step = 0
-        while engine.has_unfinished():
-            plan = engine.schedule()
-            plan.merged = "r64_all" if step % 2 == 0 else None
-            engine.postprocess(plan, engine.run(plan))
-            step += 1
+        seqs = run_merged(engine, [(ids, "r64_all") for ids in prompts[:2]],
+                          lambda plan, step: "r64_all" if step % 2 == 0 else None, params)
         assert engine.merge_stats().switches >= 2
         runs[mode] += [(seq.output_ids, seq.logprobs, seq.top_logprobs) for seq in seqs]
         if mode == "1":

@@ -34,7 +34,7 @@ def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     touched already, as 4 KiB pages."""
     if not enabled():
         return torch.empty(numel, dtype=dtype)
-    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     size = -(-max(nbytes, 1) // HUGE_PAGE) * HUGE_PAGE
     mapping = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(mapping, dtype=torch.uint8)           # keeps the mapping alive
@@ -59,7 +59,7 @@ class Arena:
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A new 1-D CPU tensor of ``numel`` elements, uninitialised."""
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         used = -(-self._used // self.ALIGN) * self.ALIGN
         if self._region is None or used + nbytes > self._region.numel():
             if nbytes > self.chunk_bytes:            # a region of its own
