@@ -100,6 +100,10 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--adapter-dir", default=None,
                    help="register every adapter folder inside DIR at startup (each read from disk when a request "
                         "first needs it; thousands are fine)")
+    s.add_argument("--preload-adapters", action="store_true",
+                   help="read the --adapter-dir adapters into the host tier at start, in the background, while "
+                        "it has free room (none is evicted for them; requests' own loads go first), so that "
+                        "first requests skip the disk read (S-LoRA keeps every adapter in host memory)")
     s.add_argument("--adapter-root", default=None, help="allow /v1/load_lora_adapter for folders inside DIR")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
@@ -154,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         config = _config(args)
         config.served_model_name = args.served_model_name
         config.adapter_dir, config.adapter_root = args.adapter_dir, args.adapter_root
+        config.preload_adapters = args.preload_adapters
         config.host, config.port, config.api_key = args.host, args.port, args.api_key
         config.max_waiting, config.shutdown_grace_s = args.max_waiting, args.shutdown_grace
         config.peers, config.node_id, config.advertise_url = args.peers, args.node_id, args.advertise_url

@@ -55,6 +55,7 @@ class Config:
     api_key: str | None = None
     adapter_root: str | None = None          # runtime load_lora_adapter only below this folder
     adapter_dir: str | None = None           # register every adapter folder in it (read on demand)
+    preload_adapters: bool = False           # read the registered adapters into the host tier's free room at start
     host_adapter_mem: int | str | None = None   # bytes of the host tier (shared memory); default: RAM / 4
     pinned_adapters: list[str] = field(default_factory=list)   # kept on the device for good
     max_waiting: int = 1024                  # queued requests beyond this get 429

@@ -14,6 +14,7 @@ import logging
 import random
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -128,6 +129,8 @@ class Engine:
         self.pager = AdapterPager(self.pool, mc, self.dtype, config.host_adapter_bytes())
         self.parked: dict[str, list[Sequence]] = {}    # adapter on disk -> requests waiting for its load
         self._loading: dict[str, float] = {}            # parked adapter whose load has started (server) -> when
+        self._preload: deque[str] = deque()             # registered adapters still to read into the host tier
+        self.preloading = False                         # until take_preload finds no more
         self.lora_backend_name = config.resolved_lora_backend(self.device)
         lora = make_lora_backend(self.lora_backend_name, self.pool, mc)
         eos = self.tokenizer.eos_token_ids
@@ -154,6 +157,9 @@ class Engine:
             self.register_adapter_dir(config.adapter_dir)
         for name in config.pinned_adapters:
             self.pin_adapter(name)
+        if config.preload_adapters:
+            self._preload.extend(sorted(self.pager.registry))
+            self.preloading = True
         if config.step_profile == "auto":         # on the idle engine, before the CPU workers start
             start = starting_coefficients(self, config.resolved_step_profile_dir())
             if start is not None:
@@ -236,6 +242,35 @@ class Engine:
         names = [name for name in self.parked if name not in self._loading]
         self._loading.update(dict.fromkeys(names, time.monotonic()))
         return names
+
+    def take_preload(self) -> str | None:
+        """preload_adapters: the next registered adapter, in name order, that is neither in the host tier
+        nor being read and fits the tier's free room now (none is evicted for it); marked begun. None
+        when no more is left to preload."""
+        while self._preload:
+            name = self._preload.popleft()
+            reg = self.pager.registry.get(name)
+            if reg is None or name in self.pager.host or name in self._loading:
+                continue
+            if self.pager.arena.fits(reg.host_bytes):
+                self._loading[name] = time.monotonic()
+                return name
+        self.preloading = False
+        return None
+
+    def preload_now(self) -> int:
+        """Offline: preload in the calling thread; an adapter that fails to load is skipped with a
+        warning (its requests fail when they come). Returns how many were read."""
+        count = 0
+        while (name := self.take_preload()) is not None:
+            try:
+                self._load_now(name)
+                count += 1
+            except (AdapterError, OSError) as e:
+                log.warning("preload: adapter %s could not be loaded: %s", name, e)
+            finally:
+                self._loading.pop(name, None)
+        return count
 
     def host_room(self, name: str) -> bool:
         """Evict idle host adapters until the name's block fits; False while the tier is full of

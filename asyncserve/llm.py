@@ -2,6 +2,7 @@
 
     llm = LLM(model=None, adapters={"name": "peft-folder"})
     llm = LLM(adapter_dir="folder-of-adapters", host_adapter_mem="4GiB")   # registered; read when first used
+    llm = LLM(adapter_dir="folder-of-adapters", preload_adapters=True)     # read into host memory now
     outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0), adapters=[...])
 """
 from __future__ import annotations
@@ -38,6 +39,8 @@ class LLM:
                  device: str = "auto", lora_backend: str = "auto", **engine_kwargs):
         self.engine = Engine(Config(model=model, adapters=dict(adapters or {}), dtype=dtype, device=device,
                                           lora_backend=lora_backend, **engine_kwargs))
+        if self.engine.config.preload_adapters:
+            self.engine.preload_now()
         self.tokenizer = self.engine.tokenizer
 
     def load_adapter(self, name: str, path: str, pinned: bool = False) -> None:

@@ -98,6 +98,8 @@ class Metrics:
         self.adapters_loaded = Gauge("asyncserve_adapters_loaded", "Adapters per memory tier (inclusive: one on "
                                      "the device is also on host and disk; disk: every registered one)", ["tier"],
                                      registry=r)
+        self.adapters_preloading = Gauge("asyncserve_adapters_preloading", "1 while --preload-adapters still reads "
+                                         "registered adapters into the host tier, else 0", registry=r)
         self.adapter_loads = Counter("asyncserve_adapter_loads", "Adapters paged into the device pool", registry=r)
         self.adapter_load_seconds = Histogram("asyncserve_adapter_load_seconds", "Adapter load time, by the tier "
                                               "it came from: disk (into host memory) or host (into the device pool)",
@@ -152,6 +154,7 @@ class Metrics:
         self.adapters_loaded.labels("device").set(s.adapters_resident)
         self.adapters_loaded.labels("host").set(s.adapters_host)
         self.adapters_loaded.labels("disk").set(s.adapters_registered)
+        self.adapters_preloading.set(int(engine.preloading))
         for tier, adapter, seconds in engine.take_load_times():
             self.adapter_load_seconds.labels(tier).observe(seconds)
             self.adapter_traffic.record_load(adapter, seconds)

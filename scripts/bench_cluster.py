@@ -15,6 +15,8 @@ Run it on a quiet machine: the three servers and the client share its cores. Wit
 each server runs in a CPU cgroup of its own capped at C cores (CFS quota: what a Kubernetes
 `limits.cpu` does), so the three behave as machines of their own, none able to use what another
 leaves idle; it needs a writable cgroup cpu controller (v1 at /sys/fs/cgroup/cpu, or v2), i.e. root.
+--cpu-limit C0,C1,C2 caps each node at its own share: servers of unequal size (a smaller machine, a
+noisy neighbour), where a request runs decides how fast it is served.
 """
 from __future__ import annotations
 
@@ -60,6 +62,14 @@ def linked_adapters(folder: Path, prefix: str, out: Path, count: int | None = No
     for k, src in enumerate(sources[:count]):
         (links / f"{prefix}{k}").symlink_to(src.resolve())
     return links
+
+
+def cpu_limits(text: str) -> list[float]:
+    """--cpu-limit: one cap for every node, or one per node."""
+    caps = [float(c) for c in text.split(",")]
+    if len(caps) not in (1, NODES) or min(caps) <= 0:
+        raise argparse.ArgumentTypeError(f"give one positive number of cores, or {NODES} separated by commas")
+    return caps * NODES if len(caps) == 1 else caps
 
 
 def core_sets(args) -> list[str | None]:
@@ -165,7 +175,7 @@ def run_policy(args, policy: str, adapters: Path, report: Path) -> tuple[list[st
     limits: list[CpuLimit | None] = []
     try:
         for i in range(NODES):
-            limits.append(CpuLimit(f"asyncserve-bench-{os.getpid()}-n{i}", args.cpu_limit) if args.cpu_limit else None)
+            limits.append(CpuLimit(f"asyncserve-bench-{os.getpid()}-n{i}", args.cpu_limit[i]) if args.cpu_limit else None)
         client = CpuLimit(f"asyncserve-bench-{os.getpid()}-client", None) if args.cpu_limit else None
         limits.append(client)
         procs = start_nodes(args, policy, adapters, args.out, limits[:NODES])
@@ -211,7 +221,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--input-range", type=int, nargs=2, default=[16, 256])
     ap.add_argument("--output-range", type=int, nargs=2, default=[16, 128])
     ap.add_argument("--slo-latency", type=float, default=20.0, help="seconds")
-    ap.add_argument("--cpu-limit", type=float, help="cap each server at this many cores, in a cgroup of its own")
+    ap.add_argument("--cpu-limit", type=cpu_limits, metavar="C[,C,C]",
+                    help="cap each server at this many cores (or each at its own), in a cgroup of its own")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     adapters = linked_adapters(args.adapters, "lora", args.out)

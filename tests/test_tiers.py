@@ -4,7 +4,8 @@
 over many adapters with concurrent requests: greedy tokens equal transformers+PEFT, every host
 eviction spares the adapters of queued and running requests, every device eviction the ones in use,
 and no pool page or arena block is left behind. A corrupt adapter met at on-demand load fails its
-own requests only; pinned adapters stay on the device; /v1/models and /metrics tell the tiers; the
+own requests only; pinned adapters stay on the device; --preload-adapters fills the host tier's free
+room, after the requests' own reads; /v1/models and /metrics tell the tiers; the
 shared memory is gone after SIGTERM, and after SIGKILL once the next server starts. Every process
 started here is stopped here, by pid.
 """
@@ -32,6 +33,7 @@ from reference import assert_greedy_matches, reference_greedy
 
 from asyncserve import LLM, SamplingParams
 from asyncserve.config import Config
+from asyncserve.engine import Engine
 from asyncserve.pager.pager import AdapterPager
 from ipc import leftovers
 from server_harness import ServerThread
@@ -323,6 +325,88 @@ def test_offline_adapter_dir_and_host_tier(tiny_model, adapter_dir):
         assert_greedy_matches(outs[i].token_ids, ref, 1e-3, names[i])
     _assert_nothing_leaked(llm.engine)
     assert len(llm.engine.pager.host) <= 30
+    llm.engine.close()
+
+
+def _wait_preloaded(st: ServerThread, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while st.metric("asyncserve_adapters_preloading"):
+        assert time.monotonic() < deadline, "the preload did not end"
+        time.sleep(0.05)
+
+
+def test_preload_fills_the_host_tiers_free_room_and_yields_to_requests(tiny_model, tmp_path, monkeypatch):
+    """--preload-adapters: the adapters are read into the host tier in name order while it has free
+    room, none evicted for them; a request for one the preload is reading waits for that read (no
+    second one), a request for one it has not reached yet is read first, and requests then skip the
+    disk."""
+    folder = tmp_path / "adapters"
+    _make_adapters(40, folder, seed=9)
+    reads: list[str] = []
+    read_adapter = Engine.read_adapter
+
+    def slow_read(self, name):                   # so that requests meet the preload under way
+        reads.append(name)
+        time.sleep(0.1)
+        return read_adapter(self, name)
+
+    monkeypatch.setattr(Engine, "read_adapter", slow_read)
+    st = ServerThread(Config(model=str(tiny_model.root), dtype="float32", device="cpu", served_model_name="tiny",
+                             adapter_dir=str(folder), host_adapter_mem=HOST_MEM, preload_adapters=True, threads=1))
+    try:
+        engine = st.server.engine
+        seen = _watch_evictions(engine, monkeypatch)
+        names = sorted(engine.pager.registry)
+        # the first in name order (being read now or next) and one the preload reaches last, if ever
+        bodies = [{"model": name, "prompt": "the lazy dog jumps", "max_tokens": NEW_TOKENS, "temperature": 0.0,
+                   "return_token_ids": True} for name in (names[0], names[17])]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(lambda b: _completion(st.base, b), bodies))
+        assert [s for s, _ in results] == [200, 200], results
+        assert st.metric("asyncserve_adapters_preloading") == 1          # answered while the preload goes on
+        _wait_preloaded(st)
+        assert len(reads) == len(set(reads))                              # nothing read twice
+        host = set(engine.pager.host)
+        assert names[0] in host and names[17] in host
+        assert 15 <= len(host) < 40 and seen["host"] == 0 and seen["violations"] == []
+        assert host == set(reads) and reads[0] == names[0]               # none evicted: all read are kept
+        assert reads.index(names[17]) < reads.index(names[16])           # the request's read went first
+        pager = engine.pager
+        assert all(pager.registry[n].host_bytes > pager.arena.free_bytes for n in names if n not in host)
+        preloaded = sorted(host - {names[0], names[17]})
+        assert st.metric("asyncserve_adapters_loaded", 'tier="host"') == len(host)
+        for name, (_, body) in zip((names[0], names[17]), results):
+            choice = body["choices"][0]
+            ref = _peft_reference(tiny_model.base, folder / name, choice["prompt_token_ids"])
+            assert_greedy_matches(choice["token_ids"], ref, 1e-3, name)
+
+        # a preloaded adapter's request reads nothing from disk; one never preloaded still works
+        before = len(reads)
+        status, _ = _completion(st.base, {**bodies[0], "model": preloaded[-1]})
+        assert status == 200 and len(reads) == before
+        missing = next(n for n in names if n not in host)
+        status, _ = _completion(st.base, {**bodies[0], "model": missing})
+        assert status == 200 and reads[-1] == missing
+        _assert_nothing_leaked(engine)
+    finally:
+        st.stop()
+
+
+def test_offline_preload(tiny_model, adapter_dir):
+    """LLM(preload_adapters=True): the host tier is filled before the constructor returns."""
+    llm = LLM(model=str(tiny_model.root), dtype="float32", device="cpu", adapter_dir=str(adapter_dir),
+              host_adapter_mem=HOST_MEM, preload_adapters=True)
+    pager = llm.engine.pager
+    host = sorted(pager.host)
+    assert 15 <= len(host) <= 30 and not llm.engine.preloading
+    assert host[0] == "a0000" and all(pager.registry[n].host_bytes > pager.arena.free_bytes
+                                      for n in pager.registry if n not in pager.host)    # nothing more fits
+    disk_loads = lambda: [name for tier, name, _ in llm.engine.take_load_times() if tier == "disk"]  # noqa: E731
+    assert sorted(disk_loads()) == host
+    out = llm.generate(["the fox jumps"], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0), adapters=host[-1])[0]
+    assert disk_loads() == []
+    ref = _peft_reference(tiny_model.base, adapter_dir / host[-1], out.prompt_token_ids)
+    assert_greedy_matches(out.token_ids, ref, 1e-3, host[-1])
     llm.engine.close()
 
 

@@ -12,6 +12,8 @@ Requests for an adapter that is only on disk wait, parked in the engine, while i
 (AdapterReady). A fetch that fails ends those requests alone, with the reason. FETCHERS fetches run
 at once, first come first served, each reserving its arena block before it reads: a burst of
 requests for a thousand cold adapters never holds more than FETCHERS of them in memory twice.
+With --preload-adapters one more fetcher reads the registered adapters into the host tier's free
+room, one at a time, whenever no request waits for a fetch.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ log = logging.getLogger("asyncserve.pager")
 # their requests finish, and with no step running nothing else would wake it)
 HOST_ROOM_RETRY_S = 0.02
 FETCHERS = 2          # one reads a file while the other's tensors are built
+PRELOAD_YIELD_S = 0.05   # a preload waits this long at a time while requests' fetches are queued
 
 
 class PagerActor:
@@ -43,6 +46,8 @@ class PagerActor:
 
     async def run(self) -> None:
         fetchers = [asyncio.create_task(self._fetcher()) for _ in range(FETCHERS)]
+        if self.engine.config.preload_adapters:
+            fetchers.append(asyncio.create_task(self._preloader()))
         try:
             while True:
                 msg = await self.mailbox.get()
@@ -71,8 +76,20 @@ class PagerActor:
         while True:
             await self._fetch(await self._to_fetch.get())
 
-    async def _fetch(self, name: str) -> None:
-        """Disk -> host for requests parked on ``name``; then the scheduler queues them."""
+    async def _preloader(self) -> None:
+        t0, count = time.perf_counter(), 0
+        while True:
+            while not self._to_fetch.empty():
+                await asyncio.sleep(PRELOAD_YIELD_S)
+            name = self.engine.take_preload()
+            if name is None:
+                break
+            count += await self._fetch(name)
+        log.info("preloaded %d adapters into the host tier in %.1f s", count, time.perf_counter() - t0)
+
+    async def _fetch(self, name: str) -> bool:
+        """Disk -> host for requests parked on ``name``; then the scheduler queues them. Whether it
+        was read."""
         engine, pager = self.engine, self.engine.pager
         t0 = time.perf_counter()
         handle = None
@@ -90,10 +107,12 @@ class PagerActor:
             failure = adapter_load_failed(name, e)
             for request_id in engine.load_failed(name):
                 self.scheduler_mailbox.put_nowait(Abort(request_id, reason="error", failure=failure))
-            return
-        if pager.host_admit(name, load, handle, view):      # else unloaded meanwhile
+            return False
+        admitted = pager.host_admit(name, load, handle, view)      # else unloaded meanwhile
+        if admitted:
             pager.record_load("disk", name, time.perf_counter() - t0)
         self.scheduler_mailbox.put_nowait(AdapterReady(name))
+        return admitted
 
     async def _build(self, folder: PeftFolder) -> HostAdapter:
         pieces = build_in_pieces(folder, self.engine.dtype)
