@@ -17,7 +17,8 @@ from asyncserve.cluster.membership import Membership, PeerState
 from asyncserve.cluster.messages import AdapterTiers, Digest
 from asyncserve.cluster.migration import MAX_MIGRATIONS, MOVE_PRICE, Candidate, CoMigrator, build_problem, solve
 from asyncserve.cluster.routing import (AdapterPlacement, ClusterView, Consolidate, LeastPending, Local, NodeLoad,
-                                        Random, RankAware, RoundRobin, RouteRequest, Router, cluster_coefficients)
+                                        Random, RankAware, RoundRobin, RouteRequest, Router, cluster_coefficients,
+                                        rendezvous_weight)
 from asyncserve.perf_model import (STEP_TIME_PRIOR, PerfCoefficients, QueuedWork, StepLatencyModel, StepSample,
                                    adapter_load_seconds, drain_seconds, fetch_backlog_seconds, fit, pending_seconds,
                                    predict_step_seconds, request_work_seconds)
@@ -269,6 +270,21 @@ def test_rank_aware_prices_adapter_loads_and_rank_mixes():
                           max_running=32, coefficients=padded)).loads()
     assert RankAware().choose(big, nodes, "n0", 0) == "n1"
     assert RankAware(slo_tpot_s=0.05).choose(big, nodes, "n0", 0) == "n0"
+
+
+def test_rank_aware_placement_wins_only_what_a_load_would_cost():
+    # the adapter's placement set (one node: demand is low) against a slightly cheaper other node
+    placed, other = sorted(["n0", "n1"], key=lambda n: rendezvous_weight("sql", n), reverse=True)
+    load = adapter_load_seconds(COEFFS, REQ.rank, None)
+    cheaper = {"running": 2, "pending_seconds": 1.0}
+    dearer = {"running": 2, "pending_seconds": 1.0 + load / 2}
+    # neither holds the adapter: the placed node wins within a load (the load it saves elsewhere)
+    nodes = _view(_digest(other, "u0", **cheaper), _digest(placed, "u1", **dearer)).loads()
+    assert RankAware().choose(REQ, nodes, "n0", 0) == placed
+    # both hold it on their devices: going to the placed node saves nothing, the cheaper wins
+    both = AdapterTiers(device=["sql"])
+    nodes = _view(_digest(other, "u0", adapters=both, **cheaper), _digest(placed, "u1", adapters=both, **dearer)).loads()
+    assert RankAware().choose(REQ, nodes, "n0", 0) == other
 
 
 def test_router_counts_what_it_sent_until_the_next_digest():

@@ -272,9 +272,13 @@ class RankAware(RoutingPolicy):
     queueing (its pending time) plus loading the adapter where it is not resident, plus the
     request's own work at that node's batch, plus what its rank adds to the steps of the requests
     already running there (CaraServe's cost of a request on a server), plus a penalty where the
-    predicted time per token would break the SLO. Among nodes within `spill_s` plus an adapter
-    load of the cheapest, those of the adapter's placement set win: the margin is what keeping
-    the adapter where it is placed saves (a load, and an eviction elsewhere)."""
+    predicted time per token would break the SLO. Among nodes within `spill_s` plus the cheapest
+    node's load of the adapter, those of the adapter's placement set win: the margin is what
+    keeping the adapter where it is placed saves (that load, and an eviction there). Where the
+    cheapest node already holds the adapter on its device, the margin is `spill_s` alone: a
+    preference then saves nothing and only piles a popular adapter's bursts onto its set (three
+    equal peers, a cold load's margin always: mean latency 7.3-8.9 s against round-robin's 6.6-7.4;
+    BENCHMARKS.md, thirteenth session)."""
     name = "rank-aware"
 
     def __init__(self, placement: AdapterPlacement | None = None, slo_tpot_s: float | None = None,
@@ -305,7 +309,7 @@ class RankAware(RoutingPolicy):
         by_id = {n.node_id: n for n in nodes}
         self.placement.observe(req.adapter, by_id[best].work_seconds(req), now)
         placed = set(self.placement.nodes_for(req.adapter, list(by_id), now))
-        margin = self.spill_s + adapter_load_seconds(by_id[best].coefficients, req.rank, None)
+        margin = self.spill_s + adapter_load_seconds(by_id[best].coefficients, req.rank, by_id[best].tier(req.adapter))
         return {k: v - margin if k in placed else v for k, v in scores.items()}
 
     def choose(self, req, nodes, self_id, now):
