@@ -191,6 +191,8 @@ class TorchLoraBackend(LoraBackend):
         # are built ("pool", [(row spans, adapter, its scalings, [(projection, r, in, out, column)])]),
         # or with the native kernels ("native", (runs [num_runs, 3], the step's tables))
         self._plans: dict[str, tuple[str, object]] = {}
+        # the native plans' step tables and the adapter generations (pager-wide) they were built for
+        self._native_tables: tuple[tuple[int, ...], tuple] | None = None
 
     @property
     def active(self) -> bool:
@@ -294,7 +296,11 @@ class TorchLoraBackend(LoraBackend):
         order) and the step's tables, which lora_segments follows into the pool."""
         spans = adapter_spans(batch)
         runs = sorted((sl.start, sl.stop, i) for i, slices in spans.items() for sl in slices)
-        data = (torch.tensor(runs, dtype=torch.int64), batch.tables())
+        # the same adapters in the same order (paged in the same place) as last step: the same tables
+        key = tuple(a.generation for a in batch.adapters)
+        if self._native_tables is None or self._native_tables[0] != key:
+            self._native_tables = (key, batch.tables())
+        data = (torch.tensor(runs, dtype=torch.int64), self._native_tables[1])
         return {group: ("native", data) for group, rows in self.layout.items()
                 if any(batch.adapters[i].ranks[PROJ_INDEX[proj]] for i in spans for proj, *_ in rows)}
 
