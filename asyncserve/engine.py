@@ -258,10 +258,10 @@ class Engine:
         self.preloading = False
         return None
 
-    def preload_now(self) -> int:
+    def preload_now(self) -> None:
         """Offline: preload in the calling thread; an adapter that fails to load is skipped with a
-        warning (its requests fail when they come). Returns how many were read."""
-        count = 0
+        warning (its requests fail when they come)."""
+        t0, count = time.perf_counter(), 0
         while (name := self.take_preload()) is not None:
             try:
                 self._load_now(name)
@@ -270,7 +270,7 @@ class Engine:
                 log.warning("preload: adapter %s could not be loaded: %s", name, e)
             finally:
                 self._loading.pop(name, None)
-        return count
+        log.info("preloaded %d adapters into the host tier in %.1f s", count, time.perf_counter() - t0)
 
     def host_room(self, name: str) -> bool:
         """Evict idle host adapters until the name's block fits; False while the tier is full of
