@@ -558,10 +558,12 @@ def require_bf16_gemm():
         pytest.skip("this CPU has no AVX512-BF16: make_linear uses oneDNN (tests/test_linear.py)")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 33, 64, 70])
+@pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 33, 64, 70, 96, 113])
 def test_packed_linear_matches_float64(rows):
-    """Row tiles of 1..16 and their remainders, column blocks with a partial last one, K from one
-    pair to past the prefetch distance; at 1 and 2 threads; rows of x strided (a step's slices)."""
+    """Row tiles of 1..16 and their remainders (x copied as row tiles below 96 rows, 8-row tiles of
+    two column blocks read in place from there, an odd last block alone), column blocks with a
+    partial last one, K from one pair to past both prefetch distances; at 1 and 2 threads; rows of
+    x strided (a step's slices)."""
     require_bf16_gemm()
     from asyncserve.model.linear import NativeLinear
     g = torch.Generator().manual_seed(rows)
