@@ -145,7 +145,8 @@ class Metrics:
         self._prefix_seen = (0, 0)
 
     def observe_engine(self, engine) -> None:
-        """Refresh the gauges from the engine's load snapshot (called after each step and on scrape)."""
+        """Refresh the gauges and counters from the engine's load snapshot: on scrape (and once at start), not
+        after each step, which would cost the event loop time between steps for values nobody reads yet."""
         load = engine.load_snapshot()
         s = load.pool
         self.pool_pages.labels("free").set(s.free)

@@ -94,7 +94,6 @@ class SchedulerActor:
         plan = self.engine.schedule()
         if not plan:
             self._publish(self.engine.fail_unschedulable())
-            self.metrics.observe_engine(self.engine)
             return
         self._step_id += 1
         self._stepping = True
@@ -124,7 +123,6 @@ class SchedulerActor:
         for msg in self._deferred:
             self._abort(msg) if isinstance(msg, Abort) else self._export(msg)
         self._deferred = []
-        self.metrics.observe_engine(self.engine)
 
     def _publish(self, updates: list[SeqUpdate]) -> None:
         now = time.monotonic()
