@@ -147,6 +147,7 @@ class Metrics:
     def observe_engine(self, engine) -> None:
         """Refresh the gauges and counters from the engine's load snapshot: on scrape (and once at start), not
         after each step, which would cost the event loop time between steps for values nobody reads yet."""
+        self.observe_loads(engine)
         load = engine.load_snapshot()
         s = load.pool
         self.pool_pages.labels("free").set(s.free)
@@ -156,9 +157,6 @@ class Metrics:
         self.adapters_loaded.labels("host").set(s.adapters_host)
         self.adapters_loaded.labels("disk").set(s.adapters_registered)
         self.adapters_preloading.set(int(engine.preloading))
-        for tier, adapter, seconds in engine.take_load_times():
-            self.adapter_load_seconds.labels(tier).observe(seconds)
-            self.adapter_traffic.record_load(adapter, seconds)
         self.adapter_traffic.set_device_hits(engine.device_hits())
         self.running.set(load.running)
         self.waiting.set(load.waiting)
@@ -173,6 +171,14 @@ class Metrics:
         self.cpu_worker_restarts.inc(load.cpu_worker_restarts - self._cpu_seen[1])
         self._cpu_seen = (load.cpu_assist_tokens, load.cpu_worker_restarts)
         self._observe_merge(engine.merge_stats())
+
+    def observe_loads(self, engine) -> None:
+        """Record the adapter loads since the last call. After each step as well as on scrape: the
+        engine keeps only the last 4,096, and a store of thousands of adapters can load more than
+        that between two scrapes."""
+        for tier, adapter, seconds in engine.take_load_times():
+            self.adapter_load_seconds.labels(tier).observe(seconds)
+            self.adapter_traffic.record_load(adapter, seconds)
 
     def _observe_merge(self, m) -> None:
         seen = self._merge_seen

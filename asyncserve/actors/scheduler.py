@@ -53,6 +53,7 @@ class SchedulerActor:
             if self.pager_mailbox is not None and (cold := self.engine.take_fetches()):
                 self.pager_mailbox.put_nowait(FetchAdapters(cold))     # their requests wait, parked
             self._maybe_step()
+            self.metrics.observe_loads(self.engine)
             # tokens go out after the next step is on its way: the stream handlers they wake then
             # run while the model computes instead of before it starts
             updates, self._finished_updates = self._finished_updates, []

@@ -130,8 +130,8 @@ inline void packed_linear_bf16(const uint16_t* x, int64_t M, int64_t k_pairs, co
   for (int64_t m = 0; m < M; m += 16) {
     const int64_t rows = std::min<int64_t>(16, M - m);
     uint32_t* t = tiles.data() + m * k_pairs;
-    // k outer: the tile is written front to back (row by row, a 1,536-wide x's 48 KB tile was
-    // written 16 times over, out of L1)
+    // k outer, so the tile is written front to back (row by row, the 48 KB tile of a 1,536-wide x
+    // was swept 16 times, out of L1)
     for (int64_t k = 0; k < k_pairs; ++k)
       for (int64_t r = 0; r < rows; ++r) t[k * rows + r] = xp[(m + r) * k_pairs + k];
   }
