@@ -1,7 +1,9 @@
 """Adapter paging: the scheduler allocates pages at once, the row copy waits for the stepper's thread."""
 import torch
+import torch.nn.functional as F
 
 from asyncserve import LLM
+from asyncserve.lora.batch import LoraBatch
 from asyncserve.model.config import PROJECTIONS
 from reference import ADAPTERS
 
@@ -34,6 +36,23 @@ def test_page_in_copies_rows_at_write_pending(tiny_model):
                     assert torch.equal(flat[start:start + row.shape[0]], row)
                     checked += 1
     assert checked == sum(host.ranks) * 2 * engine.model_config.num_layers
+    # one copy per page writes the rows and nothing else: the rest of the pages keeps its NaN
+    row_elements = sum(t.numel() for rows in (host.a_rows, host.b_rows) for t in rows.values())
+    assert int((~torch.isnan(pool.data[device.pages])).sum()) == row_elements
+
+
+def test_step_tables_pad_each_adapter_to_the_largest_rank(tiny_model):
+    engine = make_engine(tiny_model)
+    devices = [engine.pager.ensure_resident(name) for name in ADAPTERS]
+    assert len({d.r_max for d in devices}) > 1, "the tiny adapters must differ in rank"
+    batch = LoraBatch(devices, [0, 1, 2], [1, 0], 2, torch.device("cpu"))
+    ranks, a_ptr, b_ptr, scaling = batch.tables()
+    r = max(d.r_max for d in devices)
+    assert ranks.tolist() == [d.ranks for d in devices]
+    for got, field in ((a_ptr, "a_ptr"), (b_ptr, "b_ptr")):
+        want = torch.stack([F.pad(getattr(d, field), (0, r - d.r_max)) for d in devices])
+        assert got.dtype == torch.int64 and torch.equal(got, want)
+    assert torch.equal(scaling, torch.stack([d.scaling for d in devices]))
 
 
 def test_evicting_before_the_copy_drops_it(tiny_model):

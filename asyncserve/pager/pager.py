@@ -38,7 +38,7 @@ import torch
 
 from asyncserve.model.config import PROJECTIONS, ModelConfig
 from asyncserve.pager.adapters import AdapterError, AdapterInfo, HostAdapter, row_lengths
-from asyncserve.pager.pool import PagedPool, PoolExhausted, plan_row_packing
+from asyncserve.pager.pool import PagedPool, PoolExhausted, page_spans, plan_row_packing
 from ipc import AdapterHandle, HostArena, block_bytes
 
 
@@ -52,6 +52,12 @@ class DeviceAdapter:
     scaling: torch.Tensor            # [L, P] float32
     pages: list[int]
     generation: int                  # bumps whenever the adapter is (re)paged: keys backend caches
+    # a_ptr and b_ptr as one host array [2, L, P, r_max] (from them if not given): the step tables'
+    host_ptr: np.ndarray | None = None
+
+    def __post_init__(self):
+        if self.host_ptr is None:
+            self.host_ptr = np.stack([self.a_ptr.cpu().numpy(), self.b_ptr.cpu().numpy()])
 
     @property
     def r_max(self) -> int:
@@ -82,10 +88,12 @@ class RowPlan(NamedTuple):
     a torch op on the event loop's thread starts a second OpenMP team, and with more OpenMP threads
     than cores libgomp stops spinning between parallel regions: every step ~20% slower (BENCHMARKS.md)."""
     pages: int                           # pages it takes
-    placements: list[tuple[int, int]]    # per row in packing order: (index into its pages, offset)
     page_index: np.ndarray               # [2 (A, B^T), L, P, r_max] int64: index into its pages
     offset: np.ndarray                   # [2, L, P, r_max] int64: offset in that page
     used: np.ndarray                     # [2, L, P, r_max] bool: j < rank of the projection
+    # per page the rows fill: (index into its pages, offset there, first element in the rows laid end
+    # to end in packing order, elements): rows never straddle a page, so a page's rows are one copy
+    page_spans: list[tuple[int, int, int, int]]
 
 
 class PageIn(NamedTuple):
@@ -93,7 +101,7 @@ class PageIn(NamedTuple):
     load: int
     device: DeviceAdapter
     adapter: HostAdapter
-    placements: list[tuple[int, int]]    # per row in packing order: (index into device.pages, offset)
+    page_spans: list[tuple[int, int, int, int]]    # RowPlan.page_spans
     since: float                         # perf_counter() when paged in: the copy's end measures the load
 
 
@@ -189,7 +197,8 @@ class AdapterPager:
         if key in self._row_plans:
             self._row_plans.move_to_end(key)
             return self._row_plans[key]
-        pages, placements = plan_row_packing(row_lengths(ranks, self.config), self.pool.page_numel)
+        lengths = row_lengths(ranks, self.config)
+        pages, placements = plan_row_packing(lengths, self.pool.page_numel)
         L, P, r_max = self.config.num_layers, len(PROJECTIONS), max(ranks)
         used = np.zeros((2, L, P, r_max), dtype=bool)
         for p, r in enumerate(ranks):
@@ -201,7 +210,8 @@ class AdapterPager:
         offset = np.zeros((L, P, 2, r_max), dtype=np.int64)
         where = np.asarray(placements, dtype=np.int64).reshape(-1, 2)
         page_index[order], offset[order] = where[:, 0], where[:, 1]
-        plan = RowPlan(pages, placements, page_index.transpose(2, 0, 1, 3), offset.transpose(2, 0, 1, 3), used)
+        plan = RowPlan(pages, page_index.transpose(2, 0, 1, 3), offset.transpose(2, 0, 1, 3), used,
+                       page_spans(placements, lengths))
         self._row_plans[key] = plan
         if len(self._row_plans) > ROW_PLANS_KEPT:
             self._row_plans.popitem(last=False)
@@ -344,7 +354,7 @@ class AdapterPager:
             return None
         device = self._place(adapter, pages, plan)
         self.resident[load] = device
-        self.pending.append(PageIn(load, device, adapter, plan.placements, time.perf_counter()))
+        self.pending.append(PageIn(load, device, adapter, plan.page_spans, time.perf_counter()))
         self.loads_total += 1
         return device
 
@@ -403,7 +413,8 @@ class AdapterPager:
         return DeviceAdapter(name=adapter.name, ranks=list(adapter.ranks),
                              a_ptr=torch.from_numpy(np.ascontiguousarray(ptr[0])).to(dev),
                              b_ptr=torch.from_numpy(np.ascontiguousarray(ptr[1])).to(dev),
-                             scaling=adapter.scaling.to(dev), pages=pages, generation=self._generation)
+                             scaling=adapter.scaling.to(dev), pages=pages, generation=self._generation,
+                             host_ptr=ptr)
 
     def write_pending(self, hold: frozenset[int] = frozenset()) -> None:
         """Copy the rows of adapters paged in since the last call. Runs in the stepper's thread before
@@ -416,7 +427,7 @@ class AdapterPager:
                 page_in = self.pending.popleft()
             except IndexError:
                 break
-            load, device, adapter, placements, since = page_in
+            load, device, adapter, spans, since = page_in
             if self.resident.get(load) is not device:    # evicted before its copy: its pages may hold KV now
                 continue
             if load in hold:
@@ -426,18 +437,10 @@ class AdapterPager:
                 target, page_of = pool.data, device.pages
             else:                                         # staged on the host: one copy to the device
                 target, page_of = torch.empty(len(device.pages), pool.page_numel, dtype=pool.dtype), None
-            i = 0
-            for *_, rows in self._packed_rows(adapter):
-                r, length = rows.shape
-                j = 0
-                while j < r:                              # rows of one matrix that share a page are one run
-                    page, off = placements[i + j]
-                    k = j + 1
-                    while k < r and placements[i + k][0] == page:
-                        k += 1
-                    target[page_of[page] if page_of else page, off:off + (k - j) * length] = rows[j:k].reshape(-1)
-                    j = k
-                i += r
+            # the rows end to end (one copy out of the host tier), then one copy per page
+            packed = torch.cat([rows.reshape(-1) for *_, rows in self._packed_rows(adapter)]) if spans else None
+            for page, offset, first, numel in spans:
+                target[page_of[page] if page_of else page, offset:offset + numel] = packed[first:first + numel]
             if page_of is None:
                 pool.data[torch.tensor(device.pages, device=pool.device)] = target.to(pool.device)
             self.record_load("host", device.name, time.perf_counter() - since)

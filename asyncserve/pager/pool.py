@@ -191,3 +191,19 @@ def plan_row_packing(row_lengths: list[int], page_numel: int) -> tuple[int, list
         placements.append((page, used))
         used += length
     return (page + 1 if row_lengths else 0), placements
+
+
+def page_spans(placements: list[tuple[int, int]], row_lengths: list[int]) -> list[tuple[int, int, int, int]]:
+    """plan_row_packing's placements as one span per page: (page index, offset in the page, first
+    element of its rows laid end to end in packing order, elements). A page's rows follow one another
+    in both, so each page's are one copy."""
+    spans: list[tuple[int, int, int, int]] = []
+    first = 0
+    for (page, offset), length in zip(placements, row_lengths):
+        if spans and spans[-1][0] == page:
+            p, o, f, n = spans[-1]
+            spans[-1] = (p, o, f, n + length)
+        else:
+            spans.append((page, offset, first, length))
+        first += length
+    return spans
