@@ -29,7 +29,8 @@ tokens:
 
 --gemm instead times the base projections of a decode step (SmolLM2's qkv, o, gate_up, down and
 lm_head shapes) at --gemm-rows rows, oneDNN's reordered GEMM (OneDnnLinear) against the native
-packed one (NativeLinear, kernels/cpu/gemm.h; CPUs with AVX512-BF16, bf16), each call on the next of
+packed one (NativeLinear, kernels/cpu/gemm.h; CPUs with AVX512-BF16, bf16): its vdpbf16ps tiles at
+every row count and, where the CPU has AMX, its AMX tiles (kernels/cpu/gemm.h), each call on the next of
 enough weight copies (--gemm-stream-mb in all) that the weights stream from DRAM as in a step:
 
     .venv/bin/python scripts/bench_native.py --gemm
@@ -191,7 +192,8 @@ def main() -> None:
 
 
 def bench_gemm(args) -> None:
-    """oneDNN's reordered bf16 GEMM against the native packed one, weights streamed from DRAM."""
+    """oneDNN's reordered bf16 GEMM against the native packed one (its vdpbf16ps tiles, and its AMX
+    tiles where the CPU has them), weights streamed from DRAM."""
     from asyncserve.model.linear import NativeLinear, OneDnnLinear
 
     if not cpu_kernels.bf16_gemm_available():
@@ -199,24 +201,34 @@ def bench_gemm(args) -> None:
     hidden = args.hidden
     shapes = {"qkv": (hidden, 960), "o": (hidden, hidden), "gate_up": (hidden, 3072), "down": (1536, hidden),
               "lm_head": (hidden, 49152)}
+    # the native kinds, by whether AMX tiles may run
+    native_kinds = {"vdpbf16ps": False, **({"amx": True} if cpu_kernels.amx_gemm_available() else {})}
     g = torch.Generator().manual_seed(0)
     print(f"# {cpu_name()}, {args.threads} threads, bf16, weights rotated over {args.gemm_stream_mb} MB per shape")
-    print(f"{'projection':<10} {'rows':>5} {'oneDNN us':>10} {'GFLOP/s':>8} {'native us':>10} {'GFLOP/s':>8} {'speedup':>8}")
-    for name, (k, n) in shapes.items():
-        copies = max(2, args.gemm_stream_mb * 2**20 // (2 * k * n))
-        weights = [torch.randn(n, k, generator=g).to(torch.bfloat16) for _ in range(copies)]
-        linears = {"onednn": [OneDnnLinear(w) for w in weights], "native": [NativeLinear(w) for w in weights]}
-        del weights
-        for rows in args.gemm_rows:
-            x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
-            times = {}
-            for kind, lins in linears.items():
-                turn = iter(range(1 << 62))
-                times[kind] = median_us(lambda: lins[next(turn) % copies](x), args.repeats)
-            flops = 2 * rows * k * n / 1e3           # per us -> GFLOP/s
-            print(f"{name:<10} {rows:>5} {times['onednn']:10.1f} {flops / times['onednn']:8.1f} "
-                  f"{times['native']:10.1f} {flops / times['native']:8.1f} {times['onednn'] / times['native']:7.2f}x")
-        del linears
+    print(f"{'projection':<10} {'rows':>5} {'oneDNN us':>10} {'GFLOP/s':>8}"
+          + "".join(f" {kind + ' us':>13} {'GFLOP/s':>8} {'speedup':>8}" for kind in native_kinds))
+    previous = cpu_kernels.set_amx_gemm(False)
+    try:
+        for name, (k, n) in shapes.items():
+            copies = max(2, args.gemm_stream_mb * 2**20 // (2 * k * n))
+            weights = [torch.randn(n, k, generator=g).to(torch.bfloat16) for _ in range(copies)]
+            linears = {"onednn": [OneDnnLinear(w) for w in weights], "native": [NativeLinear(w) for w in weights]}
+            del weights
+            for rows in args.gemm_rows:
+                x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+                times = {}
+                for kind, amx in {"onednn": False, **native_kinds}.items():
+                    lins = linears["onednn" if kind == "onednn" else "native"]
+                    cpu_kernels.set_amx_gemm(amx)
+                    turn = iter(range(1 << 62))
+                    times[kind] = median_us(lambda: lins[next(turn) % copies](x), args.repeats)
+                flops = 2 * rows * k * n / 1e3           # per us -> GFLOP/s
+                print(f"{name:<10} {rows:>5} {times['onednn']:10.1f} {flops / times['onednn']:8.1f}"
+                      + "".join(f" {times[kind]:13.1f} {flops / times[kind]:8.1f} "
+                                f"{times['onednn'] / times[kind]:7.2f}x" for kind in native_kinds))
+            del linears
+    finally:
+        cpu_kernels.set_amx_gemm(previous)
 
 
 def bench_lora(args, dtype: torch.dtype) -> None:

@@ -9,8 +9,9 @@ Prints how long our engine takes to load (and its GGUF tokenizer), output tokens
 with --profile, where the engine's step time goes; with --merge, dLoRA's merged mode: each merge's
 and unmerge's time, and decode steps merged against unmerged; with --lora-steps, decode steps with
 the native LoRA kernel against the backend's eager plans, alternated. System ours-eager-lora is ours with
-the LoRA backend kept on its eager plans where the native lora_segments kernel would run; with
---rounds, ours, ours-eager-lora and ours-base alternate in one process.
+the LoRA backend kept on its eager plans where the native lora_segments kernel would run; ours-no-amx
+is ours with the native GEMM kept on its vdpbf16ps tiles where it would run AMX tiles (kernels/cpu/gemm.h);
+with --rounds, ours, ours-eager-lora, ours-no-amx and ours-base alternate in one process.
 """
 from __future__ import annotations
 
@@ -72,20 +73,24 @@ def time_loading(adapters, args) -> tuple[object, dict]:
     return llm, times
 
 
-def run_ours(llm, prompts, adapters, use_adapters: bool, args, eager_lora: bool = False) -> dict:
+def run_ours(llm, prompts, adapters, use_adapters: bool, args, eager_lora: bool = False, amx: bool = True) -> dict:
     """eager_lora: the torch LoRA backend on its eager plans (stacks, oneDNN) even where its native
-    lora_segments plan runs, to measure one against the other in one process."""
-    from asyncserve import SamplingParams
+    lora_segments plan runs; amx=False: the native GEMM on its vdpbf16ps tiles where it would run AMX
+    tiles; each to measure one against the other in one process."""
+    import kernels.cpu as cpu_kernels
 
     lora = llm.engine.runner.lora
     native = getattr(lora, "native", None)
     if eager_lora and native is not None:
         lora.native = False
+    amx_was = cpu_kernels.set_amx_gemm(amx) if cpu_kernels.bf16_gemm_available() else None
     try:
         return _timed_generate(llm, prompts, adapters, use_adapters, args)
     finally:
         if native is not None:
             lora.native = native
+        if amx_was is not None:
+            cpu_kernels.set_amx_gemm(amx_was)
 
 
 def _timed_generate(llm, prompts, adapters, use_adapters: bool, args) -> dict:
@@ -302,12 +307,13 @@ def main() -> None:
         return
     print(f"load average before: {os.getloadavg()}")
     systems = args.systems.split(",")
-    ours = [name for name in systems if name in ("ours", "ours-eager-lora", "ours-base")]
+    ours = [name for name in systems if name in ("ours", "ours-eager-lora", "ours-no-amx", "ours-base")]
     llm, load_times = time_loading(adapters, args) if ours else (None, None)
     runners = {
         "ours": lambda: run_ours(llm, prompts, adapters, True, args),
         "ours-base": lambda: run_ours(llm, prompts, adapters, False, args),
         "ours-eager-lora": lambda: run_ours(llm, prompts, adapters, True, args, eager_lora=True),
+        "ours-no-amx": lambda: run_ours(llm, prompts, adapters, True, args, amx=False),
         "hf-grouped": lambda: run_hf(prompts, adapters, False, args),
         "hf-mixed": lambda: run_hf(prompts, adapters, True, args),
     }

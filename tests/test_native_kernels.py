@@ -558,40 +558,57 @@ def require_bf16_gemm():
         pytest.skip("this CPU has no AVX512-BF16: make_linear uses oneDNN (tests/test_linear.py)")
 
 
+def gemm_paths():
+    """Yields each path packed_linear can take here, set for the loop's body: the vdpbf16ps tiles,
+    and where the CPU has AMX its tiles too; then restores the setting."""
+    previous = cpu_kernels.set_amx_gemm(False)
+    try:
+        yield "vdpbf16ps"
+        if cpu_kernels.amx_gemm_available():
+            cpu_kernels.set_amx_gemm(True)
+            yield "amx"
+    finally:
+        cpu_kernels.set_amx_gemm(previous)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 33, 64, 70, 96, 113])
 def test_packed_linear_matches_float64(rows):
     """Row tiles of 1..16 and their remainders (x copied as row tiles below 96 rows, 8-row tiles of
     two column blocks read in place from there, an odd last block alone), column blocks with a
     partial last one, K from one pair to past both prefetch distances; at 1 and 2 threads; rows of
-    x strided (a step's slices)."""
+    x strided (a step's slices). Where the CPU has AMX, its tiles too: units of 32 rows and two
+    column blocks, a last unit's rows from a copy padded to 16 or 32, an odd last block alone; K
+    not a multiple of 32 stays on the vdpbf16ps tiles."""
     require_bf16_gemm()
     from asyncserve.model.linear import NativeLinear
     g = torch.Generator().manual_seed(rows)
-    for k, n in [(2, 1), (64, 15), (96, 16), (576, 17), (1538, 130), (576, 960)]:
+    for k, n in [(2, 1), (64, 15), (96, 16), (576, 17), (1538, 130), (576, 960), (128, 40)]:
         w = torch.randn(n, k, generator=g).to(torch.bfloat16)
         x = torch.randn(rows, 2 * k, generator=g).to(torch.bfloat16)[:, ::2]
         ref = x.double() @ w.double().t()
         packed = NativeLinear.pack(w)
         assert packed.shape == (-(-n // 16), k // 2, 16, 2)
-        for _ in at_thread_counts():
-            y = cpu_kernels.packed_linear(x, packed, n)
-            assert y.shape == (rows, n) and y.dtype == torch.bfloat16
-            # fp32 accumulation, one bf16 rounding of the result (2^-9 relative) per element
-            torch.testing.assert_close(y.double(), ref, rtol=2 ** -8, atol=1e-5 * ref.abs().max().item(),
-                                       msg=lambda m: f"{m}\nrows={rows} k={k} n={n}")
+        for path in gemm_paths():
+            for _ in at_thread_counts():
+                y = cpu_kernels.packed_linear(x, packed, n)
+                assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+                # fp32 accumulation, one bf16 rounding of the result (2^-9 relative) per element
+                torch.testing.assert_close(y.double(), ref, rtol=2 ** -8, atol=1e-5 * ref.abs().max().item(),
+                                           msg=lambda m: f"{m}\nrows={rows} k={k} n={n} path={path}")
 
 
 def test_packed_linear_keeps_a_nan_row_to_itself():
-    """A NaN in one row of x (a request's bad activations) reaches that row of y only."""
+    """A NaN in one row of x (a request's bad activations) reaches that row of y only, on each path."""
     require_bf16_gemm()
     from asyncserve.model.linear import NativeLinear
     g = torch.Generator().manual_seed(7)
     w = torch.randn(40, 64, generator=g).to(torch.bfloat16)
     x = torch.randn(20, 64, generator=g).to(torch.bfloat16)
     x[3, 10] = float("nan")
-    y = cpu_kernels.packed_linear(x, NativeLinear.pack(w), 40)
-    assert y[3].isnan().all()
-    assert torch.isfinite(torch.cat([y[:3], y[4:]])).all()
+    for path in gemm_paths():
+        y = cpu_kernels.packed_linear(x, NativeLinear.pack(w), 40)
+        assert y[3].isnan().all(), path
+        assert torch.isfinite(torch.cat([y[:3], y[4:]])).all(), path
 
 
 def test_packed_linear_refuses_what_it_cannot_compute():

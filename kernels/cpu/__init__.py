@@ -171,6 +171,18 @@ def bf16_gemm_available() -> bool:
     return not disabled() and library() is not None and library().bf16_gemm_available()
 
 
+def amx_gemm_available() -> bool:
+    """Whether packed_linear can run AMX tiles here (for K a multiple of 32, unless set_amx_gemm(False)):
+    the build has them (a CPU with AMX-BF16) and Linux granted the process their state."""
+    return bf16_gemm_available() and library().amx_gemm_available()
+
+
+def set_amx_gemm(on: bool) -> bool:
+    """Let packed_linear run AMX tiles where it can (on at start), or keep it on its vdpbf16ps tiles;
+    returns the previous setting."""
+    return _lib().set_amx_gemm(on)
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """x: [rows, in] bf16 (in even) -> x W^T: [rows, out_features] bf16, for W packed by
     asyncserve.model.linear.NativeLinear as [ceil(out / 16), in / 2, 16, 2]."""

@@ -302,6 +302,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "prefill chunks' causal attention over block tables");
   m.def("packed_linear", &packed_linear_op, no_gil, "x W^T over a weight packed by NativeLinear (bf16)");
   m.def("bf16_gemm_available", [] { return kBf16Gemm; }, "whether packed_linear runs on this build");
+#if ASYNCSERVE_AMX_GEMM
+  m.def("amx_gemm_available", [] { return amx_permitted(); }, "whether packed_linear's AMX tiles run here");
+#else
+  m.def("amx_gemm_available", [] { return false; }, "whether packed_linear's AMX tiles run here");
+#endif
+  m.def("set_amx_gemm", [](bool on) { return amx_gemm_on.exchange(on); },
+        "whether packed_linear may run AMX tiles (on at start); returns the previous setting");
   m.def("lora_segments", &lora_segments_op, no_gil, "y += each run's LoRA, read from the pool rows");
   py::class_<NativeDecoder>(m, "NativeDecoder")
       .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>, at::Tensor, at::Tensor,
