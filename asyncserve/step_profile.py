@@ -26,7 +26,9 @@ from typing import TYPE_CHECKING
 import msgspec
 import torch
 
+import kernels.cpu as cpu_kernels
 from asyncserve.lora.backend import PACK_AFTER_STEPS
+from asyncserve.model.linear import NativeLinear
 from asyncserve.perf_model import (STEP_TIME_PRIOR, PerfCoefficients, StepChunk, StepSample, fit, sample_seconds,
                                    step_sample)
 from asyncserve.sampling_params import SamplingParams
@@ -209,9 +211,12 @@ class ProfileKey(msgspec.Struct, frozen=True):
     dtype: str
     threads: int                 # torch threads on a CPU device (0 on a GPU, where they barely count)
     lora_backend: str
+    # the projections' GEMM (linear.py's class; "+amx": the native one on AMX tiles): one CPU model
+    # name covers VMs with and without AMX exposed, 3x apart in step time (BENCHMARKS.md, "Box E")
+    gemm: str = ""
 
     def slug(self) -> str:
-        text = f"{self.device} {self.model} {self.dtype} {self.threads}t {self.lora_backend}"
+        text = f"{self.device} {self.model} {self.dtype} {self.threads}t {self.lora_backend} {self.gemm}"
         return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()
 
 
@@ -237,10 +242,12 @@ def profile_key(engine: Engine) -> ProfileKey:
 
     mc, device = engine.model_config, engine.device
     cpu = device.type == "cpu"
+    lm_head = engine.runner.weights.lm_head
+    amx = isinstance(lm_head, NativeLinear) and cpu_kernels.amx_gemm_available()
     return ProfileKey(device=cpu_model() if cpu else torch.cuda.get_device_name(device),
                       model=f"{mc.name} {mc.num_layers}x{mc.hidden_size}",
                       dtype=str(engine.dtype).removeprefix("torch."), threads=torch.get_num_threads() if cpu else 0,
-                      lora_backend=engine.lora_backend_name)
+                      lora_backend=engine.lora_backend_name, gemm=type(lm_head).__name__ + ("+amx" if amx else ""))
 
 
 def profile_file(directory: Path, key: ProfileKey, shipped: bool = False) -> Path:

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cluster import linked_adapters  # noqa: E402
 from workloads import slora_synthetic  # noqa: E402
 
+import kernels.cpu as cpu_kernels  # noqa: E402
 from asyncserve import LLM, SamplingParams  # noqa: E402
 from ipc.profile import cpu_model  # noqa: E402
 
@@ -68,9 +69,15 @@ def main() -> None:
     ap.add_argument("--pool-mem", default="4GiB")
     ap.add_argument("--host-adapter-mem", default="4GiB")
     ap.add_argument("--max-running", type=int, default=32)
+    ap.add_argument("--no-amx", action="store_true", help="keep the native GEMM on its vdpbf16ps tiles where it "
+                    "would run AMX tiles (kernels/cpu/gemm.h), to compare")
     args = ap.parse_args()
+    if args.no_amx:
+        cpu_kernels.set_amx_gemm(False)
 
-    print(f"# {cpu_model()}, {args.threads} threads, load average before {os.getloadavg()}")
+    amx = cpu_kernels.amx_gemm_available() and not args.no_amx
+    print(f"# {cpu_model()}, {args.threads} threads, GEMM on {'AMX' if amx else 'vdpbf16ps'} tiles where native, "
+          f"load average before {os.getloadavg()}")
     with tempfile.TemporaryDirectory() as tmp:
         folders = {"many": linked_adapters(args.adapters, "lora", Path(tmp), name="many"),
                    "few": linked_adapters(args.adapters, "lora", Path(tmp), count=args.few, name="few")}

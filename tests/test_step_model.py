@@ -179,6 +179,8 @@ def test_step_profile_cached_shipped_and_measured_again(tiny_model, tmp_path, mo
     assert base_only.source == f"{MEASURED} {path}" and engine.latency.measured
     saved = read_profile(path, profile_key(engine))
     assert saved.adapter_ranks == [] and "at start-up" in saved.command and saved.coefficients.alpha_rank == 0
+    # keyed by the GEMM that runs the projections too (AMX exposed or not under one CPU name)
+    assert saved.key.gemm.startswith(type(engine.runner.weights.lm_head).__name__)
     assert len(saved.steps) >= 2 * len(STEP_KINDS)
 
     engine, first = start()                          # adapters now: measured again, with the highest-ranked
