@@ -21,7 +21,7 @@
 // Where the CPU has AMX (Sapphire Rapids and later) and K is a multiple of 32, the same packed
 // panels feed tile multiply-adds instead: a panel's 16 k-pairs x 16 columns x 2 are exactly a B
 // tile in AMX's pair layout, so the packing, NativeLinear and the native decoder stay as they are.
-// On an Emerald Rapids core pair they ran a step's projections 1.1-2.6x faster than the vdpbf16ps
+// On an Emerald Rapids core pair they ran a step's projections 0.9-2.1x as fast as the vdpbf16ps
 // tiles at 1-8 rows (weights from DRAM either way) and 2-12x at 16-256, where those are bound by
 // the core's dot-product rate (BENCHMARKS.md, "Box E").
 #pragma once
@@ -51,7 +51,6 @@
 namespace asyncserve {
 
 constexpr bool kBf16Gemm = ASYNCSERVE_BF16_GEMM;
-constexpr bool kAmxGemm = ASYNCSERVE_AMX_GEMM;
 
 // Whether the AMX tiles run where the build has them (see the top); off for benchmarks and tests
 // of the vdpbf16ps tiles on such a CPU.
