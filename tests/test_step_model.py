@@ -77,14 +77,18 @@ def steps(llm):
     return profile_steps(llm.engine, 180, adapters, seed=0, repeats=REPEATS, **SHAPE)
 
 
+def seconds_now(engine, step) -> float:
+    """The profiled ``step`` (a TimedStep or ProfiledStep) timed again now, best of REPEATS runs."""
+    chunks = [StepChunk(*c) for c in step.chunks]
+    return timed_step(engine, step.kind, [ChunkSpec(c.tokens, c.context, c.adapter) for c in chunks], REPEATS).seconds
+
+
 def speed_now(engine, reference) -> float:
-    """How much slower the machine runs now than when the ``reference`` step (a TimedStep or
-    ProfiledStep) was timed: its time re-measured now over its time then. A shared box's speed drifts
-    by up to 2x within seconds (see the module's docstring), so each measured step is paired with a
-    reference step re-timed right after it, and a prediction is scaled by that pair's ratio."""
-    chunks = [StepChunk(*c) for c in reference.chunks]
-    now = timed_step(engine, reference.kind, [ChunkSpec(c.tokens, c.context, c.adapter) for c in chunks], REPEATS)
-    return now.seconds / reference.seconds
+    """How much slower the machine runs now than when the ``reference`` step was timed: its time
+    re-measured now over its time then. A shared box's speed drifts by up to 2x within seconds (see
+    the module's docstring), so each measured step is paired with a reference step re-timed right
+    after it, and a prediction is scaled by that pair's ratio."""
+    return seconds_now(engine, reference) / reference.seconds
 
 
 def loop_errors(engine, coefficients: PerfCoefficients, reference: list) -> list[float]:
@@ -158,8 +162,7 @@ def test_start_profile_predicts_measured_steps(llm, steps):
     reference = read_profile(Path(latency.start.source.removeprefix(f"{MEASURED} ")), key).steps
     errors = []
     for i, step in enumerate(steps[::5]):
-        now = timed_step(llm.engine, step.kind, [ChunkSpec(c.tokens, c.context, c.adapter) for c in step.chunks],
-                         REPEATS).seconds
+        now = seconds_now(llm.engine, step)
         speed = speed_now(llm.engine, reference[i % len(reference)])
         errors.append(abs(predict_step_seconds(latency.start, step.chunks) * speed / now - 1))
     assert statistics.median(errors) < START_MEDIAN_BOUND, sorted(errors)
