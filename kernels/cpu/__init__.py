@@ -172,8 +172,8 @@ def bf16_gemm_available() -> bool:
 
 
 def amx_gemm_available() -> bool:
-    """Whether packed_linear can run AMX tiles here (for K a multiple of 32, unless set_amx_gemm(False)):
-    the build has them (a CPU with AMX-BF16) and Linux granted the process their state."""
+    """Whether packed_linear has AMX tiles here: the build has them (a CPU with AMX-BF16) and Linux
+    granted the process their state. It runs them for K a multiple of 32 while set_amx_gemm is on."""
     return bf16_gemm_available() and library().amx_gemm_available()
 
 
