@@ -197,6 +197,26 @@ class HostArena:
         self._check(handle)
         return read_adapter(self.buffer, self.directory[handle.slot])
 
+    def rows(self, handle: AdapterHandle) -> torch.Tensor | None:
+        """A stored adapter's rows end to end, in the order ``write`` lays them (per layer, per targeted
+        projection, A then B^T), as one flat zero-copy tensor; None where alignment padded two of
+        them apart (a block of rows whose bytes are not a multiple of ALIGN)."""
+        self._check(handle)
+        d = self.directory[handle.slot]
+        num_entries = int(d["num_layers"]) * int(d["num_projections"])
+        dtype = DTYPES[int(d["dtype"])]
+        index = np.frombuffer(self.buffer, dtype=INDEX_ENTRY, count=num_entries, offset=int(d["offset"]))
+        index = index[index["rank"] > 0]
+        if not len(index):
+            return None
+        size = element_size(dtype)
+        a_end = index["a_offset"] + index["rank"].astype(np.int64) * index["fan_in"] * size
+        b_end = index["b_offset"] + index["rank"].astype(np.int64) * index["fan_out"] * size
+        if (a_end != index["b_offset"]).any() or (b_end[:-1] != index["a_offset"][1:]).any():
+            return None
+        first = int(index["a_offset"][0])
+        return torch.frombuffer(self.buffer, dtype=dtype, count=(int(b_end[-1]) - first) // size, offset=first)
+
     @property
     def free_bytes(self) -> int:
         return self.allocator.free_bytes

@@ -115,7 +115,7 @@ class World:
             proj_ranks[O_PROJ] = r
             scaling = torch.zeros(1, len(PROJECTIONS), device=device)
             scaling[0, O_PROJ] = float(self.scaling[i])
-            self.adapters.append(DeviceAdapter(f"a{i}", proj_ranks, a_ptr, b_ptr, scaling, page_ids, 0))
+            self.adapters.append(DeviceAdapter(f"a{i}", proj_ranks, a_ptr, b_ptr, scaling, page_ids, generation=i))
         self.scale_list = self.scaling.tolist()     # host floats: no device sync inside a timed loop
         self.scaling = self.scaling.to(device)
 

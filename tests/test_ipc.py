@@ -174,6 +174,23 @@ def test_arena_views_are_the_stored_tensors(setup):
             assert torch.equal(view.a_rows[key], a_rows[key]) and torch.equal(view.b_rows[key], b_rows[key])
 
 
+def test_arena_rows_lie_end_to_end_unless_padded():
+    """rows(): the block's rows as one flat view in write order (what the pager copies into pages in
+    one piece), and None where alignment left gaps between them."""
+    ranks, scaling, a_rows, b_rows = random_adapter({"q_proj": 2, "v_proj": 1, "down_proj": 3}, torch.bfloat16, seed=3)
+    with HostArena(1 << 20, slots=4) as arena:
+        handle = arena.store(ranks, scaling, a_rows, b_rows)
+        want = torch.cat([t.reshape(-1) for key in a_rows for t in (a_rows[key], b_rows[key])])
+        got = arena.rows(handle)
+        assert got is not None and torch.equal(got, want)
+        # 3 and 5 float32 elements: 12 and 20 bytes, each padded to 64
+        odd = arena.store([1], torch.ones(1, 1), {(0, 0): torch.ones(1, 3)}, {(0, 0): torch.ones(1, 5)})
+        assert arena.rows(odd) is None
+        arena.release(handle)
+        with pytest.raises(KeyError):
+            arena.rows(handle)
+
+
 def test_allocator_allocate_free_reuse():
     alloc = Allocator(100, 100 + 64 * 10)                  # start rounds up to 128: 9 units of 64 B
     a, b, c = alloc.allocate(64), alloc.allocate(100), alloc.allocate(64 * 3)

@@ -294,7 +294,7 @@ def make_step(g: torch.Generator, pool: PagedPool, decode: bool) -> LoraBatch:
             ranks[int(p)] = 0    # untargeted projections, a whole group sometimes
         a_ptr, b_ptr = place_adapter(pool, free, ranks, shapes, TINY.num_layers, g)
         scaling = (torch.rand(TINY.num_layers, len(PROJECTIONS), generator=g) + 0.5).to(DEVICE)
-        adapters.append(DeviceAdapter(f"a{i}", ranks, a_ptr, b_ptr, scaling, [], 0))
+        adapters.append(DeviceAdapter(f"a{i}", ranks, a_ptr, b_ptr, scaling, [], generation=i))
     seg_starts, seg_adapter = random_layout(g, len(adapters), 8, 12, decode)
     return LoraBatch(adapters, seg_starts, seg_adapter, seg_starts[-1], DEVICE)
 
@@ -396,7 +396,7 @@ def test_torch_backend_loops_over_many_distinct_adapters():
     adapters = [DeviceAdapter(f"d{i}", [rank, 0, 0, 0, 0, 0, 0],
                               torch.zeros(1, len(PROJECTIONS), rank, dtype=torch.int64, device=DEVICE),
                               torch.zeros(1, len(PROJECTIONS), rank, dtype=torch.int64, device=DEVICE),
-                              torch.ones(1, len(PROJECTIONS), device=DEVICE), [], 0) for i in range(32)]
+                              torch.ones(1, len(PROJECTIONS), device=DEVICE), [], generation=i) for i in range(32)]
     pool_big = PagedPool(4, num_layers=1, block_size=4, num_kv_heads=32, head_dim=128, dtype=torch.float32,
                          device=DEVICE)
     backend = TorchLoraBackend(pool_big, big, build_bytes_per_step=2**40)      # its 168 MB of stacks at once

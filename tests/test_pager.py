@@ -1,4 +1,5 @@
 """Adapter paging: the scheduler allocates pages at once, the row copy waits for the stepper's thread."""
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -14,13 +15,18 @@ def make_engine(tiny_model):
     return llm.engine
 
 
-def test_page_in_copies_rows_at_write_pending(tiny_model):
+@pytest.mark.parametrize("host_rows", ["end to end", "padded apart"])
+def test_page_in_copies_rows_at_write_pending(tiny_model, host_rows, monkeypatch):
     engine = make_engine(tiny_model)
     pager, pool = engine.pager, engine.pool
+    if host_rows == "padded apart":        # the arena cannot give the rows as one view: they are gathered
+        monkeypatch.setattr(pager.arena, "rows", lambda handle: None)
     name = next(iter(ADAPTERS))
     pool.data.fill_(float("nan"))
     device = pager.ensure_resident(name)
     assert device is not None and [p.device for p in pager.pending] == [device]
+    if host_rows == "end to end":
+        assert pager.arena.rows(pager.host_block(pager.registration(name))) is not None
     assert torch.isnan(pool.data[device.pages]).all(), "the event loop side must not copy rows"
 
     pager.write_pending()
@@ -53,6 +59,42 @@ def test_step_tables_pad_each_adapter_to_the_largest_rank(tiny_model):
         want = torch.stack([F.pad(getattr(d, field), (0, r - d.r_max)) for d in devices])
         assert got.dtype == torch.int64 and torch.equal(got, want)
     assert torch.equal(scaling, torch.stack([d.scaling for d in devices]))
+
+
+def test_slot_tables_fill_each_placement_once_and_reuse_the_least_recent(tiny_model):
+    """The native path's tables kept across steps: a slot per placement, as LoraBatch.tables() would
+    lay it out; a full table reuses the slot of the adapter that ran longest ago, never one of the
+    step's; a step with more adapters or a larger rank than the tables hold grows them."""
+    from asyncserve.lora.batch import SlotTables
+
+    engine = make_engine(tiny_model)
+    devices = {name: engine.pager.ensure_resident(name) for name in ADAPTERS}
+    tables = SlotTables(engine.model_config.num_layers, len(PROJECTIONS), slots=2, max_rank=1)
+
+    def check(adapters, slots):
+        ranks, a_ptr, b_ptr, scaling = tables.tensors
+        want = LoraBatch(adapters, [0, 1], [0], 1, torch.device("cpu")).tables()
+        r = want[1].shape[-1]
+        assert torch.equal(ranks[slots], want[0]) and torch.equal(scaling[slots], want[3])
+        assert torch.equal(a_ptr[slots, ..., :r], want[1]) and torch.equal(b_ptr[slots, ..., :r], want[2])
+        assert not a_ptr[slots, ..., r:].any() and not b_ptr[slots, ..., r:].any()
+
+    first = [devices["r1_qv"], devices["r2_mlp"]]
+    slots = tables.slots(first)
+    assert sorted(slots) == [0, 1]
+    check(first, slots)
+    assert tables.slots(first[::-1]) == slots[::-1]                 # kept, whatever the order
+    # a third adapter: the least recently used slot (r2_mlp's, used before r1_qv's last step) goes
+    tables.slots([devices["r1_qv"]])
+    assert tables.slots([devices["r8_attn_rs"]]) == [slots[1]]
+    check([devices["r8_attn_rs"]], [slots[1]])
+    assert tables.slots([devices["r1_qv"]]) == [slots[0]]
+    # more adapters than slots, and a rank past the tables': both grow, the slots kept stay right
+    everything = list(devices.values())
+    grown = tables.slots(everything)
+    assert len(set(grown)) == len(everything) and tables.tensors[1].shape[-1] == max(d.r_max for d in everything)
+    assert grown[0] == slots[0]
+    check(everything, grown)
 
 
 def test_evicting_before_the_copy_drops_it(tiny_model):

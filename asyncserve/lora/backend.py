@@ -50,9 +50,9 @@ from typing import NamedTuple
 import torch
 
 import kernels.cpu as cpu_kernels
-from asyncserve.lora.batch import LoraBatch
+from asyncserve.lora.batch import LoraBatch, SlotTables
 from asyncserve.model.checkpoint import all_finite
-from asyncserve.model.config import GROUPS, PROJ_INDEX, ModelConfig
+from asyncserve.model.config import GROUPS, PROJ_INDEX, PROJECTIONS, ModelConfig
 from asyncserve.model.linear import Linear, make_linear, onednn_packs
 from asyncserve.model.llama import NativeStepLora
 from asyncserve.pager.pager import DeviceAdapter
@@ -189,10 +189,10 @@ class TorchLoraBackend(LoraBackend):
         self._fused: dict[tuple[str, int], Linear | None] = {}
         # group -> ("stacked", mask [tokens, R]), ("loop", [(row spans, c0, c1)]), while the stacks
         # are built ("pool", [(row spans, adapter, its scalings, [(projection, r, in, out, column)])]),
-        # or with the native kernels ("native", (runs [num_runs, 3], the step's tables))
+        # or with the native kernels ("native", (runs [num_runs, 3], the slot tables))
         self._plans: dict[str, tuple[str, object]] = {}
-        # the native plans' step tables and the adapter generations (pager-wide) they were built for
-        self._native_tables: tuple[tuple[int, ...], tuple] | None = None
+        # the native plans' adapter tables, kept across steps
+        self._slot_tables = SlotTables(config.num_layers, len(PROJECTIONS))
 
     @property
     def active(self) -> bool:
@@ -293,14 +293,11 @@ class TorchLoraBackend(LoraBackend):
 
     def _native_plans(self, batch: LoraBatch) -> dict[str, tuple[str, object]]:
         """Per group that some run's adapter targets: the runs of one adapter's consecutive tokens (in token
-        order) and the step's tables, which lora_segments follows into the pool."""
+        order, each naming its adapter's slot) and the slot tables, which lora_segments follows into the pool."""
         spans = adapter_spans(batch)
-        runs = sorted((sl.start, sl.stop, i) for i, slices in spans.items() for sl in slices)
-        # the same adapters in the same order (paged in the same place) as last step: the same tables
-        key = tuple(a.generation for a in batch.adapters)
-        if self._native_tables is None or self._native_tables[0] != key:
-            self._native_tables = (key, batch.tables())
-        data = (torch.tensor(runs, dtype=torch.int64), self._native_tables[1])
+        slots = self._slot_tables.slots(batch.adapters)
+        runs = sorted((sl.start, sl.stop, slots[i]) for i, slices in spans.items() for sl in slices)
+        data = (torch.tensor(runs, dtype=torch.int64), self._slot_tables.tensors)
         return {group: ("native", data) for group, rows in self.layout.items()
                 if any(batch.adapters[i].ranks[PROJ_INDEX[proj]] for i in spans for proj, *_ in rows)}
 

@@ -15,6 +15,7 @@ row's flat element offset into ``pool.flat`` (see pager/pool.py for the layout):
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -71,3 +72,53 @@ class LoraBatch:
                 torch.tensor(self.seg_adapter, dtype=torch.int32, device=self.device),
             )
         return self._tensors["segments"]
+
+
+class SlotTables:
+    """The step tables kept across steps, for kernels that take each run's adapter as an index into
+    them (lora_segments): one slot per adapter placement (``DeviceAdapter.generation``), filled when
+    it first runs. A step whose adapters changed fills only the new ones; rebuilding the tables of 32
+    adapters was half a millisecond on every such step, and with 1,000 adapters in turn most steps
+    are such steps. When every slot is taken, the slot no step has used for longest is reused."""
+
+    def __init__(self, num_layers: int, num_projections: int, slots: int = 64, max_rank: int = 16):
+        self._slot_of: OrderedDict[int, int] = OrderedDict()   # generation -> slot, least recently used first
+        self._shape = (num_layers, num_projections)
+        self._ranks = np.zeros((0, num_projections), dtype=np.int32)
+        self._ptr = np.zeros((2, 0, num_layers, num_projections, 0), dtype=np.int64)
+        self._scaling = np.zeros((0, num_layers, num_projections), dtype=np.float32)
+        self._resize(slots, max_rank)
+
+    def _resize(self, slots: int, max_rank: int) -> None:
+        old_slots, old_rank = self._ranks.shape[0], self._ptr.shape[-1]
+        ranks = np.zeros((slots, self._shape[1]), dtype=np.int32)
+        ptr = np.zeros((2, slots, *self._shape, max_rank), dtype=np.int64)
+        scaling = np.zeros((slots, *self._shape), dtype=np.float32)
+        ranks[:old_slots], scaling[:old_slots] = self._ranks, self._scaling
+        ptr[:, :old_slots, :, :, :old_rank] = self._ptr
+        self._ranks, self._ptr, self._scaling = ranks, ptr, scaling
+        # torch views of the arrays: filling a slot updates what the kernels read
+        self.tensors = (torch.from_numpy(ranks), torch.from_numpy(ptr[0]), torch.from_numpy(ptr[1]),
+                        torch.from_numpy(scaling))
+
+    def slots(self, adapters: list[DeviceAdapter]) -> list[int]:
+        """Each adapter's slot, filling those of adapters placed since they last ran."""
+        capacity, max_rank = self._ranks.shape[0], self._ptr.shape[-1]
+        new = [a for a in adapters if a.generation not in self._slot_of]
+        if len(adapters) > capacity or any(a.r_max > max_rank for a in new):
+            self._resize(capacity if len(adapters) <= capacity else 2 * len(adapters),
+                         max([max_rank] + [a.r_max for a in new]))
+        for a in adapters:
+            if a.generation in self._slot_of:
+                self._slot_of.move_to_end(a.generation)
+        for a in new:
+            if len(self._slot_of) < self._ranks.shape[0]:
+                slot = len(self._slot_of)
+            else:                                   # the least recently used: not one of this step's
+                slot = self._slot_of.pop(next(iter(self._slot_of)))
+            self._slot_of[a.generation] = slot
+            self._ranks[slot] = a.ranks
+            self._ptr[:, slot] = 0
+            self._ptr[:, slot, :, :, :a.r_max] = a.host_ptr
+            self._scaling[slot] = a.scaling.cpu().numpy()
+        return [self._slot_of[a.generation] for a in adapters]

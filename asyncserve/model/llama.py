@@ -40,7 +40,8 @@ class LoraHook(Protocol):
 class NativeStepLora:
     """A step's LoRA for the native layer loop (kernels/cpu/decoder.h): per group in GROUPS order, its
     runs [num_runs, 3] (None: no step adapter targets it) and projections [P_g, 3], with the pool and
-    the step's adapter tables (LoraBatch.tables()), as lora_segments takes them."""
+    adapter tables (LoraBatch.tables() or the backend's SlotTables: a run's adapter indexes them), as
+    lora_segments takes them."""
     runs: list[torch.Tensor | None]
     projections: list[torch.Tensor]
     flat: torch.Tensor

@@ -51,7 +51,7 @@ class DeviceAdapter:
     b_ptr: torch.Tensor              # [L, P, r_max] int64
     scaling: torch.Tensor            # [L, P] float32
     pages: list[int]
-    generation: int                  # bumps whenever the adapter is (re)paged: keys backend caches
+    generation: int                  # unique per placement, bumped whenever an adapter is (re)paged: keys backend caches
     # a_ptr and b_ptr as one host array [2, L, P, r_max] (from them if not given): the step tables'
     host_ptr: np.ndarray | None = None
 
@@ -394,6 +394,15 @@ class AdapterPager:
         if device is not None:                          # a copy still pending sees it gone and is dropped
             self.pool.release(device.pages)
 
+    def _rows_end_to_end(self, load: int, adapter: HostAdapter) -> torch.Tensor:
+        """The adapter's rows in pool packing order, flat: a view of its host block, whose rows lie in
+        that order (a copy where the arena's alignment padded them apart, or the block is gone)."""
+        handle = self._blocks.get(load)
+        rows = self.arena.rows(handle) if handle is not None else None
+        if rows is None:
+            rows = torch.cat([t.reshape(-1) for *_, t in self._packed_rows(adapter)])
+        return rows
+
     def _packed_rows(self, adapter: HostAdapter):
         """(layer, projection, 0 for A / 1 for B^T, rows [r, length]) in pool packing order
         (HostAdapter.row_lengths)."""
@@ -437,8 +446,8 @@ class AdapterPager:
                 target, page_of = pool.data, device.pages
             else:                                         # staged on the host: one copy to the device
                 target, page_of = torch.empty(len(device.pages), pool.page_numel, dtype=pool.dtype), None
-            # the rows end to end (one copy out of the host tier), then one copy per page
-            packed = torch.cat([rows.reshape(-1) for *_, rows in self._packed_rows(adapter)]) if spans else None
+            # the rows end to end (as the host tier holds them, else one copy out of it), then one copy per page
+            packed = self._rows_end_to_end(load, adapter) if spans else None
             for page, offset, first, numel in spans:
                 target[page_of[page] if page_of else page, offset:offset + numel] = packed[first:first + numel]
             if page_of is None:

@@ -65,7 +65,7 @@ class AdapterAffinity(SchedulingPolicy):
         first = list(_requests_by_adapter(running + waiting))[:self.max_adapters]
         return StepRule(frozenset(first) | {None})
 
-    def admission_order(self, waiting, resident_adapters):
+    def admission_order(self, waiting, is_resident):
         aged = {t: i for i, t in enumerate(self.aged())}
         return sorted(waiting, key=lambda s: aged.get(s.adapter, len(aged)))     # stable: arrival order
 

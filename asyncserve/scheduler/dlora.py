@@ -126,7 +126,7 @@ class DLoRA(SchedulingPolicy):
             self.alpha = min(max(self.alpha, self.beta), 1.0)
         self._history, self._switched_to = [], None
 
-    def admission_order(self, waiting, resident_adapters):
+    def admission_order(self, waiting, is_resident):
         if not self.starving:
             return list(waiting)
         starving = [s for s in waiting if s.adapter in self.starving]
@@ -169,5 +169,5 @@ class MergedOnly(SchedulingPolicy):
         merged = self.current if self.current is not None and self.settings.merge_refusal(self.current) is None else None
         return StepRule(frozenset({self.current}), merged)
 
-    def admission_order(self, waiting, resident_adapters):
+    def admission_order(self, waiting, is_resident):
         return list(waiting)

@@ -67,7 +67,9 @@ class SchedulingPolicy:
         that makes progress; by default anything may run."""
         return ANY
 
-    def admission_order(self, waiting: list[Sequence], resident_adapters: set[str]) -> Iterable[Sequence]:
+    def admission_order(self, waiting: list[Sequence], is_resident: Callable[[str], bool]) -> Iterable[Sequence]:
+        """is_resident(adapter): whether its current load is on the device (a question, not a set: with
+        thousands of registered adapters, building the set every step cost more than any policy asks)."""
         raise NotImplementedError
 
     def admits(self, seq: Sequence, batch: list[Sequence]) -> bool:
@@ -90,5 +92,5 @@ class FirstComeFirstServed(SchedulingPolicy):
     request waits only for those that arrived before it (nobody jumps the queue)."""
     name = "fcfs"
 
-    def admission_order(self, waiting, resident_adapters):
+    def admission_order(self, waiting, is_resident):
         return list(waiting)

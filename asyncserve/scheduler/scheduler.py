@@ -117,8 +117,7 @@ class Scheduler:
                     plan.prefills.append(ScheduledChunk(seq, n))
                     budget -= n
         # 3. admissions, in the policy's order, while everything fits
-        resident = self.pager.resident_names()
-        for seq in self.policy.admission_order(list(self.waiting), resident):
+        for seq in self.policy.admission_order(list(self.waiting), self.pager.is_resident):
             if budget <= 0 or len(self.running) >= self.max_running:
                 break
             if not rule.allows(seq.adapter) or not self.policy.admits(seq, self.running):

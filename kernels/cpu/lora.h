@@ -5,7 +5,7 @@
 //     y_run[:, cols] += s @ B          (B^T rows of fan_out elements)
 // in fp32, y rounded to T once. Work items are (tile of up to kLoraTile tokens of a run,
 // projection): each A and B row read serves the whole tile, and items write disjoint parts of y,
-// so the threads take contiguous shares of equal multiply-adds and never meet at a barrier.
+// so the threads take contiguous shares of equal cost and never meet at a barrier.
 #pragma once
 
 #include <algorithm>
@@ -24,9 +24,12 @@ namespace asyncserve {
 
 constexpr int64_t kLoraTile = 8;                 // tokens sharing each weight row read
 constexpr int64_t kLoraColumns = 32;             // y columns accumulated in registers per pass over B
-// below this much work a second thread costs more than it saves: multiply-adds, where each weight
-// element read counts kLoraWeightMacs (the rows come from DRAM: a decode step's few tokens per
-// adapter read far more bytes than they multiply, and a second core streams them twice as fast)
+// An item's cost: its multiply-adds, plus kLoraWeightMacs per weight element when it is the first
+// tile of its run (the rows come from DRAM; the run's later tiles find them in cache). A decode
+// step's few tokens per adapter read far more bytes than they multiply: counted by multiply-adds
+// alone, the thread given a mixed step's cold decode items finished long after the one given its
+// prefill tiles (31 adapters' decodes and a 224-token prefill, 30 layers of q and v: 6.6 ms, by
+// cost 4.8 ms; box E). Below kLoraMinMacsPerThread a second thread costs more than it saves.
 constexpr int64_t kLoraMinMacsPerThread = 65536;
 constexpr int64_t kLoraWeightMacs = 4;
 
@@ -180,11 +183,12 @@ void lora_tile(T* y, int64_t y_stride, const T* x, int64_t x_stride, int64_t fan
   const float scale = tables.scaling[tables.at(adapter, p.index)];
   const int64_t* a_rows = tables.a_rows(adapter, p.index);
   const int64_t* b_rows = tables.b_rows(adapter, p.index);
-  // all the item's rows at once into L2: they are cold (a step reads each adapter's rows once) and
-  // the shrink's dot products would otherwise wait for them row after row (a decode step's LoRA of
-  // W1 at 4 tokens: 1.31 -> 0.85 ms, with the second thread below)
-  for (int64_t j = 0; j < r; ++j) prefetch_row<2>(flat + a_rows[j], fan_in * int64_t(sizeof(T)));
-  for (int64_t j = 0; j < r; ++j) prefetch_row<2>(flat + b_rows[j], p.fan_out * int64_t(sizeof(T)));
+  // all the item's rows at once: they are cold (a step reads each adapter's rows once) and the
+  // shrink's dot products would otherwise wait for them row after row (a decode step's LoRA of W1 at
+  // 4 tokens: 1.31 -> 0.85 ms, with the second thread below). Into L1 as well as L2: a decode step
+  // of 31 adapters' q and v rows from DRAM took 2.2 ms against 2.6 ms with L2 alone (box E).
+  for (int64_t j = 0; j < r; ++j) prefetch_row<3>(flat + a_rows[j], fan_in * int64_t(sizeof(T)));
+  for (int64_t j = 0; j < r; ++j) prefetch_row<3>(flat + b_rows[j], p.fan_out * int64_t(sizeof(T)));
   lora_shrink<T, N>(x, x_stride, fan_in, flat, a_rows, r, scale, s);
   lora_expand<T, N>(y + p.column, y_stride, p.fan_out, flat, b_rows, r, s);
 }
@@ -196,32 +200,31 @@ void lora_segments(T* y, int64_t y_stride, const T* x, int64_t x_stride, int64_t
                    const LoraTables& tables, const LoraRun* runs, int64_t num_runs, const LoraProjection* projs,
                    int64_t num_projs) {
   struct Item {
-    int64_t begin, tokens, adapter, proj, macs;
+    int64_t begin, tokens, adapter, proj, cost;
   };
   std::vector<Item> items;
-  int64_t total = 0, weights = 0, max_rank = 1;
+  int64_t total = 0, max_rank = 1;
   for (int64_t i = 0; i < num_runs; ++i) {
     for (int64_t t = runs[i].begin; t < runs[i].end; t += kLoraTile) {
       const int64_t tokens = std::min(kLoraTile, runs[i].end - t);
       for (int64_t p = 0; p < num_projs; ++p) {
         const int64_t r = tables.rank(runs[i].adapter, projs[p].index);
         if (r == 0) continue;
-        const int64_t macs = tokens * r * (fan_in + projs[p].fan_out);
-        items.push_back({t, tokens, runs[i].adapter, p, macs});
-        total += macs;
-        weights += r * (fan_in + projs[p].fan_out);
+        const int64_t weights = r * (fan_in + projs[p].fan_out);
+        const int64_t cost = tokens * weights + (t == runs[i].begin ? kLoraWeightMacs * weights : 0);
+        items.push_back({t, tokens, runs[i].adapter, p, cost});
+        total += cost;
         max_rank = std::max(max_rank, r);
       }
     }
   }
   if (items.empty()) return;
-  // contiguous shares of about equal multiply-adds, one per thread
-  const int64_t work = std::max(total, kLoraWeightMacs * weights);
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), work / kLoraMinMacsPerThread));
+  // contiguous shares of about equal cost, one per thread
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total / kLoraMinMacsPerThread));
   std::vector<int64_t> first(parts + 1, int64_t(items.size()));
   first[0] = 0;
   for (int64_t i = 0, part = 1, done = 0; i < int64_t(items.size()) && part < parts; ++i) {
-    done += items[i].macs;
+    done += items[i].cost;
     if (done * parts >= total * part) first[part++] = i + 1;
   }
   at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
