@@ -35,6 +35,14 @@ enough weight copies (--gemm-stream-mb in all) that the weights stream from DRAM
 
     .venv/bin/python scripts/bench_native.py --gemm
 
+--lora-cold instead times lora_segments over every layer of a step whose adapters' rows come from
+DRAM, as with 1,000 adapters in turn (#14): --cold-adapters random PEFT-like adapters of ranks 8 and
+16 on q and v laid out as the pager lays them, a decode step of 31 sequences of distinct adapters,
+and a mixed step of those decodes and one adapter's --prefill-run prompt tokens; a 400 MB write
+between calls evicts the caches:
+
+    .venv/bin/python scripts/bench_native.py --lora-cold
+
 Prints the median microseconds per call over --repeats calls and the per-step total (x layers);
 with --cpu-clock (for --threads 1 on a loaded box) of the thread's CPU time, not the wall.
 """
@@ -95,6 +103,9 @@ def main() -> None:
     p.add_argument("--gemm", action="store_true", help="time the base projections instead (see above)")
     p.add_argument("--gemm-rows", type=int, nargs="+", default=[1, 4, 16, 32, 64, 256])
     p.add_argument("--gemm-stream-mb", type=int, default=256, help="weight copies per shape, MB in all")
+    p.add_argument("--lora-cold", action="store_true", help="time LoRA with its rows in DRAM instead (see above)")
+    p.add_argument("--cold-adapters", type=int, default=1000)
+    p.add_argument("--prefill-run", type=int, default=224, help="the mixed step's prompt tokens of one adapter")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -102,6 +113,8 @@ def main() -> None:
         sys.exit(f"native kernels unavailable: {cpu_kernels.error()}")
     if args.gemm:
         return bench_gemm(args)
+    if args.lora_cold:
+        return bench_lora_cold(args, dtype)
     g = torch.Generator().manual_seed(0)
     nh, nkv, hd = args.heads
     n, block, layers, kv_size = args.batch, args.block, args.layers, nkv * hd
@@ -189,6 +202,54 @@ def main() -> None:
         k = per_layer[name] * layers
         print(f"{name:<18} {e:9.1f} {nt:10.1f} {e / nt:7.1f}x {e * k / 1e3:14.2f} {nt * k / 1e3:15.2f}")
     bench_lora(args, dtype)
+
+
+def bench_lora_cold(args, dtype: torch.dtype) -> None:
+    """lora_segments over --layers layers of q and v for steps of adapters whose rows are cold."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(0)
+    hidden, (_, nkv, hd), layers, count = args.hidden, args.heads, args.layers, args.cold_adapters
+    fan_out = (hidden, nkv * hd)                                    # q, v
+    ranks = np.array([[8, 8] if i % 2 else [16, 16] for i in range(count)], dtype=np.int32)
+    max_rank = int(ranks.max())
+    # per adapter, per layer, per projection: its A rows, then its B^T rows (pager/pool.py)
+    a_ptr = np.zeros((count, layers, 2, max_rank), dtype=np.int64)
+    b_ptr = np.zeros_like(a_ptr)
+    offset = 0
+    for i in range(count):
+        for layer in range(layers):
+            for p, out in enumerate(fan_out):
+                r = int(ranks[i, p])
+                a_ptr[i, layer, p, :r] = offset + np.arange(r) * hidden
+                offset += r * hidden
+                b_ptr[i, layer, p, :r] = offset + np.arange(r) * out
+                offset += r * out
+    flat = (torch.randn(offset, generator=g) * 0.01).to(dtype)
+    tables = (torch.from_numpy(ranks), torch.from_numpy(a_ptr), torch.from_numpy(b_ptr),
+              torch.full((count, layers, 2), 2.0))
+    projections = torch.tensor([[0, 0, fan_out[0]], [1, fan_out[0], fan_out[1]]], dtype=torch.int64)
+    evict = torch.empty(100 * 2**20)                               # 400 MB
+    decodes = 31
+    print(f"# {cpu_name()}, {args.threads} threads, {args.dtype}, {count} adapters of ranks 8/16 on q and v, "
+          f"{flat.numel() * flat.element_size() / 2**30:.2f} GiB of rows; caches evicted before each call")
+    print(f"{'step':<28} {'tokens':>6} {'MB of rows':>10} {'ms/step':>8}")
+    for name, prefill in (("decode: 31 adapters", 0), (f"mixed: 31 + 1 x {args.prefill_run}", args.prefill_run)):
+        times, nbytes = [], 0
+        for _ in range(max(5, args.repeats // 30)):
+            ids = torch.randperm(count, generator=g)[:decodes + (1 if prefill else 0)].tolist()
+            runs = [[t, t + 1, ids[t]] for t in range(decodes)] + ([[decodes, decodes + prefill, ids[-1]]] if prefill else [])
+            tokens = decodes + prefill
+            x = torch.randn(tokens, hidden, generator=g).to(dtype)
+            y = torch.zeros(tokens, sum(fan_out), dtype=dtype)
+            run_table = torch.tensor(runs, dtype=torch.int64)
+            evict.add_(1.0)
+            t0 = time.perf_counter()
+            for layer in range(layers):
+                cpu_kernels.lora_segments(y, x, flat, run_table, *tables, layer, projections)
+            times.append(time.perf_counter() - t0)
+            nbytes = int(sum(ranks[i] @ np.array([hidden + fan_out[0], hidden + fan_out[1]]) for i in ids)) * layers * flat.element_size()
+        print(f"{name:<28} {tokens:6d} {nbytes / 1e6:10.1f} {statistics.median(times) * 1e3:8.2f}")
 
 
 def bench_gemm(args) -> None:
