@@ -68,8 +68,8 @@ class SchedulingPolicy:
         return ANY
 
     def admission_order(self, waiting: list[Sequence], is_resident: Callable[[str], bool]) -> Iterable[Sequence]:
-        """is_resident(adapter): whether its current load is on the device (a question, not a set: with
-        thousands of registered adapters, building the set every step cost more than any policy asks)."""
+        """is_resident(adapter): whether its current load is on the device. A predicate, not a set: the
+        set would be built over every registered adapter (thousands) on every step."""
         raise NotImplementedError
 
     def admits(self, seq: Sequence, batch: list[Sequence]) -> bool:

@@ -159,10 +159,10 @@ def lora_segments(y: torch.Tensor, x: torch.Tensor, flat: torch.Tensor, runs: to
                   a_ptr: torch.Tensor, b_ptr: torch.Tensor, scaling: torch.Tensor, layer: int,
                   projections: torch.Tensor) -> None:
     """y: [tokens, out] += each run's LoRA of x: [tokens, in], read from the pool rows of flat: for runs
-    [num_runs, 3] int64 (first token, end token, step adapter) and each projections [num_projs, 3] int64
-    (index in the tables, first column of y, width) its adapter targets, y[run, cols] +=
+    [num_runs, 3] int64 (first token, end token, its adapter's index in the tables) and each projections
+    [num_projs, 3] int64 (index in the tables, first column of y, width) its adapter targets, y[run, cols] +=
     scaling * (x[run] @ A^T) @ B. ranks [n, P] int32, a_ptr, b_ptr [n, L, P, R], scaling [n, L, P]:
-    LoraBatch.tables(); layer picks the tables' layer."""
+    LoraBatch.tables() or SlotTables.tensors; layer picks the tables' layer."""
     _lib().lora_segments(y, x, flat, runs, ranks, a_ptr, b_ptr, scaling, layer, projections)
 
 

@@ -33,7 +33,7 @@ constexpr int64_t kLoraColumns = 32;             // y columns accumulated in reg
 constexpr int64_t kLoraMinMacsPerThread = 65536;
 constexpr int64_t kLoraWeightMacs = 4;
 
-// The step's adapter tables (LoraBatch.tables()) and the layer to read: ranks [n, P];
+// The adapter tables (LoraBatch.tables() or SlotTables) and the layer to read: ranks [n, P];
 // a_ptr, b_ptr [n, L, P, R] flat offsets of A rows and B^T rows; scaling [n, L, P].
 struct LoraTables {
   const int32_t* ranks;
