@@ -19,6 +19,9 @@ profile's loop: 0.07-0.57 over eight starts, 0.51 once in CI). Steps measured af
 coefficients' own steps are therefore each paired with one of those re-timed right after, and
 predictions scaled by that ratio (speed_now): over eight starts on that box, the held-out steps
 0.05-0.22 and the loop 0.06-0.37 from the start profile, the loop 0.04-0.18 from the 180 steps' fit.
+That scaling cannot mend a start profile timed while the box stalled under some of its steps and not
+others (the held-out median once 0.61 in CI): such a profile fits its own steps badly, so the
+module's engine starts again when its profile's own fit is worse than START_PROFILE_FIT.
 """
 from __future__ import annotations
 
@@ -43,6 +46,8 @@ MEDIAN_BOUND = 0.35        # of the held-out steps, all kinds together
 KIND_MEDIAN_BOUND = 0.75   # of each kind's
 LOOP_MEDIAN_BOUND = 0.5    # of a generate loop's steps
 START_MEDIAN_BOUND = 0.5   # of the held-out steps and of a generate loop, by the start profile's coefficients
+START_PROFILE_FIT = 0.15   # a start profile's fit to its own steps (median), else the module's engine starts again
+START_TRIES = 3
 REPEATS = 5                # runs of each step; the fastest counts
 SHAPE = {"max_batch": 32, "prefill_tokens": (16, 256), "max_context": 200}
 
@@ -58,14 +63,27 @@ def start_engine(tiny_model, profile_dir, adapters: bool = True, step_profile: s
 @pytest.fixture(scope="module")
 def llm(tiny_model, tmp_path_factory):
     # its start profile cached however busy the box (a fit off its own steps is not, by default),
-    # so test_start_profile_predicts_measured_steps can re-time the profile's own steps
-    max_error, step_profile.PROFILE_MAX_ERROR = step_profile.PROFILE_MAX_ERROR, float("inf")
-    try:
-        llm = start_engine(tiny_model, tmp_path_factory.mktemp("step-profiles"))
-    finally:
-        step_profile.PROFILE_MAX_ERROR = max_error
+    # so test_start_profile_predicts_measured_steps can re-time the profile's own steps; a start
+    # whose profile fits its own steps worse than START_PROFILE_FIT (the box stalled while its 36
+    # steps were timed: six starts on box E fit theirs within 0.02-0.23) is measured again
+    for attempt in range(START_TRIES):
+        max_error, step_profile.PROFILE_MAX_ERROR = step_profile.PROFILE_MAX_ERROR, float("inf")
+        try:
+            llm = start_engine(tiny_model, tmp_path_factory.mktemp("step-profiles"))
+        finally:
+            step_profile.PROFILE_MAX_ERROR = max_error
+        if start_profile(llm).median_error <= START_PROFILE_FIT or attempt == START_TRIES - 1:
+            break
+        llm.engine.close()
     yield llm
     llm.engine.close()
+
+
+def start_profile(llm: LLM) -> step_profile.StepProfile:
+    """The step profile the engine measured at its start, as it cached it."""
+    source = llm.engine.latency.start.source
+    assert source.startswith(f"{MEASURED} ")
+    return read_profile(Path(source.removeprefix(f"{MEASURED} ")), profile_key(llm.engine))
 
 
 @pytest.fixture(scope="module")
@@ -157,17 +175,17 @@ def test_start_profile_predicts_measured_steps(llm, steps):
     """The engine started from a step profile measured at its start (sets of 0, 1 and 3 adapters):
     it predicts held-out steps (every fifth profiled one, timed again), and its own generate loop's,
     within START_MEDIAN_BOUND, at the speed the profile's own steps show at the time."""
-    latency, key = llm.engine.latency, profile_key(llm.engine)
-    assert latency.start.source.startswith(f"{MEASURED} ") and latency.measured
-    reference = read_profile(Path(latency.start.source.removeprefix(f"{MEASURED} ")), key).steps
+    latency, profile = llm.engine.latency, start_profile(llm)
+    assert latency.measured
+    reference, fitted = profile.steps, f"the profile's fit to its own steps: {profile.median_error:.3f}"
     errors = []
     for i, step in enumerate(steps[::5]):
         now = seconds_now(llm.engine, step)
         speed = speed_now(llm.engine, reference[i % len(reference)])
         errors.append(abs(predict_step_seconds(latency.start, step.chunks) * speed / now - 1))
-    assert statistics.median(errors) < START_MEDIAN_BOUND, sorted(errors)
+    assert statistics.median(errors) < START_MEDIAN_BOUND, (fitted, sorted(errors))
     loop = loop_errors(llm.engine, latency.start, reference)
-    assert statistics.median(loop) < START_MEDIAN_BOUND, sorted(loop)
+    assert statistics.median(loop) < START_MEDIAN_BOUND, (fitted, sorted(loop))
 
 
 def test_step_profile_cached_shipped_and_measured_again(tiny_model, tmp_path, monkeypatch, caplog):
