@@ -20,8 +20,9 @@ coefficients' own steps are therefore each paired with one of those re-timed rig
 predictions scaled by that ratio (speed_now): over eight starts on that box, the held-out steps
 0.05-0.22 and the loop 0.06-0.37 from the start profile, the loop 0.04-0.18 from the 180 steps' fit.
 That scaling cannot mend a start profile timed while the box stalled under some of its steps and not
-others (the held-out median once 0.61 in CI): such a profile fits its own steps badly, so the
-module's engine starts again when its profile's own fit is worse than START_PROFILE_FIT.
+others (the held-out median once 0.61 in CI). Such a profile should fit its own steps badly (not
+confirmed for that run: its fit was not printed then; failures print it now), so the module's
+engine starts again when its profile's own fit is worse than START_PROFILE_FIT.
 """
 from __future__ import annotations
 
