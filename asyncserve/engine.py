@@ -135,6 +135,9 @@ class Engine:
         lora = make_lora_backend(self.lora_backend_name, self.pool, mc)
         eos = self.tokenizer.eos_token_ids
         self.runner = ModelRunner(mc, weights, self.pool, self.pager, lora, eos)
+        compile_s = lora.warm_up()
+        if compile_s:
+            log.info("LoRA backend %s: kernels warmed up in %.1f s", self.lora_backend_name, compile_s)
         self._merge_refs: set[int] = set()             # adapter loads held for being merged (see postprocess)
         self._mode_seconds = {"merged": 0.0, "unmerged": 0.0}
         self.latency = StepLatencyModel(STEP_TIME_PRIOR)

@@ -41,7 +41,8 @@ def mbgmm_tiles(seg_starts: list[int], seg_adapter: list[int], device: torch.dev
     return MbgmmTiles(table.to(device), block_m)
 
 
-@triton.jit
+# what follows the step is left unspecialized (see mbgmv.py)
+@triton.jit(do_not_specialize=["stride_an", "stride_st"], do_not_specialize_on_alignment=["a_ptr"])
 def _mbgmm_shrink_kernel(
     x_ptr, flat_ptr, a_ptr, rank_ptr, tile_ptr, s_ptr,
     IN,
@@ -66,7 +67,7 @@ def _mbgmm_shrink_kernel(
     tl.store(s_ptr + m[:, None] * stride_st + j[None, :], acc, mask=mm[:, None] & jm[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_st", "stride_bn"], do_not_specialize_on_alignment=["b_ptr", "scale_ptr"])
 def _mbgmm_expand_kernel(
     s_ptr, flat_ptr, b_ptr, rank_ptr, scale_ptr, tile_ptr, y_ptr,
     OUT,

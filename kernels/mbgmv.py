@@ -23,12 +23,21 @@ from kernels._util import block_size, check_scratch, pick_split_k
 BLOCK_R = 16
 
 
-@triton.jit
+# Triton compiles a kernel per set of constexprs, integer arguments' specializations (== 1, divisible
+# by 16) and pointers' alignments. Arguments that follow the step (the split-K factor, the step's max
+# rank and the table strides and scratch width that come from it) are left unspecialized, so a kernel
+# compiles once per projection group, not once per batch size or rank mix, and TritonLoraBackend.warm_up
+# can compile them all at start. With SPLIT_K a constexpr, decode steps of 1..64 tokens compiled 26 of
+# this kernel (tests/test_kernel_variants.py), and on an H100 the first pass of a 1,000-adapter trace
+# stalled 20 steps by 0.2-4.2 s (BENCHMARKS.md). Weight rows come through offsets loaded from the tables,
+# whose alignment no specialization could know, so their loads lose nothing.
+@triton.jit(do_not_specialize=["R", "SPLIT_K", "stride_an", "stride_ap", "stride_st"],
+            do_not_specialize_on_alignment=["a_ptr"])
 def _mbgmv_shrink_kernel(
     x_ptr, flat_ptr, a_ptr, rank_ptr, tok_ptr, s_ptr,
-    IN, R,
+    IN, R, SPLIT_K,
     stride_xt, stride_xk, stride_an, stride_ap, stride_aj, stride_rn, stride_rp, stride_st,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PADDED: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, PADDED: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)     # 64-bit row offsets: T * stride may pass 2^31
     rb = tl.program_id(1)
@@ -65,13 +74,14 @@ def _mbgmv_shrink_kernel(
         acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
     if PADDED:
         acc = tl.where(live, acc, 0.0)
-    if SPLIT_K == 1:
-        tl.store(s_ptr + t * stride_st + j, acc, mask=rows)
-    else:
+    if ATOMIC:
         tl.atomic_add(s_ptr + t * stride_st + j, acc, mask=rows)
+    else:
+        tl.store(s_ptr + t * stride_st + j, acc, mask=rows)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R", "stride_st", "stride_bn", "stride_bp"],
+            do_not_specialize_on_alignment=["b_ptr", "scale_ptr"])
 def _mbgmv_expand_kernel(
     s_ptr, flat_ptr, b_ptr, rank_ptr, scale_ptr, tok_ptr, y_ptr,
     OUT0, OUT1, OUT2, R,
@@ -149,10 +159,10 @@ def mbgmv_shrink(x: torch.Tensor, flat: torch.Tensor, a_ptr: torch.Tensor, ranks
         s[:tokens, :n_proj * r_table].zero_()
     _mbgmv_shrink_kernel[(tokens, r_blocks, n_proj * split_k)](
         x, flat, a3, r2, token_adapter, s,
-        fan_in, r_table,
+        fan_in, r_table, split_k,
         x.stride(0), x.stride(1), a3.stride(0), a3.stride(1), a3.stride(2), r2.stride(0), r2.stride(1),
         s.stride(0),
-        BLOCK_R=BLOCK_R, BLOCK_K=block_k, SPLIT_K=split_k, PADDED=padded,
+        BLOCK_R=BLOCK_R, BLOCK_K=block_k, ATOMIC=split_k > 1, PADDED=padded,
     )
 
 

@@ -24,12 +24,14 @@ BLOCK_M = 16
 BLOCK_R = 16
 
 
-@triton.jit
+# what follows the step is left unspecialized (see mbgmv.py): with SPLIT_K a constexpr, steps of 1..48
+# segments compiled 80 of this kernel
+@triton.jit(do_not_specialize=["SPLIT_K", "stride_an", "stride_st"], do_not_specialize_on_alignment=["a_ptr"])
 def _sgmv_shrink_kernel(
     x_ptr, flat_ptr, a_ptr, rank_ptr, seg_ptr, seg_adapter_ptr, s_ptr,
-    IN,
+    IN, SPLIT_K,
     stride_xt, stride_xk, stride_an, stride_aj, stride_rn, stride_st,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
     seg = tl.program_id(0)
@@ -55,13 +57,13 @@ def _sgmv_shrink_kernel(
         acc = shrink_tile(x_ptr, flat_ptr, off, m, mm, jm, k_lo, k_hi, stride_xt, stride_xk,
                           BLOCK_M, BLOCK_R, BLOCK_K, DOT_F32)
         s_ptrs = s_ptr + m[:, None] * stride_st + j[None, :]
-        if SPLIT_K == 1:
-            tl.store(s_ptrs, acc, mask=mm[:, None] & jm[None, :])
-        else:
+        if ATOMIC:
             tl.atomic_add(s_ptrs, acc, mask=mm[:, None] & jm[None, :])
+        else:
+            tl.store(s_ptrs, acc, mask=mm[:, None] & jm[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_st", "stride_bn"], do_not_specialize_on_alignment=["b_ptr", "scale_ptr"])
 def _sgmv_expand_kernel(
     s_ptr, flat_ptr, b_ptr, rank_ptr, scale_ptr, seg_ptr, seg_adapter_ptr, y_ptr,
     OUT,
@@ -116,9 +118,9 @@ def sgmv_shrink(x: torch.Tensor, flat: torch.Tensor, a_ptr: torch.Tensor, ranks:
         s[:tokens, :r_table].zero_()
     _sgmv_shrink_kernel[(segments, r_blocks, split_k)](
         x, flat, a_ptr, ranks, seg_starts, seg_adapter, s,
-        fan_in,
+        fan_in, split_k,
         x.stride(0), x.stride(1), a_ptr.stride(0), a_ptr.stride(1), ranks.stride(0), s.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=block_k, SPLIT_K=split_k,
+        BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=block_k, ATOMIC=split_k > 1,
         DOT_F32=dot_in_fp32(x.dtype, flat.dtype),
     )
 

@@ -87,6 +87,11 @@ class LoraBackend:
     def base_weights_changed(self) -> None:
         """The base projections were replaced (an adapter merged or unmerged): drop what was built from them."""
 
+    def warm_up(self) -> float:
+        """Compile whatever the backend's kernels would compile on first use, before a request waits
+        for it; returns the seconds it took (nothing to compile here)."""
+        return 0.0
+
 
 def group_layout(config: ModelConfig) -> dict[str, list[tuple[str, int, int, int]]]:
     """Per group: (projection, in_features, out_features, column offset in the fused output)."""

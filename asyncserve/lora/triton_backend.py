@@ -17,7 +17,9 @@ Kernel choice (measured on an H100, BENCHMARKS.md, scripts/bench_kernels.py):
 """
 from __future__ import annotations
 
+import itertools
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -26,12 +28,18 @@ import kernels
 from asyncserve.lora.backend import LoraBackend, group_layout
 from asyncserve.lora.batch import LoraBatch
 from asyncserve.model.config import PROJ_INDEX, PROJECTIONS, ModelConfig
+from asyncserve.pager.pager import DeviceAdapter
 from asyncserve.pager.pool import PagedPool
+from kernels._util import INTERPRET
 
 
 # Longest LoRA segment below which SGMV beats MBGMM (H100, bf16, hidden 4096, rank 16: 128 tokens
 # about even, 16 tokens SGMV 3x faster, 512 tokens MBGMM 4x faster).
 SGMV_MAX_SEGMENT = 128
+# warm_up's steps, as segment lengths: decodes, short prompts (SGMV) and a long one (MBGMM); one
+# segment and 512 of them, so that both the split-K and the unsplit shrink compile (a shrink is
+# split while its grid holds fewer than two waves of programs: 264 on an H100)
+WARM_UP_STEPS = (([1], True), ([1] * 512, True), ([2], False), ([2] * 512, False), ([SGMV_MAX_SEGMENT], False))
 
 
 @dataclass
@@ -56,6 +64,7 @@ class TritonLoraBackend(LoraBackend):
             raise RuntimeError("the triton LoRA backend needs a CUDA pool, or TRITON_INTERPRET=1 set "
                                "before the kernels are imported (slow; for tests)")
         self.pool = pool
+        self.num_layers = config.num_layers
         self.layout = group_layout(config)
         self.prefill_kernel = prefill_kernel
         # group -> (first projection index, projections, their widths): a group's projections are
@@ -122,3 +131,34 @@ class TritonLoraBackend(LoraBackend):
             kernels.lora_apply(step.kernel, x, y[:, col:col + fan_out], self.pool.flat,
                                step.a_ptr[:, layer, p, :r], step.b_ptr[:, layer, p, :r],
                                step.ranks[:, p], step.scaling[:, layer, p], step.s, **step.inputs)
+
+    def warm_up(self) -> float:
+        """Run every kernel launch a step can make, so that Triton compiles them at start and not in
+        the first requests' steps (0.2-4 s each on an H100, BENCHMARKS.md "H100, third lease"). The
+        kernels leave what follows the step unspecialized (kernels/mbgmv.py), so the steps of
+        WARM_UP_STEPS through every layer and group compile what any step will launch
+        (tests/test_kernel_variants.py). The adapter is synthetic: rank 16 on every projection, each
+        row pointing at the pool's first elements, scaling 0; the outputs are thrown away. The
+        interpreter compiles nothing, so there it returns at once."""
+        if INTERPRET:
+            return 0.0
+        t0 = time.perf_counter()
+        device, dtype, rank = self.pool.device, self.pool.dtype, 16
+        rows = torch.zeros(self.num_layers, len(PROJECTIONS), rank, dtype=torch.int64, device=device)
+        adapter = DeviceAdapter("warm-up", [rank] * len(PROJECTIONS), rows, rows,
+                                torch.zeros(self.num_layers, len(PROJECTIONS), device=device), [], generation=-1)
+        for lengths, decode in WARM_UP_STEPS:
+            starts = list(itertools.accumulate(lengths, initial=0))
+            tokens = starts[-1]
+            self.begin_step(LoraBatch([adapter], starts, [0] * len(lengths), tokens, device,
+                                      num_decode=tokens if decode else 0))
+            for layer in range(self.num_layers):
+                for group, projections in self.layout.items():
+                    x = torch.zeros(tokens, projections[0][1], dtype=dtype, device=device)
+                    y = torch.zeros(tokens, sum(fan_out for _, _, fan_out, _ in projections), dtype=dtype,
+                                    device=device)
+                    self.apply(layer, group, x, y)
+        self.begin_step(None)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
