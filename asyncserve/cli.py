@@ -26,7 +26,10 @@ def _engine_args(p: argparse.ArgumentParser, step_profile: str = "off") -> None:
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH", help="a PEFT LoRA folder")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    p.add_argument("--lora-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--lora-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="auto: triton on CUDA, torch (native kernels where built) on CPU. On CUDA the torch "
+                        "backend restacks weights whenever a step's adapters change: with 1,000 adapters it "
+                        "ran at 0.14x its 5-adapter speed on an H100 (BENCHMARKS.md)")
     p.add_argument("--max-running", type=int, default=64,
                    help="most sequences in the running batch at once; more wait in the queue (default: 64)")
     p.add_argument("--max-step-tokens", type=int, default=None, help="per-step token budget (default: 256 on CPU, 512 on GPU)")

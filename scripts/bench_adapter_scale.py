@@ -15,6 +15,13 @@ that. Prints both, the ratio, and the steps each took.
 
     python scripts/make_adapters.py 1000 /tmp/ca/adapters1k --model default --ranks 8 16 --targets q_proj,v_proj
     python scripts/bench_adapter_scale.py --adapters /tmp/ca/adapters1k --threads 2
+
+On a GPU, with a random checkpoint of Llama-7B's shapes (scripts/random_checkpoint.py) and adapters
+made for it; --warmup, because the Triton kernels compile on first use, in whichever engine first
+meets a specialization (BENCHMARKS.md, "H100, third lease"):
+
+    python scripts/bench_adapter_scale.py --adapters /tmp/a7b --model .bench/llama7b --dtype bfloat16 \
+        --pool-mem 12GiB --host-adapter-mem 16GiB --warmup
 """
 from __future__ import annotations
 
@@ -24,6 +31,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -36,21 +45,39 @@ from ipc.profile import cpu_model  # noqa: E402
 
 
 def build(args, adapters: Path) -> LLM:
-    return LLM(adapter_dir=str(adapters), preload_adapters=True, dtype=args.dtype, threads=args.threads,
+    return LLM(model=args.model, adapter_dir=str(adapters), preload_adapters=True, dtype=args.dtype,
+               device=args.device, lora_backend=args.lora_backend, threads=args.threads,
                pool_mem=args.pool_mem, host_adapter_mem=args.host_adapter_mem, max_running=args.max_running,
                cpu_workers=0)
 
 
-def queue_trace(llm: LLM, n_adapters: int, args) -> int:
+def queue_trace(llm: LLM, n_adapters: int, args, seed: int) -> int:
     """Queue the trace over adapters lora0..lora{n_adapters - 1}; returns its output tokens."""
     engine = llm.engine
     requests = slora_synthetic(n_adapters, args.alpha, args.rate, 1.0, tuple(args.input_range),
-                               tuple(args.output_range), duration_s=args.duration, seed=args.seed,
+                               tuple(args.output_range), duration_s=args.duration, seed=seed,
                                prompt_vocab_size=engine.vocab_size)
     for r in requests:
         params = SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
         engine.add(engine.make_sequence(r.prompt_token_ids, params, r.model))
     return sum(r.max_tokens for r in requests)
+
+
+def run_interleaved(engines: dict[str, LLM], block: int) -> tuple[dict[str, float], dict[str, int]]:
+    """Each engine runs ``block`` steps in turn until all are done: (busy seconds, steps) per engine."""
+    busy = dict.fromkeys(engines, 0.0)
+    steps = dict.fromkeys(engines, 0)
+    while any(llm.engine.has_unfinished() for llm in engines.values()):
+        for name, llm in engines.items():
+            engine = llm.engine
+            for _ in range(block):
+                if not engine.has_unfinished():
+                    break
+                t = time.perf_counter()
+                engine.step()
+                busy[name] += time.perf_counter() - t
+                steps[name] += 1
+    return busy, steps
 
 
 def main() -> None:
@@ -64,11 +91,17 @@ def main() -> None:
     ap.add_argument("--input-range", type=int, nargs=2, default=[8, 256])
     ap.add_argument("--output-range", type=int, nargs=2, default=[8, 128])
     ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--model", default=None, help="HF folder or GGUF file (default: SmolLM2), e.g. a random "
+                    "checkpoint of scripts/random_checkpoint.py")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    ap.add_argument("--lora-backend", default="auto", help="auto | torch | triton")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--pool-mem", default="4GiB")
     ap.add_argument("--host-adapter-mem", default="4GiB")
     ap.add_argument("--max-running", type=int, default=32)
+    ap.add_argument("--warmup", action="store_true", help="first run a trace of another seed untimed: on a GPU, "
+                    "the Triton kernels compile on their first call, in whichever engine meets a shape first")
     ap.add_argument("--no-amx", action="store_true", help="keep the native GEMM on its vdpbf16ps tiles where it "
                     "would run AMX tiles (kernels/cpu/gemm.h), to compare")
     args = ap.parse_args()
@@ -76,8 +109,9 @@ def main() -> None:
         cpu_kernels.set_amx_gemm(False)
 
     amx = cpu_kernels.amx_gemm_available() and not args.no_amx
-    print(f"# {cpu_model()}, {args.threads} threads, GEMM on {'AMX' if amx else 'vdpbf16ps'} tiles where native, "
-          f"load average before {os.getloadavg()}")
+    gpu = f"{torch.cuda.get_device_name()}, " if args.device != "cpu" and torch.cuda.is_available() else ""
+    print(f"# {gpu}{cpu_model()}, {args.threads} threads, GEMM on {'AMX' if amx else 'vdpbf16ps'} tiles where "
+          f"native, LoRA backend {args.lora_backend}, load average before {os.getloadavg()}")
     with tempfile.TemporaryDirectory() as tmp:
         folders = {"many": linked_adapters(args.adapters, "lora", Path(tmp), name="many"),
                    "few": linked_adapters(args.adapters, "lora", Path(tmp), count=args.few, name="few")}
@@ -85,19 +119,14 @@ def main() -> None:
         engines = {name: build(args, folder) for name, folder in folders.items()}
         print(f"# both engines built, every adapter in their host tiers, in {time.perf_counter() - t0:.1f} s")
         counts = {name: len(llm.engine.pager.registry) for name, llm in engines.items()}
-        tokens = {name: queue_trace(llm, counts[name], args) for name, llm in engines.items()}
-        busy = dict.fromkeys(engines, 0.0)
-        steps = dict.fromkeys(engines, 0)
-        while any(llm.engine.has_unfinished() for llm in engines.values()):
-            for name, llm in engines.items():
-                engine = llm.engine
-                for _ in range(args.block):
-                    if not engine.has_unfinished():
-                        break
-                    t = time.perf_counter()
-                    engine.step()
-                    busy[name] += time.perf_counter() - t
-                    steps[name] += 1
+        if args.warmup:
+            tokens = {name: queue_trace(llm, counts[name], args, args.seed + 1) for name, llm in engines.items()}
+            busy, steps = run_interleaved(engines, args.block)
+            rate = {name: tokens[name] / busy[name] for name in engines}
+            print(f"# warm-up trace (seed {args.seed + 1}, untimed): many/few {rate['many'] / rate['few']:.3f}, "
+                  f"busy {busy['many']:.2f} / {busy['few']:.2f} s")
+        tokens = {name: queue_trace(llm, counts[name], args, args.seed) for name, llm in engines.items()}
+        busy, steps = run_interleaved(engines, args.block)
     rate = {name: tokens[name] / busy[name] for name in engines}
     for name in engines:
         print(f"{name:5s} {counts[name]:5d} adapters  {tokens[name]} output tokens  {steps[name]} steps  "
