@@ -134,9 +134,9 @@ class TritonLoraBackend(LoraBackend):
 
     def warm_up(self) -> float:
         """Run every kernel launch a step can make, so that Triton compiles them at start and not in
-        the first requests' steps (0.2-4 s each on an H100, BENCHMARKS.md "H100, third lease"). The
-        kernels leave what follows the step unspecialized (kernels/mbgmv.py), so the steps of
-        WARM_UP_STEPS through every layer and group compile what any step will launch
+        the first requests' steps (on an H100, 20 steps of 0.2-4.2 s; BENCHMARKS.md "H100, third
+        lease"). The kernels leave what follows the step unspecialized (kernels/mbgmv.py), so the
+        steps of WARM_UP_STEPS through every layer and group compile what any step will launch
         (tests/test_kernel_variants.py). The adapter is synthetic: rank 16 on every projection, each
         row pointing at the pool's first elements, scaling 0; the outputs are thrown away. The
         interpreter compiles nothing, so there it returns at once."""
