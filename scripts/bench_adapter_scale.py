@@ -17,8 +17,10 @@ that. Prints both, the ratio, and the steps each took.
     python scripts/bench_adapter_scale.py --adapters /tmp/ca/adapters1k --threads 2
 
 On a GPU, with a random checkpoint of Llama-7B's shapes (scripts/random_checkpoint.py) and adapters
-made for it; --warmup, because the Triton kernels compile on first use, in whichever engine first
-meets a specialization (BENCHMARKS.md, "H100, third lease"):
+made for it. --warmup runs an untimed trace first, so that one-time costs land in neither engine's
+time; on the H100, before the engine compiled its Triton kernels at start (TritonLoraBackend.warm_up),
+they landed in whichever engine first met each kernel specialization (BENCHMARKS.md, "H100, third
+lease"):
 
     python scripts/bench_adapter_scale.py --adapters /tmp/a7b --model .bench/llama7b --dtype bfloat16 \
         --pool-mem 12GiB --host-adapter-mem 16GiB --warmup
@@ -100,8 +102,8 @@ def main() -> None:
     ap.add_argument("--pool-mem", default="4GiB")
     ap.add_argument("--host-adapter-mem", default="4GiB")
     ap.add_argument("--max-running", type=int, default=32)
-    ap.add_argument("--warmup", action="store_true", help="first run a trace of another seed untimed: on a GPU, "
-                    "the Triton kernels compile on their first call, in whichever engine meets a shape first")
+    ap.add_argument("--warmup", action="store_true", help="first run a trace of another seed untimed, so that "
+                    "one-time costs of the first steps land in neither engine's time")
     ap.add_argument("--no-amx", action="store_true", help="keep the native GEMM on its vdpbf16ps tiles where it "
                     "would run AMX tiles (kernels/cpu/gemm.h), to compare")
     args = ap.parse_args()
