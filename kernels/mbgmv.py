@@ -27,10 +27,10 @@ BLOCK_R = 16
 # by 16) and pointers' alignments. Arguments that follow the step (the split-K factor, the step's max
 # rank and the table strides and scratch width that come from it) are left unspecialized, so a kernel
 # compiles once per projection group, not once per batch size or rank mix, and TritonLoraBackend.warm_up
-# can compile them all at start. With SPLIT_K a constexpr, decode steps of 1..64 tokens compiled 26 of
-# this kernel (tests/test_kernel_variants.py), and on an H100 the first pass of a 1,000-adapter trace
-# stalled 20 steps by 0.2-4.2 s (BENCHMARKS.md). Weight rows come through offsets loaded from the tables,
-# whose alignment no specialization could know, so their loads lose nothing.
+# can compile them all at start. Specialized, decode steps of 1..64 tokens and three rank mixes compiled
+# 74 of this kernel (the sweep of tests/test_kernel_variants.py), and on an H100 the first pass of a
+# 1,000-adapter trace stalled 20 steps by 0.2-4.2 s (BENCHMARKS.md). Weight rows come through offsets
+# loaded from the tables, whose alignment no specialization could know, so their loads lose nothing.
 @triton.jit(do_not_specialize=["R", "SPLIT_K", "stride_an", "stride_ap", "stride_st"],
             do_not_specialize_on_alignment=["a_ptr"])
 def _mbgmv_shrink_kernel(

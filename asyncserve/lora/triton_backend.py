@@ -152,11 +152,10 @@ class TritonLoraBackend(LoraBackend):
             tokens = starts[-1]
             self.begin_step(LoraBatch([adapter], starts, [0] * len(lengths), tokens, device,
                                       num_decode=tokens if decode else 0))
-            for layer in range(self.num_layers):
-                for group, projections in self.layout.items():
-                    x = torch.zeros(tokens, projections[0][1], dtype=dtype, device=device)
-                    y = torch.zeros(tokens, sum(fan_out for _, _, fan_out, _ in projections), dtype=dtype,
-                                    device=device)
+            for group, projections in self.layout.items():
+                x = torch.zeros(tokens, projections[0][1], dtype=dtype, device=device)
+                y = torch.zeros(tokens, sum(fan_out for _, _, fan_out, _ in projections), dtype=dtype, device=device)
+                for layer in range(self.num_layers):
                     self.apply(layer, group, x, y)
         self.begin_step(None)
         if device.type == "cuda":
