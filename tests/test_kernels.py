@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 
 import kernels  # noqa: E402
 from asyncserve.lora.backend import TorchLoraBackend, adapter_spans, group_layout  # noqa: E402
-from asyncserve.lora.batch import LoraBatch  # noqa: E402
+from asyncserve.lora.batch import LoraBatch, SlotTables  # noqa: E402
 from asyncserve.model.config import GROUPS, PROJ_INDEX, PROJECTIONS  # noqa: E402
 from asyncserve.pager.pager import DeviceAdapter  # noqa: E402
 from asyncserve.lora.triton_backend import SGMV_MAX_SEGMENT, TritonLoraBackend  # noqa: E402
@@ -284,17 +284,24 @@ def seeded_step(dtype: torch.dtype, decode: bool) -> tuple[int, torch.Generator,
     return seed, g, pool, make_step(g, pool, decode=decode)
 
 
-def make_step(g: torch.Generator, pool: PagedPool, decode: bool) -> LoraBatch:
+def make_adapters(g: torch.Generator, pool: PagedPool, rank_ranges: list[tuple[int, int]]) -> list[DeviceAdapter]:
+    """Random adapters placed in the pool, one per (lowest, highest) rank range (the ranks of its
+    projections drawn from it), some projections untargeted."""
     shapes = [TINY.projection_shapes()[name] for name in PROJECTIONS]
     free = torch.randperm(pool.num_pages, generator=g).tolist()
     adapters = []
-    for i in range(3):
-        ranks = [int(v) for v in torch.randint(1, 129, (len(PROJECTIONS),), generator=g)]
+    for i, (low, high) in enumerate(rank_ranges):
+        ranks = [int(v) for v in torch.randint(low, high + 1, (len(PROJECTIONS),), generator=g)]
         for p in torch.randperm(len(PROJECTIONS), generator=g)[:int(torch.randint(0, 4, (1,), generator=g))]:
             ranks[int(p)] = 0    # untargeted projections, a whole group sometimes
         a_ptr, b_ptr = place_adapter(pool, free, ranks, shapes, TINY.num_layers, g)
         scaling = (torch.rand(TINY.num_layers, len(PROJECTIONS), generator=g) + 0.5).to(DEVICE)
         adapters.append(DeviceAdapter(f"a{i}", ranks, a_ptr, b_ptr, scaling, [], generation=i))
+    return adapters
+
+
+def make_step(g: torch.Generator, pool: PagedPool, decode: bool) -> LoraBatch:
+    adapters = make_adapters(g, pool, [(1, 128)] * 3)
     seg_starts, seg_adapter = random_layout(g, len(adapters), 8, 12, decode)
     return LoraBatch(adapters, seg_starts, seg_adapter, seg_starts[-1], DEVICE)
 
@@ -322,6 +329,37 @@ def test_triton_backend_matches_torch_backend(mode):
                                        msg=lambda m: f"{m}\nmode={mode} layer={layer} group={group} seed={seed}")
     backend.begin_step(None)
     assert not backend.active
+
+
+def test_triton_backend_keeps_its_tables_across_steps():
+    """The step tables live on the device across steps (SlotTables): steps whose adapters come and go
+    fill only the new ones' slots, reuse the least recently used slot once the tables are full, and
+    grow them for more adapters or a larger rank than they hold; every step still equals the torch
+    backend, which builds nothing across steps for it here (its loop plan)."""
+    seed = new_seed()
+    g = torch.Generator().manual_seed(seed)
+    pool = make_pool(torch.float32, num_pages=2000)
+    *adapters, big = make_adapters(g, pool, [(1, 8)] * 5 + [(9, 24)])
+    backend = TritonLoraBackend(pool, TINY)
+    backend.slot_tables = SlotTables(TINY.num_layers, len(PROJECTIONS), DEVICE, slots=2, max_rank=1)
+    # (step adapters, decode): fill, reuse the least recent slot, grow the slots
+    for chosen, decode in (([0, 1], True), ([2], False), ([1, 3], True), ([0, 1, 2, 3, 4], False), ([3], True)):
+        step_adapters = [adapters[i] for i in chosen]
+        seg_starts, seg_adapter = random_layout(g, len(step_adapters), 8, 12, decode)
+        batch = LoraBatch(step_adapters, seg_starts, seg_adapter, seg_starts[-1], DEVICE)
+        reference = TorchLoraBackend(pool, TINY, mode="loop")
+        reference.begin_step(batch)
+        backend.begin_step(batch)
+        if backend.active:
+            assert_same_deltas(reference, backend, batch, torch.float32, g, seed)
+    assert backend.slot_tables.tensors[0].shape[0] >= 5
+    # grow the rank
+    batch = LoraBatch([big, adapters[0]], [0, 3, 4], [0, 1], 4, DEVICE, num_decode=4)
+    reference = TorchLoraBackend(pool, TINY, mode="loop")
+    reference.begin_step(batch)
+    backend.begin_step(batch)
+    assert backend.slot_tables.tensors[1].shape[-1] == big.r_max > 8
+    assert_same_deltas(reference, backend, batch, torch.float32, g, seed)
 
 
 def backend_tolerance(dtype: torch.dtype, expected: torch.Tensor) -> dict:

@@ -197,7 +197,7 @@ class TorchLoraBackend(LoraBackend):
         # or with the native kernels ("native", (runs [num_runs, 3], the slot tables))
         self._plans: dict[str, tuple[str, object]] = {}
         # the native plans' adapter tables, kept across steps
-        self._slot_tables = SlotTables(config.num_layers, len(PROJECTIONS))
+        self.slot_tables = SlotTables(config.num_layers, len(PROJECTIONS))
 
     @property
     def active(self) -> bool:
@@ -300,9 +300,9 @@ class TorchLoraBackend(LoraBackend):
         """Per group that some run's adapter targets: the runs of one adapter's consecutive tokens (in token
         order, each naming its adapter's slot) and the slot tables, which lora_segments follows into the pool."""
         spans = adapter_spans(batch)
-        slots = self._slot_tables.slots(batch.adapters)
+        slots = self.slot_tables.slots(batch.adapters)
         runs = sorted((sl.start, sl.stop, slots[i]) for i, slices in spans.items() for sl in slices)
-        data = (torch.tensor(runs, dtype=torch.int64), self._slot_tables.tensors)
+        data = (torch.tensor(runs, dtype=torch.int64), self.slot_tables.tensors)
         return {group: ("native", data) for group, rows in self.layout.items()
                 if any(batch.adapters[i].ranks[PROJ_INDEX[proj]] for i in spans for proj, *_ in rows)}
 

@@ -38,14 +38,22 @@ class LoraBatch:
     def empty(self) -> bool:
         return not self.adapters or all(a < 0 for a in self.seg_adapter)
 
-    def token_adapter(self) -> torch.Tensor:
-        """[T] int32: step-adapter index of each token (-1 none)."""
-        if "token_adapter" not in self._tensors:
-            t = torch.full((self.num_tokens,), -1, dtype=torch.int32)
-            for s, a in enumerate(self.seg_adapter):
-                t[self.seg_starts[s]:self.seg_starts[s + 1]] = a
-            self._tensors["token_adapter"] = t.to(self.device)
-        return self._tensors["token_adapter"]
+    def token_adapter(self, table_rows: list[int] | None = None) -> torch.Tensor:
+        """[T] int32: each token's step adapter (-1 none), or with ``table_rows`` (per step adapter, its
+        row in tables kept across steps: SlotTables.slots) that row."""
+        key = ("token_adapter", None if table_rows is None else tuple(table_rows))
+        if key not in self._tensors:
+            t = np.full(self.num_tokens, -1, dtype=np.int32)
+            starts = self.seg_starts
+            t[starts[0]:starts[-1]] = np.repeat(self.segment_rows(table_rows), np.diff(starts))
+            self._tensors[key] = torch.from_numpy(t).to(self.device)
+        return self._tensors[key]
+
+    def segment_rows(self, table_rows: list[int] | None = None) -> list[int]:
+        """Each segment's step adapter (-1 none), or its row in tables kept across steps."""
+        if table_rows is None:
+            return self.seg_adapter
+        return [table_rows[a] if a >= 0 else -1 for a in self.seg_adapter]
 
     def tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(ranks [n, P] int32, a_ptr [n, L, P, R] int64, b_ptr [n, L, P, R], scaling [n, L, P] f32)."""
@@ -64,42 +72,50 @@ class LoraBatch:
             )
         return self._tensors["tables"]
 
-    def segments(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(seg_starts [S+1] int32, seg_adapter [S] int32) on the device."""
-        if "segments" not in self._tensors:
-            self._tensors["segments"] = (
+    def segments(self, table_rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(seg_starts [S+1] int32, seg_adapter [S] int32: as segment_rows) on the device."""
+        key = ("segments", None if table_rows is None else tuple(table_rows))
+        if key not in self._tensors:
+            self._tensors[key] = (
                 torch.tensor(self.seg_starts, dtype=torch.int32, device=self.device),
-                torch.tensor(self.seg_adapter, dtype=torch.int32, device=self.device),
+                torch.tensor(self.segment_rows(table_rows), dtype=torch.int32, device=self.device),
             )
-        return self._tensors["segments"]
+        return self._tensors[key]
 
 
 class SlotTables:
     """The step tables kept across steps, for kernels that take each run's adapter as an index into
-    them (lora_segments): one slot per adapter placement (``DeviceAdapter.generation``), filled when
-    it first runs. A step whose adapters changed fills only the new ones; rebuilding the tables of 32
-    adapters was half a millisecond on every such step, and with 1,000 adapters in turn most steps
-    are such steps. When every slot is taken, the slot no step has used for longest is reused."""
+    them (lora_segments, and the Triton kernels through token_adapter / segments): one slot per adapter
+    placement (``DeviceAdapter.generation``), filled when it first runs, on the device the kernels read
+    them from. A step whose adapters changed copies only the new ones' slots there; building the tables
+    of 32 adapters was half a millisecond on every such step (CPU), and with 1,000 adapters in turn
+    most steps are such steps; on a GPU the whole tables were copied to it again as well. When every
+    slot is taken, the slot no step has used for longest is reused: on a GPU its copy is queued
+    behind the kernels of earlier steps that may still read it."""
 
-    def __init__(self, num_layers: int, num_projections: int, slots: int = 64, max_rank: int = 16):
+    def __init__(self, num_layers: int, num_projections: int, device: torch.device = torch.device("cpu"),
+                 slots: int = 64, max_rank: int = 16):
         self._slot_of: OrderedDict[int, int] = OrderedDict()   # generation -> slot, least recently used first
         self._shape = (num_layers, num_projections)
-        self._ranks = np.zeros((0, num_projections), dtype=np.int32)
-        self._ptr = np.zeros((2, 0, num_layers, num_projections, 0), dtype=np.int64)
-        self._scaling = np.zeros((0, num_layers, num_projections), dtype=np.float32)
-        self._resize(slots, max_rank)
+        self.device = device
+        self._ranks, self._ptr, self._scaling = self._allocate(slots, max_rank)
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ranks [slots, P] int32, a_ptr [slots, L, P, R] int64, b_ptr, scaling [slots, L, P] float32)."""
+        return self._ranks, self._ptr[0], self._ptr[1], self._scaling
+
+    def _allocate(self, slots: int, max_rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (torch.zeros(slots, self._shape[1], dtype=torch.int32, device=self.device),
+                torch.zeros(2, slots, *self._shape, max_rank, dtype=torch.int64, device=self.device),
+                torch.zeros(slots, *self._shape, dtype=torch.float32, device=self.device))
 
     def _resize(self, slots: int, max_rank: int) -> None:
         old_slots, old_rank = self._ranks.shape[0], self._ptr.shape[-1]
-        ranks = np.zeros((slots, self._shape[1]), dtype=np.int32)
-        ptr = np.zeros((2, slots, *self._shape, max_rank), dtype=np.int64)
-        scaling = np.zeros((slots, *self._shape), dtype=np.float32)
+        ranks, ptr, scaling = self._allocate(slots, max_rank)
         ranks[:old_slots], scaling[:old_slots] = self._ranks, self._scaling
         ptr[:, :old_slots, :, :, :old_rank] = self._ptr
         self._ranks, self._ptr, self._scaling = ranks, ptr, scaling
-        # torch views of the arrays: filling a slot updates what the kernels read
-        self.tensors = (torch.from_numpy(ranks), torch.from_numpy(ptr[0]), torch.from_numpy(ptr[1]),
-                        torch.from_numpy(scaling))
 
     def slots(self, adapters: list[DeviceAdapter]) -> list[int]:
         """Each adapter's slot, filling those of adapters placed since they last ran."""
@@ -111,14 +127,25 @@ class SlotTables:
         for a in adapters:
             if a.generation in self._slot_of:
                 self._slot_of.move_to_end(a.generation)
+        if new:
+            self._fill(new)
+        return [self._slot_of[a.generation] for a in adapters]
+
+    def _fill(self, new: list[DeviceAdapter]) -> None:
+        """Give each new adapter a slot and write its rows there: built on the host, one copy per table."""
+        filled = []
         for a in new:
             if len(self._slot_of) < self._ranks.shape[0]:
                 slot = len(self._slot_of)
             else:                                   # the least recently used: not one of this step's
                 slot = self._slot_of.pop(next(iter(self._slot_of)))
             self._slot_of[a.generation] = slot
-            self._ranks[slot] = a.ranks
-            self._ptr[:, slot] = 0
-            self._ptr[:, slot, :, :, :a.r_max] = a.host_ptr
-            self._scaling[slot] = a.scaling.cpu().numpy()
-        return [self._slot_of[a.generation] for a in adapters]
+            filled.append(slot)
+        ptr = np.zeros((2, len(new), *self._shape, self._ptr.shape[-1]), dtype=np.int64)
+        for i, a in enumerate(new):
+            ptr[:, i, :, :, :a.r_max] = a.host_ptr
+        index = torch.tensor(filled, device=self.device)
+        self._ranks.index_copy_(0, index, torch.tensor([a.ranks for a in new], dtype=torch.int32).to(self.device))
+        self._ptr.index_copy_(1, index, torch.from_numpy(ptr).to(self.device))
+        scaling = torch.stack([a.host_scaling for a in new]).to(self.device, torch.float32)
+        self._scaling.index_copy_(0, index, scaling)

@@ -1,7 +1,8 @@
 """The Triton LoRA backend: heterogeneous-rank kernels reading adapter rows in place from the pool.
 
 Per step (begin_step) it picks one kernel family and builds that family's step inputs once for
-all layers; per group (apply) it runs a shrink into an fp32 scratch ``s [T, r]`` and an expand
+all layers (the adapter tables are SlotTables, kept on the device across steps: a step copies there
+only the slots of adapters placed since they last ran); per group (apply) it runs a shrink into an fp32 scratch ``s [T, r]`` and an expand
 into the projection's columns of the fused output ``y`` (see group_layout): in decode steps once
 for the whole group (q, k, v together), otherwise per projection that some step adapter targets.
 
@@ -26,7 +27,7 @@ import torch
 
 import kernels
 from asyncserve.lora.backend import LoraBackend, group_layout
-from asyncserve.lora.batch import LoraBatch
+from asyncserve.lora.batch import LoraBatch, SlotTables
 from asyncserve.model.config import PROJ_INDEX, PROJECTIONS, ModelConfig
 from asyncserve.pager.pager import DeviceAdapter
 from asyncserve.pager.pool import PagedPool
@@ -45,10 +46,10 @@ WARM_UP_STEPS = (([1], True), ([1] * 512, True), ([2], False), ([2] * 512, False
 @dataclass
 class _Step:
     kernel: str
-    ranks: torch.Tensor          # [n, P] int32
-    a_ptr: torch.Tensor          # [n, L, P, R] int64
+    ranks: torch.Tensor          # [slots, P] int32: SlotTables, kept across steps
+    a_ptr: torch.Tensor          # [slots, L, P, R] int64
     b_ptr: torch.Tensor
-    scaling: torch.Tensor        # [n, L, P] float32
+    scaling: torch.Tensor        # [slots, L, P] float32
     proj_rank: list[int]         # per projection: max rank over the step's adapters (0: none)
     inputs: dict                 # token_adapter | seg_starts + seg_adapter | tiles
     s: torch.Tensor              # [T, max rank] float32 scratch, reused by every apply
@@ -74,6 +75,7 @@ class TritonLoraBackend(LoraBackend):
             p0 = PROJ_INDEX[rows[0][0]]
             assert [PROJ_INDEX[proj] for proj, *_ in rows] == list(range(p0, p0 + len(rows)))
             self._fused[group] = (p0, len(rows), tuple(fan_out for _, _, fan_out, _ in rows))
+        self.slot_tables = SlotTables(config.num_layers, len(PROJECTIONS), pool.device)
         self._step: _Step | None = None
 
     @property
@@ -84,7 +86,9 @@ class TritonLoraBackend(LoraBackend):
         self._step = None
         if batch is None or batch.empty:
             return
-        ranks, a_ptr, b_ptr, scaling = batch.tables()
+        # the kernels index the tables kept across steps by each token's (or segment's) slot
+        slots = self.slot_tables.slots(batch.adapters)
+        ranks, a_ptr, b_ptr, scaling = self.slot_tables.tensors
         # host-side ints: slicing the tables to each projection's max rank needs no device sync
         proj_rank = [max(adapter.ranks[p] for adapter in batch.adapters) for p in range(len(PROJECTIONS))]
         starts = batch.seg_starts
@@ -92,14 +96,14 @@ class TritonLoraBackend(LoraBackend):
         decode = batch.num_decode == batch.num_tokens or all(
             starts[s + 1] - starts[s] <= 1 for s, a in enumerate(batch.seg_adapter) if a >= 0)
         if decode:
-            kernel, inputs = "mbgmv", {"token_adapter": batch.token_adapter()}
+            kernel, inputs = "mbgmv", {"token_adapter": batch.token_adapter(slots)}
         elif self.prefill_kernel == "sgmv" or (self.prefill_kernel == "auto" and max(
                 starts[s + 1] - starts[s] for s, a in enumerate(batch.seg_adapter) if a >= 0) < SGMV_MAX_SEGMENT):
-            seg_starts, seg_adapter = batch.segments()
+            seg_starts, seg_adapter = batch.segments(slots)
             kernel, inputs = "sgmv", {"seg_starts": seg_starts, "seg_adapter": seg_adapter}
         else:
             kernel = "mbgmm"
-            inputs = {"tiles": kernels.mbgmm_tiles(starts, batch.seg_adapter, self.pool.device)}
+            inputs = {"tiles": kernels.mbgmm_tiles(starts, batch.segment_rows(slots), self.pool.device)}
         # fused decode groups keep up to 3 projections' results side by side in s
         width = max(max(proj_rank), 1) * (max(n for _, n, _ in self._fused.values()) if decode else 1)
         s = torch.empty(batch.num_tokens, width, dtype=torch.float32, device=self.pool.device)

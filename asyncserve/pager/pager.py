@@ -52,17 +52,20 @@ class DeviceAdapter:
     scaling: torch.Tensor            # [L, P] float32
     pages: list[int]
     generation: int                  # unique per placement, bumped whenever an adapter is (re)paged: keys backend caches
-    # a_ptr and b_ptr as one host array [2, L, P, r_max] (from them if not given): the step tables'
+    # host copies for the step tables (from the tensors if not given): a_ptr and b_ptr as one array
+    # [2, L, P, r_max], and scaling [L, P] (a CPU tensor); filling a table slot then reads no device memory
     host_ptr: np.ndarray | None = None
+    host_scaling: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.host_ptr is None:
             self.host_ptr = np.stack([self.a_ptr.cpu().numpy(), self.b_ptr.cpu().numpy()])
+        if self.host_scaling is None:
+            self.host_scaling = self.scaling.cpu()
 
     @property
     def r_max(self) -> int:
         return int(self.a_ptr.shape[-1])
-
 
 
 @dataclass
@@ -423,7 +426,7 @@ class AdapterPager:
                              a_ptr=torch.from_numpy(np.ascontiguousarray(ptr[0])).to(dev),
                              b_ptr=torch.from_numpy(np.ascontiguousarray(ptr[1])).to(dev),
                              scaling=adapter.scaling.to(dev), pages=pages, generation=self._generation,
-                             host_ptr=ptr)
+                             host_ptr=ptr, host_scaling=adapter.scaling)
 
     def write_pending(self, hold: frozenset[int] = frozenset()) -> None:
         """Copy the rows of adapters paged in since the last call. Runs in the stepper's thread before
