@@ -445,15 +445,11 @@ class AdapterPager:
             if load in hold:
                 held.append(page_in)
                 continue
-            if pool.device.type == "cpu":                 # straight into the pages
-                target, page_of = pool.data, device.pages
-            else:                                         # staged on the host: one copy to the device
-                target, page_of = torch.empty(len(device.pages), pool.page_numel, dtype=pool.dtype), None
-            # the rows end to end (as the host tier holds them, else one copy out of it), then one copy per page
+            # the rows end to end (as the host tier holds them, else one copy out of it), then one copy
+            # per page straight into it, on a GPU too: staging whole pages in a fresh host tensor first
+            # made write_pending ~3 ms slower a 7B adapter on an H100 (BENCHMARKS.md, "third lease")
             packed = self._rows_end_to_end(load, adapter) if spans else None
             for page, offset, first, numel in spans:
-                target[page_of[page] if page_of else page, offset:offset + numel] = packed[first:first + numel]
-            if page_of is None:
-                pool.data[torch.tensor(device.pages, device=pool.device)] = target.to(pool.device)
+                pool.data[device.pages[page], offset:offset + numel] = packed[first:first + numel]
             self.record_load("host", device.name, time.perf_counter() - since)
         self.pending.extendleft(reversed(held))
