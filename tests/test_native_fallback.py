@@ -54,3 +54,44 @@ def test_library_compiles_for_a_cpu_without_avx512():
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     errors = [line for line in result.stderr.splitlines() if "error" in line]
     assert result.returncode == 0, "\n".join(errors[:10])
+
+
+def test_a_killed_builds_lock_is_removed_once_stale(tmp_path, monkeypatch, caplog):
+    """A build killed mid-way leaves cpp_extension's lock, on which torch waits forever: library() waits
+    while a lock is fresh (a live build) and removes one older than STALE_BUILD_LOCK_S, then builds."""
+    import os
+    import threading
+    import time
+
+    from torch.utils import cpp_extension
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    old = time.time() - cpu_kernels.STALE_BUILD_LOCK_S - 60
+    os.utime(lock, (old, old))
+    seen = []
+
+    def load(**kwargs):
+        seen.append(lock.exists())
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    monkeypatch.setattr(cpu_kernels, "build_dir", lambda: tmp_path)
+    for name, value in (("_library", None), ("_error", None), ("_tried", False)):
+        monkeypatch.setattr(cpu_kernels, name, value)
+    with caplog.at_level("WARNING", logger="kernels.cpu"):
+        assert cpu_kernels.library() is None
+    assert seen == [False], "the build must start only after the stale lock is gone"
+    assert any("did not finish" in r.getMessage() for r in caplog.records)
+
+    # a fresh lock: waited for while its build runs (here: until it is released) ...
+    lock.touch()
+    threading.Timer(0.3, lock.unlink).start()
+    t0 = time.perf_counter()
+    cpu_kernels.wait_for_build_lock(tmp_path, poll_s=0.05)
+    assert time.perf_counter() - t0 >= 0.25
+    # ... and removed once it has grown stale with nobody releasing it
+    lock.touch()
+    t0 = time.perf_counter()
+    cpu_kernels.wait_for_build_lock(tmp_path, stale_s=0.5, poll_s=0.05)
+    assert not lock.exists() and 0.45 <= time.perf_counter() - t0 < 5

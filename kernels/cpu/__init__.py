@@ -30,6 +30,9 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
 # -fopenmp links libgomp.so.1, which resolves to the copy torch has loaded: one OpenMP pool
 LDFLAGS = ("-fopenmp",)
 DTYPES = (torch.float32, torch.bfloat16)
+# cpp_extension's build lock: a build holds it for a minute or two, and one killed mid-build leaves it
+# behind, where torch would wait for it forever; older than this, no live build holds it
+STALE_BUILD_LOCK_S = 600.0
 
 _library: ModuleType | None = None
 _error: str | None = None
@@ -76,6 +79,7 @@ def library() -> ModuleType | None:
         folder = build_dir()
         folder.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
+        wait_for_build_lock(folder)
         _library = cpp_extension.load(
             name="asyncserve_cpu_kernels", sources=[str(SOURCE_DIR / s) for s in SOURCES],
             extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), build_directory=str(folder),
@@ -85,6 +89,22 @@ def library() -> ModuleType | None:
         _error = f"{type(e).__name__}: {e}".strip()
         log.warning("native CPU kernels unavailable, using eager torch ops (%s)", _error.splitlines()[0])
     return _library
+
+
+def wait_for_build_lock(folder: Path, stale_s: float = STALE_BUILD_LOCK_S, poll_s: float = 1.0) -> None:
+    """Return once no build holds ``folder``'s lock: when it is gone, or (removed here) once it is older
+    than ``stale_s``, left by a build that was killed."""
+    lock = folder / "lock"
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > stale_s:
+            log.warning("removing %s, left %.0f s ago by a build that did not finish", lock, age)
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(min(poll_s, stale_s - age + 0.01))
 
 
 def error() -> str | None:
