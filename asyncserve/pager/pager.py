@@ -447,7 +447,7 @@ class AdapterPager:
                 continue
             # the rows end to end (as the host tier holds them, else one copy out of it), then one copy
             # per page straight into it, on a GPU too: staging whole pages in a fresh host tensor first
-            # made write_pending ~3 ms slower a 7B adapter on an H100 (BENCHMARKS.md, "third lease")
+            # cost ~3 ms per 7B adapter's page-in on an H100 (BENCHMARKS.md, "third lease")
             packed = self._rows_end_to_end(load, adapter) if spans else None
             for page, offset, first, numel in spans:
                 pool.data[device.pages[page], offset:offset + numel] = packed[first:first + numel]
