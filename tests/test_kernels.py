@@ -334,8 +334,8 @@ def test_triton_backend_matches_torch_backend(mode):
 def test_triton_backend_keeps_its_tables_across_steps():
     """The step tables live on the device across steps (SlotTables): steps whose adapters come and go
     fill only the new ones' slots, reuse the least recently used slot once the tables are full, and
-    grow them for more adapters or a larger rank than they hold; every step still equals the torch
-    backend, which builds nothing across steps for it here (its loop plan)."""
+    grow them for more adapters or a larger rank than they hold; every step still equals a fresh torch
+    backend's (loop plan) deltas."""
     seed = new_seed()
     g = torch.Generator().manual_seed(seed)
     pool = make_pool(torch.float32, num_pages=2000)
@@ -344,14 +344,16 @@ def test_triton_backend_keeps_its_tables_across_steps():
     backend.slot_tables = SlotTables(TINY.num_layers, len(PROJECTIONS), DEVICE, slots=2, max_rank=1)
     # (step adapters, decode): fill, reuse the least recent slot, grow the slots
     for chosen, decode in (([0, 1], True), ([2], False), ([1, 3], True), ([0, 1, 2, 3, 4], False), ([3], True)):
-        step_adapters = [adapters[i] for i in chosen]
-        seg_starts, seg_adapter = random_layout(g, len(step_adapters), 8, 12, decode)
-        batch = LoraBatch(step_adapters, seg_starts, seg_adapter, seg_starts[-1], DEVICE)
+        # a base-model segment, then one segment per step adapter, each in the step
+        lengths = [2] + [1 if decode else int(torch.randint(1, 13, (1,), generator=g)) for _ in chosen]
+        seg_starts = [sum(lengths[:i]) for i in range(len(lengths) + 1)]
+        batch = LoraBatch([adapters[i] for i in chosen], seg_starts, [-1, *range(len(chosen))], seg_starts[-1],
+                          DEVICE, num_decode=seg_starts[-1] if decode else 0)
         reference = TorchLoraBackend(pool, TINY, mode="loop")
         reference.begin_step(batch)
         backend.begin_step(batch)
-        if backend.active:
-            assert_same_deltas(reference, backend, batch, torch.float32, g, seed)
+        assert backend.active
+        assert_same_deltas(reference, backend, batch, torch.float32, g, seed)
     assert backend.slot_tables.tensors[0].shape[0] >= 5
     # grow the rank
     batch = LoraBatch([big, adapters[0]], [0, 3, 4], [0, 1], 4, DEVICE, num_decode=4)
