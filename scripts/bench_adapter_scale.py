@@ -16,6 +16,10 @@ that. Prints both, the ratio, and the steps each took.
     python scripts/make_adapters.py 1000 /tmp/ca/adapters1k --model default --ranks 8 16 --targets q_proj,v_proj
     python scripts/bench_adapter_scale.py --adapters /tmp/ca/adapters1k --threads 2
 
+--compare-lora-rows-ahead switches on and off, step by step, the native decoder's GEMMs asking for
+the next LoRA call's rows (kernels/cpu/decoder.h) and reports both kinds of step of each engine;
+--no-lora-rows-ahead keeps it off for a whole run.
+
 On a GPU, with a random checkpoint of Llama-7B's shapes (scripts/random_checkpoint.py) and adapters
 made for it. --warmup runs an untimed trace first, so that one-time costs land in neither engine's
 time; on the H100, before the engine compiled its Triton kernels at start (TritonLoraBackend.warm_up),
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -65,21 +70,51 @@ def queue_trace(llm: LLM, n_adapters: int, args, seed: int) -> int:
     return sum(r.max_tokens for r in requests)
 
 
-def run_interleaved(engines: dict[str, LLM], block: int) -> tuple[dict[str, float], dict[str, int]]:
-    """Each engine runs ``block`` steps in turn until all are done: (busy seconds, steps) per engine."""
+def run_interleaved(engines: dict[str, LLM], block: int, compare_rows_ahead: bool = False
+                    ) -> tuple[dict[str, float], dict[str, int], dict[str, dict[bool, list[float]]]]:
+    """Each engine runs ``block`` steps in turn until all are done: (busy seconds, steps, step times by
+    whether the GEMMs asked for the next LoRA call's rows) per engine. compare_rows_ahead: each engine's
+    steps switch that on and off in the order on, off, off, on (neighbouring steps carry nearly the
+    same batch, and the order cancels a trend); else it stays as it is."""
     busy = dict.fromkeys(engines, 0.0)
     steps = dict.fromkeys(engines, 0)
+    times = {name: {True: [], False: []} for name in engines}
+    ahead = True
     while any(llm.engine.has_unfinished() for llm in engines.values()):
         for name, llm in engines.items():
             engine = llm.engine
             for _ in range(block):
                 if not engine.has_unfinished():
                     break
+                if compare_rows_ahead:
+                    ahead = steps[name] % 4 in (0, 3)
+                    cpu_kernels.set_lora_rows_ahead(ahead)
                 t = time.perf_counter()
                 engine.step()
-                busy[name] += time.perf_counter() - t
+                seconds = time.perf_counter() - t
+                busy[name] += seconds
+                times[name][ahead].append(seconds)
                 steps[name] += 1
-    return busy, steps
+    return busy, steps, times
+
+
+def report_rows_ahead(times: dict[str, dict[bool, list[float]]]) -> None:
+    """Per engine: its steps with the next LoRA call's rows asked for against those without, summed
+    with the 2% slowest and fastest of each left out (a page-in or a box stall in one step would
+    outweigh the rest), and the median difference of the pairs (step 4k against 4k + 1, 4k + 3
+    against 4k + 2)."""
+    for name, by in times.items():
+        n = min(len(by[True]), len(by[False]))
+        pairs = [on - off for on, off in zip(by[True][:n], by[False][:n])]
+
+        def trimmed(seconds: list[float]) -> float:
+            cut = len(seconds) // 50
+            return sum(sorted(seconds)[cut:len(seconds) - cut])
+
+        print(f"{name:5s} rows ahead on {trimmed(by[True]):7.2f} s, off {trimmed(by[False]):7.2f} s over {n} steps "
+              f"each (trimmed); median step {statistics.median(by[True]) * 1e3:.2f} against "
+              f"{statistics.median(by[False]) * 1e3:.2f} ms, median pair difference "
+              f"{statistics.median(pairs) * 1e3:+.3f} ms")
 
 
 def main() -> None:
@@ -106,9 +141,15 @@ def main() -> None:
                     "one-time costs of the first steps land in neither engine's time")
     ap.add_argument("--no-amx", action="store_true", help="keep the native GEMM on its vdpbf16ps tiles where it "
                     "would run AMX tiles (kernels/cpu/gemm.h), to compare")
+    ap.add_argument("--no-lora-rows-ahead", action="store_true", help="the native decoder's GEMMs do not ask for the "
+                    "next LoRA call's pool rows as they compute (kernels/cpu/decoder.h), to compare")
+    ap.add_argument("--compare-lora-rows-ahead", action="store_true", help="switch that on and off step by step "
+                    "(on, off, off, on) and report each engine's steps of either kind")
     args = ap.parse_args()
     if args.no_amx:
         cpu_kernels.set_amx_gemm(False)
+    if args.no_lora_rows_ahead:
+        cpu_kernels.set_lora_rows_ahead(False)
 
     amx = cpu_kernels.amx_gemm_available() and not args.no_amx
     gpu = f"{torch.cuda.get_device_name()}, " if args.device != "cpu" and torch.cuda.is_available() else ""
@@ -123,17 +164,19 @@ def main() -> None:
         counts = {name: len(llm.engine.pager.registry) for name, llm in engines.items()}
         if args.warmup:
             tokens = {name: queue_trace(llm, counts[name], args, args.seed + 1) for name, llm in engines.items()}
-            busy, steps = run_interleaved(engines, args.block)
+            busy, steps, _ = run_interleaved(engines, args.block)
             rate = {name: tokens[name] / busy[name] for name in engines}
             print(f"# warm-up trace (seed {args.seed + 1}, untimed): many/few {rate['many'] / rate['few']:.3f}, "
                   f"busy {busy['many']:.2f} / {busy['few']:.2f} s")
         tokens = {name: queue_trace(llm, counts[name], args, args.seed) for name, llm in engines.items()}
-        busy, steps = run_interleaved(engines, args.block)
+        busy, steps, times = run_interleaved(engines, args.block, args.compare_lora_rows_ahead)
     rate = {name: tokens[name] / busy[name] for name in engines}
     for name in engines:
         print(f"{name:5s} {counts[name]:5d} adapters  {tokens[name]} output tokens  {steps[name]} steps  "
               f"busy {busy[name]:7.2f} s  {rate[name]:7.1f} tok/s  device loads {engines[name].engine.pager.loads_total}")
     print(f"many/few: {rate['many'] / rate['few']:.3f} (S-LoRA: 0.945; goal >= 0.95)")
+    if args.compare_lora_rows_ahead:
+        report_rows_ahead(times)
 
 
 if __name__ == "__main__":

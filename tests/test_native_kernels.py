@@ -444,6 +444,61 @@ def test_lora_segments_rejects_rows_outside_the_pool():
         run_lora(x, y, flat, [[0, 3, 0]], tables, layer, projections)
 
 
+def expected_lines(flat, runs, tables, layer, projections, fan_in):
+    """The 64-byte lines (offsets from flat's first element) of the rows lora_segments reads."""
+    ranks, a_ptr, b_ptr, _ = tables
+    base, size = flat.data_ptr(), flat.element_size()
+    lines = set()
+    for adapter in {run[2] for run in runs}:
+        for p, _, fan_out in projections:
+            for j in range(int(ranks[adapter, p])):
+                for offset, width in ((a_ptr[adapter, layer, p, j], fan_in), (b_ptr[adapter, layer, p, j], fan_out)):
+                    start = base + int(offset) * size
+                    lines.update(line - base for line in range(start // 64 * 64, start + width * size, 64))
+    return lines
+
+
+@pytest.mark.parametrize("layout", ["scattered", "packed", "odd widths"])
+def test_lora_prefetch_lines_are_the_rows_lora_segments_reads(layout):
+    """What the native decoder's GEMM asks for ahead of a LoRA call (lora.h's lora_spans, split between
+    threads by gemm.h's SideStream): the lines of exactly the rows that lora_segments reads, each
+    run's adapter once however many runs it has, rows of other layers, adapters and untargeted
+    projections left out; rows scattered over the pool, packed end to end as the pager lays them
+    out (merged into long spans), or of odd widths (lines shared by neighbouring rows). The threads'
+    shares split the one-thread order into contiguous pieces of near-equal size."""
+    if layout == "odd widths":
+        fan_in, fan_outs, ranks = 37, [29, 70, 5], [[1, 0, 3], [64, 64, 64], [0, 7, 0], [33, 2, 17]]
+    else:
+        fan_in, fan_outs, ranks = 576, [576, 192, 192], [[8] * 3, [16] * 3, [0, 8, 8], [16] * 3]
+    segments = [(1, 0), (1, 2), (3, -1), (1, 0), (9, 2), (1, 3), (2, 0)]    # adapter 1 not in the step
+    x, y, flat, runs, tables, weights, layer, projections = lora_case(torch.bfloat16, fan_in, fan_outs, ranks,
+                                                                       segments, seed=5)
+    if layout == "packed":   # each adapter's rows in order: (layer, projection, A rows then B^T rows)
+        r_ranks, a_ptr, b_ptr, scaling = tables
+        a_ptr, b_ptr, offset = a_ptr.clone(), b_ptr.clone(), 0
+        for i in range(len(ranks)):
+            for l in range(a_ptr.shape[1]):
+                for p, fan_out in enumerate(fan_outs):
+                    r = ranks[i][p]
+                    a_ptr[i, l, p, :r] = offset + torch.arange(r) * fan_in
+                    b_ptr[i, l, p, :r] = offset + r * fan_in + torch.arange(r) * fan_out
+                    offset += r * (fan_in + fan_out)
+        tables = (r_ranks, a_ptr, b_ptr, scaling)
+        flat = torch.randn(offset).to(torch.bfloat16)
+    expected = expected_lines(flat, runs, tables, layer, projections, fan_in)
+    args = (y, x, flat, torch.tensor(runs, dtype=torch.int64).view(-1, 3), *tables, layer,
+            torch.tensor(projections, dtype=torch.int64))
+    (whole,) = cpu_kernels.lora_prefetch_lines(*args, 1)
+    assert set(whole.tolist()) == expected
+    if layout != "odd widths":
+        assert len(whole) == len(expected), "a line asked for twice"
+    for parts in (2, 3, 7):
+        shares = cpu_kernels.lora_prefetch_lines(*args, parts)
+        assert torch.equal(torch.cat(shares), whole)
+        assert [len(s) for s in shares] == [len(whole) * (k + 1) // parts - len(whole) * k // parts
+                                            for k in range(parts)]
+
+
 # ---- the engine ----------------------------------------------------------------------------------
 
 def test_engine_native_equals_eager_and_transformers(tiny_model, monkeypatch):

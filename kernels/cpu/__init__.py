@@ -186,6 +186,21 @@ def lora_segments(y: torch.Tensor, x: torch.Tensor, flat: torch.Tensor, runs: to
     _lib().lora_segments(y, x, flat, runs, ranks, a_ptr, b_ptr, scaling, layer, projections)
 
 
+def lora_prefetch_lines(y: torch.Tensor, x: torch.Tensor, flat: torch.Tensor, runs: torch.Tensor,
+                        ranks: torch.Tensor, a_ptr: torch.Tensor, b_ptr: torch.Tensor, scaling: torch.Tensor,
+                        layer: int, projections: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    """The cache lines that the native decoder's GEMM before a LoRA call asks for, for lora_segments
+    with these arguments, as ``parts`` threads split them: per part, the lines' byte offsets from
+    flat's first element, in the order asked (int64)."""
+    return _lib().lora_prefetch_lines(y, x, flat, runs, ranks, a_ptr, b_ptr, scaling, layer, projections, parts)
+
+
+def set_lora_rows_ahead(on: bool) -> bool:
+    """Let the native decoder's GEMMs ask for the next LoRA call's pool rows as they compute (on at
+    start), or not, to compare; returns the previous setting."""
+    return _lib().set_lora_rows_ahead(on)
+
+
 def bf16_gemm_available() -> bool:
     """Whether packed_linear runs here: the native kernels are on and were built for a CPU with AVX512-BF16."""
     return not disabled() and library() is not None and library().bf16_gemm_available()

@@ -43,6 +43,13 @@ inline void prefetch_row(const void* row, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, Locality);
 }
 
+// Bytes that a later kernel will read, handed to an earlier one to ask for as it goes (gemm.h's
+// SideStream).
+struct PrefetchSpan {
+  const void* data;
+  int64_t bytes;
+};
+
 // exp(x) for x <= 0 (softmax after subtracting the max), relative error ~1e-7. Plain arithmetic
 // so that loops over it vectorise: Cody-Waite reduction x = n ln2 + y, |y| <= ln2/2, a degree-7
 // Taylor polynomial for e^y, and 2^n built in the exponent bits. Below -87 it returns ~1.6e-38.

@@ -58,6 +58,39 @@ struct LoraRun {
   int64_t begin, end, adapter;
 };
 
+// The pool rows lora_segments reads for these runs at tables.layer, for an earlier kernel to ask
+// for (decoder.h): each run's adapter once, its A and B^T rows of every projection it targets, rows
+// that lie end to end (the pager packs an adapter's rows in order) in one span. Offsets are not
+// checked here: asking for a line reads nothing.
+template <typename T>
+std::vector<PrefetchSpan> lora_spans(const T* flat, const LoraTables& tables, const LoraRun* runs, int64_t num_runs,
+                                     const LoraProjection* projs, int64_t num_projs, int64_t fan_in) {
+  std::vector<PrefetchSpan> spans;
+  std::vector<int64_t> adapters;
+  auto add = [&](const int64_t* rows, int64_t r, int64_t width) {
+    const int64_t bytes = width * int64_t(sizeof(T));
+    for (int64_t j = 0; j < r; ++j) {
+      const T* row = flat + rows[j];
+      if (!spans.empty() && static_cast<const char*>(spans.back().data) + spans.back().bytes ==
+                                reinterpret_cast<const char*>(row))
+        spans.back().bytes += bytes;
+      else
+        spans.push_back({row, bytes});
+    }
+  };
+  for (int64_t i = 0; i < num_runs; ++i) {
+    const int64_t adapter = runs[i].adapter;
+    if (std::find(adapters.begin(), adapters.end(), adapter) != adapters.end()) continue;
+    adapters.push_back(adapter);
+    for (int64_t p = 0; p < num_projs; ++p) {
+      const int64_t r = tables.rank(adapter, projs[p].index);
+      add(tables.a_rows(adapter, projs[p].index), r, fan_in);
+      add(tables.b_rows(adapter, projs[p].index), r, projs[p].fan_out);
+    }
+  }
+  return spans;
+}
+
 // s [N, r]: s[t][j] = scale * x_t . A_j for the tile's N token rows of x.
 template <typename T, int N>
 void lora_shrink(const T* x, int64_t x_stride, int64_t fan_in, const T* flat, const int64_t* a_rows, int64_t r,

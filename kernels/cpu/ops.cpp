@@ -205,8 +205,18 @@ void paged_prefill_attention_op(at::Tensor out, at::Tensor q, at::Tensor k_cache
 // one dimension; runs: [num_runs, 3] (first token, end token, step adapter); ranks [n, P] int32,
 // a_ptr, b_ptr [n, L, P, R] int64, scaling [n, L, P] float32: the step's tables; projections:
 // [num_projs, 3] (index in the tables, first column in y, width). Adds each run's LoRA into y.
-void lora_segments_op(at::Tensor y, at::Tensor x, at::Tensor flat, at::Tensor runs, at::Tensor ranks, at::Tensor a_ptr,
-                      at::Tensor b_ptr, at::Tensor scaling, int64_t layer, at::Tensor projections) {
+struct CheckedLora {
+  LoraTables tables;
+  const LoraRun* runs;
+  int64_t num_runs;
+  const LoraProjection* projs;
+  int64_t num_projs, fan_in;
+};
+
+// lora_segments' arguments checked: every index it will follow inside its tensor.
+CheckedLora check_lora(const at::Tensor& y, const at::Tensor& x, const at::Tensor& flat, const at::Tensor& runs,
+                       const at::Tensor& ranks, const at::Tensor& a_ptr, const at::Tensor& b_ptr,
+                       const at::Tensor& scaling, int64_t layer, const at::Tensor& projections) {
   check_like(x, x, "x");
   check_like(y, x, "y");
   check_like(flat, x, "flat");
@@ -252,16 +262,50 @@ void lora_segments_op(at::Tensor y, at::Tensor x, at::Tensor flat, at::Tensor ru
                     "adapter row outside the pool");
     }
   }
+  return {tables, run, runs.size(0), proj, projections.size(0), fan_in};
+}
+
+void lora_segments_op(at::Tensor y, at::Tensor x, at::Tensor flat, at::Tensor runs, at::Tensor ranks, at::Tensor a_ptr,
+                      at::Tensor b_ptr, at::Tensor scaling, int64_t layer, at::Tensor projections) {
+  const CheckedLora c = check_lora(y, x, flat, runs, ranks, a_ptr, b_ptr, scaling, layer, projections);
   dispatch_dtype(x, [&](auto zero) {
     using T = decltype(zero);
-    lora_segments<T>(y.data_ptr<T>(), y.stride(0), x.data_ptr<T>(), x.stride(0), fan_in, flat.data_ptr<T>(), tables,
-                     run, runs.size(0), proj, projections.size(0));
+    lora_segments<T>(y.data_ptr<T>(), y.stride(0), x.data_ptr<T>(), x.stride(0), c.fan_in, flat.data_ptr<T>(),
+                     c.tables, c.runs, c.num_runs, c.projs, c.num_projs);
   });
+}
+
+// What a GEMM handed lora_segments' rows for these arguments asks for (decoder.h, gemm.h's
+// SideStream), as `parts` threads split it: per part, its cache lines' byte offsets from flat's
+// first element, in the order asked.
+std::vector<at::Tensor> lora_prefetch_lines_op(at::Tensor y, at::Tensor x, at::Tensor flat, at::Tensor runs,
+                                               at::Tensor ranks, at::Tensor a_ptr, at::Tensor b_ptr,
+                                               at::Tensor scaling, int64_t layer, at::Tensor projections,
+                                               int64_t parts) {
+  const CheckedLora c = check_lora(y, x, flat, runs, ranks, a_ptr, b_ptr, scaling, layer, projections);
+  TORCH_CHECK(parts > 0, "parts must be positive");
+  std::vector<PrefetchSpan> spans;
+  dispatch_dtype(x, [&](auto zero) {
+    using T = decltype(zero);
+    spans = lora_spans(flat.data_ptr<T>(), c.tables, c.runs, c.num_runs, c.projs, c.num_projs, c.fan_in);
+  });
+  const int64_t lines = SideStream::total_lines(&spans);
+  const char* base = static_cast<const char*>(flat.data_ptr());
+  std::vector<at::Tensor> out;
+  for (int64_t part = 0; part < parts; ++part) {
+    std::vector<int64_t> offsets;
+    for (SideStream s = SideStream::share(&spans, lines, part, part + 1, parts); s.line(); s.advance())
+      offsets.push_back(s.line() - base);
+    out.push_back(torch::tensor(offsets, at::kLong));
+  }
+  return out;
 }
 
 // x: [M, K] bf16, K even; packed: [ceil(N / 16), K / 2, 16, 2] bf16 (linear.py's NativeLinear.pack).
 // Returns x W^T as a new [M, N] bf16 tensor. Only where bf16_gemm_available().
-at::Tensor packed_linear_op(at::Tensor x, at::Tensor packed, int64_t out_features) {
+// side: spans for the GEMM to ask for as it computes (gemm.h, SideStream), or null.
+at::Tensor packed_linear_op(at::Tensor x, at::Tensor packed, int64_t out_features,
+                            const std::vector<PrefetchSpan>* side = nullptr) {
   TORCH_CHECK(kBf16Gemm, "this build has no AVX512-BF16 GEMM (bf16_gemm_available() is False)");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2,
               "x must be a [rows, in_features] bfloat16 CPU tensor");
@@ -278,7 +322,7 @@ at::Tensor packed_linear_op(at::Tensor x, at::Tensor packed, int64_t out_feature
   if (M > 0) {
     packed_linear_bf16(reinterpret_cast<const uint16_t*>(xc.data_ptr()), M, K / 2,
                        reinterpret_cast<const uint16_t*>(packed.data_ptr()), packed.size(0),
-                       reinterpret_cast<uint16_t*>(y.data_ptr()), N);
+                       reinterpret_cast<uint16_t*>(y.data_ptr()), N, side);
   }
 #endif
   return y;
@@ -300,7 +344,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention_op, no_gil, "decode attention over block tables");
   m.def("paged_prefill_attention", &paged_prefill_attention_op, no_gil,
         "prefill chunks' causal attention over block tables");
-  m.def("packed_linear", &packed_linear_op, no_gil, "x W^T over a weight packed by NativeLinear (bf16)");
+  m.def("packed_linear", [](at::Tensor x, at::Tensor packed, int64_t out) { return packed_linear_op(x, packed, out); },
+        no_gil, "x W^T over a weight packed by NativeLinear (bf16)");
   m.def("bf16_gemm_available", [] { return kBf16Gemm; }, "whether packed_linear runs on this build");
 #if ASYNCSERVE_AMX_GEMM
   m.def("amx_gemm_available", [] { return amx_permitted(); }, "whether packed_linear's AMX tiles run here");
@@ -310,6 +355,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_amx_gemm", [](bool on) { return amx_gemm_on.exchange(on); },
         "whether packed_linear may run AMX tiles (on at start); returns the previous setting");
   m.def("lora_segments", &lora_segments_op, no_gil, "y += each run's LoRA, read from the pool rows");
+  m.def("lora_prefetch_lines", &lora_prefetch_lines_op, "the lines a GEMM asks for ahead of lora_segments, by thread");
+  m.def("set_lora_rows_ahead", [](bool on) { return lora_rows_ahead_on.exchange(on); },
+        "whether the native decoder's GEMMs ask for the next LoRA call's rows (on at start); returns the previous setting");
   py::class_<NativeDecoder>(m, "NativeDecoder")
       .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>, at::Tensor, at::Tensor,
                     int64_t, int64_t, int64_t, double>())
