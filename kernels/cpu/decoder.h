@@ -118,8 +118,8 @@ class NativeDecoder {
   // v: down asks for the next layer's), so that they come from cache: a decode step of 31 adapters'
   // q and v rows took 2.4 ms from DRAM and 0.8 from cache (Zen 4, BENCHMARKS.md).
   at::Tensor project(Group g, int64_t layer, const at::Tensor& x, const DecoderLayer& L, const StepLora& lora) const {
-    const std::vector<PrefetchSpan> ahead =
-        x.size(0) >= kSideStreamFromRows ? next_lora_rows(g, layer, lora) : std::vector<PrefetchSpan>{};
+    const bool asks = x.size(0) >= kSideStreamFromRows && !amx_tiles_run(x.size(1) / 2);   // gemm.h's tiles that ask
+    const std::vector<PrefetchSpan> ahead = asks ? next_lora_rows(g, layer, lora) : std::vector<PrefetchSpan>{};
     at::Tensor y = packed_linear_op(x, L.groups[g].packed, L.groups[g].out_features, ahead.empty() ? nullptr : &ahead);
     if (lora.flat && lora.runs[g])
       lora_segments_op(y, x, *lora.flat, *lora.runs[g], lora.ranks, lora.a_ptr, lora.b_ptr, lora.scaling, layer,

@@ -58,6 +58,10 @@ constexpr bool kBf16Gemm = ASYNCSERVE_BF16_GEMM;
 // of the vdpbf16ps tiles on such a CPU.
 inline std::atomic<bool> amx_gemm_on{true};
 
+#if !ASYNCSERVE_AMX_GEMM
+inline bool amx_tiles_run(int64_t) { return false; }   // the build has no AMX tiles (defined with them below)
+#endif
+
 // One thread's share of the spans' cache lines, asked for into L2 one line per step of a tile's
 // inner loop. Rows asked for in a burst (between column blocks) stall the core until they arrive,
 // so the GEMM loses what the later kernel saves; one line per step keeps a few in flight beside
@@ -213,6 +217,11 @@ inline bool amx_permitted() {
   return permitted;
 }
 
+// Whether packed_linear_bf16 runs the AMX tiles for this K (= 2 * k_pairs).
+inline bool amx_tiles_run(int64_t k_pairs) {
+  return k_pairs % 16 == 0 && amx_gemm_on.load(std::memory_order_relaxed) && amx_permitted();
+}
+
 // tmm0-3: C tiles (row tile i, column block j at 2 * i + j), tmm4-5: A (x's row tiles), tmm6-7: B
 // (panels); each 16 rows of 64 bytes (16 fp32, or 16 pairs of bf16).
 struct alignas(64) TileConfig {
@@ -300,7 +309,7 @@ inline void packed_linear_bf16(const uint16_t* x, int64_t M, int64_t k_pairs, co
   const auto* xp = reinterpret_cast<const uint32_t*>(x);
   const auto* w = reinterpret_cast<const __m512i*>(packed);
 #if ASYNCSERVE_AMX_GEMM
-  if (k_pairs % 16 == 0 && amx_gemm_on.load(std::memory_order_relaxed) && amx_permitted()) {
+  if (amx_tiles_run(k_pairs)) {
     packed_linear_amx(x, M, k_pairs, w, blocks, y, N);
     return;
   }

@@ -201,10 +201,6 @@ void paged_prefill_attention_op(at::Tensor out, at::Tensor q, at::Tensor k_cache
   });
 }
 
-// y: [tokens, out] (the group's output, updated in place), x: [tokens, fan_in]; flat: the pool,
-// one dimension; runs: [num_runs, 3] (first token, end token, step adapter); ranks [n, P] int32,
-// a_ptr, b_ptr [n, L, P, R] int64, scaling [n, L, P] float32: the step's tables; projections:
-// [num_projs, 3] (index in the tables, first column in y, width). Adds each run's LoRA into y.
 struct CheckedLora {
   LoraTables tables;
   const LoraRun* runs;
@@ -265,6 +261,10 @@ CheckedLora check_lora(const at::Tensor& y, const at::Tensor& x, const at::Tenso
   return {tables, run, runs.size(0), proj, projections.size(0), fan_in};
 }
 
+// y: [tokens, out] (the group's output, updated in place), x: [tokens, fan_in]; flat: the pool,
+// one dimension; runs: [num_runs, 3] (first token, end token, step adapter); ranks [n, P] int32,
+// a_ptr, b_ptr [n, L, P, R] int64, scaling [n, L, P] float32: the step's tables; projections:
+// [num_projs, 3] (index in the tables, first column in y, width). Adds each run's LoRA into y.
 void lora_segments_op(at::Tensor y, at::Tensor x, at::Tensor flat, at::Tensor runs, at::Tensor ranks, at::Tensor a_ptr,
                       at::Tensor b_ptr, at::Tensor scaling, int64_t layer, at::Tensor projections) {
   const CheckedLora c = check_lora(y, x, flat, runs, ranks, a_ptr, b_ptr, scaling, layer, projections);
