@@ -355,3 +355,45 @@ def test_argmax_rows_is_argmax_with_first_maximum_on_ties(vocab):
         x[3, vocab - 1] = 0.0                                                              # the last token alone
         assert torch.equal(argmax_rows(x), x.argmax(-1))
         assert torch.equal(argmax_rows(x[:, :vocab - 5]), x[:, :vocab - 5].argmax(-1))    # a strided view
+
+
+def _plain_rows(count: int, seed: int) -> list[SamplingRow]:
+    """Greedy and drawn rows with every truncation mix, some with outputs already (other seed positions)."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(count):
+        kind = i % 6
+        params = ({"temperature": 0.0} if kind == 0 else {"temperature": rng.choice([0.5, 1.0, 1.7])})
+        if kind == 2:
+            params["top_k"] = rng.choice([1, 5, 40, 300])
+        if kind == 3:
+            params["top_p"] = rng.choice([0.1, 0.8, 0.95])
+        if kind == 4:
+            params.update(top_k=rng.choice([3, 50]), top_p=0.9, min_p=0.05)
+        if kind == 5:
+            params["min_p"] = 0.2
+        rows.append(make_row(seed=rng.randrange(2**63), output=[1] * rng.randrange(4), max_tokens=100,
+                             min_tokens=0, **params))
+    return rows
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_device_sampler_gives_the_general_paths_tokens(seed):
+    """sample_plain (the GPU's one-sync path, here on CPU tensors) against the general path, row for row:
+    greedy exactly, seeded draws the same tokens; NaN and all -inf rows fail the same way."""
+    from asyncserve.stepper.sampler import is_plain, plain_sampling, sample_plain
+
+    rows = _plain_rows(48, seed)
+    assert all(is_plain(r) for r in rows)
+    logits = random_logits(len(rows), 700, seed=seed)
+    logits[7, 3] = float("nan")
+    logits[13] = float("-inf")
+    logits[20, 5] = float("inf")
+    want = sample(logits, rows)
+    got = sample_plain(logits, plain_sampling(rows, logits.device))
+    assert got.token_ids == want.token_ids
+    assert {i: e.code for i, e in got.errors.items()} == {i: e.code for i, e in want.errors.items()}
+    assert set(got.errors) >= {7, 13}
+    # non-plain rows (logprobs, penalties, min_tokens) are not the device path's
+    assert not is_plain(make_row(logprobs=2)) and not is_plain(make_row(repetition_penalty=1.2))
+    assert not is_plain(make_row(min_tokens=3, max_tokens=9))

@@ -216,6 +216,9 @@ class StepInputs:
                                    # max_pages * block) past their sequence's context, i.e. where decode_mask is False
     prefills: list[PrefillChunk]
     sample_index: torch.Tensor     # [n] int64: tokens whose next-token logits are needed (sampled, then scored)
+    decode_tables: torch.Tensor | None = None   # [num_decode, >= max pages] int64: the decodes' block tables for
+                                                # kernels.paged_attention (CUDA, CUDA graphs), which reads only
+                                                # each context's rows; None: the gather paths above
 
 
 # ---- forward -------------------------------------------------------------------------------------
@@ -343,6 +346,7 @@ class StepAttention:
     prefill_tables: torch.Tensor | None = None     # native: [chunks, max_pages] int64, padded with page 0
     prefill_starts: torch.Tensor | None = None     # native: [chunks + 1] int64, the chunks' first rows, then the end
     prefill_first_pos: torch.Tensor | None = None  # native: [chunks] int64, each chunk's first position
+    decode_tables: torch.Tensor | None = None      # StepInputs.decode_tables: the decodes run kernels.paged_attention
 
 
 def plan_attention(inp: StepInputs, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -365,6 +369,9 @@ def plan_attention(inp: StepInputs, num_heads: int, num_kv_heads: int, head_dim:
         qpos = torch.arange(chunk.first_pos, ctx, device=device)
         attend = torch.arange(ctx, device=device)[None, :] <= qpos[:, None]        # [n, ctx]
         masks.append(_bias(attend, dtype).repeat(group, 1) if bmm else attend)
+    if inp.decode_tables is not None:   # no masks, no gathers, no host reads: capturable in a CUDA graph
+        return StepAttention(bmm, False, inp.decode_pages, inp.decode_padding, inp.decode_mask, None, masks,
+                             inp.positions[:inp.num_decode] + 1, decode_tables=inp.decode_tables)
     mask, q_blocks = inp.decode_mask, None
     if bmm and inp.num_decode:
         n = inp.num_decode
@@ -398,6 +405,11 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         out = torch.empty(n, nh, hd, dtype=q.dtype, device=q.device)
         cpu_kernels.paged_decode_attention(out, q, k_cache, v_cache, a.decode_pages.view(n, -1), a.decode_lens,
                                            hd ** -0.5)
+        return out
+    if a.decode_tables is not None:
+        from kernels.paged_attention import paged_decode_attention
+        out = torch.empty(n, nh, hd, dtype=q.dtype, device=q.device)
+        paged_decode_attention(out, q, k_cache, v_cache, a.decode_tables, a.decode_lens, hd ** -0.5)
         return out
     k = _gather_context(k_cache, a).view(n, -1, kv_size)                         # [n, ctx, nkv * hd]
     v = _gather_context(v_cache, a).view(n, -1, kv_size)

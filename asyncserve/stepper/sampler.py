@@ -48,8 +48,47 @@ class SamplingRow:
     bad_words_ids: list[list[int]] = field(default_factory=list)  # params.bad_words as token id sequences
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
-    """One token per row. logits: [rows, vocab] (float32; lower precision is upcast), not modified."""
+@dataclass
+class PlainSampling:
+    """Per row, on the logits' device: what a plain row (is_plain) samples with. ``uniform`` is the row's
+    draw (sampling_uniform); ``ranked`` (host): whether some row has top-k or top-p, so that the sort runs."""
+    temperature: torch.Tensor    # [rows] float32, 1 for greedy rows
+    greedy: torch.Tensor         # [rows] bool
+    top_k: torch.Tensor          # [rows] int64, <= 0 disables
+    top_p: torch.Tensor          # [rows] float32
+    min_p: torch.Tensor          # [rows] float32
+    uniform: torch.Tensor        # [rows] float32
+    ranked: bool
+
+
+def plain_sampling_values(rows: list[SamplingRow]) -> tuple[list[float], list[int], list[float], list[float],
+                                                            list[float], list[bool]]:
+    """PlainSampling's columns as host lists: (temperature, top_k, top_p, min_p, uniform, greedy)."""
+    greedy = [row.params.greedy for row in rows]
+    return ([1.0 if g else row.params.temperature for g, row in zip(greedy, rows)],
+            [row.params.top_k for row in rows], [row.params.top_p for row in rows],
+            [row.params.min_p for row in rows],
+            [sampling_uniform(row.seed, len(row.output_ids)) for row in rows], greedy)
+
+
+def plain_sampling(rows: list[SamplingRow], device: torch.device) -> PlainSampling:
+    temperature, top_k, top_p, min_p, uniform, greedy = plain_sampling_values(rows)
+    f32 = dict(dtype=torch.float32, device=device)
+    return PlainSampling(torch.tensor(temperature, **f32), torch.tensor(greedy, device=device),
+                         torch.tensor(top_k, dtype=torch.int64, device=device), torch.tensor(top_p, **f32),
+                         torch.tensor(min_p, **f32), torch.tensor(uniform, **f32), any_ranked(rows))
+
+
+def any_ranked(rows: list[SamplingRow]) -> bool:
+    return any(not row.params.greedy and (row.params.top_k > 0 or row.params.top_p < 1) for row in rows)
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow], plain: PlainSampling | None = None) -> SampleOutput:
+    """One token per row. logits: [rows, vocab] (float32; lower precision is upcast), not modified.
+    On a GPU, a batch of plain rows (is_plain) is sampled there whole, with one copy of its tokens back
+    (``plain``: its inputs already on the device, else built here)."""
+    if logits.device.type != "cpu" and rows and all(is_plain(row) for row in rows):
+        return sample_plain(logits, plain if plain is not None else plain_sampling(rows, logits.device))
     if all(_is_plain_greedy(row) for row in rows):
         if cpu_kernels.enabled_for(logits):     # one pass over the logits as they are
             tokens, finite = cpu_kernels.greedy_rows(logits)
@@ -90,6 +129,49 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
     return SampleOutput(token_ids, logprobs, top_logprobs, errors)
 
 
+def sample_plain(logits: torch.Tensor, p: PlainSampling) -> SampleOutput:
+    """sample() of plain rows, greedy and drawn ones together, without a host read but the one copy of
+    the tokens back: the same tokens as the general path (its thresholds read off a full sort rather
+    than a growing prefix of it)."""
+    x = logits.float()                                           # [rows, vocab], a private copy
+    greedy_tokens = x.argmax(-1)
+    greedy_valid = _finite_at(x, greedy_tokens)
+    drawn, drawn_valid = _draw_plain(x, p)
+    tokens = torch.where(p.greedy, greedy_tokens, drawn)
+    valid = torch.where(p.greedy, greedy_valid, drawn_valid)
+    token_ids, errors = _valid_ids(tokens, valid, logits)
+    return SampleOutput(token_ids, None, None, errors)
+
+
+def _draw_plain(logits: torch.Tensor, p: PlainSampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """_draw's tokens and validity for plain rows, with no host reads. logits: [rows, vocab], overwritten."""
+    rows, vocab = logits.shape
+    peak = logits.amax(-1, keepdim=True)
+    valid = torch.isfinite(peak.squeeze(1))
+    logits = torch.where(valid.unsqueeze(1), logits, 0)         # uniform where invalid, so thresholds stay defined
+    peak = torch.where(valid.unsqueeze(1), peak, 0)
+    weights = logits.sub_(peak).mul_(1 / p.temperature.unsqueeze(1)).exp_()   # _draw's rounding
+    thresholds = p.min_p
+    if p.ranked:
+        values = weights.sort(dim=-1, descending=True).values   # [rows, vocab]
+        top_k = torch.where(p.top_k > 0, p.top_k.clamp(max=vocab), vocab)
+        k_thresholds = values.gather(1, (top_k - 1).unsqueeze(1)).squeeze(1)
+        k_thresholds = torch.where(top_k == vocab, 0, k_thresholds)
+        in_top_k = torch.where(weights >= k_thresholds.unsqueeze(1), weights, 0)
+        top_p_mass = in_top_k.sum(-1) * p.top_p
+        ranked = torch.where(values >= k_thresholds.unsqueeze(1), values, 0)
+        mass_before = F.pad(ranked.cumsum(-1)[:, :-1], (1, 0))
+        kept = ((mass_before < top_p_mass.unsqueeze(1)) & (ranked > 0)).sum(-1).clamp(min=1)
+        nucleus = torch.where(p.top_p < 1, values.gather(1, (kept - 1).unsqueeze(1)).squeeze(1), 0)
+        thresholds = torch.maximum(thresholds, torch.maximum(k_thresholds, nucleus))
+    weights.masked_fill_(weights < thresholds.unsqueeze(1), 0)
+    cdf = weights.cumsum_(-1)
+    total = cdf[:, -1]
+    targets = torch.minimum(p.uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+    tokens = torch.searchsorted(cdf, targets.unsqueeze(1), right=True).squeeze(1)
+    return tokens.masked_fill_(~valid, 0), valid
+
+
 def _finite_at(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """[rows] bool: whether each row's chosen logit is finite. An argmax lands on a NaN or +inf where
     the row has one (torch ranks NaN above everything), on -inf only where every token is -inf."""
@@ -100,9 +182,11 @@ def _valid_ids(tokens: torch.Tensor, valid: torch.Tensor, raw: torch.Tensor
                ) -> tuple[list[int | None], dict[int, Failure]]:
     """tokens [rows] as ints, None where not valid, and why each of those is not; raw: the rows' logits
     as the model gave them."""
-    ids, errors = tokens.tolist(), {}
-    if not bool(valid.all()):
-        for i in (~valid).nonzero().squeeze(1).tolist():
+    # one copy back: the tokens and their validity together
+    both = torch.stack([tokens.long(), valid.long()]).tolist()
+    ids, errors = both[0], {}
+    if not all(both[1]):
+        for i in [i for i, ok in enumerate(both[1]) if not ok]:
             ids[i] = None
             errors[i] = NON_FINITE if not bool(torch.isfinite(raw[i]).all()) else NO_ALLOWED_TOKEN
     return ids, errors
@@ -217,6 +301,13 @@ def sampling_uniform(seed: int, position: int) -> float:
     the SplitMix64 stream started from `seed`."""
     state = (_mix64(seed & _MASK64) + (position + 1) * _GOLDEN_GAMMA) & _MASK64
     return (_mix64(state) >> 11) * 2.0**-53
+
+
+def is_plain(row: SamplingRow) -> bool:
+    """Rows that sample_plain takes: nothing changes their logits first and nothing reads them after."""
+    params = row.params
+    return (params.logprobs is None and not params.has_penalties and row.guide is None
+            and not _min_tokens_banned(row, None))
 
 
 def _is_plain_greedy(row: SamplingRow) -> bool:
