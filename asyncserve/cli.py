@@ -75,6 +75,8 @@ def _engine_args(p: argparse.ArgumentParser, step_profile: str = "off") -> None:
                    help="cached step profiles (default: ~/.cache/asyncserve/step-profiles)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="recompute every prompt, even when an earlier one began with the same blocks")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="on CUDA, run every step eagerly instead of replaying decode steps from CUDA graphs")
 
 
 def _config(args):
@@ -88,7 +90,7 @@ def _config(args):
                   max_step_adapters=args.max_step_adapters, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
                   prefix_caching=args.prefix_caching, cpu_workers=args.cpu_workers, cpu_assist=args.cpu_assist,
                   cpu_profile_dir=args.cpu_profile_dir, step_profile=args.step_profile,
-                  step_profile_dir=args.step_profile_dir)
+                  step_profile_dir=args.step_profile_dir, enforce_eager=args.enforce_eager)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -41,6 +41,7 @@ class Config:
     slo_tpot_s: float | None = None          # slo: admit while the predicted decode step stays within this
     prefix_caching: bool = True              # reuse the KV of full blocks of earlier prompts (per adapter)
     seed: int | None = None                  # seeds drawn for requests without one
+    enforce_eager: bool = False              # CUDA: no decode steps replayed from CUDA graphs (stepper/cuda_graphs.py)
     # CPU-assisted LoRA (CaraServe §4): worker processes compute cold adapters' LoRA from the host tier
     cpu_workers: int | None = None           # None: cores the device's threads leave free (default_workers); 0: none
     cpu_assist: str = "auto"                 # auto (when the profile says it pays) | on | off

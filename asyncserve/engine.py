@@ -135,6 +135,10 @@ class Engine:
         lora = make_lora_backend(self.lora_backend_name, self.pool, mc)
         eos = self.tokenizer.eos_token_ids
         self.runner = ModelRunner(mc, weights, self.pool, self.pager, lora, eos)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            from asyncserve.stepper.cuda_graphs import CudaSeam
+            self.runner.enable_graphs(CudaSeam(self.device), config.max_running,
+                                      -(-self.max_model_len // config.block_size))
         compile_s = lora.warm_up()
         if compile_s:
             log.info("LoRA backend %s: kernels warmed up in %.1f s", self.lora_backend_name, compile_s)

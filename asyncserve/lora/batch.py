@@ -99,6 +99,7 @@ class SlotTables:
         self._shape = (num_layers, num_projections)
         self.device = device
         self._ranks, self._ptr, self._scaling = self._allocate(slots, max_rank)
+        self.version = 0            # counts the resizes: kernels captured over the old tables must not run
 
     @property
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -116,6 +117,7 @@ class SlotTables:
         ranks[:old_slots], scaling[:old_slots] = self._ranks, self._scaling
         ptr[:, :old_slots, :, :, :old_rank] = self._ptr
         self._ranks, self._ptr, self._scaling = ranks, ptr, scaling
+        self.version += 1
 
     def slots(self, adapters: list[DeviceAdapter]) -> list[int]:
         """Each adapter's slot, filling those of adapters placed since they last ran."""

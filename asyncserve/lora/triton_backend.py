@@ -109,11 +109,23 @@ class TritonLoraBackend(LoraBackend):
         s = torch.empty(batch.num_tokens, width, dtype=torch.float32, device=self.pool.device)
         self._step = _Step(kernel, ranks, a_ptr, b_ptr, scaling, proj_rank, inputs, s)
 
+    def fixed_step(self, token_slots: torch.Tensor, s: torch.Tensor) -> "FixedStepLora":
+        """The LoRA of a decode step over fixed buffers (asyncserve/stepper/cuda_graphs.py): MBGMV for
+        every token over the slot tables' whole rank width, so that no launch depends on the step's
+        adapters (rows past an adapter's rank cost a program that returns). token_slots: [T] int64, each
+        token's slot (-1: none); s: [T, >= 3 * width] float32 scratch. Valid until the tables resize
+        (SlotTables.version)."""
+        ranks, a_ptr, b_ptr, scaling = self.slot_tables.tensors
+        width = a_ptr.shape[-1]
+        return FixedStepLora(self, _Step("mbgmv", ranks, a_ptr, b_ptr, scaling, [width] * len(PROJECTIONS),
+                                         {"token_adapter": token_slots}, s))
+
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        if self._step is not None:
+            self.apply_step(self._step, layer, group, x, y)
+
+    def apply_step(self, step: _Step, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         # x: [tokens, in], y: [tokens, out of the group]
-        step = self._step
-        if step is None:
-            return
         if step.kernel == "mbgmv":
             # decode: the group's projections (q, k, v share x) in one shrink and one expand launch;
             # at decode sizes the launches, not the GPU, bound the step
@@ -165,3 +177,19 @@ class TritonLoraBackend(LoraBackend):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - t0
+
+
+class FixedStepLora:
+    """LoraHook of TritonLoraBackend.fixed_step: its own step, apart from the backend's eager one."""
+    active = True
+
+    def __init__(self, backend: TritonLoraBackend, step: _Step):
+        self.backend, self.step = backend, step
+
+    def project(self, layer: int, group: str, x: torch.Tensor, base) -> torch.Tensor:
+        y = base(x)
+        self.backend.apply_step(self.step, layer, group, x, y)
+        return y
+
+    def native_step(self):
+        return None

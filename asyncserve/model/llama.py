@@ -241,7 +241,7 @@ def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, 
     native = cpu_kernels.enabled_for(w.embed)   # fused C++ norm, RoPE + KV write, decode attention
 
     step_attention = plan_attention(inp, nh, nkv, hd, w.embed.dtype, native)
-    if native and cpu_kernels.decoder_loop_enabled() and (decoder := w.native_decoder(config)):
+    if step_attention.native and cpu_kernels.decoder_loop_enabled() and (decoder := w.native_decoder(config)):
         step_lora = lora.native_step() if use_lora else None
         if step_lora is not None or not use_lora:
             return _forward_native(decoder, w, rope, kv, inp, step_attention, step_lora)
@@ -355,6 +355,9 @@ def plan_attention(inp: StepInputs, num_heads: int, num_kv_heads: int, head_dim:
     device = inp.input_ids.device
     bmm = _bmm_attention(device, dtype)
     group = num_heads // num_kv_heads
+    if inp.decode_tables is not None and not inp.prefills:   # no masks, no gathers, no host reads: capturable
+        return StepAttention(bmm, False, inp.decode_pages, inp.decode_padding, inp.decode_mask, None, [],
+                             inp.positions[:inp.num_decode] + 1, decode_tables=inp.decode_tables)
     if native:
         # a decode's context ends at its own token; prefill chunks follow the decodes, one after another
         return StepAttention(bmm, True, inp.decode_pages, inp.decode_padding, inp.decode_mask, None, [],
@@ -369,14 +372,14 @@ def plan_attention(inp: StepInputs, num_heads: int, num_kv_heads: int, head_dim:
         qpos = torch.arange(chunk.first_pos, ctx, device=device)
         attend = torch.arange(ctx, device=device)[None, :] <= qpos[:, None]        # [n, ctx]
         masks.append(_bias(attend, dtype).repeat(group, 1) if bmm else attend)
-    if inp.decode_tables is not None:   # no masks, no gathers, no host reads: capturable in a CUDA graph
-        return StepAttention(bmm, False, inp.decode_pages, inp.decode_padding, inp.decode_mask, None, masks,
-                             inp.positions[:inp.num_decode] + 1, decode_tables=inp.decode_tables)
     mask, q_blocks = inp.decode_mask, None
     if bmm and inp.num_decode:
         n = inp.num_decode
         mask = _bias(mask, dtype).view(n, 1, -1)
         q_blocks = torch.zeros(n, num_kv_heads, group, num_kv_heads, head_dim, dtype=dtype, device=device)
+    if inp.decode_tables is not None:      # the decodes of a mixed step: the same kernel
+        return StepAttention(bmm, False, inp.decode_pages, inp.decode_padding, mask, q_blocks, masks,
+                             inp.positions[:inp.num_decode] + 1, decode_tables=inp.decode_tables)
     return StepAttention(bmm, False, inp.decode_pages, inp.decode_padding, mask, q_blocks, masks)
 
 

@@ -102,6 +102,14 @@ class PagedPool:
         self._count(kind, n)
         return pages
 
+    def reserve(self) -> int:
+        """Take one page for good, outside the KV and adapter counts (the CUDA graphs' padding rows
+        write their KV there)."""
+        page = self.allocate(1, "kv")[0]
+        self._kind[page] = "reserved"
+        self._count("kv", -1)
+        return page
+
     def release(self, pages: list[int]) -> None:
         """Give pages back; a KV page another sequence still holds stays, one holding a cached block
         becomes cached."""

@@ -4,6 +4,7 @@ Only this object touches the model weights; the server's stepper runs ``run`` in
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -18,7 +19,9 @@ from asyncserve.pager.pool import PagedPool
 from asyncserve.step import StepPlan, StepResult
 from asyncserve.stepper.merge import WeightMerger, merged_load
 from asyncserve.stepper.assist import AssistedLora, CpuAssist
-from asyncserve.stepper.sampler import SamplingRow, sample, token_logprobs
+from asyncserve.stepper.cuda_graphs import DecodeGraphs, DecodeRow, GraphSeam
+from asyncserve.stepper.sampler import (PlainSampling, SamplingRow, any_ranked, is_plain, plain_sampling_values,
+                                        sample, token_logprobs)
 
 
 @dataclass
@@ -49,6 +52,63 @@ class ModelRunner:
         self.rope = Rope(config, self.device, pool.dtype)
         self._row_stride = 2 * config.num_layers * pool.block_size   # kv rows per page
         self.merger = WeightMerger(config, weights, pool, lora)      # dLoRA's merged mode
+        # decodes read their KV through kernels.paged_attention on CUDA (ASYNCSERVE_TRITON_ATTENTION=0: SDPA)
+        self.paged_attention = self.device.type == "cuda" and os.environ.get("ASYNCSERVE_TRITON_ATTENTION") != "0"
+        self.graphs: DecodeGraphs | None = None                    # enable_graphs
+
+    def enable_graphs(self, seam: GraphSeam, max_batch: int, max_pages: int) -> None:
+        """Replay decode steps of up to max_batch sequences (block tables up to max_pages) from graphs;
+        takes one pool page for the padding rows' KV."""
+        def make_inputs(ids, positions, write_rows, tables):
+            empty = torch.zeros(0, dtype=torch.int64, device=self.device)
+            return StepInputs(ids, positions, write_rows, len(ids), empty, empty.bool().view(0, 1, 1, 0), empty, [],
+                              torch.arange(len(ids), device=self.device), decode_tables=tables)
+
+        fixed = getattr(self.lora, "fixed_step", None)
+        tables = getattr(self.lora, "slot_tables", None)
+        self.graphs = DecodeGraphs(
+            seam, self.device, max_batch, max_pages, self.pool.reserve(), self._row_stride,
+            lambda inputs, lora: forward(self.weights, self.config, self.rope, self.pool.kv_view(), inputs, lora),
+            make_inputs, fixed, (lambda: tables.tensors[1].shape[-1]) if tables else None,
+            (lambda: (tables.version, self.merger.switches)) if tables else (lambda: self.merger.switches))
+
+    def _graph_rows(self, plan: StepPlan) -> tuple[list[DecodeRow], bool] | None:
+        """The step's rows for DecodeGraphs and whether it has LoRA, or None where it runs eagerly."""
+        g = self.graphs
+        if (g is None or not plan.decodes or len(plan.chunks) != len(plan.decodes) or plan.assisted
+                or plan.merged is not None or g.bucket(len(plan.decodes)) is None
+                or not all(c.samples for c in plan.decodes)):
+            return None
+        adapters = [c.seq.adapter_load for c in plan.decodes if c.seq.adapter is not None]
+        if adapters and g.lora_step is None:
+            return None
+        slot_of = {}
+        if adapters:
+            loads = list(dict.fromkeys(adapters))
+            slot_of = dict(zip(loads, self.lora.slot_tables.slots([self.pager.resident[a] for a in loads])))
+        bs = self.pool.block_size
+        rows = []
+        for c in plan.decodes:
+            seq, pos = c.seq, c.seq.num_computed
+            rows.append(DecodeRow(seq.token_at(pos), pos, seq.block_table[pos // bs] * self._row_stride + pos % bs,
+                                  seq.block_table, slot_of.get(seq.adapter_load, -1) if seq.adapter is not None else -1))
+        return rows, bool(adapters)
+
+    def _sampling_rows(self, plan: StepPlan) -> list[SamplingRow]:
+        return [SamplingRow(c.seq.params, c.seq.prompt_ids, c.seq.output_ids, self.eos_token_ids, c.seq.seed,
+                            c.seq.guide, c.seq.bad_words_ids) for c in plan.chunks if c.samples]
+
+    def _replay(self, plan: StepPlan, graph_rows: list[DecodeRow], lora: bool):
+        """A decode step from its graph: the logits, and the sampling rows with their device inputs."""
+        rows = self._sampling_rows(plan)
+        plain = all(is_plain(r) for r in rows)
+        logits = self.graphs.replay(graph_rows, lora, plain_sampling_values(rows) if plain else None)
+        device_sampling = None
+        if plain:
+            d = self.graphs.device_sampling(len(rows))
+            device_sampling = PlainSampling(d["temperature"], d["greedy"].bool(), d["top_k"], d["top_p"], d["min_p"],
+                                            d["uniform"], any_ranked(rows))
+        return logits, rows, device_sampling
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepResult:
@@ -56,6 +116,11 @@ class ModelRunner:
         self.pager.write_pending(hold=plan.assisted)
         # after the page-ins: a merge reads the adapter's rows; the switch is timed apart from the step
         switch_s = self.merger.switch(merged_load(plan), self.pager.resident)
+        graph_step = self._graph_rows(plan)
+        if graph_step is not None:
+            logits, rows, device_sampling = self._replay(plan, *graph_step)
+            sampled = sample(logits, rows, device_sampling)
+            return StepResult(sampled, time.perf_counter() - t0 - switch_s, plan.num_tokens, {})
         inputs, lora_batch, rows, prompt_rows, cold = self._prepare(plan)
         self.lora.begin_step(lora_batch)
         lora = self.lora
@@ -151,6 +216,7 @@ class ModelRunner:
             decode_padding=decode_padding.to(dev),
             prefills=prefills,
             sample_index=torch.tensor(sample_index + prompt_index, dtype=torch.int64, device=dev),
+            decode_tables=decode_pages.view(nd, -1).to(dev) if self.paged_attention and nd else None,
         )
         lora_batch = None
         if adapters:
