@@ -106,8 +106,8 @@ def test_graphs_capture_once_per_bucket_and_lora_and_recapture_when_invalidated(
     assert g.captures == 4
 
 
-def _cases(tok, adapters):
-    prompts = [tok.encode(t) for t in ("the fox jumps over", "many adapters serve a batch token", "rank step")]
+def _cases(tok, adapters, texts=("the fox jumps over", "many adapters serve a batch token", "rank step")):
+    prompts = [tok.encode(t) for t in texts]
     return [(ids, a) for ids in prompts for a in [None, *adapters]]
 
 
@@ -116,23 +116,23 @@ def test_graph_steps_on_fixed_buffers_give_the_eager_tokens_and_peft(tiny_model)
     """The triton backend (interpreter) with DecodeGraphs over a fake seam: the same tokens as the eager
     engine and transformers+PEFT, base and mixed-rank adapters in the same decode steps; prefill steps
     run eagerly, decode steps replay."""
-    adapters = ["r1_qv", "r8_attn_rs", "r16_patterns"]
+    adapters = ["r1_qv", "r16_patterns"]
     paths = {a: str(tiny_model.adapters[a]) for a in adapters}
-    cases = _cases(tiny_model.tokenizer, adapters)
+    cases = _cases(tiny_model.tokenizer, adapters, ("the fox jumps over", "many adapters serve a batch token"))
     refs = peft_references(tiny_model.base, tiny_model.adapters, cases, NEW_TOKENS)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     outs = {}
     for graphs in (False, True):
         llm = LLM(model=str(tiny_model.root), adapters=paths, dtype="float32", device="cpu", lora_backend="triton",
-                  max_running=8, cpu_workers=0)
+                  max_running=4, cpu_workers=0)
         runner = llm.engine.runner
         if graphs:
             seam = FakeSeam()
-            runner.enable_graphs(seam, 8, 8)
+            runner.enable_graphs(seam, 4, 8)
         outs[graphs] = [o.token_ids for o in llm.generate([c[0] for c in cases], params,
                                                           adapters=[c[1] for c in cases])]
         if graphs:
-            # 12 sequences, at most 8 running: steps of 8 and of 4 decodes, with and without LoRA
+            # 6 sequences, at most 4 running: steps of 4 and of 2 decodes, with and without LoRA
             assert runner.graphs.replays >= NEW_TOKENS - 1 and seam.captured >= 2
             assert llm.engine.pool.counts().kv == 0
     assert outs[True] == outs[False]
@@ -154,6 +154,9 @@ def test_cuda_graph_decode_equals_eager_and_peft(tiny_model, lora_backend):
                   lora_backend=lora_backend, enforce_eager=eager, max_running=16)
         outs[eager] = [o.token_ids for o in llm.generate([c[0] for c in cases], params,
                                                          adapters=[c[1] for c in cases])]
+        # base-only steps replay with either backend (the torch one runs its LoRA steps eagerly)
+        base_only = [o.token_ids for o in llm.generate([c[0] for c in cases if c[1] is None], params)]
+        assert base_only == [outs[eager][i] for i, c in enumerate(cases) if c[1] is None]
         graphs = llm.engine.runner.graphs
         assert (graphs is None) == eager
         if not eager:
