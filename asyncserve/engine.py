@@ -11,6 +11,7 @@ server), so it holds up no one; the load failing fails those requests alone.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 import uuid
@@ -135,7 +136,8 @@ class Engine:
         lora = make_lora_backend(self.lora_backend_name, self.pool, mc)
         eos = self.tokenizer.eos_token_ids
         self.runner = ModelRunner(mc, weights, self.pool, self.pager, lora, eos)
-        if self.device.type == "cuda" and not config.enforce_eager:
+        # ASYNCSERVE_ENFORCE_EAGER=1: --enforce-eager for every engine of the process (the GPU test runs)
+        if self.device.type == "cuda" and not (config.enforce_eager or os.environ.get("ASYNCSERVE_ENFORCE_EAGER") == "1"):
             from asyncserve.stepper.cuda_graphs import CudaSeam
             self.runner.enable_graphs(CudaSeam(self.device), config.max_running,
                                       -(-self.max_model_len // config.block_size))

@@ -46,7 +46,8 @@ def make_model(shape: str, work: Path, device: torch.device, distinct: int, rank
     folder = work / shape
     if not (folder / "model.safetensors").is_file():
         t0 = time.perf_counter()
-        write_skeleton("default", folder, SHAPES[shape])
+        if not (folder / "config.json").is_file():     # a skeleton made beforehand travels where the default model cannot
+            write_skeleton("default", folder, SHAPES[shape])
         size = random_weights(folder, torch.bfloat16, device, seed=0)
         random_adapters(folder, distinct, [rank], ["q_proj", "v_proj"], seed=1)
         print(f"[{shape}] checkpoint of {size / 2**30:.1f} GiB and {distinct} adapters in "

