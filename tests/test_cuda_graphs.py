@@ -6,7 +6,9 @@ the graph path's inputs (the Triton paged attention and MBGMV on fixed buffers, 
 are checked against the eager path's tokens and transformers+PEFT's. With ASYNCSERVE_TEST_DEVICE=cuda,
 real graphs against --enforce-eager and PEFT.
 """
+import gc
 import os
+import weakref
 
 import pytest
 import torch
@@ -20,11 +22,16 @@ NEW_TOKENS = 6
 
 
 class FakeGraph:
+    """Holds the captured function by a weak reference only: a CUDA graph reads its inputs by address,
+    so whatever it reads must be kept alive by its owner (on a GPU a freed input is reused memory)."""
     def __init__(self, fn, out):
-        self.fn, self.out = fn, out
+        self.fn, self.out = weakref.ref(fn), out
 
     def replay(self):
-        self.out.copy_(self.fn())
+        gc.collect()
+        fn = self.fn()
+        assert fn is not None, "the graph's inputs were freed after its capture"
+        self.out.copy_(fn())
 
 
 class FakeSeam:

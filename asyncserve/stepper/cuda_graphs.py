@@ -156,7 +156,9 @@ class DecodeGraphs:
         self.make_inputs = make_inputs
         self.lora_step, self.lora_width, self.lora_version = lora_step, lora_width, lora_version
         self.buffers = StepBuffers(self.buckets[-1], max_pages, device, seam)
-        self._graphs: dict[tuple[int, bool], tuple[object, torch.Tensor]] = {}
+        # (bucket, lora) -> (graph, its output, the captured function); a graph reads its inputs by address,
+        # so the function's closure (the step's sample index, the LoRA hook's tensors) lives as long as it
+        self._graphs: dict[tuple[int, bool], tuple[object, torch.Tensor, Callable]] = {}
         self._version = None
         self._scratch: torch.Tensor | None = None
         self.replays = 0          # steps replayed, and graphs captured (for tests and benchmarks)
@@ -207,7 +209,7 @@ class DecodeGraphs:
         if key not in self._graphs:
             self._graphs[key] = self._capture(bucket, lora)
             self.captures += 1
-        graph, logits = self._graphs[key]
+        graph, logits, _ = self._graphs[key]
         graph.replay()
         self.replays += 1
         return logits[:len(rows)]
@@ -217,7 +219,7 @@ class DecodeGraphs:
         d = self.buffers.device
         return {name: d[name][:n] for name in SAMPLING_FIELDS}
 
-    def _capture(self, bucket: int, lora: bool) -> tuple[object, torch.Tensor]:
+    def _capture(self, bucket: int, lora: bool) -> tuple[object, torch.Tensor, Callable]:
         d = self.buffers.device
         inputs = self.make_inputs(d["input_ids"][:bucket], d["positions"][:bucket], d["write_rows"][:bucket],
                                   d["tables"][:bucket])
@@ -228,4 +230,6 @@ class DecodeGraphs:
                 self._scratch = torch.zeros(self.buckets[-1], 3 * max(self.lora_width(), 1), dtype=torch.float32,
                                             device=self.device)
             hook = self.lora_step(d["token_slots"][:bucket], self._scratch[:bucket])
-        return self.seam.capture(lambda: self.forward(inputs, hook))
+        def step() -> torch.Tensor:
+            return self.forward(inputs, hook)
+        return (*self.seam.capture(step), step)
