@@ -22,30 +22,36 @@ def _adapter_pairs(values: list[str]) -> dict[str, str]:
 def _engine_args(p: argparse.ArgumentParser, step_profile: str = "off") -> None:
     """step_profile: --step-profile's default (auto for `serve`, which measures once per machine and model;
     off for a one-off `generate`)."""
-    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH", help="a PEFT LoRA folder")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument("--model", default=None, metavar="PATH", help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
+                   help="serve the PEFT LoRA folder PATH as model NAME, read into host memory at start; repeat "
+                        "for several (default: none)")
+    p.add_argument("--device", default="auto",
+                   help="auto (the CUDA GPU if torch sees one, else the CPU), cpu, cuda or cuda:N (default: auto)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="weights, KV cache and adapters: auto is bfloat16 on GPUs and on CPUs with AMX or "
+                        "AVX512-BF16, float32 on other CPUs (default: auto)")
     p.add_argument("--lora-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: triton on CUDA, torch (native kernels where built) on CPU. On CUDA the torch "
                         "backend restacks weights whenever a step's adapters change: with 1,000 adapters it "
-                        "ran at 0.14x its 5-adapter speed on an H100 (BENCHMARKS.md)")
-    p.add_argument("--max-running", type=int, default=64,
+                        "ran at 0.14x its 5-adapter speed on an H100 (default: auto)")
+    p.add_argument("--max-running", type=int, default=64, metavar="N",
                    help="most sequences in the running batch at once; more wait in the queue (default: 64)")
-    p.add_argument("--max-step-tokens", type=int, default=None, help="per-step token budget (default: 256 on CPU, 512 on GPU)")
-    p.add_argument("--max-model-len", type=int, default=None,
+    p.add_argument("--max-step-tokens", type=int, default=None, metavar="N", help="per-step token budget (default: 256 on CPU, 512 on GPU)")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
                    help="longest prompt + output in tokens, at most the model's context (default: the context)")
-    p.add_argument("--pool-mem", default=None, help="unified pool size, e.g. 2GiB (default: $ASYNCSERVE_POOL_MEM, else 2GiB on CPU, "
+    p.add_argument("--pool-mem", default=None, metavar="SIZE", help="unified pool size, e.g. 2GiB (default: $ASYNCSERVE_POOL_MEM, else 2GiB on CPU, "
                                                     "85%% of free memory on CUDA)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16, metavar="TOKENS",
+                   help="tokens per KV page of the pool, and the unit the prefix cache shares (default: 16)")
     p.add_argument("--host-adapter-mem", default=None, metavar="SIZE",
                    help="host memory (POSIX shared memory) caching adapters read from disk, least recently used "
                         "out first, e.g. 8GiB (default: a quarter of RAM, at most what /dev/shm has free)")
     p.add_argument("--pin-adapter", action="append", default=[], metavar="NAME",
                    help="keep this adapter (an --adapter or a folder of --adapter-dir) on the device for good; "
-                        "repeat for several")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
-    p.add_argument("--policy", default="fcfs",
+                        "repeat for several (default: none)")
+    p.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads (default: all cores)")
+    p.add_argument("--policy", default="fcfs", metavar="NAME",
                    help="batch formation: fcfs (first come, first served), affinity (at most --max-step-adapters "
                         "adapters per step, with aging; S-LoRA), slo (early abort on --slo-ttft, admission within "
                         "--slo-tpot; S-LoRA, CaraServe), dlora (merged steps for a dominant adapter, credits "
@@ -55,15 +61,17 @@ def _engine_args(p: argparse.ArgumentParser, step_profile: str = "off") -> None:
                    help="affinity: the most distinct adapters a step carries, the base model aside (default: 4)")
     p.add_argument("--slo-ttft", type=float, default=None, metavar="SECONDS",
                    help="slo: answer a waiting request at once with a 429 (code slo_unattainable) when it can no "
-                        "longer get its first token within this")
+                        "longer get its first token within this (default: none)")
     p.add_argument("--slo-tpot", type=float, default=None, metavar="SECONDS",
-                   help="slo: admit requests while the predicted decode step of the running batch stays within this")
+                   help="slo: admit requests while the predicted decode step of the running batch stays within "
+                        "this (default: none)")
     p.add_argument("--cpu-workers", type=int, default=None, metavar="N",
                    help="CPU LoRA worker processes for cold adapters' prefill (CaraServe); 0 turns them off "
                         "(default: the cores the device's threads leave free)")
     p.add_argument("--cpu-assist", default="auto", choices=["auto", "on", "off"],
                    help="compute the LoRA of requests whose adapter is not on the device yet on the CPU workers: "
-                        "auto when the workers' profile predicts a lower TTFT than waiting for the load")
+                        "auto when the workers' profile predicts a lower TTFT than waiting for the load "
+                        "(default: auto)")
     p.add_argument("--cpu-profile-dir", default=None, metavar="DIR",
                    help="cached CPU worker profiles (default: ~/.cache/asyncserve/cpu-profiles)")
     p.add_argument("--step-profile", default=step_profile, choices=["auto", "off"],
@@ -74,9 +82,51 @@ def _engine_args(p: argparse.ArgumentParser, step_profile: str = "off") -> None:
     p.add_argument("--step-profile-dir", default=None, metavar="DIR",
                    help="cached step profiles (default: ~/.cache/asyncserve/step-profiles)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
-                   help="recompute every prompt, even when an earlier one began with the same blocks")
+                   help="recompute every prompt, even when an earlier one began with the same blocks "
+                        "(default: prefix caching on)")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="on CUDA, run every step eagerly instead of replaying decode steps from CUDA graphs")
+                   help="on CUDA, run every step eagerly instead of replaying decode steps from CUDA graphs "
+                        "(default: decode steps of up to --max-running sequences replay from graphs)")
+
+
+class _MarkdownHelp(argparse.Action):
+    """--help-markdown: print flag_reference(parser) and exit, as --help prints the usage."""
+
+    def __init__(self, option_strings, dest, help=None):
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        sys.stdout.write(flag_reference(parser))
+        parser.exit()
+
+
+def flag_reference(parser: argparse.ArgumentParser) -> str:
+    """Every subcommand's flags as Markdown tables, flag and help as --help shows them (README.md's flag
+    reference is this text: scripts/flag_reference.py --write puts it there)."""
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    lines, shown = [], {}                # shown: table row -> the subcommand whose table has it
+    for name, command in commands.choices.items():
+        lines += [f"### `asyncserve {name}`", ""]
+        formatter = command._get_formatter()
+        for group in command._action_groups:
+            rows, same = [], {}
+            for action in group._group_actions:
+                if not action.option_strings or isinstance(action, argparse._HelpAction):
+                    continue
+                meaning = " ".join(formatter._expand_help(action).split()).replace("|", "\\|")
+                row = f"| `{formatter._format_action_invocation(action)}` | {meaning} |"
+                if row in shown:
+                    same.setdefault(shown[row], []).append(f"`{action.option_strings[0]}`")
+                else:
+                    rows.append(row)
+                    shown[row] = name
+            if group.description and rows:
+                lines += [f"{group.title.capitalize()}: {group.description}.", ""]
+            for other, flags in same.items():
+                lines += [f"The flags {', '.join(flags)} as in `asyncserve {other}`, and:", ""]
+            if rows:
+                lines += ["| flag | meaning |", "|---|---|", *rows, ""]
+    return "\n".join(lines)
 
 
 def _config(args):
@@ -95,25 +145,32 @@ def _config(args):
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="asyncserve", description="Serve many LoRA adapters of one base LLM.")
+    ap.add_argument("--help-markdown", action=_MarkdownHelp,
+                    help="print every subcommand's flags as Markdown (README.md's flag reference) and exit")
     sub = ap.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run the OpenAI-compatible server")
     _engine_args(s, step_profile="auto")
-    s.add_argument("--served-model-name", default=None,
-                   help="the base model's name in the API (the `model` field, /v1/models); default: the name in "
-                        "the model's config")
-    s.add_argument("--adapter-dir", default=None,
+    s.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the base model's name in the API (the `model` field, /v1/models) (default: the name in "
+                        "the model's config)")
+    s.add_argument("--adapter-dir", default=None, metavar="DIR",
                    help="register every adapter folder inside DIR at startup (each read from disk when a request "
-                        "first needs it; thousands are fine)")
+                        "first needs it; thousands are fine) (default: none)")
     s.add_argument("--preload-adapters", action="store_true",
                    help="read the --adapter-dir adapters into the host tier at start, in the background, while "
                         "it has free room (none is evicted for them; requests' own loads go first), so that "
-                        "first requests skip the disk read (S-LoRA keeps every adapter in host memory)")
-    s.add_argument("--adapter-root", default=None, help="allow /v1/load_lora_adapter for folders inside DIR")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=os.environ.get("ASYNCSERVE_API_KEY"))
-    s.add_argument("--max-waiting", type=int, default=1024,
+                        "first requests skip the disk read (S-LoRA keeps every adapter in host memory) "
+                        "(default: off)")
+    s.add_argument("--adapter-root", default=None, metavar="DIR",
+                   help="allow /v1/load_lora_adapter for folders inside DIR (default: none, no runtime loads)")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on; 0.0.0.0 for every interface (default: 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default: 8000)")
+    s.add_argument("--api-key", default=os.environ.get("ASYNCSERVE_API_KEY"), metavar="KEY",
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: $ASYNCSERVE_API_KEY; unset: no "
+                        "key asked)")
+    s.add_argument("--max-waiting", type=int, default=1024, metavar="N",
                    help="queued sequences (prompts x n) beyond this are refused with 429 (default: 1024)")
     s.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM/SIGINT, let in-flight requests finish for this long, then end them with "
@@ -123,36 +180,41 @@ def main(argv: list[str] | None = None) -> None:
     c = s.add_argument_group("cluster mode", "peer servers gossip load, forward and migrate requests")
     c.add_argument("--peers", default=None, metavar="URL[,URL...]",
                    help="the other servers: http(s) URLs and/or dns:NAME:PORT (every address NAME resolves to, "
-                        "re-resolved every few seconds, e.g. a Kubernetes headless Service); turns cluster mode on")
-    c.add_argument("--node-id", default=None, help="this server's name in the cluster (default: hostname:port)")
-    c.add_argument("--advertise-url", default=None,
+                        "re-resolved every few seconds, e.g. a Kubernetes headless Service); turns cluster mode on "
+                        "(default: none, one server alone)")
+    c.add_argument("--node-id", default=None, metavar="NAME", help="this server's name in the cluster (default: hostname:port)")
+    c.add_argument("--advertise-url", default=None, metavar="URL",
                    help="how peers reach this server (default: http://HOST:PORT)")
-    c.add_argument("--cluster-key", default=os.environ.get("ASYNCSERVE_CLUSTER_KEY"),
+    c.add_argument("--cluster-key", default=os.environ.get("ASYNCSERVE_CLUSTER_KEY"), metavar="KEY",
                    help="shared secret signing every peer call (default: $ASYNCSERVE_CLUSTER_KEY); required "
                         "in cluster mode")
     c.add_argument("--gossip-interval", type=float, default=0.2, metavar="SECONDS",
                    help="how often the load digest is pushed to the peers (default: 0.2)")
-    c.add_argument("--dispatch", default="rank-aware",
+    c.add_argument("--dispatch", default="rank-aware", metavar="NAME",
                    help="where a request runs: local, round-robin, least-pending, rank-aware (default: the "
                         "least predicted completion time, the adapter's load included), consolidate, random")
     c.add_argument("--migration-threshold", type=float, default=2.0, metavar="SECONDS",
                    help="move running requests when the predicted pending time of the busiest and idlest "
                         "servers differs by more than this; 0: never (default: 2)")
-    s.add_argument("--log-level", default="INFO")
+    s.add_argument("--log-level", default="INFO", metavar="LEVEL",
+                   help="log messages from this level up, to stderr: DEBUG, INFO, WARNING or ERROR (default: INFO)")
 
     g = sub.add_parser("generate", help="generate offline and print the outputs")
     _engine_args(g, step_profile="off")
-    g.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
-    g.add_argument("--use-adapter", default=None, help="adapter name for all prompts (default: base model)")
-    g.add_argument("--chat", action="store_true", help="apply the chat template to each prompt")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--prompt", action="append", required=True, metavar="TEXT", help="a prompt; repeat for several (required)")
+    g.add_argument("--use-adapter", default=None, metavar="NAME",
+                   help="adapter name for all prompts (default: the base model)")
+    g.add_argument("--chat", action="store_true", help="apply the chat template to each prompt (default: off)")
+    g.add_argument("--max-tokens", type=int, default=64, metavar="N", help="tokens to generate per prompt at most (default: 64)")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="sampling temperature; 0 is greedy (default: 0)")
+    g.add_argument("--seed", type=int, default=None, metavar="N", help="sampling seed (default: a random one)")
     held = g.add_mutually_exclusive_group()
-    held.add_argument("--json-schema", default=None, help="hold the output to this JSON schema (JSON text or a file)")
-    held.add_argument("--json-object", action="store_true", help="hold the output to any JSON object")
-    held.add_argument("--regex", default=None, help="hold the output to this regular expression")
-    held.add_argument("--choice", action="append", default=None, help="the output is one of these; repeat")
+    held.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                      help="hold the output to this JSON schema (JSON text or a file) (default: none)")
+    held.add_argument("--json-object", action="store_true", help="hold the output to any JSON object (default: off)")
+    held.add_argument("--regex", default=None, metavar="REGEX", help="hold the output to this regular expression (default: none)")
+    held.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                      help="the output is one of these; repeat (default: none)")
 
     args = ap.parse_args(argv)
     if args.command == "serve":

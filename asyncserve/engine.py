@@ -28,7 +28,7 @@ from asyncserve.pager.adapters import (AdapterError, PeftFolder, build_host_adap
                                       read_peft_folder)
 from asyncserve.pager.pager import AdapterPager, Registration
 from asyncserve.pager.pool import PagedPool
-from asyncserve.perf_model import STEP_TIME_PRIOR, StepChunk, StepLatencyModel, adapter_load_seconds
+from asyncserve.perf_model import STEP_TIME_PRIOR, PerfCoefficients, StepChunk, StepLatencyModel, adapter_load_seconds
 from asyncserve.sampling_params import SamplingParams
 from asyncserve.scheduler.policies import make_policy
 from asyncserve.scheduler.policy import PolicySettings
@@ -405,7 +405,7 @@ class Engine:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         return Sequence(request_id=request_id or uuid.uuid4().hex, prompt_ids=list(prompt_ids), params=params,
                         adapter=adapter, seed=seed, arrival=arrival, guide=guide,
-                        adapter_rank=max(self.pager.registry[adapter].ranks) if adapter else 0,
+                        adapter_rank=self.adapter_rank(adapter) if adapter else 0,
                         bad_words_ids=self._bad_words_ids(params.bad_words))
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
@@ -485,6 +485,11 @@ class Engine:
     def num_parked(self) -> int:
         return sum(len(seqs) for seqs in self.parked.values())
 
+    def parked_requests(self) -> list[list[Sequence]]:
+        """The requests parked while their adapter is read from disk: one list per adapter, each in
+        arrival order."""
+        return [list(seqs) for seqs in self.parked.values()]
+
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self.parked)
 
@@ -524,6 +529,21 @@ class Engine:
             self._merge_refs.discard(load)
             self.pager.release(load)
 
+    @property
+    def step_coefficients(self) -> PerfCoefficients:
+        """The step-time model's coefficients now (refitted from the steps run)."""
+        return self.latency.coefficients
+
+    @property
+    def step_model_measured(self) -> bool:
+        """Whether the step-time model is measured on this device (a step profile or a refit), not the prior."""
+        return self.latency.measured
+
+    @property
+    def mean_disk_load_seconds(self) -> float | None:
+        """The mean seconds of this engine's adapter reads from disk into the host tier; None before any."""
+        return self.pager.mean_load_seconds.get("disk")
+
     def predict_step_seconds(self, plan: StepPlan) -> float:
         """The rank-aware step-time model's estimate for a plan (CaraServe §5): from this device's step
         profile (config.step_profile "auto"; else a generic prior), refitted from the steps this engine
@@ -551,9 +571,9 @@ class Engine:
         """Predicted seconds until a parked adapter is in the host tier: the mean disk load this engine
         measured (before any, the step-time model's disk price: 0 unless profiled), less the time its
         load has run so far."""
-        mean = self.pager.mean_load_seconds.get("disk")
+        mean = self.mean_disk_load_seconds
         if mean is None:
-            mean = adapter_load_seconds(self.latency.coefficients, max(self.pager.registry[name].ranks), None)
+            mean = adapter_load_seconds(self.latency.coefficients, self.adapter_rank(name), None)
         started = self._loading.get(name)
         return max(0.0, mean - (time.monotonic() - started)) if started is not None else mean
 
@@ -631,6 +651,14 @@ class Engine:
     def has_adapter(self, name: str) -> bool:
         return name in self.pager.registry
 
+    def adapter_rank(self, name: str) -> int:
+        """A registered adapter's largest rank: what the step-time model prices its tokens by."""
+        return max(self.pager.registry[name].ranks)
+
+    def host_adapters(self) -> list[str]:
+        """Adapters whose weights are in the host tier (and may be on the device too)."""
+        return list(self.pager.host)
+
     def adapter_paths(self) -> dict[str, str]:
         """Registered adapters, name -> the folder each was read from."""
         return {name: reg.path for name, reg in self.pager.registry.items()}
@@ -658,6 +686,21 @@ class Engine:
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
 
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV page."""
+        return self.pool.block_size
+
+    @property
+    def max_step_tokens(self) -> int:
+        """The most tokens a step computes (the scheduler's token budget)."""
+        return self.scheduler.max_step_tokens
+
+    @property
+    def lm_head(self):
+        """The output projection (model/linear.py): its class is the GEMM the projections run."""
+        return self.runner.weights.lm_head
+
     def compile_constraint(self, spec) -> None:
         """Build and cache a structured-output constraint's automaton (seconds for a large one: call it
         off the event loop), so that make_sequence finds it ready; raises StructuredOutputError."""
@@ -672,6 +715,31 @@ class Engine:
                             **({} if self.assist is None else dict(
                                 cpu_workers=self.assist.live, cpu_assist_tokens=self.assist.tokens_total,
                                 cpu_worker_restarts=self.assist.restarts)))
+
+
+    # ---- steps outside the scheduler (step_profile.py times plans of chosen shapes) ----------------
+    def place_sequence(self, prompt_ids: list[int], params: SamplingParams, adapter: str | None,
+                       computed: int) -> Sequence:
+        """A sequence the scheduler does not know, ready for a plan run by hand (``run``): its KV pages
+        allocated, its first ``computed`` tokens taken as cached, its adapter paged onto the device and
+        held. The idle pool's pages only; free them with release_placed. RuntimeError if the adapter
+        does not fit in the pool."""
+        seq = self.make_sequence(prompt_ids, params, adapter)
+        seq.block_table = self.pool.allocate(self.pool.pages_for_tokens(len(prompt_ids)), "kv")
+        seq.num_computed = computed
+        if adapter is not None:
+            if self.pager.ensure_resident(adapter, admission=False) is None:
+                self.pool.release(seq.block_table)
+                raise RuntimeError(f"adapter {adapter!r} does not fit in the pool")
+            seq.adapter_load = self.pager.registration(adapter)
+            self.pager.acquire(seq.adapter_load)
+        return seq
+
+    def release_placed(self, seq: Sequence) -> None:
+        """Free a place_sequence's pages and its hold on its adapter."""
+        self.pool.release(seq.block_table)
+        if seq.adapter_load is not None:
+            self.pager.release(seq.adapter_load)
 
 
 def _rank_chunks(plan: StepPlan) -> list[StepChunk]:

@@ -39,7 +39,7 @@ class LLM:
                  device: str = "auto", lora_backend: str = "auto", **engine_kwargs):
         self.engine = Engine(Config(model=model, adapters=dict(adapters or {}), dtype=dtype, device=device,
                                           lora_backend=lora_backend, **engine_kwargs))
-        if self.engine.config.preload_adapters:
+        if self.engine.preloading:
             self.engine.preload_now()
         self.tokenizer = self.engine.tokenizer
 

@@ -76,7 +76,7 @@ class Server:
             return
         self.scheduler = SchedulerActor(self.engine, self.metrics)
         self.stepper.attach(self.engine.run, self.scheduler.mailbox)
-        self.pager = PagerActor(self.engine, self.scheduler.mailbox, self.stepper)
+        self.pager = PagerActor(self.engine, self.engine.pager, self.scheduler.mailbox, self.stepper)
         self.scheduler.stepper_mailbox = self.stepper.mailbox
         self.scheduler.pager_mailbox = self.pager.mailbox
         for actor in (self.scheduler, self.stepper, self.pager, self.cluster):

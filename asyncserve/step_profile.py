@@ -21,7 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import msgspec
 import torch
@@ -31,11 +31,10 @@ from asyncserve.lora.backend import PACK_AFTER_STEPS
 from asyncserve.model.linear import NativeLinear
 from asyncserve.perf_model import (STEP_TIME_PRIOR, PerfCoefficients, StepChunk, StepSample, fit, sample_seconds,
                                    step_sample)
+from asyncserve.model.config import ModelConfig
 from asyncserve.sampling_params import SamplingParams
-from asyncserve.step import ScheduledChunk, StepPlan
-
-if TYPE_CHECKING:
-    from asyncserve.engine import Engine
+from asyncserve.sequence import Sequence
+from asyncserve.step import ScheduledChunk, StepPlan, StepResult
 
 log = logging.getLogger("asyncserve.step_profile")
 
@@ -45,6 +44,31 @@ _GREEDY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, seed=0)
 # steps the backend may take beyond PACK_AFTER_STEPS to pack and fuse a set (24 MiB a step: ~10 for
 # SmolLM2's fused projections and four rank-64 adapters)
 WARM_BUILD_STEPS = 16
+
+
+class ProfiledEngine(Protocol):
+    """What a profile uses of the engine (engine.py's Engine, which imports this module to start its
+    step-time model from a profile)."""
+    model_config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    lora_backend_name: str
+    max_model_len: int
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def max_running(self) -> int: ...
+    @property
+    def max_step_tokens(self) -> int: ...
+    @property
+    def lm_head(self) -> torch.nn.Module: ...
+    def host_adapters(self) -> list[str]: ...
+    def adapter_rank(self, name: str) -> int: ...
+    def place_sequence(self, prompt_ids: list[int], params: SamplingParams, adapter: str | None,
+                       computed: int) -> Sequence: ...
+    def release_placed(self, seq: Sequence) -> None: ...
+    def run(self, plan: StepPlan) -> StepResult: ...
 
 
 @dataclass(frozen=True)
@@ -95,36 +119,25 @@ def random_step(rng: random.Random, kind: str, active: list[str], max_batch: int
     return decodes + prefills
 
 
-def timed_step(engine: Engine, kind: str, specs: list[ChunkSpec], repeats: int = 3) -> TimedStep:
+def timed_step(engine: ProfiledEngine, kind: str, specs: list[ChunkSpec], repeats: int = 3) -> TimedStep:
     """Run the step ``repeats`` times on ``engine`` (which must be idle) and return its fastest run."""
-    pool, pager = engine.pool, engine.pager
-    seqs, chunks = [], []
+    seqs = []
     try:
         for spec in specs:
             prompt = [1 + i % (engine.vocab_size - 1) for i in range(spec.context + spec.tokens)]   # any ids: same time
-            seq = engine.make_sequence(prompt, _GREEDY, spec.adapter)
-            seq.block_table = pool.allocate(pool.pages_for_tokens(len(prompt)), "kv")
-            seq.num_computed = spec.context
-            seqs.append(seq)
-            if spec.adapter is not None:
-                if pager.ensure_resident(spec.adapter, admission=False) is None:
-                    raise RuntimeError(f"adapter {spec.adapter!r} does not fit in the pool for profiling")
-                pager.acquire(pager.registration(spec.adapter))
-                seq.adapter_load = pager.registration(spec.adapter)
-            chunks.append(ScheduledChunk(seq, spec.tokens))
+            seqs.append(engine.place_sequence(prompt, _GREEDY, spec.adapter, spec.context))
+        chunks = [ScheduledChunk(seq, spec.tokens) for seq, spec in zip(seqs, specs)]
         nd = next((i for i, spec in enumerate(specs) if spec.tokens != 1), len(specs))   # the leading decodes
         plan = StepPlan(decodes=chunks[:nd], prefills=chunks[nd:])
         seconds = min(engine.run(plan).duration_s for _ in range(repeats))
     finally:
         for seq in seqs:
-            pool.release(seq.block_table)
-            if seq.adapter_load is not None:
-                pager.release(seq.adapter_load)
+            engine.release_placed(seq)
     return TimedStep(kind, [StepChunk(s.tokens, seq.adapter_rank, s.context, s.adapter) for s, seq in zip(specs, seqs)],
                      seconds)
 
 
-def warm_set(engine: Engine, active: list[str]) -> None:
+def warm_set(engine: ProfiledEngine, active: list[str]) -> None:
     """Run one-decode-per-adapter steps of ``active`` for as long as the LoRA backend takes to build,
     pack and fuse that set's stacks (it spreads the work over steps; see lora/backend.py): the steps
     timed next then measure the set's steady state, which a server runs nearly all its steps in."""
@@ -133,7 +146,7 @@ def warm_set(engine: Engine, active: list[str]) -> None:
                    repeats=PACK_AFTER_STEPS + WARM_BUILD_STEPS)
 
 
-def profile_steps(engine: Engine, count: int, adapters: list[str], seed: int = 0, repeats: int = 3,
+def profile_steps(engine: ProfiledEngine, count: int, adapters: list[str], seed: int = 0, repeats: int = 3,
                   steps_per_set: int = 6, max_active: int = 5, **shape) -> list[TimedStep]:
     """``count`` random steps (see random_step; ``shape``: its sizes), the kinds in turn; every
     ``steps_per_set`` steps a new active set of 0..max_active of ``adapters`` is drawn and warmed
@@ -237,12 +250,12 @@ class StepProfile(msgspec.Struct):
     steps: list[ProfiledStep]
 
 
-def profile_key(engine: Engine) -> ProfileKey:
+def profile_key(engine: ProfiledEngine) -> ProfileKey:
     from ipc.profile import cpu_model
 
     mc, device = engine.model_config, engine.device
     cpu = device.type == "cpu"
-    lm_head = engine.runner.weights.lm_head
+    lm_head = engine.lm_head
     amx = isinstance(lm_head, NativeLinear) and cpu_kernels.amx_gemm_available()
     return ProfileKey(device=cpu_model() if cpu else torch.cuda.get_device_name(device),
                       model=f"{mc.name} {mc.num_layers}x{mc.hidden_size}",
@@ -269,21 +282,21 @@ def save_profile(path: Path, profile: StepProfile) -> None:
     partial.replace(path)
 
 
-def profile_adapters(engine: Engine) -> list[str]:
+def profile_adapters(engine: ProfiledEngine) -> list[str]:
     """The adapters a profile runs: of those in host memory at start, the PROFILE_ADAPTERS highest-ranked."""
-    ranked = sorted(engine.pager.host, key=lambda name: (-max(engine.pager.registry[name].ranks), name))
+    ranked = sorted(engine.host_adapters(), key=lambda name: (-engine.adapter_rank(name), name))
     return ranked[:PROFILE_ADAPTERS]
 
 
-def measure_profile(engine: Engine, adapters: list[str], steps: int = PROFILE_STEPS,
+def measure_profile(engine: ProfiledEngine, adapters: list[str], steps: int = PROFILE_STEPS,
                     repeats: int = PROFILE_REPEATS, budget_s: float = PROFILE_BUDGET_S,
                     seed: int = 2026) -> StepProfile:
     """Profile the idle ``engine`` (see above) with ``adapters`` (the first alone, then all). Set n of
     N ends at n / N of ``budget_s`` once it has a step of each kind; one not begun within the budget
     is left out."""
     t0 = time.perf_counter()
-    hi = min(256, engine.scheduler.max_step_tokens)
-    shape = {"max_batch": min(32, engine.config.max_running), "prefill_tokens": (min(16, hi), hi),
+    hi = min(256, engine.max_step_tokens)
+    shape = {"max_batch": min(32, engine.max_running), "prefill_tokens": (min(16, hi), hi),
              "max_context": max(1, min(256, engine.max_model_len - hi - 2))}
     rng = random.Random(seed)
     for kind in STEP_KINDS:                         # first-run costs
@@ -302,7 +315,7 @@ def measure_profile(engine: Engine, adapters: list[str], steps: int = PROFILE_ST
             kind = STEP_KINDS[i % len(STEP_KINDS)]
             timed.append(timed_step(engine, kind, random_step(rng, kind, active, **shape), repeats))
     coefficients = fit([step_sample(s.chunks, s.seconds) for s in timed], source="step profile")
-    ranks = [max(engine.pager.registry[name].ranks) for name in profiled]
+    ranks = [engine.adapter_rank(name) for name in profiled]
     return StepProfile(
         key=profile_key(engine), coefficients=coefficients, adapter_ranks=ranks,
         command=f"{shlex.join(sys.argv)}  # at start-up: {len(timed)} steps, best of {repeats} runs, "
@@ -312,7 +325,7 @@ def measure_profile(engine: Engine, adapters: list[str], steps: int = PROFILE_ST
         steps=[ProfiledStep(s.kind, [tuple(c) for c in s.chunks], s.seconds) for s in timed])
 
 
-def starting_coefficients(engine: Engine, directory: Path) -> PerfCoefficients | None:
+def starting_coefficients(engine: ProfiledEngine, directory: Path) -> PerfCoefficients | None:
     """The step-time model's starting coefficients for ``engine`` (just built, idle): its key's
     profile cached in ``directory``, else shipped (SHIPPED_PROFILE_DIR), else measured now and
     cached. A cached file that is unreadable (warned), holds for another key or was made with fewer

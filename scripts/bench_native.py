@@ -98,7 +98,8 @@ def main() -> None:
     p.add_argument("--cpu-clock", action="store_true", help="time the thread's CPU (time.thread_time), not the wall")
     p.add_argument("--chunk", type=int, default=240, help="prefill chunk rows (240: the 256-token budget beside 16 decodes)")
     p.add_argument("--chunk-start", type=int, default=240, help="the chunk's first position: rows cached before it")
-    p.add_argument("--bench-dir", type=Path, default=REPO.parent / "shared" / "bench", help="W1's adapters")
+    p.add_argument("--bench-dir", type=Path, default=REPO / ".bench",
+                   help="the folder holding w1/, for W1's adapters (default: .bench, where scripts/make_w1.py writes it)")
     p.add_argument("--prefill", type=int, default=64, help="prompt tokens per adapter in the LoRA prefill step")
     p.add_argument("--gemm", action="store_true", help="time the base projections instead (see above)")
     p.add_argument("--gemm-rows", type=int, nargs="+", default=[1, 4, 16, 32, 64, 256])
@@ -296,7 +297,9 @@ def bench_lora(args, dtype: torch.dtype) -> None:
     """W1's LoRA on one layer's qkv and o groups: eager backend against native, with the base GEMM."""
     from asyncserve import LLM
 
-    folder = args.bench_dir / "w1" / "adapters"
+    from workloads import w1_file
+
+    folder = w1_file(args.bench_dir, "adapters")
     paths = {p.name: str(p) for p in sorted(folder.iterdir())}
     llm = LLM(adapters=paths, dtype=args.dtype, device="cpu", threads=args.threads, pool_mem=256 * 2**20)
     engine = llm.engine

@@ -1,8 +1,9 @@
 """W1 through the offline API, side by side with transformers+PEFT (grouped and mixed batches).
 
-    .venv/bin/python scripts/bench_offline.py --bench-dir ../shared/bench [--systems ours,ours-base,hf-grouped,hf-mixed]
+    .venv/bin/python scripts/make_w1.py      # once: W1 into .bench/w1
+    .venv/bin/python scripts/bench_offline.py [--systems ours,ours-base,hf-grouped,hf-mixed]
 
-W1 (../shared/bench/README.md): SmolLM2-135M-Instruct in bf16, 64 requests of 64 prompt tokens,
+W1 (BENCHMARKS.md): SmolLM2-135M-Instruct in bf16, 64 requests of 64 prompt tokens,
 adapter a{i%4} (ranks 8,16,8,16 on q,k,v,o), 64 greedy tokens each with EOS ignored, 16 in flight.
 Offline, "16 in flight" is max_running=16: a new request is admitted when one finishes.
 Prints how long our engine takes to load (and its GGUF tokenizer), output tokens/s per system and,
@@ -23,13 +24,15 @@ from pathlib import Path
 
 import torch
 
+from workloads import w1_file
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def load_w1(args):
     """W1's prompts (repeated --repeat times) and adapters (or every adapter folder of --adapter-dir)."""
-    prompts = json.loads((args.bench_dir / "w1" / "prompts.json").read_text()) * args.repeat
-    folder = args.adapter_dir or args.bench_dir / "w1" / "adapters"
+    prompts = json.loads(w1_file(args.bench_dir, "prompts.json").read_text()) * args.repeat
+    folder = args.adapter_dir or w1_file(args.bench_dir, "adapters")
     adapters = {p.name: str(p) for p in sorted(folder.iterdir()) if (p / "adapter_config.json").is_file()}
     return prompts, adapters
 
@@ -271,7 +274,8 @@ def median_run(runs: list[dict]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--bench-dir", type=Path, default=REPO.parent / "shared" / "bench")
+    ap.add_argument("--bench-dir", type=Path, default=REPO / ".bench",
+                    help="the folder holding w1/ (default: .bench, where scripts/make_w1.py writes it)")
     ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct GGUF")
     ap.add_argument("--adapter-dir", type=Path, help="serve every adapter folder in it (named a0, a1, ...) "
                                                       "instead of W1's four")

@@ -34,7 +34,7 @@ from workloads import (PUNICA_KINDS, Request, adapters_needed, punica_mix, skewe
                        with_shared_prefix)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_BENCH_DIR = REPO_ROOT.parent / "shared" / "bench"
+DEFAULT_BENCH_DIR = REPO_ROOT / ".bench"             # scripts/make_w1.py writes W1 there
 WORKLOADS = ("w1", "w1-base", "slora", "skew") + tuple(f"punica-{kind}" for kind in PUNICA_KINDS)
 PERCENTILES = (50, 90, 99)
 METRICS = ("ttft_s", "tpot_s", "latency_s")
@@ -348,7 +348,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
     parser.add_argument("--workload", choices=WORKLOADS, default="w1")
-    parser.add_argument("--bench-dir", type=Path, default=DEFAULT_BENCH_DIR, help="folder holding w1/prompts.json")
+    parser.add_argument("--bench-dir", type=Path, default=DEFAULT_BENCH_DIR,
+                        help="the folder holding w1/prompts.json (scripts/make_w1.py writes it into .bench)")
     parser.add_argument("--model-name", help="base model's served name (default: first base model in GET /models)")
     parser.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))

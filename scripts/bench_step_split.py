@@ -126,7 +126,8 @@ def step_kind(plan) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--bench-dir", type=Path, default=REPO.parent / "shared" / "bench")
+    ap.add_argument("--bench-dir", type=Path, default=REPO / ".bench",
+                    help="the folder holding w1/ (default: .bench, where scripts/make_w1.py writes it)")
     ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct GGUF")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

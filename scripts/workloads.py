@@ -35,7 +35,7 @@ _LOWEST_PLAIN_TOKEN_ID = 1000
 
 # Each is a single SmolLM2 token both with a leading space and at the start of a text (checked with its
 # tokenizer), so a prompt of n of them is exactly n SmolLM2 tokens.
-_COMMON_WORDS = (
+COMMON_WORDS = (
     "about after all also an and answer any are as at back be because been before bridge but by can city "
     "computer could did do doctor down each engine even first for forest from has have he her his history "
     "if in into is it just language letter library like made man many market may me more most much music "
@@ -73,12 +73,21 @@ def adapters_needed(requests: list[Request], base_model_name: str | None = None)
     return sorted(names, key=numeric_suffix_order)
 
 
+def w1_file(bench_dir: str | Path, name: str) -> Path:
+    """bench_dir/w1/name; FileNotFoundError saying how to make W1 if it is not there."""
+    path = Path(bench_dir) / "w1" / name
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: write W1 with `python scripts/make_w1.py` "
+                                f"(into .bench/), or pass the folder holding w1/ as --bench-dir")
+    return path
+
+
 def w1(bench_dir: str | Path, base_model_name: str | None, use_adapters: bool = True,
        num_requests: int = W1_NUM_REQUESTS) -> list[Request]:
-    """W1 of /work/shared/bench/README.md: request i = prompts.json[i] on adapter a{i % 4} (or the base model).
-    Another num_requests (a concurrency sweep's) cycles through the 64 prompts: serve it with prefix
-    caching off, or the repeats are cache hits."""
-    prompts = json.loads((Path(bench_dir) / "w1" / "prompts.json").read_text())
+    """W1 of BENCHMARKS.md (bench_dir/w1, written by scripts/make_w1.py): request i = prompts.json[i] on
+    adapter a{i % 4} (or the base model). Another num_requests (a concurrency sweep's) cycles through
+    the 64 prompts: serve it with prefix caching off, or the repeats are cache hits."""
+    prompts = json.loads(w1_file(bench_dir, "prompts.json").read_text())
     if len(prompts) < W1_NUM_REQUESTS:
         raise ValueError(f"W1 needs {W1_NUM_REQUESTS} prompts, found {len(prompts)}")
     return [
@@ -120,7 +129,7 @@ def _prompt_fields(rng: np.random.Generator, n_tokens: int, prompt_vocab_size: i
     if prompt_vocab_size is not None:
         ids = rng.integers(_LOWEST_PLAIN_TOKEN_ID, prompt_vocab_size, size=n_tokens)
         return {"prompt_token_ids": ids.tolist(), "prompt_len": n_tokens}
-    words = rng.choice(_COMMON_WORDS, size=n_tokens)
+    words = rng.choice(COMMON_WORDS, size=n_tokens)
     return {"prompt": " ".join(words), "prompt_len": n_tokens}
 
 
@@ -266,7 +275,7 @@ def with_shared_prefix(requests: list[Request], n_tokens: int, seed: int = 0) ->
     vocabulary size."""
     if any(r.prompt is None for r in requests):
         raise ValueError("a shared prefix needs text prompts")
-    prefix = " ".join(np.random.default_rng(seed).choice(_COMMON_WORDS, size=n_tokens))
+    prefix = " ".join(np.random.default_rng(seed).choice(COMMON_WORDS, size=n_tokens))
     return [dataclasses.replace(r, prompt=f"{prefix} {r.prompt}",
                                 prompt_len=None if r.prompt_len is None else r.prompt_len + n_tokens)
             for r in requests]

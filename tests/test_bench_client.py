@@ -17,9 +17,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import bench_serving  # noqa: E402
 import workloads  # noqa: E402
 
-SHARED_BENCH_DIR = Path(__file__).resolve().parents[2] / "shared" / "bench"
-
-
 # ---------------------------------------------------------------- generators
 
 
@@ -125,17 +122,18 @@ def test_adapters_needed_in_numeric_order_without_base() -> None:
     assert workloads.adapters_needed(requests, "base") == ["lora0", "lora2", "lora10"]
 
 
-@pytest.mark.skipif(not (SHARED_BENCH_DIR / "w1" / "prompts.json").exists(), reason="shared bench folder absent")
-def test_w1_has_64_requests_cycling_four_adapters() -> None:
-    requests = workloads.w1(SHARED_BENCH_DIR, "smollm2")
-    prompts = json.loads((SHARED_BENCH_DIR / "w1" / "prompts.json").read_text())
+def test_w1_has_64_requests_cycling_four_adapters(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="scripts/make_w1.py"):
+        workloads.w1(tmp_path, "smollm2")
+    prompts = write_w1_prompts(tmp_path)
+    requests = workloads.w1(tmp_path, "smollm2")
     assert len(requests) == 64
     assert [r.model for r in requests] == [f"a{i % 4}" for i in range(64)]
     assert [r.prompt for r in requests] == prompts[:64]
     assert all(r.max_tokens == 64 and r.arrival_time_s == 0 for r in requests)
     assert workloads.adapters_needed(requests) == ["a0", "a1", "a2", "a3"]
-    assert {r.model for r in workloads.w1(SHARED_BENCH_DIR, "smollm2", use_adapters=False)} == {"smollm2"}
-    sweep = workloads.w1(SHARED_BENCH_DIR, "smollm2", num_requests=130)      # a concurrency sweep's size
+    assert {r.model for r in workloads.w1(tmp_path, "smollm2", use_adapters=False)} == {"smollm2"}
+    sweep = workloads.w1(tmp_path, "smollm2", num_requests=130)      # a concurrency sweep's size
     assert [r.prompt for r in sweep] == prompts[:64] * 2 + prompts[:2]
     assert [r.model for r in sweep] == [f"a{i % 4}" for i in range(130)]
 
@@ -147,7 +145,7 @@ def test_shared_prefix_leads_every_prompt_with_the_same_words() -> None:
     assert all(r.prompt.split()[:100] == prefix and r.prompt.split()[100:] == q.prompt.split()
                for r, q in zip(led, requests))
     assert all(r.prompt_len == q.prompt_len + 100 and r.model == q.model for r, q in zip(led, requests))
-    assert set(prefix) <= set(workloads._COMMON_WORDS)
+    assert set(prefix) <= set(workloads.COMMON_WORDS)
     with pytest.raises(ValueError):
         workloads.with_shared_prefix(workloads.slora_synthetic(4, 1.0, 2.0, 1.0, (8, 16), (8, 16), num_requests=2,
                                                                prompt_vocab_size=5000), 4)

@@ -525,8 +525,7 @@ def test_a_digest_counts_parked_requests_and_their_adapter_fetches():
 
     from asyncserve.actors.cluster import ClusterActor
     from asyncserve.actors.pager import FETCHERS
-    from asyncserve.perf_model import (STEP_TIME_PRIOR, QueuedWork, StepLatencyModel, fetch_backlog_seconds,
-                                       pending_seconds)
+    from asyncserve.perf_model import STEP_TIME_PRIOR, QueuedWork, fetch_backlog_seconds, pending_seconds
     from asyncserve.sequence import Sequence
 
     def parked(rid: str, adapter: str, prompt: int) -> Sequence:
@@ -534,12 +533,12 @@ def test_a_digest_counts_parked_requests_and_their_adapter_fetches():
                         adapter_rank=8)
 
     fetch_s = 3.0
-    engine = SimpleNamespace(
+    engine = SimpleNamespace(     # the Engine API the digest reads
         load_snapshot=lambda: SimpleNamespace(waiting=3, running=0, pool=SimpleNamespace(free=1000)),
         unfinished=lambda: [],
-        parked={"x": [parked("p0", "x", 100), parked("p1", "x", 40)], "y": [parked("p2", "y", 60)]},
-        latency=StepLatencyModel(STEP_TIME_PRIOR), pager=SimpleNamespace(mean_load_seconds={"disk": fetch_s}),
-        max_running=8, pool=SimpleNamespace(block_size=16), adapter_tiers=lambda: {}, model_name="tiny")
+        parked_requests=lambda: [[parked("p0", "x", 100), parked("p1", "x", 40)], [parked("p2", "y", 60)]],
+        step_coefficients=STEP_TIME_PRIOR, step_model_measured=False, mean_disk_load_seconds=fetch_s,
+        max_running=8, block_size=16, adapter_tiers=lambda: {}, model_name="tiny")
     config = SimpleNamespace(node_id="n0", host="127.0.0.1", advertise_url=None, gossip_interval_s=0.2, peers="",
                              cluster_key=KEY, dispatch="least-pending", migration_threshold_s=0.0)
     server = SimpleNamespace(config=config, metrics=None, engine=engine, scheduler=SimpleNamespace(mean_output=64.0))

@@ -146,9 +146,9 @@ class ClusterActor:
         load = engine.load_snapshot()
         seqs = engine.unfinished()
         running = seqs[:load.running]
-        parked = [seq for waiting in engine.parked.values() for seq in waiting]   # their adapters are on disk
-        c = cluster_coefficients(engine.latency.coefficients, engine.latency.measured,
-                                 engine.pager.mean_load_seconds.get("disk"),
+        parked_by_adapter = engine.parked_requests()
+        parked = [seq for waiting in parked_by_adapter for seq in waiting]   # their adapters are on disk
+        c = cluster_coefficients(engine.step_coefficients, engine.step_model_measured, engine.mean_disk_load_seconds,
                                  [d for node_id, d in self.router.view.digests.items() if node_id != self.node_id])
         mean = self.server.scheduler.mean_output
 
@@ -156,19 +156,19 @@ class ClusterActor:
             return QueuedWork(seq.num_tokens - seq.num_computed if seq.in_prefill else 0,
                               expected_remaining_tokens(len(seq.output_ids), mean, seq.params.max_tokens),
                               seq.adapter_rank)
-        cold = [waiting[0].adapter_rank for waiting in engine.parked.values() if waiting]
+        cold = [waiting[0].adapter_rank for waiting in parked_by_adapter if waiting]
         tiers = engine.adapter_tiers()
         self._seq += 1
         return Digest(node_id=self.node_id, url=self.url, seq=self._seq, timestamp=time.time(),
                       waiting=load.waiting, running=load.running,
                       pending_seconds=drain_seconds(c, [work(s) for s in seqs], [work(s) for s in parked],
                                                     fetch_backlog_seconds(c, cold, FETCHERS), engine.max_running),
-                      free_pages=load.pool.free, page_tokens=engine.pool.block_size, max_running=engine.max_running,
+                      free_pages=load.pool.free, page_tokens=engine.block_size, max_running=engine.max_running,
                       running_rank_sum=sum(s.adapter_rank for s in running),
                       running_rank_max=max((s.adapter_rank for s in running), default=0),
                       adapters=AdapterTiers(device=sorted(n for n, (t, _) in tiers.items() if t == "device"),
                                             host=sorted(n for n, (t, _) in tiers.items() if t == "host")),
-                      coefficients=c, measured=engine.latency.measured,
+                      coefficients=c, measured=engine.step_model_measured,
                       routed_per_s=self.router.arrivals.rate(time.monotonic()))
 
     async def _push(self, digest: Digest) -> None:

@@ -26,6 +26,7 @@ from asyncserve.engine import Engine, adapter_load_failed
 from asyncserve.messages import (Abort, AdapterReady, FetchAdapters, LoadAdapter, Prefetch, Shutdown, UnloadAdapter,
                                  adapter_unloaded)
 from asyncserve.pager.adapters import AdapterInfo, HostAdapter, PeftFolder, build_in_pieces, read_peft_folder
+from asyncserve.pager.pager import AdapterPager
 
 log = logging.getLogger("asyncserve.pager")
 
@@ -37,8 +38,12 @@ PRELOAD_YIELD_S = 0.05   # a preload waits this long at a time while requests' f
 
 
 class PagerActor:
-    def __init__(self, engine: Engine, scheduler_mailbox: asyncio.Queue, stepper: StepperActor):
+    """``pager``: the engine's adapter tiers, whose host tier this actor fills (the engine's own
+    calls park, unpark and check room)."""
+
+    def __init__(self, engine: Engine, pager: AdapterPager, scheduler_mailbox: asyncio.Queue, stepper: StepperActor):
         self.engine = engine
+        self.pager = pager
         self.stepper = stepper
         self.scheduler_mailbox = scheduler_mailbox
         self.mailbox: asyncio.Queue = asyncio.Queue()
@@ -46,7 +51,7 @@ class PagerActor:
 
     async def run(self) -> None:
         fetchers = [asyncio.create_task(self._fetcher()) for _ in range(FETCHERS)]
-        if self.engine.config.preload_adapters:
+        if self.engine.preloading:
             fetchers.append(asyncio.create_task(self._preloader()))
         try:
             while True:
@@ -90,7 +95,7 @@ class PagerActor:
     async def _fetch(self, name: str) -> bool:
         """Disk -> host for requests parked on ``name``; then the scheduler queues them. Whether it
         was read."""
-        engine, pager = self.engine, self.engine.pager
+        engine, pager = self.engine, self.pager
         t0 = time.perf_counter()
         handle = None
         try:
@@ -124,41 +129,41 @@ class PagerActor:
     async def _store(self, name: str, load: int, adapter: HostAdapter, wait: bool) -> bool:
         """Into the host tier: room and the arena block on the event loop, the copy in the torch thread.
         False if the name was unloaded meanwhile, or (``wait`` False) if the tier is full now."""
-        engine = self.engine
+        engine, pager = self.engine, self.pager
         while not engine.host_room(name):
             if not wait:
                 return False
             await asyncio.sleep(HOST_ROOM_RETRY_S)
-        handle = engine.pager.host_allocate(name)
+        handle = pager.host_allocate(name)
         try:
-            view = await self.stepper.call(engine.pager.host_write, handle, adapter)
+            view = await self.stepper.call(pager.host_write, handle, adapter)
         except BaseException:
-            engine.pager.host_abandon(handle)
+            pager.host_abandon(handle)
             raise
-        return engine.pager.host_admit(name, load, handle, view)
+        return pager.host_admit(name, load, handle, view)
 
     async def _load(self, msg: LoadAdapter) -> None:
         """load_lora_adapter: read and check every weight now (a bad adapter is refused, not
         registered), then register it; it joins the host tier if there is room now (else it is read
         again when a request needs it). Pinned: onto the device for good, or refused."""
-        engine = self.engine
+        engine, pager = self.engine, self.pager
         engine.check_adapter_name(msg.name)
         t0 = time.perf_counter()
         folder = await asyncio.to_thread(read_peft_folder, msg.name, msg.path, engine.model_config)
         adapter = await self._build(folder)
         engine.check_adapter_name(msg.name)       # again: another load of the name may have won meanwhile
-        reg = engine.pager.register(AdapterInfo(msg.name, msg.path, folder.ranks, len(folder.weights)))
+        reg = pager.register(AdapterInfo(msg.name, msg.path, folder.ranks, len(folder.weights)))
         try:
             if await self._store(msg.name, reg.load, adapter, wait=msg.pinned):
-                engine.pager.record_load("disk", msg.name, time.perf_counter() - t0)
+                pager.record_load("disk", msg.name, time.perf_counter() - t0)
             if msg.pinned:
-                engine.pager.pin(msg.name)
+                pager.pin(msg.name)
         except BaseException:
-            if msg.name in engine.pager.registry:
-                engine.pager.unregister(msg.name)
+            if msg.name in pager.registry:
+                pager.unregister(msg.name)
             raise
         log.info("loaded adapter %s from %s (%.1f MiB, ranks %s, %s%s)", msg.name, msg.path, adapter.nbytes / 2**20,
-                 adapter.ranks, engine.pager.tier(msg.name), ", pinned" if msg.pinned else "")
+                 adapter.ranks, pager.tier(msg.name), ", pinned" if msg.pinned else "")
         msg.reply.set_result(None)
 
     def _unload(self, msg: UnloadAdapter) -> None:

@@ -105,7 +105,8 @@ async def detokenize(request: web.Request) -> web.Response:
     bad = [t for t in req.tokens if not 0 <= t < vocab]
     if bad:
         raise ApiError(400, f"token id {bad[0]} is out of range [0, {vocab})", param="tokens", code="invalid_value")
-    return web.json_response({"prompt": server.engine.tokenizer.decode(req.tokens)})
+    tok = server.engine.tokenizer
+    return web.json_response({"prompt": tok.decode(req.tokens)})
 
 
 async def version(request: web.Request) -> web.Response:
