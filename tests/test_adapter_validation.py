@@ -168,6 +168,8 @@ def folders(tiny_model, tmp_path_factory) -> Path:
     shutil.copytree(tiny_model.adapters[SOURCE], root / "pathological_pattern")
     config(lambda c: c.update(rank_pattern={"(.|.)*X": 8, "(a*)*b": 8}))(root / "pathological_pattern")
     shutil.copytree(tiny_model.adapters[SOURCE], root / "evil\nFORGED line")      # a name no log may hold
+    (root / "links").mkdir()
+    (root / "links" / "evil").symlink_to(root / "evil\nFORGED line")
     return root
 
 
@@ -294,6 +296,7 @@ def test_bodies_nested_deep_or_not_utf8_are_400(served, path, body):
     ("x" * 300, 400, "File name too long"),          # one part past NAME_MAX
     ("a/" * 2_000, 404, "no adapter folder"),         # under PATH_MAX, each part short: not there
     ("good\nFORGED", 400, "printable"),
+    ("links/evil", 400, "non-printable"),             # a printable link to a name that is not
     ("", 400, "non-empty"),
 ])
 def test_bad_lora_paths_are_4xx(served, lora_path, status, fragment):

@@ -49,6 +49,9 @@ def _inside_root(server, path: str) -> str:
     except (OSError, RuntimeError) as e:      # a name too long, a symlink loop
         raise ApiError(400, f"lora_path cannot be resolved: {e.strerror if isinstance(e, OSError) else e}",
                        param="lora_path", code="invalid_value") from None
+    if not str(real).isprintable():          # a link to a name that would break the log lines naming it
+        raise ApiError(400, "lora_path leads to a folder whose name has non-printable characters",
+                       param="lora_path", code="invalid_value")
     if not real.is_relative_to(root_real):
         raise ApiError(400, f"lora_path must be inside the adapter root {root_real}", param="lora_path",
                        code="invalid_value")

@@ -13,6 +13,13 @@ the files and checks everything the safetensors header and the config tell (no t
 runs it in a worker thread), and ``build_in_pieces`` lays the tensors out one layer per piece (the
 server runs each piece in the torch thread between two steps). Weights that are not finite in the
 serving dtype are refused: one NaN would reach every sequence batched with the adapter.
+
+A folder is untrusted input: whatever is wrong with it is an AdapterError that says why, never
+another exception. adapter_config.json is read as a typed, bounded AdapterConfig, and its
+rank_pattern / alpha_pattern keys by the bounded matcher of ``patterns.py``; the safetensors header's
+length is checked against the file and MAX_HEADER_BYTES before the header is read, and the header
+before any weight: its entries are typed (HeaderEntry), no name appears twice, they tile the data
+without gaps or overlaps, and the file ends where the data does.
 """
 from __future__ import annotations
 
