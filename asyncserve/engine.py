@@ -24,8 +24,8 @@ import torch
 from asyncserve.config import Config
 from asyncserve.model.llama import build_weights
 from asyncserve.model.loader import load_model
-from asyncserve.pager.adapters import (AdapterError, PeftFolder, build_host_adapter, inspect_peft_folder,
-                                      read_peft_folder)
+from asyncserve.pager.adapters import (AdapterError, PeftFolder, build_host_adapter, check_adapter_name,
+                                      inspect_peft_folder, printable, read_peft_folder)
 from asyncserve.pager.pager import AdapterPager, Registration
 from asyncserve.pager.pool import PagedPool
 from asyncserve.perf_model import STEP_TIME_PRIOR, PerfCoefficients, StepChunk, StepLatencyModel, adapter_load_seconds
@@ -184,7 +184,9 @@ class Engine:
 
     # ---- adapters ----------------------------------------------------------------------------
     def check_adapter_name(self, name: str) -> None:
-        """The one check a new adapter's name passes: neither an adapter's nor the base model's."""
+        """The one check a new adapter's name passes: printable, bounded, neither an adapter's nor the
+        base model's."""
+        check_adapter_name(name)
         if name in self.pager.registry:
             raise AdapterError(f"adapter {name!r} is already loaded")
         if name == self.model_name:
@@ -198,19 +200,21 @@ class Engine:
 
     def register_adapter_dir(self, folder: str) -> int:
         """Every adapter folder inside ``folder`` onto the disk tier, named after its folder; one that
-        does not check out is skipped with a warning (a name already loaded is kept). Returns how many."""
+        does not check out, whatever the error, is skipped with a one-line warning (a name already
+        loaded is kept). Returns how many."""
         count = 0
         for sub in sorted(Path(folder).expanduser().iterdir()):
             if not sub.is_dir() or sub.name.startswith(".") or sub.name in self.pager.registry:
                 continue
             if not (sub / "adapter_config.json").is_file():
-                log.warning("--adapter-dir: skipping %s: no adapter_config.json", sub)
+                log.warning("--adapter-dir: skipping %s: no adapter_config.json", printable(str(sub)))
                 continue
             try:
                 self.register_adapter_folder(sub.name, str(sub))
                 count += 1
-            except (AdapterError, OSError) as e:
-                log.warning("--adapter-dir: skipping %s: %s", sub, e)
+            except Exception as e:       # a bad folder must never stop the server (or a replica) starting
+                why = str(e) if isinstance(e, (AdapterError, OSError)) else f"{type(e).__name__}: {e}"
+                log.warning("--adapter-dir: skipping %s: %s", printable(str(sub)), printable(why))
         log.info("--adapter-dir %s: %d adapters registered", folder, count)
         return count
 

@@ -11,6 +11,9 @@ from asyncserve.ingress.prepare import SERVER_KEY, adapter_for, chat_prompt_ids,
 from asyncserve.ingress.protocol import (ApiError, DetokenizeRequest, LoadLoraRequest, TokenizeRequest,
                                          UnloadLoraRequest, decode_body)
 from asyncserve.messages import LoadAdapter, UnloadAdapter
+from asyncserve.pager.adapters import AdapterError
+
+MAX_PATH_CHARS = 4096         # PATH_MAX
 
 
 async def models(request: web.Request) -> web.Response:
@@ -33,15 +36,26 @@ def _inside_root(server, path: str) -> str:
     if root is None:
         raise ApiError(403, "runtime adapter loading is disabled; start the server with --adapter-root DIR",
                        param="lora_path", code="forbidden")
+    if not path or len(path) > MAX_PATH_CHARS or not path.isprintable():
+        raise ApiError(400, f"lora_path must be a non-empty path of at most {MAX_PATH_CHARS} printable characters",
+                       param="lora_path", code="invalid_value")
     root_real = Path(root).resolve()
     candidate = Path(path)
     if not candidate.is_absolute():
         candidate = root_real / candidate
-    real = candidate.resolve()          # follows symlinks and '..': what would actually be read
+    try:
+        real = candidate.resolve()      # follows symlinks and '..': what would actually be read
+        is_dir = real.is_dir()
+    except (OSError, RuntimeError) as e:      # a name too long, a symlink loop
+        raise ApiError(400, f"lora_path cannot be resolved: {e.strerror if isinstance(e, OSError) else e}",
+                       param="lora_path", code="invalid_value") from None
+    if not str(real).isprintable():          # a link to a name that would break the log lines naming it
+        raise ApiError(400, "lora_path leads to a folder whose name has non-printable characters",
+                       param="lora_path", code="invalid_value")
     if not real.is_relative_to(root_real):
         raise ApiError(400, f"lora_path must be inside the adapter root {root_real}", param="lora_path",
                        code="invalid_value")
-    if not real.is_dir():
+    if not is_dir:
         raise ApiError(404, f"no adapter folder at {path!r}", param="lora_path", code="not_found")
     return str(real)
 
@@ -49,16 +63,16 @@ def _inside_root(server, path: str) -> str:
 async def load_lora_adapter(request: web.Request) -> web.Response:
     server = ready_server(request)
     req = decode_body(await request.read(), LoadLoraRequest)
-    if not req.lora_name or req.lora_name == server.engine.model_name:
-        raise ApiError(400, "lora_name must be a new, non-empty name", param="lora_name", code="invalid_value")
-    if server.engine.has_adapter(req.lora_name):
-        raise ApiError(400, f"adapter {req.lora_name!r} is already loaded", param="lora_name", code="invalid_value")
+    try:                # before the name is logged anywhere: a newline in it would forge a log line
+        server.engine.check_adapter_name(req.lora_name)
+    except AdapterError as e:
+        raise ApiError(400, str(e), param="lora_name", code="invalid_value") from None
     path = _inside_root(server, req.lora_path)
     reply = asyncio.get_running_loop().create_future()
     server.pager.mailbox.put_nowait(LoadAdapter(req.lora_name, path, reply, pinned=req.pinned))
     try:
         await reply
-    except ValueError as e:       # AdapterError and friends: the adapter does not fit this model
+    except (ValueError, OSError) as e:      # AdapterError and friends, an unreadable file: this adapter only
         raise ApiError(400, str(e), param="lora_path", code="invalid_value") from None
     return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 

@@ -185,6 +185,10 @@ def decode_body(raw: bytes, kind: type):
         raise ApiError(400, f"invalid request: {text}", param=param, code="invalid_value") from None
     except msgspec.DecodeError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the request body is not UTF-8: {e.reason} at byte {e.start}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply", code="invalid_json") from None
 
 
 def structured_outputs_of(req: _SamplingFields) -> tuple[StructuredOutputs | None, str | None]:

@@ -17,6 +17,7 @@ from asyncserve.ingress.chat import chat_completions
 from asyncserve.ingress.completions import completions
 from asyncserve.ingress.prepare import SERVER_KEY
 from asyncserve.ingress.protocol import ApiError
+from asyncserve.pager.adapters import printable
 
 log = logging.getLogger("asyncserve.ingress")
 
@@ -24,8 +25,9 @@ log = logging.getLogger("asyncserve.ingress")
 def error_response(request: web.Request, err: ApiError) -> web.Response:
     """The error in OpenAI's shape; each client error is logged in one line (server errors with their
     traceback where they are caught)."""
-    if err.status < 500:
-        log.info("%s %s -> %d %s: %s", request.method, request.path, err.status, err.code, err.message)
+    if err.status < 500:        # the path and message may hold a client's text: escaped, one line
+        log.info("%s %s -> %d %s: %s", request.method, printable(request.path), err.status, err.code,
+                 printable(err.message))
     return web.json_response(err.body(), status=err.status, headers=err.headers)
 
 

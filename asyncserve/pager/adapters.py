@@ -13,20 +13,30 @@ the files and checks everything the safetensors header and the config tell (no t
 runs it in a worker thread), and ``build_in_pieces`` lays the tensors out one layer per piece (the
 server runs each piece in the torch thread between two steps). Weights that are not finite in the
 serving dtype are refused: one NaN would reach every sequence batched with the adapter.
+
+A folder is untrusted input: whatever is wrong with it is an AdapterError that says why, never
+another exception. adapter_config.json is read as a typed, bounded AdapterConfig, and its
+rank_pattern / alpha_pattern keys by the bounded matcher of ``patterns.py``; the safetensors header's
+length is checked against the file and MAX_HEADER_BYTES before the header is read, and the header
+before any weight: its entries are typed (HeaderEntry), no name appears twice, they tile the data
+without gaps or overlaps, and the file ends where the data does.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Annotated, BinaryIO, Iterator
 
+import msgspec
 import torch
 
 from asyncserve.model.checkpoint import all_finite
 from asyncserve.model.config import PROJ_INDEX, PROJECTIONS, ModelConfig
+from asyncserve.pager.patterns import PatternError, PatternTable
 
 
 class AdapterError(ValueError):
@@ -40,6 +50,57 @@ _KEY = re.compile(
 # safetensors dtype -> (torch dtype, bytes per element); adapters are float tensors
 _DTYPES = {"F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2),
            "BF16": (torch.bfloat16, 2)}
+
+# what a folder may hold before anything past it is read: an adapter's header is ~150 bytes a tensor
+MAX_CONFIG_BYTES = 4 << 20
+MAX_HEADER_BYTES = 16 << 20
+MAX_TENSOR_NAME = 1024
+MAX_RANK = 65536
+MAX_ALPHA = 1e6
+MAX_NAME_CHARS = 256          # adapter names (they become metric labels and log text)
+
+Rank = Annotated[int, msgspec.Meta(ge=1, le=MAX_RANK)]
+Alpha = Annotated[float, msgspec.Meta(ge=-MAX_ALPHA, le=MAX_ALPHA)]
+
+
+class AdapterConfig(msgspec.Struct, forbid_unknown_fields=False):
+    """The adapter_config.json fields this server reads, typed and bounded; PEFT's defaults."""
+    peft_type: str = "LORA"
+    r: Rank | None = None                       # None: the weights' rank
+    lora_alpha: Alpha | None = None             # None: r
+    use_rslora: bool = False
+    fan_in_fan_out: bool = False
+    use_dora: bool = False
+    lora_bias: bool = False
+    bias: str | None = "none"
+    modules_to_save: list[str] | None = None
+    rank_pattern: dict[str, Rank] | None = None
+    alpha_pattern: dict[str, Alpha] | None = None
+
+
+Size = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]      # safetensors sizes and offsets (msgspec: int64)
+
+
+class HeaderEntry(msgspec.Struct):
+    """One tensor of a safetensors header."""
+    dtype: str
+    shape: Annotated[list[Size], msgspec.Meta(max_length=8)]
+    data_offsets: tuple[Size, Size]
+
+
+def check_adapter_name(name: str) -> None:
+    """A name a client or a folder gives an adapter: printable (no forged log lines) and bounded."""
+    if not isinstance(name, str) or not name:
+        raise AdapterError("an adapter name must be a non-empty string")
+    if len(name) > MAX_NAME_CHARS:
+        raise AdapterError(f"adapter name {name[:40]!r}... is {len(name)} characters; at most {MAX_NAME_CHARS}")
+    if not name.isprintable():
+        raise AdapterError(f"adapter name {name!r} has control or other non-printable characters")
+
+
+def printable(text: str) -> str:
+    """``text`` for a log line: as it is where printable, else escaped (a newline cannot start a forged line)."""
+    return text if text.isprintable() else repr(text)[1:-1]
 
 
 @dataclass
@@ -103,14 +164,6 @@ class AdapterInfo:
     file_bytes: int                      # adapter_model.safetensors
 
 
-def _pattern_value(patterns: dict, module: str, default):
-    """PEFT's rank_pattern / alpha_pattern lookup: a key matches the module name's tail."""
-    for key, value in patterns.items():
-        if re.match(rf"(.*\.)?{key}$", module):
-            return value
-    return default
-
-
 def load_peft_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.dtype) -> HostAdapter:
     return build_host_adapter(read_peft_folder(name, path, config), dtype)
 
@@ -119,13 +172,9 @@ def inspect_peft_folder(name: str, path: str | Path, config: ModelConfig) -> Ada
     """adapter_config.json and the safetensors header, checked as read_peft_folder checks them; no
     weights are read (a bad folder found later, at load, fails then)."""
     folder, acfg, weights_file = _peft_files(name, path)
-    size = weights_file.stat().st_size
     with open(weights_file, "rb") as f:
-        head = f.read(8)
-        if len(head) == 8:
-            n = int.from_bytes(head, "little")
-            head += f.read(n) if n <= size - 8 else b""
-    stored = _read_safetensors_header(name, head, size)
+        size = os.fstat(f.fileno()).st_size
+        stored = _read_safetensors_header(name, f, size)
     ranks, *_ = _check_against_model(name, str(folder), acfg, stored, config)
     return AdapterInfo(name, str(folder), ranks, size)
 
@@ -134,15 +183,18 @@ def read_peft_folder(name: str, path: str | Path, config: ModelConfig) -> PeftFo
     """File reads and every check the config and the safetensors header allow (no torch: the server
     runs this off the torch thread)."""
     folder, acfg, weights_file = _peft_files(name, path)
-    weights = bytearray(weights_file.stat().st_size)
     with open(weights_file, "rb") as f:
-        f.readinto(weights)
-    stored = _read_safetensors_header(name, weights, len(weights))
+        size = os.fstat(f.fileno()).st_size
+        stored = _read_safetensors_header(name, f, size)      # before a byte of the weights is read
+        weights = bytearray(size)
+        f.seek(0)
+        if f.readinto(weights) != size:
+            raise AdapterError(f"adapter {name!r}: adapter_model.safetensors changed while it was read")
     ranks, scaling, modules, fan_in_fan_out = _check_against_model(name, str(folder), acfg, stored, config)
     return PeftFolder(name, str(folder), config, ranks, scaling, modules, fan_in_fan_out, weights)
 
 
-def _peft_files(name: str, path: str | Path) -> tuple[Path, dict, Path]:
+def _peft_files(name: str, path: str | Path) -> tuple[Path, AdapterConfig, Path]:
     """(folder, its adapter_config.json, its safetensors file), checked to be a supported PEFT LoRA."""
     folder = Path(path)
     if not folder.is_dir():
@@ -158,73 +210,113 @@ def _peft_files(name: str, path: str | Path) -> tuple[Path, dict, Path]:
                 "are not loaded. Re-save it with safetensors (PeftModel.save_pretrained(..., "
                 "safe_serialization=True)).")
         raise AdapterError(f"adapter {name!r}: {weights_file} is missing")
-    try:
-        acfg = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise AdapterError(f"adapter {name!r}: adapter_config.json is not valid JSON ({e})") from None
-    if not isinstance(acfg, dict):
-        raise AdapterError(f"adapter {name!r}: adapter_config.json is not a JSON object")
-
-    if acfg.get("peft_type", "LORA").upper() != "LORA":
-        raise AdapterError(f"adapter {name!r}: peft_type {acfg.get('peft_type')!r} is not LORA")
-    for flag, what in (("use_dora", "DoRA"), ("lora_bias", "LoRA bias")):
-        if acfg.get(flag):
+    acfg = _read_config(name, cfg_file)
+    if acfg.peft_type.upper() != "LORA":
+        raise AdapterError(f"adapter {name!r}: peft_type {acfg.peft_type!r} is not LORA")
+    for flag, what in ((acfg.use_dora, "DoRA"), (acfg.lora_bias, "LoRA bias")):
+        if flag:
             raise AdapterError(f"adapter {name!r}: {what} adapters are not supported")
-    if acfg.get("bias", "none") != "none":
-        raise AdapterError(f"adapter {name!r}: bias={acfg['bias']!r} is not supported (only 'none')")
-    if acfg.get("modules_to_save"):
-        raise AdapterError(f"adapter {name!r}: modules_to_save {acfg['modules_to_save']} would replace base "
+    if acfg.bias not in ("none", None):
+        raise AdapterError(f"adapter {name!r}: bias={acfg.bias!r} is not supported (only 'none')")
+    if acfg.modules_to_save:
+        raise AdapterError(f"adapter {name!r}: modules_to_save {acfg.modules_to_save} would replace base "
                            "weights; only LoRA deltas are supported")
     return folder, acfg, weights_file
 
 
-def _read_safetensors_header(name: str, data: bytes | bytearray, file_size: int) -> list[StoredTensor]:
+def _read_config(name: str, cfg_file: Path) -> AdapterConfig:
+    """adapter_config.json: a UTF-8 JSON object of bounded size whose fields we use have their types."""
+    def bad(why: str) -> AdapterError:
+        return AdapterError(f"adapter {name!r}: adapter_config.json is not a valid PEFT config ({why})")
+
+    with open(cfg_file, "rb") as f:
+        raw = f.read(MAX_CONFIG_BYTES + 1)
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise bad(f"more than {MAX_CONFIG_BYTES} bytes")
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad(f"not UTF-8: {e.reason} at byte {e.start}") from None
+    try:
+        return msgspec.json.decode(raw, type=AdapterConfig)
+    except msgspec.ValidationError as e:
+        raise bad(str(e)) from None
+    except (msgspec.DecodeError, RecursionError, ValueError) as e:
+        raise bad(f"not JSON: {e}") from None
+
+
+def _read_safetensors_header(name: str, f: BinaryIO, file_size: int) -> list[StoredTensor]:
     """The tensors a safetensors file of ``file_size`` bytes holds (8-byte header length, JSON header,
-    data), checked to lie inside the file with the size their shape and dtype give. ``data``: the
-    file's first bytes, at least through the header."""
+    data), read from ``f`` at its start: the header's length is checked against the file and
+    MAX_HEADER_BYTES before the header is read, and the header's entries must tile the data exactly
+    (no duplicate names, gaps or overlaps), each the size its shape and dtype give, the data ending
+    where the file does. Nothing past the header is read."""
     def bad(why: str) -> AdapterError:
         return AdapterError(f"adapter {name!r}: adapter_model.safetensors is not a valid safetensors file ({why})")
 
-    if file_size < 8 or len(data) < 8:
+    head = f.read(8)
+    if file_size < 8 or len(head) < 8:
         raise bad("shorter than its header length")
-    n = int.from_bytes(data[:8], "little")
-    if n > file_size - 8 or n > len(data) - 8:
+    n = int.from_bytes(head, "little")
+    if n > file_size - 8:
         raise bad(f"header length {n} runs past the end of the file")
+    if n > MAX_HEADER_BYTES:
+        raise bad(f"header of {n} bytes; at most {MAX_HEADER_BYTES}")
+    raw = f.read(n)
+    if len(raw) != n:
+        raise bad("shorter than its header length")
+
+    def no_duplicates(pairs: list) -> dict:
+        names = [k for k, _ in pairs]
+        if len(set(names)) != len(names):
+            raise bad(f"the name {next(k for k in names if names.count(k) > 1)!r} appears twice")
+        return dict(pairs)
     try:
-        header = json.loads(bytes(data[8:8 + n]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise bad(f"header is not JSON: {e}") from None
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates)
+    except AdapterError:
+        raise
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise bad(f"header is not UTF-8 JSON: {e}") from None
     if not isinstance(header, dict):
         raise bad("header is not a JSON object")
-    header.pop("__metadata__", None)
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise bad("__metadata__ is not an object of strings")
+    try:
+        entries = msgspec.convert(header, type=dict[str, HeaderEntry])
+    except msgspec.ValidationError as e:
+        raise bad(f"malformed entry: {e}") from None
     start, size = 8 + n, file_size - 8 - n
-    out = []
-    for key, entry in header.items():
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-            ok = (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
-                  and isinstance(begin, int) and isinstance(end, int))
-        except (TypeError, KeyError, ValueError):
-            ok = False
-        if not ok:
-            raise bad(f"entry {key!r} is malformed")
-        if dtype not in _DTYPES:
-            raise AdapterError(f"adapter {name!r}: tensor {key!r} is {dtype}; LoRA weights must be one of "
+    out, data_end = [], 0
+    for key, entry in sorted(entries.items(), key=lambda item: item[1].data_offsets):
+        begin, end = entry.data_offsets
+        if len(key) > MAX_TENSOR_NAME:
+            raise bad(f"a tensor name of {len(key)} characters; at most {MAX_TENSOR_NAME}")
+        if entry.dtype not in _DTYPES:
+            raise AdapterError(f"adapter {name!r}: tensor {key!r} is {entry.dtype}; LoRA weights must be one of "
                                f"{', '.join(_DTYPES)}")
-        if not 0 <= begin <= end <= size or end - begin != math.prod(shape) * _DTYPES[dtype][1]:
-            raise bad(f"tensor {key!r}'s data offsets [{begin}, {end}] do not fit its shape {shape} or the file")
-        out.append(StoredTensor(key, dtype, tuple(shape), start + begin, start + end))
+        if begin != data_end:
+            raise bad(f"tensor {key!r} starts at {begin}, not where the one before it ends ({data_end}): "
+                      "a gap or an overlap")
+        if not begin <= end <= size or end - begin != math.prod(entry.shape) * _DTYPES[entry.dtype][1]:
+            raise bad(f"tensor {key!r}'s data offsets [{begin}, {end}] do not fit its shape {entry.shape} or the file")
+        data_end = end
+        out.append(StoredTensor(key, entry.dtype, tuple(entry.shape), start + begin, start + end))
+    if data_end != size:
+        raise bad(f"the file is {file_size} bytes; its header says {8 + n + data_end}")
     return out
 
 
-def _check_against_model(name: str, path: str, acfg: dict, stored: list[StoredTensor], config: ModelConfig
-                         ) -> tuple[list[int], list[list[float]], dict, bool]:
+def _check_against_model(name: str, path: str, acfg: AdapterConfig, stored: list[StoredTensor],
+                         config: ModelConfig) -> tuple[list[int], list[list[float]], dict, bool]:
     """(ranks, scaling [L][P], modules, fan_in_fan_out) of PeftFolder, checked against the base model."""
-    alpha = acfg.get("lora_alpha", acfg.get("r", 8))
-    use_rslora = bool(acfg.get("use_rslora", False))
-    fan_in_fan_out = bool(acfg.get("fan_in_fan_out", False))
-    rank_pattern = acfg.get("rank_pattern") or {}
-    alpha_pattern = acfg.get("alpha_pattern") or {}
+    alpha = acfg.lora_alpha if acfg.lora_alpha is not None else (acfg.r or 8)
+    use_rslora, fan_in_fan_out = acfg.use_rslora, acfg.fan_in_fan_out
+    try:
+        rank_pattern = PatternTable(acfg.rank_pattern or {}, "rank_pattern")
+        alpha_pattern = PatternTable(acfg.alpha_pattern or {}, "alpha_pattern")
+    except PatternError as e:
+        raise AdapterError(f"adapter {name!r}: {e}") from None
 
     shapes = config.projection_shapes()
     modules: dict[tuple[int, int], dict[str, StoredTensor]] = {}
@@ -255,12 +347,13 @@ def _check_against_model(name: str, path: str, acfg: dict, stored: list[StoredTe
                 f"adapter {name!r}: layer {layer} {proj} has lora_A {a_shape} and lora_B {b_shape}; this base "
                 f"model needs A [r, {fan_in}] and B [{fan_out}, r] — was it trained for a different base model?")
         module = f"model.layers.{layer}.{'self_attn' if p < 4 else 'mlp'}.{proj}"
-        r_cfg = _pattern_value(rank_pattern, module, acfg.get("r", r))
+        try:
+            r_cfg = rank_pattern.lookup(module, acfg.r if acfg.r is not None else r)
+            a = alpha_pattern.lookup(module, alpha)
+        except PatternError as e:
+            raise AdapterError(f"adapter {name!r}: {e}") from None
         if r_cfg != r:
             raise AdapterError(f"adapter {name!r}: {module} has rank {r} in the weights but {r_cfg} in the config")
-        a = _pattern_value(alpha_pattern, module, alpha)
-        if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a):
-            raise AdapterError(f"adapter {name!r}: {module} has lora_alpha {a!r}; it must be a finite number")
         scaling[layer][p] = a / math.sqrt(r) if use_rslora else a / r
         ranks[p] = max(ranks[p], r)
     return ranks, scaling, modules, fan_in_fan_out
