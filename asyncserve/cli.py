@@ -110,7 +110,16 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--adapter-root", default=None, help="allow /v1/load_lora_adapter for folders inside DIR")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=os.environ.get("ASYNCSERVE_API_KEY"))
+    s.add_argument("--api-key", default=os.environ.get("ASYNCSERVE_API_KEY"),
+                   help="clients must send it (Authorization: Bearer KEY) on /v1/*, /tokenize and /detokenize; "
+                        "/metrics shows its per-adapter series only with it (default: $ASYNCSERVE_API_KEY)")
+    s.add_argument("--tokenize-public", action="store_true",
+                   help="with --api-key, leave /tokenize and /detokenize open without it (as vLLM does)")
+    s.add_argument("--metrics-public", action="store_true",
+                   help="with --api-key, show /metrics' per-adapter series without it too")
+    s.add_argument("--max-prompt-bytes", default=None, metavar="SIZE",
+                   help="longest text prompt (or chat, rendered) tokenized, in UTF-8 bytes, e.g. 1MiB; longer "
+                        "ones get 400 before any tokenizing (default: 32 bytes per token of --max-model-len)")
     s.add_argument("--max-waiting", type=int, default=1024,
                    help="queued sequences (prompts x n) beyond this are refused with 429 (default: 1024)")
     s.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
@@ -163,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
         config.adapter_dir, config.adapter_root = args.adapter_dir, args.adapter_root
         config.preload_adapters = args.preload_adapters
         config.host, config.port, config.api_key = args.host, args.port, args.api_key
+        config.tokenize_public, config.metrics_public = args.tokenize_public, args.metrics_public
+        config.max_prompt_bytes = args.max_prompt_bytes
         config.max_waiting, config.shutdown_grace_s = args.max_waiting, args.shutdown_grace
         config.peers, config.node_id, config.advertise_url = args.peers, args.node_id, args.advertise_url
         config.cluster_key, config.gossip_interval_s = args.cluster_key, args.gossip_interval

@@ -104,8 +104,11 @@ class Metrics:
         self.adapter_load_seconds = Histogram("asyncserve_adapter_load_seconds", "Adapter load time, by the tier "
                                               "it came from: disk (into host memory) or host (into the device pool)",
                                               ["from"], buckets=_LOAD_BUCKETS, registry=r)
+        # series that name adapters (a tenant's adapter names and traffic) live in a registry of their
+        # own, rendered only for callers with the API key (or --metrics-public)
+        self.adapter_registry = CollectorRegistry()
         self.adapter_traffic = AdapterTraffic()
-        r.register(self.adapter_traffic)
+        self.adapter_registry.register(self.adapter_traffic)
         self.requests_aborted = Counter("asyncserve_requests_aborted", "Requests the server answered with an error "
                                         "before running them, by reason: slo_unattainable (--slo-ttft)", ["reason"],
                                         registry=r)
@@ -133,7 +136,7 @@ class Metrics:
                                   ["kind"], registry=r)
         # dLoRA's merged mode
         self.merged_adapter = Gauge("asyncserve_merged_adapter", "1 for the adapter merged into the base weights "
-                                    "(no series while none is)", ["adapter"], registry=r)
+                                    "(no series while none is)", ["adapter"], registry=self.adapter_registry)
         self.merge_switches = Counter("asyncserve_merge_switches", "Changes of the adapter merged into the base "
                                       "weights (a merge, an unmerge, or both)", registry=r)
         self.merge_switch_seconds = Counter("asyncserve_merge_switch_seconds", "Time spent switching the merged "
@@ -194,5 +197,7 @@ class Metrics:
             self.step_mode_seconds.labels(mode).inc(seconds - (seen.step_seconds[mode] if seen else 0.0))
         self._merge_seen = m
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, per_adapter: bool = True) -> bytes:
+        """The exposition text: the aggregate series, and with per_adapter those that name adapters."""
+        text = generate_latest(self.registry)
+        return text + generate_latest(self.adapter_registry) if per_adapter else text

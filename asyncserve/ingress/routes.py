@@ -15,7 +15,7 @@ from aiohttp import web
 from asyncserve.ingress import admin, peers
 from asyncserve.ingress.chat import chat_completions
 from asyncserve.ingress.completions import completions
-from asyncserve.ingress.prepare import SERVER_KEY
+from asyncserve.ingress.prepare import KEY_GIVEN, SERVER_KEY
 from asyncserve.ingress.protocol import ApiError
 
 log = logging.getLogger("asyncserve.ingress")
@@ -50,22 +50,32 @@ async def errors_middleware(request: web.Request, handler):
         return error_response(request, ApiError(500, "internal server error", code="internal_error"))
 
 
-def auth_middleware(api_key: str | None):
+def auth_middleware(api_key: str | None, tokenize_public: bool):
+    """With an API key set, /v1/* and (unless tokenize_public) /tokenize and /detokenize need it; every
+    request is marked with whether it carried it (/metrics shows per-adapter series only then)."""
     expected = f"Bearer {api_key}".encode()
+    guarded = ("/tokenize", "/detokenize") if not tokenize_public else ()
 
     @web.middleware
     async def check(request: web.Request, handler):
-        if api_key and request.path.startswith("/v1/"):
-            # constant time: how long a wrong key takes must not tell how much of it was right
-            given = request.headers.get("Authorization", "").encode(errors="surrogateescape")
-            if not hmac.compare_digest(given, expected):
-                raise ApiError(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
+        if not api_key:
+            request[KEY_GIVEN] = True
+            return await handler(request)
+        given = request.headers.get("Authorization")
+        # constant time: how long a wrong key takes must not tell how much of it was right
+        request[KEY_GIVEN] = given is not None and hmac.compare_digest(given.encode(errors="surrogateescape"),
+                                                                      expected)
+        if not request[KEY_GIVEN] and (request.path.startswith("/v1/") or request.path in guarded
+                                       or request.path == "/metrics" and given is not None):
+            # /metrics: a wrong key is told so, rather than answered as if none had been sent
+            raise ApiError(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
         return await handler(request)
     return check
 
 
-def build_app(server, api_key: str | None, max_body_bytes: int) -> web.Application:
-    app = web.Application(middlewares=[errors_middleware, auth_middleware(api_key)], client_max_size=max_body_bytes)
+def build_app(server, api_key: str | None, max_body_bytes: int, tokenize_public: bool = False) -> web.Application:
+    app = web.Application(middlewares=[errors_middleware, auth_middleware(api_key, tokenize_public)],
+                          client_max_size=max_body_bytes)
     app[SERVER_KEY] = server
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
