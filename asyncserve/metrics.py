@@ -83,7 +83,8 @@ class AdapterTraffic:
 class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("asyncserve_requests", "Finished requests", ["model", "status"], registry=r)
+        # by model, which names adapters: shown whole with the per-adapter series, else summed over models
+        self.requests = Counter("asyncserve_requests", "Finished requests", ["model", "status"], registry=None)
         self.ttft = Histogram("asyncserve_time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("asyncserve_time_per_output_token_seconds", "Time per output token after the first",
@@ -199,5 +200,37 @@ class Metrics:
 
     def render(self, per_adapter: bool = True) -> bytes:
         """The exposition text: the aggregate series, and with per_adapter those that name adapters."""
-        text = generate_latest(self.registry)
-        return text + generate_latest(self.adapter_registry) if per_adapter else text
+        if per_adapter:
+            return generate_latest(_Union(self.registry, self.requests, self.adapter_registry))
+        return generate_latest(_Union(self.registry, _ByStatus(self.requests)))
+
+
+class _Union:
+    """Collectors rendered as one registry."""
+
+    def __init__(self, *collectors):
+        self.collectors = collectors
+
+    def collect(self):
+        for c in self.collectors:
+            yield from c.collect()
+
+
+class _ByStatus:
+    """asyncserve_requests summed over its model label (which names adapters)."""
+
+    def __init__(self, requests: Counter):
+        self.requests = requests
+
+    def collect(self):
+        totals: dict[str, float] = {}
+        for family in self.requests.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    status = sample.labels["status"]
+                    totals[status] = totals.get(status, 0.0) + sample.value
+        family = CounterMetricFamily("asyncserve_requests", "Finished requests (summed over models; the API key "
+                                     "shows them by model)", labels=["status"])
+        for status, value in sorted(totals.items()):
+            family.add_metric([status], value)
+        yield family

@@ -53,7 +53,7 @@ class Server:
 
     async def start(self) -> None:
         """Serve HTTP now; load the model in a thread and start the actors when it is ready."""
-        app = build_app(self, self.config.api_key, self.config.max_body_bytes, self.config.tokenize_public)
+        app = build_app(self)
         # handler_cancellation: a client that disconnects cancels its handler, which aborts the request
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()

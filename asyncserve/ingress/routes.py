@@ -50,32 +50,33 @@ async def errors_middleware(request: web.Request, handler):
         return error_response(request, ApiError(500, "internal server error", code="internal_error"))
 
 
-def auth_middleware(api_key: str | None, tokenize_public: bool):
-    """With an API key set, /v1/* and (unless tokenize_public) /tokenize and /detokenize need it; every
+def auth_middleware(config):
+    """With an API key set, /v1/* and (unless --tokenize-public) /tokenize and /detokenize need it; every
     request is marked with whether it carried it (/metrics shows per-adapter series only then)."""
-    expected = f"Bearer {api_key}".encode()
-    guarded = ("/tokenize", "/detokenize") if not tokenize_public else ()
 
     @web.middleware
     async def check(request: web.Request, handler):
+        api_key = config.api_key
         if not api_key:
             request[KEY_GIVEN] = True
             return await handler(request)
         given = request.headers.get("Authorization")
         # constant time: how long a wrong key takes must not tell how much of it was right
         request[KEY_GIVEN] = given is not None and hmac.compare_digest(given.encode(errors="surrogateescape"),
-                                                                      expected)
-        if not request[KEY_GIVEN] and (request.path.startswith("/v1/") or request.path in guarded
-                                       or request.path == "/metrics" and given is not None):
+                                                                      f"Bearer {api_key}".encode())
+        path = request.path
+        if not request[KEY_GIVEN] and (path.startswith("/v1/")
+                                       or path in ("/tokenize", "/detokenize") and not config.tokenize_public
+                                       or path == "/metrics" and given is not None):
             # /metrics: a wrong key is told so, rather than answered as if none had been sent
             raise ApiError(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
         return await handler(request)
     return check
 
 
-def build_app(server, api_key: str | None, max_body_bytes: int, tokenize_public: bool = False) -> web.Application:
-    app = web.Application(middlewares=[errors_middleware, auth_middleware(api_key, tokenize_public)],
-                          client_max_size=max_body_bytes)
+def build_app(server) -> web.Application:
+    app = web.Application(middlewares=[errors_middleware, auth_middleware(server.config)],
+                          client_max_size=server.config.max_body_bytes)
     app[SERVER_KEY] = server
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
