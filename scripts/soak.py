@@ -293,7 +293,8 @@ class Soak:
         folder = self.work / "bad" / f"{kind}-{n}"
         write_bad_adapter(kind, good, folder)
         t = time.monotonic()
-        status, text = await self.post(session, "/v1/load_lora_adapter", {"lora_name": f"bad-{n}", "lora_path": str(folder)})
+        status, text = await self.post(session, "/v1/load_lora_adapter",
+                                       {"lora_name": f"bad-{n}", "lora_path": str(folder)})
         self.event("bad_load", adapter_kind=kind, status=status, seconds=round(time.monotonic() - t, 3),
                    body=text[:160])
         if status == 200:              # accepted after all: take it out again

@@ -224,7 +224,8 @@ def test_idle_worker_killed_twice_is_reaped_and_replaced_by_the_watchdog(tiny_mo
             assert pool.restarts == kill and pool.workers[0].proc.pid != victim.pid
             metrics.observe_engine(engine)
             text = metrics.render().decode()
-            assert "asyncserve_cpu_workers 2.0" in text and f"asyncserve_cpu_worker_restarts_total {float(kill)}" in text
+            assert "asyncserve_cpu_workers 2.0" in text
+            assert f"asyncserve_cpu_worker_restarts_total {float(kill)}" in text
         outs = llm.generate([ids for ids, _ in cases_], GREEDY, adapters=[a for _, a in cases_])
         _check(outs, cases_, refs, device_only)
         assert engine.assist.tokens_total > 0 and engine.assist.fallbacks == 0

@@ -112,9 +112,9 @@ def test_a_prompt_over_the_byte_limit_is_refused_before_tokenizing(srv, monkeypa
     bodies = [("/v1/completions", {"model": "tiny", "prompt": "x" * 1001, "max_tokens": 1}),
               ("/v1/completions", {"model": "tiny", "prompt": ["ok", "é" * 501], "max_tokens": 1}),    # 1002 bytes
               ("/v1/completions", {"model": "r8_attn_rs", "prompt": "日本" * 200, "max_tokens": 1}),  # 1200 bytes
-              ("/v1/chat/completions", {"model": "tiny", "max_tokens": 1,
-                                        "messages": [{"role": "user", "content": "a" * 600},
-                                                     {"role": "user", "content": [{"type": "text", "text": "b" * 600}]}]}),
+              ("/v1/chat/completions", {"model": "tiny", "max_tokens": 1, "messages": [
+                  {"role": "user", "content": "a" * 600},
+                  {"role": "user", "content": [{"type": "text", "text": "b" * 600}]}]}),
               ("/tokenize", {"prompt": "y" * 5000}),
               ("/tokenize", {"messages": [{"role": "user", "content": "z" * 1001}]})]
     for path, body in bodies:
