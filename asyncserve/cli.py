@@ -168,8 +168,16 @@ def main(argv: list[str] | None = None) -> None:
                    help="address to listen on; 0.0.0.0 for every interface (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default: 8000)")
     s.add_argument("--api-key", default=os.environ.get("ASYNCSERVE_API_KEY"), metavar="KEY",
-                   help="require `Authorization: Bearer KEY` on /v1/* (default: $ASYNCSERVE_API_KEY; unset: no "
-                        "key asked)")
+                   help="clients must send it (Authorization: Bearer KEY) on /v1/*, /tokenize and /detokenize; "
+                        "/metrics shows its per-adapter series only with it (default: $ASYNCSERVE_API_KEY; unset: "
+                        "no key asked)")
+    s.add_argument("--tokenize-public", action="store_true",
+                   help="with --api-key, leave /tokenize and /detokenize open without it, as vLLM does (default: off)")
+    s.add_argument("--metrics-public", action="store_true",
+                   help="with --api-key, show /metrics' per-adapter series without it too (default: off)")
+    s.add_argument("--max-prompt-bytes", default=None, metavar="SIZE",
+                   help="longest text prompt (or chat, rendered) tokenized, in UTF-8 bytes, e.g. 1MiB; longer "
+                        "ones get 400 before any tokenizing (default: 32 bytes per token of --max-model-len)")
     s.add_argument("--max-waiting", type=int, default=1024, metavar="N",
                    help="queued sequences (prompts x n) beyond this are refused with 429 (default: 1024)")
     s.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
@@ -227,6 +235,8 @@ def main(argv: list[str] | None = None) -> None:
         config.adapter_dir, config.adapter_root = args.adapter_dir, args.adapter_root
         config.preload_adapters = args.preload_adapters
         config.host, config.port, config.api_key = args.host, args.port, args.api_key
+        config.tokenize_public, config.metrics_public = args.tokenize_public, args.metrics_public
+        config.max_prompt_bytes = args.max_prompt_bytes
         config.max_waiting, config.shutdown_grace_s = args.max_waiting, args.shutdown_grace
         config.peers, config.node_id, config.advertise_url = args.peers, args.node_id, args.advertise_url
         config.cluster_key, config.gossip_interval_s = args.cluster_key, args.gossip_interval

@@ -54,6 +54,9 @@ class Config:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    tokenize_public: bool = False            # /tokenize and /detokenize open without the API key
+    metrics_public: bool = False             # /metrics' per-adapter series open without the API key
+    max_prompt_bytes: int | str | None = None   # longest text prompt tokenized; default max_model_len * 32 bytes
     adapter_root: str | None = None          # runtime load_lora_adapter only below this folder
     adapter_dir: str | None = None           # register every adapter folder in it (read on demand)
     preload_adapters: bool = False           # read the registered adapters into the host tier's free room at start
@@ -107,6 +110,8 @@ class Config:
             raise ValueError(f"pool_mem must be positive, got {self.pool_mem!r}")
         if self.host_adapter_mem is not None:
             self.host_adapter_bytes()
+        if self.max_prompt_bytes is not None and not parse_size(self.max_prompt_bytes) > 0:
+            raise ValueError(f"max_prompt_bytes must be positive, got {self.max_prompt_bytes!r}")
         for name in self.pinned_adapters:
             in_dir = self.adapter_dir is not None and (Path(self.adapter_dir).expanduser() / name).is_dir()
             if name not in self.adapters and not in_dir:

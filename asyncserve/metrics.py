@@ -83,7 +83,8 @@ class AdapterTraffic:
 class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("asyncserve_requests", "Finished requests", ["model", "status"], registry=r)
+        # by model, which names adapters: shown whole with the per-adapter series, else summed over models
+        self.requests = Counter("asyncserve_requests", "Finished requests", ["model", "status"], registry=None)
         self.ttft = Histogram("asyncserve_time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("asyncserve_time_per_output_token_seconds", "Time per output token after the first",
@@ -104,8 +105,11 @@ class Metrics:
         self.adapter_load_seconds = Histogram("asyncserve_adapter_load_seconds", "Adapter load time, by the tier "
                                               "it came from: disk (into host memory) or host (into the device pool)",
                                               ["from"], buckets=_LOAD_BUCKETS, registry=r)
+        # series that name adapters (a tenant's adapter names and traffic) live in a registry of their
+        # own, rendered only for callers with the API key (or --metrics-public)
+        self.adapter_registry = CollectorRegistry()
         self.adapter_traffic = AdapterTraffic()
-        r.register(self.adapter_traffic)
+        self.adapter_registry.register(self.adapter_traffic)
         self.requests_aborted = Counter("asyncserve_requests_aborted", "Requests the server answered with an error "
                                         "before running them, by reason: slo_unattainable (--slo-ttft)", ["reason"],
                                         registry=r)
@@ -133,7 +137,7 @@ class Metrics:
                                   ["kind"], registry=r)
         # dLoRA's merged mode
         self.merged_adapter = Gauge("asyncserve_merged_adapter", "1 for the adapter merged into the base weights "
-                                    "(no series while none is)", ["adapter"], registry=r)
+                                    "(no series while none is)", ["adapter"], registry=self.adapter_registry)
         self.merge_switches = Counter("asyncserve_merge_switches", "Changes of the adapter merged into the base "
                                       "weights (a merge, an unmerge, or both)", registry=r)
         self.merge_switch_seconds = Counter("asyncserve_merge_switch_seconds", "Time spent switching the merged "
@@ -194,5 +198,39 @@ class Metrics:
             self.step_mode_seconds.labels(mode).inc(seconds - (seen.step_seconds[mode] if seen else 0.0))
         self._merge_seen = m
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, per_adapter: bool = True) -> bytes:
+        """The exposition text: the aggregate series, and with per_adapter those that name adapters."""
+        if per_adapter:
+            return generate_latest(_Union(self.registry, self.requests, self.adapter_registry))
+        return generate_latest(_Union(self.registry, _ByStatus(self.requests)))
+
+
+class _Union:
+    """Collectors rendered as one registry."""
+
+    def __init__(self, *collectors):
+        self.collectors = collectors
+
+    def collect(self):
+        for c in self.collectors:
+            yield from c.collect()
+
+
+class _ByStatus:
+    """asyncserve_requests summed over its model label (which names adapters)."""
+
+    def __init__(self, requests: Counter):
+        self.requests = requests
+
+    def collect(self):
+        totals: dict[str, float] = {}
+        for family in self.requests.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    status = sample.labels["status"]
+                    totals[status] = totals.get(status, 0.0) + sample.value
+        family = CounterMetricFamily("asyncserve_requests", "Finished requests (summed over models; the API key "
+                                     "shows them by model)", labels=["status"])
+        for status, value in sorted(totals.items()):
+            family.add_metric([status], value)
+        yield family

@@ -23,6 +23,7 @@ from asyncserve.actors.stepper import StepperActor
 from asyncserve.config import Config
 from asyncserve.engine import Engine
 from asyncserve.ingress.routes import build_app
+from asyncserve.ingress.tokenizing import new_executor
 from asyncserve.messages import Abort, Shutdown
 from asyncserve.metrics import Metrics
 from asyncserve.step import Failure
@@ -40,6 +41,7 @@ class Server:
         self.pager: PagerActor | None = None
         self.cluster: ClusterActor | None = None       # cluster mode (config.peers)
         self.stepper = StepperActor()
+        self.tokenizer_executor = new_executor()       # large inputs' tokenizing (ingress/tokenizing.py)
         self.ready = False
         self.failed: str | None = None
         self.stopping = False
@@ -51,7 +53,7 @@ class Server:
 
     async def start(self) -> None:
         """Serve HTTP now; load the model in a thread and start the actors when it is ready."""
-        app = build_app(self, self.config.api_key, self.config.max_body_bytes)
+        app = build_app(self)
         # handler_cancellation: a client that disconnects cancels its handler, which aborts the request
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
@@ -120,6 +122,7 @@ class Server:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if not self.ready:                 # the stepper actor never ran; its thread may hold a failed load
             self.stepper.shutdown()
+        self.tokenizer_executor.shutdown(wait=False, cancel_futures=True)
         if self.engine is not None:
             self.engine.close()            # the host tier's shared memory, now that no thread uses it
         log.info("stopped")

@@ -33,7 +33,9 @@ Layer-wise jobs (ipc/pool.py)
     y[cold rows] += delta           # (to the device); those segments carry seg_adapter = -1
     # CpuAssistError (WorkerDied, WorkerTimeout, JobFailed, NoWorkers): compute those deltas on the
     # device path instead; a dead or late worker is already being replaced (pool.restarts counts).
-    pool.live                       # ready workers, the asyncserve_cpu_workers gauge
+    pool.live                       # ready workers, the asyncserve_cpu_workers gauge: a watchdog thread
+                                    # reaps a dead worker and replaces it (backing off if it keeps dying)
+                                    # whether jobs come or not
     pool.close()
 
 Profile and decision (ipc/profile.py)

@@ -99,7 +99,7 @@ class Node(ServerThread):
         return super().request(method, path, body, headers)[:2]
 
     def signed(self, method: str, path: str, body: bytes = b"", key: str = KEY) -> tuple[int, object]:
-        headers = PeerSigner(key).headers(method, path, body)
+        headers = PeerSigner(key).headers(method, path, body, self.cluster.destination)
         return self.request(method, path, body or None, headers)
 
     def stream(self, body: dict, path: str = "/v1/completions"):
@@ -247,11 +247,12 @@ def test_unsigned_forged_stale_and_replayed_peer_calls_are_refused(nodes):
     a = nodes["a"]
     body_ = msgspec.json.encode(_digest("intruder", "http://127.0.0.9:1"))
     path = "/cluster/gossip"
-    headers = PeerSigner(KEY).headers("POST", path, body_)
+    to_a = a.cluster.destination
+    headers = PeerSigner(KEY).headers("POST", path, body_, to_a)
     forged = {**headers, SIGNATURE_HEADER: "0" * 64}
-    wrong_key = PeerSigner("another-key").headers("POST", path, body_)
-    stale = PeerSigner(KEY, clock=lambda: time.time() - 3600).headers("POST", path, body_)
-    tampered = PeerSigner(KEY).headers("POST", path, body_)
+    wrong_key = PeerSigner("another-key").headers("POST", path, body_, to_a)
+    stale = PeerSigner(KEY, clock=lambda: time.time() - 3600).headers("POST", path, body_, to_a)
+    tampered = PeerSigner(KEY).headers("POST", path, body_, to_a)
     for hdrs, data in ((None, body_), (forged, body_), (wrong_key, body_), (stale, body_),
                        (tampered, body_.replace(b"intruder", b"intrudes")),
                        ({**headers, NONCE_HEADER: "not-a-nonce"}, body_),
@@ -272,6 +273,51 @@ def test_unsigned_forged_stale_and_replayed_peer_calls_are_refused(nodes):
     assert a.request("GET", "/cluster/state", headers=AUTH)[0] == 401
     status, err = a.signed("POST", path, b"not json")
     assert status == 400
+
+
+def test_a_captured_call_replayed_to_another_node_is_refused(nodes):
+    """A genuine signed call to b, captured: b takes it once; c refuses it (it names b's incarnation),
+    telling only what a key holder can check, and takes nothing from it."""
+    b, c = nodes["b"], nodes["c"]
+    body_ = msgspec.json.encode(_digest("intruder", "http://127.0.0.9:2"))
+    path = "/cluster/gossip"
+    captured = PeerSigner(KEY).headers("POST", path, body_, b.cluster.destination)
+    assert b.request("POST", path, body_, captured)[0] == 204
+    status, err, hdrs = ServerThread.request(c, "POST", path, body_, captured)
+    assert status == 401 and err["error"]["code"] == "invalid_peer_signature"
+    assert "signed for b@" in err["error"]["message"]
+    assert PeerSigner(KEY).learned(captured, hdrs) == c.cluster.destination      # what a's retry would use
+    assert c.cluster.membership.by_node_id("intruder") is None
+    assert b.request("POST", path, body_, captured)[0] == 401                       # and b took it only once
+    b.call(_forget(b, "http://127.0.0.9:2"))
+
+
+def test_a_captured_call_replayed_to_the_restarted_node_is_refused(tiny_model):
+    """A node restarted (same node id, address and key) refuses a call captured on its way to its
+    previous process, its timestamp still fresh and its nonce unknown to the new process; its peers
+    learn the new incarnation from its refusal and go on."""
+    port = free_port()
+    config = dict(model=str(tiny_model.root), dtype="float32", device="cpu", threads=1, served_model_name="tiny",
+                  host=HOSTS["a"], port=port, peers=f"http://{HOSTS['b']}:{port}", node_id="x", cluster_key=KEY,
+                  gossip_interval_s=0.1, max_model_len=512, shutdown_grace_s=0.5)
+    body_ = msgspec.json.encode(_digest("intruder", "http://127.0.0.9:3"))
+    path = "/cluster/gossip"
+    node = Node(Config(**config))
+    try:
+        node.wait_ready()
+        captured = PeerSigner(KEY).headers("POST", path, body_, node.cluster.destination)
+        assert node.request("POST", path, body_, captured)[0] == 204
+    finally:
+        node.stop()
+    node = Node(Config(**config))
+    try:
+        node.wait_ready()
+        status, err = node.request("POST", path, body_, captured)
+        assert status == 401 and "signed for x@" in err["error"]["message"]
+        assert node.cluster.membership.by_node_id("intruder") is None
+        assert node.signed("POST", path, body_)[0] == 204          # a call to this incarnation is taken
+    finally:
+        node.stop()
 
 
 async def _forget(node: Node, url: str) -> None:

@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from asyncserve.cluster.auth import NONCE_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, AuthError, PeerSigner, PeerVerifier
+from asyncserve.cluster.auth import (DESTINATION_HEADER, NONCE_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, AuthError,
+                                     PeerSigner, PeerVerifier, WrongDestination, new_incarnation)
 from asyncserve.cluster.membership import Membership, PeerState
 from asyncserve.cluster.messages import AdapterTiers, Digest
 from asyncserve.cluster.migration import MAX_MIGRATIONS, MOVE_PRICE, Candidate, CoMigrator, build_problem, solve
@@ -93,19 +94,19 @@ def test_pending_seconds_is_the_sum_of_work_shares():
 # ---- auth -----------------------------------------------------------------------------------------
 def test_auth_accepts_good_calls_and_refuses_bad_ones():
     clock = FakeClock()
-    signer, verifier = PeerSigner("k1", clock), PeerVerifier("k1", window_s=30, clock=clock)
+    signer, verifier = PeerSigner("k1", clock), PeerVerifier("k1", "b@1", window_s=30, clock=clock)
     body = b'{"node_id":"a"}'
-    good = signer.headers("POST", "/cluster/digest", body)
+    good = signer.headers("POST", "/cluster/digest", body, "b@1")
     verifier.verify("POST", "/cluster/digest", good, body)
 
     with pytest.raises(AuthError, match="replayed"):
         verifier.verify("POST", "/cluster/digest", good, body)
     with pytest.raises(AuthError, match="missing"):
         verifier.verify("POST", "/cluster/digest", {}, body)
-    forged = PeerSigner("other key", clock).headers("POST", "/cluster/digest", body)
+    forged = PeerSigner("other key", clock).headers("POST", "/cluster/digest", body, "b@1")
     with pytest.raises(AuthError, match="bad signature"):
         verifier.verify("POST", "/cluster/digest", forged, body)
-    fresh = signer.headers("POST", "/cluster/digest", body)
+    fresh = signer.headers("POST", "/cluster/digest", body, "b@1")
     for method, path, b in (("POST", "/cluster/digest", b'{"node_id":"b"}'), ("POST", "/cluster/forward", body),
                             ("PUT", "/cluster/digest", body)):
         with pytest.raises(AuthError, match="bad signature"):
@@ -117,14 +118,14 @@ def test_auth_accepts_good_calls_and_refuses_bad_ones():
     # the refused calls did not use up its nonce
     verifier.verify("POST", "/cluster/digest", fresh, body)
 
-    old = signer.headers("POST", "/cluster/digest", body)
+    old = signer.headers("POST", "/cluster/digest", body, "b@1")
     clock.t += 31
     with pytest.raises(AuthError, match="stale"):
         verifier.verify("POST", "/cluster/digest", old, body)
-    future = PeerSigner("k1", FakeClock(clock.t + 31)).headers("POST", "/cluster/digest", body)
+    future = PeerSigner("k1", FakeClock(clock.t + 31)).headers("POST", "/cluster/digest", body, "b@1")
     with pytest.raises(AuthError, match="stale"):
         verifier.verify("POST", "/cluster/digest", future, body)
-    bad_nonce = dict(signer.headers("POST", "/p", body), **{NONCE_HEADER: "x\ny"})
+    bad_nonce = dict(signer.headers("POST", "/p", body, "b@1"), **{NONCE_HEADER: "x\ny"})
     with pytest.raises(AuthError, match="malformed"):
         verifier.verify("POST", "/p", bad_nonce, body)
     assert TIMESTAMP_HEADER in good and NONCE_HEADER in good
@@ -132,16 +133,46 @@ def test_auth_accepts_good_calls_and_refuses_bad_ones():
 
 def test_auth_nonce_cache_is_bounded_and_forgets_expired_nonces():
     clock = FakeClock()
-    signer, verifier = PeerSigner(b"k", clock), PeerVerifier(b"k", window_s=10, max_nonces=2, clock=clock)
+    signer, verifier = PeerSigner(b"k", clock), PeerVerifier(b"k", "b@1", window_s=10, max_nonces=2, clock=clock)
     for _ in range(2):
-        verifier.verify("GET", "/cluster/state", signer.headers("GET", "/cluster/state"), b"")
+        verifier.verify("GET", "/cluster/state", signer.headers("GET", "/cluster/state", b"", "b@1"), b"")
     with pytest.raises(AuthError, match="too many"):
-        verifier.verify("GET", "/cluster/state", signer.headers("GET", "/cluster/state"), b"")
+        verifier.verify("GET", "/cluster/state", signer.headers("GET", "/cluster/state", b"", "b@1"), b"")
     clock.t += 11
-    verifier.verify("GET", "/cluster/state", signer.headers("GET", "/cluster/state"), b"")
+    verifier.verify("GET", "/cluster/state", signer.headers("GET", "/cluster/state", b"", "b@1"), b"")
     assert len(verifier._seen) == 1
     with pytest.raises(ValueError):
-        PeerVerifier("")
+        PeerVerifier("", "b@1")
+
+
+def test_auth_binds_the_destination_incarnation():
+    """A call signed for node b's incarnation is refused by node c and by b restarted (same node id, new
+    incarnation, empty nonce cache) while its timestamp is fresh; the refusal teaches the genuine caller
+    the incarnation, and a forged refusal teaches nothing."""
+    clock = FakeClock()
+    b1, c, b2 = new_incarnation("b"), new_incarnation("c"), new_incarnation("b")
+    assert len({b1, c, b2}) == 3 and b1.startswith("b@") and b2.startswith("b@")
+    signer = PeerSigner("k", clock)
+    body = b'{"node_id":"a"}'
+    call = signer.headers("POST", "/cluster/forward", body, b1)
+    PeerVerifier("k", b1, clock=clock).verify("POST", "/cluster/forward", call, body)
+    for incarnation in (c, b2):
+        verifier = PeerVerifier("k", incarnation, clock=clock)
+        with pytest.raises(WrongDestination, match="signed for b@") as refused:
+            verifier.verify("POST", "/cluster/forward", call, body)
+        assert verifier._seen == {}
+        assert signer.learned(call, refused.value.headers) == incarnation
+        forged = dict(refused.value.headers, **{DESTINATION_HEADER: b1 + "x"})
+        assert signer.learned(call, forged) is None
+        assert PeerSigner("other", clock).learned(call, refused.value.headers) is None
+        assert signer.learned(signer.headers("POST", "/p", body, b1), refused.value.headers) is None  # another call's
+        retry = signer.headers("POST", "/cluster/forward", body, incarnation)
+        verifier.verify("POST", "/cluster/forward", retry, body)
+    tampered = dict(call, **{DESTINATION_HEADER: c})     # re-addressed without the key: the signature breaks
+    with pytest.raises(AuthError, match="bad signature"):
+        PeerVerifier("k", c, clock=clock).verify("POST", "/cluster/forward", tampered, body)
+    with pytest.raises(ValueError):
+        new_incarnation("two\nlines")
 
 
 # ---- membership -------------------------------------------------------------------------------------

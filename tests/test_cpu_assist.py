@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import random
 import signal
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -190,6 +192,46 @@ def test_worker_killed_mid_prefill(tiny_model, cases, device_only, tmp_path):
     assert "asyncserve_cpu_workers 2.0" in text
     assert f"asyncserve_cpu_assist_tokens_total {float(engine.assist.tokens_total)}" in text
     _shm_clean(engine)
+
+
+def _state(pid: int) -> str:
+    """A process's state letter from /proc (Z: a zombie, dead and not reaped), "gone" once reaped;
+    read without waiting on it, which would reap it here and hide the pool's own work."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return "gone"
+    return next(line.split()[1] for line in status.splitlines() if line.startswith("State:"))
+
+
+def test_idle_worker_killed_twice_is_reaped_and_replaced_by_the_watchdog(tiny_model, cases, device_only, tmp_path):
+    """No job comes while the workers die: the pool's watchdog reaps each (no zombie), replaces it (the
+    second time after its backoff), the gauge goes back to 2, and then the workers assist with the
+    same tokens."""
+    cases_, refs = cases
+    llm = _llm(tiny_model, "on", tmp_path)
+    engine = llm.engine
+    pool = engine.assist.pool
+    metrics = Metrics()
+    try:
+        for kill in (1, 2):
+            victim = pool.workers[0].proc
+            os.kill(victim.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while _state(victim.pid) != "gone" or pool.live < 2:       # reaped (no zombie), replaced, ready
+                assert time.monotonic() < deadline, (_state(victim.pid), pool.live)
+                time.sleep(0.02)
+            assert pool.restarts == kill and pool.workers[0].proc.pid != victim.pid
+            metrics.observe_engine(engine)
+            text = metrics.render().decode()
+            assert "asyncserve_cpu_workers 2.0" in text
+            assert f"asyncserve_cpu_worker_restarts_total {float(kill)}" in text
+        outs = llm.generate([ids for ids, _ in cases_], GREEDY, adapters=[a for _, a in cases_])
+        _check(outs, cases_, refs, device_only)
+        assert engine.assist.tokens_total > 0 and engine.assist.fallbacks == 0
+        assert all(_state(w.proc.pid) not in ("gone", "Z") for w in pool.workers)
+    finally:
+        _shm_clean(engine)
 
 
 def test_auto_follows_the_profile(tiny_model, tmp_path):

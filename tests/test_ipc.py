@@ -347,3 +347,11 @@ def test_profile_measures_the_pool(setup):
     assert arena.free_bytes == free                   # its probe adapters were released
     profile = ipc.fit(samples)
     assert profile.predict(33, 16 * 96, 2) > 0
+
+
+def test_repeated_deaths_back_off_exponentially_up_to_a_cap():
+    from ipc.pool import BACKOFF_MAX_S, BACKOFF_S, _backoff
+
+    delays = [_backoff(n) for n in range(1, 12)]
+    assert delays[:4] == [0.0, BACKOFF_S, 2 * BACKOFF_S, 4 * BACKOFF_S]      # the first death: at once
+    assert delays[-1] == BACKOFF_MAX_S and delays == sorted(delays)

@@ -313,7 +313,7 @@ def test_tool_calls_for_a_named_function_and_required_equal_offline_engine(clien
 
 
 def test_templates_see_the_tools_and_tool_calls(offline):
-    from asyncserve.ingress.prepare import chat_prompt_ids as _chat_prompt_ids
+    from asyncserve.ingress.prepare import chat_text
     from asyncserve.ingress.protocol import ChatCompletionRequest
     from asyncserve.ingress.tools import template_tools
     from asyncserve.model.tokenizer import Tokenizer
@@ -329,7 +329,7 @@ def test_templates_see_the_tools_and_tool_calls(offline):
         {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
                                               "function": {"name": "get_weather", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]}, ChatCompletionRequest)
-    text = tok.decode(_chat_prompt_ids(tok, req, tools=template_tools(req)))
+    text = chat_text(tok, req, tools=template_tools(req))
     assert text == ('[get_weather: ' + json.dumps(WEATHER["function"]["parameters"]) + ']user:hi|'
                     'assistant:<call get_weather>|tool:sunny<for c1>|')
 

@@ -27,7 +27,7 @@ import aiohttp
 import msgspec
 
 from asyncserve.actors.pager import FETCHERS
-from asyncserve.cluster.auth import PeerSigner, PeerVerifier
+from asyncserve.cluster.auth import PeerSigner, PeerVerifier, new_incarnation
 from asyncserve.cluster.membership import Membership, PeerState
 from asyncserve.cluster.messages import AdapterTiers, Digest, ForwardedRequest, ForwardLine, Moved
 from asyncserve.cluster.migration import MAX_MIGRATIONS, Candidate, CoMigrator
@@ -87,7 +87,9 @@ class ClusterActor:
         self.membership = Membership(self.url, config.peers, self.interval, resolver=resolver)
         self.membership.self_id = self.node_id
         self.signer = PeerSigner(config.cluster_key)
-        self.verifier = PeerVerifier(config.cluster_key)
+        self.destination = new_incarnation(self.node_id)      # what peers' calls to this process must name
+        self.verifier = PeerVerifier(config.cluster_key, self.destination)
+        self._destinations: dict[str, str] = {}      # peer url -> its incarnation, as learned
         self.router = Router(self.node_id, POLICIES[config.dispatch](), horizon_s=self.interval)
         self.migrator = CoMigrator(threshold_s=config.migration_threshold_s) if config.migration_threshold_s > 0 else None
         self.rebalance_every_s = max(1.0, 5 * self.interval)
@@ -189,11 +191,25 @@ class ClusterActor:
                     self.router.view.remove(node_id)
 
     async def _call(self, url: str, path: str, body: bytes) -> None:
-        headers = {**self.signer.headers("POST", path, body), "Content-Type": "application/json"}
-        async with self._session.post(url + path, data=body, headers=headers) as resp:
+        async with await self._post(url, path, body) as resp:
             await resp.read()
             if resp.status >= 300:
                 raise PeerRefused(f"{url}{path}: HTTP {resp.status}")
+
+    async def _post(self, url: str, path: str, body: bytes) -> aiohttp.ClientResponse:
+        """A signed POST to a peer, signed for its incarnation as last learned. A peer that is not that
+        incarnation (first contact, or it restarted) refuses with its own, proven with the key: learned,
+        and the call is made once more."""
+        def post(headers: dict[str, str]):
+            return self._session.post(url + path, data=body, headers={**headers, "Content-Type": "application/json"})
+        headers = self.signer.headers("POST", path, body, self._destinations.get(url, ""))
+        resp = await post(headers)
+        learned = self.signer.learned(headers, resp.headers) if resp.status == 401 else None
+        if learned is None:
+            return resp
+        resp.release()
+        self._destinations[url] = learned
+        return await post(self.signer.headers("POST", path, body, learned))
 
     def heard(self, digest: Digest) -> None:
         """A digest a peer pushed (its signature already checked)."""
@@ -285,10 +301,8 @@ class ClusterActor:
     async def _stream_from(self, fwd: Forward) -> Moved | None:
         """Call the peer and relay its lines; returns where it moved the request, or None when the
         request finished there."""
-        path = "/cluster/forward"
         body = msgspec.json.encode(fwd.envelope)
-        headers = {**self.signer.headers("POST", path, body), "Content-Type": "application/json"}
-        async with self._session.post(fwd.url + path, data=body, headers=headers) as resp:
+        async with await self._post(fwd.url, "/cluster/forward", body) as resp:
             if resp.status != 200:
                 text = (await resp.content.read(4096)).decode(errors="replace")
                 if resp.status == 401 or resp.status >= 500 and resp.status != 503:

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from asyncserve.ingress.prepare import (adapter_for, chat_prompt_ids, max_tokens, new_sequence, num_samples,
-                                        ready_server, sample_params, structured_outputs)
+from asyncserve.ingress.prepare import (adapter_for, max_tokens, new_sequence, num_samples, ready_server,
+                                        sample_params, structured_outputs)
 from asyncserve.ingress.protocol import (ApiError, ChatCompletionRequest, decode_body, refuse_unsupported,
                                          sampling_params, truncated_prompt)
 from asyncserve.ingress.relay import Choice, Collected, Reply
+from asyncserve.ingress.tokenizing import chat_ids
 from asyncserve.ingress.tools import ToolPlan, new_call_id, template_tools, tool_call, tool_plan
 from asyncserve.messages import TokenEvent
 
@@ -27,8 +28,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if tools is not None and req.logprobs:
         raise ApiError(400, "logprobs are not supported with tool calls", param="logprobs", code="invalid_value")
     adapter = adapter_for(server, req.model)
-    prompt_ids = truncated_prompt(chat_prompt_ids(server.engine.tokenizer, req, req.add_special_tokens,
-                                                  template_tools(req)), req, server.engine.max_model_len)
+    prompt_ids = truncated_prompt(await chat_ids(server, req, req.add_special_tokens, template_tools(req)), req,
+                                  server.engine.max_model_len)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs", code="invalid_value")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None

@@ -8,6 +8,7 @@ from asyncserve.ingress.prepare import (adapter_for, max_tokens, new_sequence, n
 from asyncserve.ingress.protocol import (ApiError, CompletionRequest, decode_body, prompts_of, refuse_unsupported,
                                          sampling_params, truncated_prompt)
 from asyncserve.ingress.relay import Choice, Collected, Reply
+from asyncserve.ingress.tokenizing import decode, encode
 from asyncserve.messages import TokenEvent
 
 
@@ -30,16 +31,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
     adapter = adapter_for(server, req.model)
     n = num_samples(req)
     structured = await structured_outputs(server, req)
-    tok = server.engine.tokenizer
     choices, prompt_tokens = [], 0
     for prompt in prompts_of(req):
-        given = tok.encode(prompt, add_special_tokens=req.add_special_tokens) if isinstance(prompt, str) else list(prompt)
+        given = await encode(server, prompt, req.add_special_tokens) if isinstance(prompt, str) else list(prompt)
         prompt_ids = truncated_prompt(given, req, server.engine.max_model_len)
         # echo with logprobs scores the echoed prompt too (as vLLM does; lm-eval's loglikelihood relies on it)
         params = sampling_params(req, max_tokens(server, prompt_ids, req.max_tokens, 16, "max_tokens"), req.logprobs,
                                  req.logprobs if req.echo else None, structured)
         whole = isinstance(prompt, str) and len(prompt_ids) == len(given)
-        echo = (prompt if whole else tok.decode(prompt_ids)) if req.echo else ""
+        echo = (prompt if whole else await decode(server, prompt_ids)) if req.echo else ""
         for sample in range(n):
             seq = new_sequence(server, prompt_ids, sample_params(params, sample), adapter)
             choices.append(EchoedChoice(len(choices), seq, echo))

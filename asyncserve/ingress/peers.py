@@ -1,5 +1,6 @@
 """Routes between peers (cluster mode), under /cluster/: every call must carry a valid HMAC signature
-(cluster/auth.py) or gets a 401 and changes nothing. The client API key does not apply here.
+for this node's incarnation (cluster/auth.py) or gets a 401 and changes nothing. The client API key
+does not apply here.
 
     POST /cluster/gossip    a peer's Digest                                  -> 204
     POST /cluster/forward   a ForwardedRequest: run it here                  -> newline-delimited ForwardLines
@@ -13,7 +14,7 @@ import time
 import msgspec
 from aiohttp import web
 
-from asyncserve.cluster.auth import AuthError
+from asyncserve.cluster.auth import AuthError, WrongDestination
 from asyncserve.cluster.messages import Digest, ForwardedRequest, ForwardLine, Moved
 from asyncserve.engine import RequestError
 from asyncserve.ingress.prepare import SERVER_KEY, ready_server
@@ -30,6 +31,8 @@ async def signed_body(request: web.Request):
     body = await request.read()
     try:
         server.cluster.verifier.verify(request.method, request.raw_path, request.headers, body)
+    except WrongDestination as e:     # a peer's: it learns this incarnation from the answer and retries
+        raise ApiError(401, f"peer call refused: {e}", code="invalid_peer_signature", headers=e.headers) from None
     except AuthError as e:
         raise ApiError(401, f"peer call refused: {e}", code="invalid_peer_signature") from None
     return server, body

@@ -1,8 +1,8 @@
 """Request preparation: from a decoded request to the sequences the scheduler runs.
 
-The served model or adapter, the prompt's token ids (a chat rendered through the model's template),
-max_tokens, the output constraint (compiled off the event loop) and one Sequence per sample. Every
-check that fails is an ApiError in OpenAI's shape.
+The served model or adapter, a chat rendered through the model's template (tokenizing.py makes token
+ids of texts), max_tokens, the output constraint (compiled off the event loop) and one Sequence per
+sample. Every check that fails is an ApiError in OpenAI's shape.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from asyncserve.sampling_params import StructuredOutputs
 from asyncserve.structured import StructuredOutputError
 
 SERVER_KEY = web.AppKey("server", object)
+KEY_GIVEN = web.RequestKey("key_given", bool)      # the request carried the API key (or none is set)
 MAX_N = 128                      # samples per prompt, as OpenAI allows
 
 
@@ -120,15 +121,13 @@ def chat_messages(req: ChatCompletionRequest | TokenizeRequest) -> list[dict]:
     return out
 
 
-def chat_prompt_ids(tok, req: ChatCompletionRequest | TokenizeRequest, add_special_tokens: bool = False,
-                    tools: list[dict] | None = None) -> list[int]:
+def chat_text(tok, req: ChatCompletionRequest | TokenizeRequest, tools: list[dict] | None = None) -> str:
     """The conversation (and the tools, for templates that show them) rendered through the model's chat
-    template, as token ids."""
+    template."""
     try:
-        text = tok.apply_chat_template(chat_messages(req), add_generation_prompt=req.add_generation_prompt,
+        return tok.apply_chat_template(chat_messages(req), add_generation_prompt=req.add_generation_prompt,
                                        tools=tools)
     except ApiError:
         raise
     except Exception as e:      # template errors (raise_exception in the template, no template, ...)
         raise ApiError(400, f"cannot apply the chat template: {e}", param="messages", code="invalid_value") from None
-    return tok.encode(text, add_special_tokens=add_special_tokens)

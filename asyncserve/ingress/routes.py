@@ -15,7 +15,7 @@ from aiohttp import web
 from asyncserve.ingress import admin, peers
 from asyncserve.ingress.chat import chat_completions
 from asyncserve.ingress.completions import completions
-from asyncserve.ingress.prepare import SERVER_KEY
+from asyncserve.ingress.prepare import KEY_GIVEN, SERVER_KEY
 from asyncserve.ingress.protocol import ApiError
 from asyncserve.pager.adapters import printable
 
@@ -52,22 +52,33 @@ async def errors_middleware(request: web.Request, handler):
         return error_response(request, ApiError(500, "internal server error", code="internal_error"))
 
 
-def auth_middleware(api_key: str | None):
-    expected = f"Bearer {api_key}".encode()
+def auth_middleware(config):
+    """With an API key set, /v1/* and (unless --tokenize-public) /tokenize and /detokenize need it; every
+    request is marked with whether it carried it (/metrics shows per-adapter series only then)."""
 
     @web.middleware
     async def check(request: web.Request, handler):
-        if api_key and request.path.startswith("/v1/"):
-            # constant time: how long a wrong key takes must not tell how much of it was right
-            given = request.headers.get("Authorization", "").encode(errors="surrogateescape")
-            if not hmac.compare_digest(given, expected):
-                raise ApiError(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
+        api_key = config.api_key
+        if not api_key:
+            request[KEY_GIVEN] = True
+            return await handler(request)
+        given = request.headers.get("Authorization")
+        # constant time: how long a wrong key takes must not tell how much of it was right
+        request[KEY_GIVEN] = given is not None and hmac.compare_digest(given.encode(errors="surrogateescape"),
+                                                                      f"Bearer {api_key}".encode())
+        path = request.path
+        if not request[KEY_GIVEN] and (path.startswith("/v1/")
+                                       or path in ("/tokenize", "/detokenize") and not config.tokenize_public
+                                       or path == "/metrics" and given is not None):
+            # /metrics: a wrong key is told so, rather than answered as if none had been sent
+            raise ApiError(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
         return await handler(request)
     return check
 
 
-def build_app(server, api_key: str | None, max_body_bytes: int) -> web.Application:
-    app = web.Application(middlewares=[errors_middleware, auth_middleware(api_key)], client_max_size=max_body_bytes)
+def build_app(server) -> web.Application:
+    app = web.Application(middlewares=[errors_middleware, auth_middleware(server.config)],
+                          client_max_size=server.config.max_body_bytes)
     app[SERVER_KEY] = server
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
