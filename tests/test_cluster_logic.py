@@ -557,3 +557,17 @@ def test_simulator_is_deterministic_and_consistent():
         assert (a.ttft > 0).all() and (a.ttft <= a.latencies + 1e-12).all()
     assert first[0].migrations > 0                            # the migration path ran
     assert first[1].migrations == 0
+
+
+@pytest.mark.parametrize("body", [b"[" * 100_000, b'{"request_id": "' + b"[" * 50 + b'\xff"}', b"\xff\xfe{}",
+                                  b'{"request_id": ' + b'{"a": ' * 20_000 + b"1" + b"}" * 20_000 + b"}", b""])
+def test_malformed_peer_bodies_are_400_not_500(body):
+    """A signed peer call's body that is not UTF-8, nested past the decoder's depth or of the wrong
+    shape is a 400 like any client's (ingress/peers.py), whatever the decoder raises."""
+    from asyncserve.cluster.messages import Digest, ForwardedRequest
+    from asyncserve.ingress.peers import decode
+    from asyncserve.ingress.protocol import ApiError
+    for kind in (Digest, ForwardedRequest):
+        with pytest.raises(ApiError) as refused:
+            decode(body, kind)
+        assert refused.value.status == 400

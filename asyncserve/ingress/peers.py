@@ -41,8 +41,10 @@ async def signed_body(request: web.Request):
 def decode(body: bytes, type_):
     try:
         return msgspec.json.decode(body, type=type_)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as e:
         raise ApiError(400, f"malformed {type_.__name__}: {e}", code="invalid_value") from None
+    except RecursionError:
+        raise ApiError(400, f"malformed {type_.__name__}: nested too deeply", code="invalid_value") from None
 
 
 async def gossip(request: web.Request) -> web.Response:
