@@ -158,6 +158,11 @@ def main(argv: list[str] | None = None) -> None:
     held.add_argument("--choice", action="append", default=None, help="the output is one of these; repeat")
 
     args = ap.parse_args(argv)
+    from asyncserve.model.paths import check_model_path
+    try:
+        check_model_path(args.model)       # a wrong --model fails at once, before torch is imported
+    except ValueError as e:
+        _refuse(s if args.command == "serve" else g, e)
     if args.command == "serve":
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         from asyncserve.config import parse_size

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from asyncserve.cpus import usable_cpus
-from asyncserve.model.loader import check_model_path
+from asyncserve.model.paths import check_model_path
 
 
 def parse_size(text: str | int | None) -> int | None:
