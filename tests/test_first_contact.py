@@ -261,3 +261,12 @@ def test_progress_logs_every_few_seconds_without_a_terminal(caplog):
     assert len(caplog.messages) == 36 // LOG_EVERY_S + 1, caplog.messages
     assert caplog.messages[0].startswith("measuring the step profile: 5/36 steps (14%)")
     assert caplog.messages[-1].startswith("measuring the step profile: 36/36 steps (100%)")
+
+
+def test_model_loading_reports_each_tensor(tiny_model):
+    from asyncserve.model.loader import load_model
+
+    calls = []
+    loaded = load_model(str(tiny_model.root), lambda done, total: calls.append((done, total)))
+    total = len(loaded.weights)
+    assert calls == [(done, total) for done in range(1, total + 1)]
