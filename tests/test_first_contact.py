@@ -54,7 +54,8 @@ def test_start_up_failures_are_one_line_without_a_traceback(tmp_path, smollm2_gg
     generate = [sys.executable, "-m", "asyncserve.cli", "generate", "--prompt", "hi", "--device", "cpu"]
     # (command, exit status, the reason, whether the reason is all stderr holds)
     cases = [
-        (SERVE + ["--model", str(not_a_model)], 2, f"{not_a_model} is not a model folder: config.json is missing", True),
+        (SERVE + ["--model", str(not_a_model)], 2, f"{not_a_model} is not a model folder: config.json is missing",
+         True),
         (SERVE + ["--model", str(tmp_path / "nowhere")], 2, f"model path {tmp_path / 'nowhere'} does not exist", True),
         (SERVE + ["--model", str(garbage)], 2, f"cannot read {garbage} as a GGUF file: it does not start with", True),
         (SERVE + ["--model", str(smollm2_gguf), "--port", str(port)], 1,
