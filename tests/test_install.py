@@ -63,7 +63,8 @@ def test_a_non_editable_install_serves_a_request(tmp_path, tiny_model, monkeypat
     env.update(XDG_CACHE_HOME=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
     # the installed package: its own files, the kernels' sources beside it, their build in the user's cache
     probe = ("import asyncserve, kernels.cpu as k, json; print(json.dumps([asyncserve.__file__, "
-             "asyncserve.__version__, sorted(p.name for p in k.SOURCE_DIR.iterdir() if p.suffix in ('.cpp', '.h')), str(k.build_dir())]))")
+             "asyncserve.__version__, sorted(p.name for p in k.SOURCE_DIR.iterdir() if p.suffix in ('.cpp', '.h')), "
+             "str(k.build_dir())]))")
     where, version, sources, build_dir = json.loads(subprocess.run(
         [str(python), "-c", probe], capture_output=True, text=True, check=True, env=env, cwd=tmp_path).stdout)
     assert Path(where).is_relative_to(tmp_path / "venv") and version == "0.1.0"
