@@ -19,6 +19,11 @@ def _adapter_pairs(values: list[str]) -> dict[str, str]:
     return adapters
 
 
+def _refuse(parser: argparse.ArgumentParser, reason: Exception) -> None:
+    """Exit 2 with the reason on one line (argparse's error() would print the whole usage first)."""
+    parser.exit(2, f"{parser.prog}: error: {reason}\n")
+
+
 def _engine_args(p: argparse.ArgumentParser, step_profile: str = "off") -> None:
     """step_profile: --step-profile's default (auto for `serve`, which measures once per machine and model;
     off for a one-off `generate`)."""
@@ -225,6 +230,11 @@ def main(argv: list[str] | None = None) -> None:
                       help="the output is one of these; repeat (default: none)")
 
     args = ap.parse_args(argv)
+    from asyncserve.model.paths import check_model_path
+    try:
+        check_model_path(args.model)       # a wrong --model fails at once, before torch is imported
+    except ValueError as e:
+        _refuse(s if args.command == "serve" else g, e)
     if args.command == "serve":
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         from asyncserve.config import parse_size
@@ -245,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
             config.max_body_bytes = parse_size(args.max_body_size)
             config.validate()              # wrong paths, names, sizes: exit now, not after loading
         except ValueError as e:
-            s.error(str(e))
+            _refuse(s, e)
         sys.exit(run(config))
     else:
         from asyncserve import LLM, SamplingParams, StructuredOutputs
@@ -259,9 +269,9 @@ def main(argv: list[str] | None = None) -> None:
         config = _config(args)
         try:
             config.validate()
-        except ValueError as e:
-            g.error(str(e))
-        llm = LLM(**dataclasses.asdict(config))
+            llm = LLM(**dataclasses.asdict(config))
+        except (ValueError, OSError) as e:     # a model or adapter that cannot be read, ...
+            _refuse(g, e)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                                 structured_outputs=structured)
         if args.chat:

@@ -8,6 +8,9 @@ from pathlib import Path
 
 import torch
 
+from asyncserve.cpus import usable_cpus
+from asyncserve.model.paths import check_model_path
+
 
 def parse_size(text: str | int | None) -> int | None:
     """'2GiB', '512MB', '1.5G', 1073741824 -> bytes."""
@@ -79,8 +82,7 @@ class Config:
         names, sizes that do not parse, counts below 1): these fail at once, not after the model loads."""
         from asyncserve.scheduler.policies import POLICIES
 
-        if self.model is not None and not Path(self.model).expanduser().exists():
-            raise ValueError(f"model path {self.model} does not exist")
+        check_model_path(self.model)        # exists, is a model folder or starts like a GGUF file
         for name, path in self.adapters.items():
             if not (Path(path).expanduser() / "adapter_config.json").is_file():
                 raise ValueError(f"adapter {name!r}: {path} is not a PEFT adapter folder (no adapter_config.json)")
@@ -184,8 +186,9 @@ class Config:
         return 256 if device.type == "cpu" else 512
 
     def resolved_threads(self) -> int:
-        """torch threads: all cores, less those given to CPU LoRA workers by --cpu-workers."""
-        cores = max(1, (os.cpu_count() or 1) - (self.cpu_workers or 0))
+        """torch threads: the CPUs this process may use (affinity mask and cgroup quota, cpus.py), less
+        those given to CPU LoRA workers by --cpu-workers."""
+        cores = max(1, usable_cpus() - (self.cpu_workers or 0))
         return self.threads or int(os.environ.get("ASYNCSERVE_THREADS", 0)) or cores
 
     def resolved_cpu_workers(self, device: torch.device) -> int:

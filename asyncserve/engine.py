@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from asyncserve.config import Config
+from asyncserve.cpus import describe as describe_cpus
 from asyncserve.model.llama import build_weights
 from asyncserve.model.loader import load_model
 from asyncserve.pager.adapters import (AdapterError, PeftFolder, build_host_adapter, check_adapter_name,
@@ -29,6 +30,7 @@ from asyncserve.pager.adapters import (AdapterError, PeftFolder, build_host_adap
 from asyncserve.pager.pager import AdapterPager, Registration
 from asyncserve.pager.pool import PagedPool
 from asyncserve.perf_model import STEP_TIME_PRIOR, PerfCoefficients, StepChunk, StepLatencyModel, adapter_load_seconds
+from asyncserve.progress import Progress
 from asyncserve.sampling_params import SamplingParams
 from asyncserve.scheduler.policies import make_policy
 from asyncserve.scheduler.policy import PolicySettings
@@ -105,8 +107,13 @@ class Engine:
         self.device = config.resolved_device()
         if self.device.type == "cpu":
             torch.set_num_threads(config.resolved_threads())
+            log.info("%d torch threads (%s)", torch.get_num_threads(), describe_cpus())
         self.dtype = config.resolved_dtype(self.device)
-        loaded = load_model(config.model)
+        loading = Progress(f"loading {config.model or 'the default model'}", "tensors")
+        try:
+            loaded = load_model(config.model, loading)
+        finally:
+            loading.close()
         self.model_config = mc = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = config.served_model_name or mc.name
@@ -271,10 +278,14 @@ class Engine:
         self.preloading = False
         return None
 
+    def preload_pending(self) -> int:
+        """preload_adapters: registered adapters that take_preload has not yet handed out or passed over."""
+        return len(self._preload)
+
     def preload_now(self) -> None:
         """Offline: preload in the calling thread; an adapter that fails to load is skipped with a
         warning (its requests fail when they come)."""
-        t0, count = time.perf_counter(), 0
+        t0, count, progress = time.perf_counter(), 0, Progress("preloading adapters", "adapters")
         while (name := self.take_preload()) is not None:
             try:
                 self._load_now(name)
@@ -283,6 +294,8 @@ class Engine:
                 log.warning("preload: adapter %s could not be loaded: %s", name, e)
             finally:
                 self._loading.pop(name, None)
+            progress(count, count + self.preload_pending())
+        progress.close()
         log.info("preloaded %d adapters into the host tier in %.1f s", count, time.perf_counter() - t0)
 
     def host_room(self, name: str) -> bool:

@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from asyncserve.model.config import ModelConfig, ModelLoadError
 from asyncserve.model.tokenizer import Tokenizer
+
+# progress(done, total) in tensors as a loader reads (and dequantizes) the weights
+ProgressCallback = Callable[[int, int], None]
 
 
 @dataclass

@@ -8,7 +8,7 @@ import gguf
 import numpy as np
 import torch
 
-from asyncserve.model.checkpoint import LoadedModel, select_weights
+from asyncserve.model.checkpoint import LoadedModel, ProgressCallback, select_weights
 from asyncserve.model.config import ModelConfig, ModelLoadError
 from asyncserve.model.tokenizer import Tokenizer
 
@@ -27,11 +27,11 @@ _LAYER_TENSORS = {
 _REQUIRED = object()
 
 
-def load_gguf_file(path: Path) -> LoadedModel:
+def load_gguf_file(path: Path, progress: ProgressCallback | None = None) -> LoadedModel:
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:       # the reader raises ValueError, struct errors, ... on a bad file
-        raise ModelLoadError(f"cannot read {path} as a GGUF file: {e}") from None
+        raise ModelLoadError(f"cannot read {path} as a GGUF file (truncated or corrupt?): {e}") from None
     fields = reader.fields
     architecture = _value(fields, "general.architecture", path)
     if architecture != "llama":
@@ -51,7 +51,11 @@ def load_gguf_file(path: Path) -> LoadedModel:
     config.bos_token_id = tokenizer.bos_token_id
     config.eos_token_ids = tokenizer.eos_token_ids
 
-    tensors = {hf_names[name]: _dequantize(tensor, config, path) for name, tensor in by_name.items()}
+    tensors = {}
+    for name, tensor in by_name.items():
+        tensors[hf_names[name]] = _dequantize(tensor, config, path)
+        if progress is not None:
+            progress(len(tensors), len(by_name))
     return LoadedModel(config, select_weights(config, tensors, str(path)), tokenizer, str(path))
 
 

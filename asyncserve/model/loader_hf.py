@@ -2,19 +2,19 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
-from asyncserve.model.checkpoint import LoadedModel, select_weights
+from asyncserve.model.checkpoint import LoadedModel, ProgressCallback, select_weights
 from asyncserve.model.config import ModelConfig, ModelLoadError, read_json
 from asyncserve.model.tokenizer import Tokenizer
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 
 
-def load_hf_folder(folder: Path) -> LoadedModel:
+def load_hf_folder(folder: Path, progress: ProgressCallback | None = None) -> LoadedModel:
     config_json = read_json(folder / "config.json")
     generation_file = folder / "generation_config.json"
     generation = read_json(generation_file) if generation_file.is_file() else {}
@@ -28,7 +28,7 @@ def load_hf_folder(folder: Path) -> LoadedModel:
     config.bos_token_id = next((i for i in (config_json.get("bos_token_id"), generation.get("bos_token_id"),
                                             tokenizer.bos_token_id) if isinstance(i, int)), None)
 
-    weights = select_weights(config, _read_safetensors(weight_files), str(folder))
+    weights = select_weights(config, _read_safetensors(weight_files, progress), str(folder))
     return LoadedModel(config, weights, tokenizer, str(folder))
 
 
@@ -121,11 +121,20 @@ def _safetensors_files(folder: Path) -> list[Path]:
     raise ModelLoadError(f"{folder} has no model.safetensors or model.safetensors.index.json")
 
 
-def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
+def _read_safetensors(files: list[Path], progress: ProgressCallback | None) -> dict[str, torch.Tensor]:
+    opened = {path: _safetensors_call(path, lambda: safe_open(path, "pt")) for path in files}
+    total = sum(len(f.keys()) for f in opened.values())
     tensors: dict[str, torch.Tensor] = {}
-    for path in files:
-        try:
-            tensors.update(load_file(path))
-        except Exception as e:     # safetensors raises its own error types for truncated or corrupt files
-            raise ModelLoadError(f"cannot read {path}: {e}") from None
+    for path, f in opened.items():
+        for name in f.keys():
+            tensors[name] = _safetensors_call(path, lambda: f.get_tensor(name))
+            if progress is not None:
+                progress(len(tensors), total)
     return tensors
+
+
+def _safetensors_call(path: Path, read: Callable[[], Any]) -> Any:
+    try:
+        return read()
+    except Exception as e:     # safetensors raises its own error types for truncated or corrupt files
+        raise ModelLoadError(f"cannot read {path}: {e}") from None
