@@ -55,7 +55,9 @@ def _engine_args(p: argparse.ArgumentParser, step_profile: str = "off") -> None:
     p.add_argument("--pin-adapter", action="append", default=[], metavar="NAME",
                    help="keep this adapter (an --adapter or a folder of --adapter-dir) on the device for good; "
                         "repeat for several (default: none)")
-    p.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads (default: all cores)")
+    p.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads (default: $ASYNCSERVE_THREADS, else the CPUs the process may use - the lesser "
+                        "of its affinity mask and its cgroup CPU quota, e.g. a Kubernetes limits.cpu - less "
+                        "--cpu-workers; logged at start)")
     p.add_argument("--policy", default="fcfs", metavar="NAME",
                    help="batch formation: fcfs (first come, first served), affinity (at most --max-step-adapters "
                         "adapters per step, with aging; S-LoRA), slo (early abort on --slo-ttft, admission within "
