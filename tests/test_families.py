@@ -1,0 +1,143 @@
+"""Qwen2 (tied and untied), Qwen3, Gemma 2, Gemma 3 and Phi-3 against transformers+PEFT, fp32.
+
+Per family: a tiny random checkpoint made with transformers' own config class (sharded safetensors,
+random norms and biases, sliding windows shorter than the sequences for Gemma), two random PEFT
+adapters on the family's target names (Phi-3: the fused qkv_proj and gate_up_proj), and base and
+both adapters in ONE generate call with a small step budget, so prefill chunks and decodes of
+different adapters share steps: with the native CPU kernels (default; where they do not cover a
+family's features the eager ops run, said in one log line) and with ASYNCSERVE_NATIVE=0.
+"""
+import logging
+import random
+import shutil
+
+import pytest
+
+from asyncserve import LLM, SamplingParams
+from asyncserve.model.llama import native_loop_gap, native_ops_gap
+from asyncserve.pager.adapters import AdapterError
+from family_models import FAMILIES, build_family_model
+from reference import TEST_DEVICE, assert_greedy_matches, peft_references, save_random_adapter
+
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_model(request, tmp_path_factory):
+    model = build_family_model(tmp_path_factory.mktemp(request.param), request.param)
+    rng = random.Random(5)
+    words = "the fox jumps over lazy dog adapters serve many models batch token step rank".split()
+    prompts = [model.tokenizer.encode(" ".join(rng.choice(words) for _ in range(n))) for n in (3, 10, 18)]
+    cases = [(ids, adapter) for ids in prompts for adapter in [None, *model.adapters]]
+    refs = peft_references(model.base, model.adapters, cases, NEW_TOKENS)
+    return model, cases, refs
+
+
+def generate(model, cases, **kwargs):
+    llm = LLM(model=str(model.folder), adapters={k: str(v) for k, v in model.adapters.items()}, dtype="float32",
+              device=TEST_DEVICE, max_step_tokens=16, **kwargs)
+    outs = llm.generate([c[0] for c in cases], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True),
+                        adapters=[c[1] for c in cases])
+    return llm, [o.token_ids for o in outs]
+
+
+def check(tokens, cases, refs, label):
+    exact = 0
+    for i, (ours, (_, adapter)) in enumerate(zip(tokens, cases)):
+        exact += assert_greedy_matches(ours, refs[i], tie_tol=1e-3, label=f"{label} case {i} adapter {adapter}")
+    assert exact >= len(cases) - 1, f"{label}: only {exact}/{len(cases)} sequences equal the reference end to end"
+    # the adapters must change tokens, or this proves nothing about LoRA on the family's modules
+    base = {tuple(c[0]): t for c, t in zip(cases, tokens) if c[1] is None}
+    assert sum(t != base[tuple(c[0])] for c, t in zip(cases, tokens) if c[1] is not None) >= 2, label
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_base_and_two_adapters_in_one_generate_call(family_model, native, monkeypatch, caplog):
+    model, cases, refs = family_model
+    monkeypatch.setenv("ASYNCSERVE_NATIVE", native)
+    with caplog.at_level(logging.INFO, logger="asyncserve.model.llama"):
+        llm, tokens = generate(model, cases)
+    check(tokens, cases, refs, f"{model.family} native={native}")
+    assert llm.engine.pool.counts().kv == 0
+    gap = native_ops_gap(llm.engine.model_config)
+    fallbacks = [r.getMessage() for r in caplog.records if "native CPU kernels do not cover" in r.getMessage()]
+    import kernels.cpu as cpu_kernels
+    if native == "1" and gap and cpu_kernels.library() is not None:
+        assert fallbacks == [f"the native CPU kernels do not cover {gap}; those run as eager torch ops"]
+    else:
+        assert fallbacks == []
+
+
+def test_prefix_cache_keeps_reference_tokens(family_model):
+    """Prompts sharing a prefix longer than Gemma's windows hit cached blocks (sliding layers read
+    only their window of them) and still produce the reference's tokens."""
+    model, cases, refs = family_model
+    rng = random.Random(7)
+    prefix = [rng.randrange(3, len(model.tokenizer)) for _ in range(36)]
+    prompts = [prefix + [rng.randrange(3, len(model.tokenizer)) for _ in range(rng.randint(1, 6))] for _ in range(3)]
+    shared = [(ids, adapter) for adapter in (None, "all") for ids in prompts]
+    shared_refs = peft_references(model.base, model.adapters, shared, NEW_TOKENS)
+    llm = LLM(model=str(model.folder), adapters={k: str(v) for k, v in model.adapters.items()}, dtype="float32",
+              device=TEST_DEVICE, prefix_caching=True)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    for i in range(len(shared)):       # one at a time: each later prompt of an adapter finds the prefix cached
+        out = llm.generate([shared[i][0]], params, adapters=[shared[i][1]])[0]
+        assert_greedy_matches(out.token_ids, shared_refs[i], tie_tol=1e-3, label=f"{model.family} cached case {i}")
+    assert llm.engine.load_snapshot().prefix_hit_tokens >= 4 * 32
+
+
+def test_adapter_naming_a_module_the_family_lacks_is_refused(family_model, tmp_path):
+    """The "all" adapter with one module renamed to one the family lacks (Phi-3 has no q_proj: its
+    attention input is the fused qkv_proj; the others have no qkv_proj): refused, naming the family's
+    targets; the engine then still loads the real adapter."""
+    from safetensors.torch import load_file, save_file
+
+    model, _, _ = family_model
+    llm = LLM(model=str(model.folder), dtype="float32", device=TEST_DEVICE)
+    renames = {"phi3": [("qkv_proj", "q_proj"), ("gate_up_proj", "up_proj"), ("o_proj", "dense")]}.get(
+        model.family, [("q_proj", "qkv_proj"), ("up_proj", "gate_up_proj"), ("o_proj", "dense")])
+    for old, new in renames:
+        folder = tmp_path / new
+        shutil.copytree(model.adapters["all"], folder)
+        tensors = load_file(folder / "adapter_model.safetensors")
+        save_file({k.replace(f".{old}.", f".{new}."): v for k, v in tensors.items()}, folder / "adapter_model.safetensors")
+        with pytest.raises(AdapterError, match=rf"\.{new}\.lora_.*that {model.family} models do not have.*LoRA targets"):
+            llm.load_adapter(new, str(folder))
+    llm.load_adapter("all", str(model.adapters["all"]))
+
+
+def test_native_coverage_is_said_per_feature(family_model):
+    model, _, _ = family_model
+    llm = LLM(model=str(model.folder), dtype="float32", device=TEST_DEVICE)
+    config = llm.engine.model_config
+    ops, loop = native_ops_gap(config), native_loop_gap(config)
+    if model.family in ("gemma2", "gemma3"):
+        assert "norms and gelu_tanh MLP" in ops and "sliding-window attention" in ops
+        assert ("attention soft-capping" in ops) == (model.family == "gemma2")
+    else:
+        assert ops is None
+    assert (loop is None) == (model.family == "phi3")
+
+
+def test_longrope_tables_equal_transformers_short_and_long():
+    """Phi-3's longrope: positions below original_max_position_embeddings rotate with the short
+    factors, those from it on with the long ones, both times the attention factor, as transformers'
+    tables for a sequence that short or that long. (transformers recomputes a whole sequence with the
+    long factors once it grows past the pretraining context; cached K here keeps its rotation.)"""
+    import torch
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    from asyncserve.model.llama import Rope
+    from asyncserve.model.loader_hf import model_config
+
+    cfg = Phi3Config(**{k: v for k, v in FAMILIES["phi3"].items() if k != "pad_token_id"}, vocab_size=100)
+    cfg_json = {**cfg.to_dict(), "architectures": ["Phi3ForCausalLM"]}
+    ours = Rope(model_config(cfg_json, "phi3"), torch.device("cpu"), torch.float32)
+    original = cfg.original_max_position_embeddings
+    x = torch.zeros(1)
+    for length in (original, 3 * original):
+        cos, sin = Phi3RotaryEmbedding(cfg)(x, torch.arange(length)[None])
+        part = slice(0, original) if length == original else slice(original, length)
+        torch.testing.assert_close(ours.cos[part], cos[0, part], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours.sin[part], sin[0, part], rtol=1e-5, atol=1e-5)
