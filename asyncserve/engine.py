@@ -113,6 +113,9 @@ class Engine:
             raise ValueError(f"max_model_len {config.max_model_len} is beyond the model's context of "
                              f"{mc.max_position} tokens")
         self.max_model_len = config.max_model_len or mc.max_position
+        # a window no sequence outgrows hides nothing: those layers attend globally (and natively)
+        windows = [w if w is not None and w < self.max_model_len else None for w in mc.layer_windows]
+        mc.layer_windows = windows if any(windows) else []
         weights = build_weights(mc, loaded.weights, self.dtype, self.device)
         weight_bytes = weights.nbytes()
 
