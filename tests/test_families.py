@@ -12,11 +12,12 @@ import random
 import shutil
 
 import pytest
+import torch
 
 from asyncserve import LLM, SamplingParams
 from asyncserve.model.llama import native_loop_gap, native_ops_gap
 from asyncserve.pager.adapters import AdapterError
-from family_models import FAMILIES, build_family_model
+from family_models import FAMILIES, build_family_model, write_family_gguf
 from reference import TEST_DEVICE, assert_greedy_matches, peft_references, save_random_adapter
 
 NEW_TOKENS = 8
@@ -141,3 +142,29 @@ def test_longrope_tables_equal_transformers_short_and_long():
         part = slice(0, original) if length == original else slice(original, length)
         torch.testing.assert_close(ours.cos[part], cos[0, part], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ours.sin[part], sin[0, part], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_gguf_file_gives_the_hf_folders_tokens(name, tmp_path):
+    """The same tiny checkpoint written as llama.cpp's converter writes a GGUF (its tensor names and
+    metadata keys, Gemma's 1 + w norms, Phi-3's fused tensors and rope factor tensors): the same
+    tokens as its HF folder, base and an adapter on every projection. (Gemma: query_pre_attn_scalar
+    is head_dim here, the scale llama.cpp derives; a GGUF does not record it.)"""
+    from asyncserve.model.loader import load_model
+
+    overrides = {"query_pre_attn_scalar": 32} if name.startswith("gemma") else {}
+    model = build_family_model(tmp_path, name, **overrides)
+    path = write_family_gguf(model, tmp_path / f"{name}.gguf")
+    from_gguf, from_folder = load_model(str(path)), load_model(str(model.folder))
+    assert from_gguf.config.family == from_folder.config.family
+    assert from_gguf.config.layer_windows == from_folder.config.layer_windows
+    assert set(from_gguf.weights) == set(from_folder.weights)
+    for weight_name, weight in from_folder.weights.items():
+        torch.testing.assert_close(from_gguf.weights[weight_name], weight, rtol=0, atol=1e-6)
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, len(model.tokenizer)) for _ in range(n)] for n in (4, 20)]
+    cases = [(ids, adapter) for ids in prompts for adapter in (None, "all")]
+    folder_model = type(model)(model.family, model.folder, model.tokenizer, model.base,
+                               {"all": model.adapters["all"]})
+    gguf_model = type(model)(model.family, path, model.tokenizer, model.base, {"all": model.adapters["all"]})
+    assert generate(gguf_model, cases)[1] == generate(folder_model, cases)[1]
