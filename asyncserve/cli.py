@@ -22,8 +22,12 @@ def _adapter_pairs(values: list[str]) -> dict[str, str]:
 def _engine_args(p: argparse.ArgumentParser, step_profile: str = "off") -> None:
     """step_profile: --step-profile's default (auto for `serve`, which measures once per machine and model;
     off for a one-off `generate`)."""
-    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH", help="a PEFT LoRA folder")
+    p.add_argument("--model", default=None,
+                   help="HF folder, .gguf file or Hugging Face Hub id (org/name: from the HF cache, downloaded when "
+                        "online; HF_HOME, HF_HUB_OFFLINE) (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--revision", default=None, help="the --model Hub id's branch, tag or commit (default: main)")
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
+                   help="a PEFT LoRA folder or Hub id (org/name)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument("--lora-backend", default="auto", choices=["auto", "torch", "triton"],
@@ -80,7 +84,8 @@ def _engine_args(p: argparse.ArgumentParser, step_profile: str = "off") -> None:
 def _config(args):
     from asyncserve.config import Config
 
-    return Config(model=args.model, adapters=_adapter_pairs(args.adapter), device=args.device, dtype=args.dtype,
+    return Config(model=args.model, revision=args.revision, adapters=_adapter_pairs(args.adapter),
+                  device=args.device, dtype=args.dtype,
                   lora_backend=args.lora_backend, max_running=args.max_running,
                   max_step_tokens=args.max_step_tokens, max_model_len=args.max_model_len, pool_mem=args.pool_mem,
                   block_size=args.block_size, host_adapter_mem=args.host_adapter_mem,

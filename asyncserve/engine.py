@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 
 from asyncserve.config import Config
+from asyncserve.model import hub
+from asyncserve.model.config import ModelLoadError
 from asyncserve.model.llama import build_weights
 from asyncserve.model.loader import load_model
 from asyncserve.pager.adapters import (AdapterError, PeftFolder, build_host_adapter, inspect_peft_folder,
@@ -105,7 +107,10 @@ class Engine:
         if self.device.type == "cpu":
             torch.set_num_threads(config.resolved_threads())
         self.dtype = config.resolved_dtype(self.device)
-        loaded = load_model(config.model)
+        model_path = None if config.model is None else hub.resolve(config.model, config.revision)
+        loaded = load_model(model_path)
+        if model_path != config.model:        # a Hub id names the model, not its snapshot's commit folder
+            loaded.config.name = config.model
         self.model_config = mc = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = config.served_model_name or mc.name
@@ -158,6 +163,10 @@ class Engine:
                  self.model_name, mc.num_layers, self.dtype, self.device, self.lora_backend_name,
                  num_pages, page_bytes / 1024, num_pages * page_bytes / 2**30)
         for name, path in config.adapters.items():
+            try:
+                path = hub.resolve(path, files=hub.ADAPTER_FILES, what="adapter")
+            except ModelLoadError as e:
+                raise AdapterError(f"adapter {name!r}: {e}") from None
             self.load_adapter(name, path)
         if config.adapter_dir:
             self.register_adapter_dir(config.adapter_dir)
