@@ -18,7 +18,7 @@ from asyncserve import LLM, SamplingParams
 from asyncserve.model.llama import native_loop_gap, native_ops_gap
 from asyncserve.pager.adapters import AdapterError
 from family_models import FAMILIES, build_family_model, write_family_gguf
-from reference import TEST_DEVICE, assert_greedy_matches, peft_references, save_random_adapter
+from reference import TEST_DEVICE, assert_greedy_matches, peft_references, run_merged, save_random_adapter
 
 NEW_TOKENS = 8
 
@@ -85,6 +85,21 @@ def test_prefix_cache_keeps_reference_tokens(family_model):
         out = llm.generate([shared[i][0]], params, adapters=[shared[i][1]])[0]
         assert_greedy_matches(out.token_ids, shared_refs[i], tie_tol=1e-3, label=f"{model.family} cached case {i}")
     assert llm.engine.load_snapshot().prefix_hit_tokens >= 4 * 32
+
+
+def test_merged_mode_keeps_reference_tokens(family_model):
+    """dLoRA's merged mode: the adapter on every projection folded into the base weights (Phi-3: the
+    fused modules' slices of each projection; Qwen2: beside the q/k/v biases, which stay apart)."""
+    model, cases, refs = family_model
+    alone = [(case, ref) for case, ref in zip(cases, refs) if case[1] == "all"]
+    llm = LLM(model=str(model.folder), adapters={"all": str(model.adapters["all"])}, dtype="float32",
+              device=TEST_DEVICE, max_step_tokens=16)
+    merge = lambda plan, step: "all" if all(c.seq.adapter == "all" for c in plan.chunks) else None   # noqa: E731
+    seqs = run_merged(llm.engine, [case for case, _ in alone], merge,
+                      SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    assert llm.engine.merged_adapter == "all"
+    for i, (seq, (_, ref)) in enumerate(zip(seqs, alone)):
+        assert_greedy_matches(seq.output_ids, ref, tie_tol=1e-3, label=f"{model.family} merged case {i}")
 
 
 def test_adapter_naming_a_module_the_family_lacks_is_refused(family_model, tmp_path):
