@@ -183,3 +183,36 @@ def test_gguf_file_gives_the_hf_folders_tokens(name, tmp_path):
                                {"all": model.adapters["all"]})
     gguf_model = type(model)(model.family, path, model.tokenizer, model.base, {"all": model.adapters["all"]})
     assert generate(gguf_model, cases)[1] == generate(folder_model, cases)[1]
+
+
+def test_http_with_the_openai_client_equals_the_offline_engine(tmp_path):
+    """Gemma 2 (windows, soft-caps, GeGLU) served over HTTP: completions and chat (its chat template)
+    for the base model and both adapters give the offline engine's text."""
+    import openai
+
+    from asyncserve.config import Config
+    from server_harness import ServerThread
+
+    model = build_family_model(tmp_path, "gemma2")
+    adapters = {k: str(v) for k, v in model.adapters.items()}
+    offline = LLM(model=str(model.folder), adapters=adapters, dtype="float32", device="cpu")
+    srv = ServerThread(Config(model=str(model.folder), adapters=adapters, dtype="float32", device="cpu",
+                              served_model_name="gemma"))
+    try:
+        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0)
+        assert {m.id for m in client.models.list().data} == {"gemma", *adapters}
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        messages = [{"role": "user", "content": "the fox jumps over the lazy dog"}]
+        for name in ("gemma", *adapters):
+            adapter = None if name == "gemma" else name
+            prompt = "adapters serve many models"
+            expected = offline.generate([prompt], params, adapters=adapter)[0].text
+            r = client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            assert r.choices[0].text == expected
+            expected = offline.chat(messages, params, adapters=adapter)[0].text
+            r = client.chat.completions.create(model=name, messages=messages, max_tokens=8, temperature=0,
+                                               extra_body={"ignore_eos": True})
+            assert r.choices[0].message.content == expected
+    finally:
+        srv.stop()
