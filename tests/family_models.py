@@ -98,7 +98,7 @@ def write_family_gguf(model: FamilyModel, path: Path) -> Path:
         "context_length": cfg.max_position_embeddings, "embedding_length": cfg.hidden_size,
         "block_count": cfg.num_hidden_layers, "feed_forward_length": cfg.intermediate_size,
         "attention.head_count": cfg.num_attention_heads, "attention.head_count_kv": cfg.num_key_value_heads,
-        "attention.key_length": cfg.head_dim if hasattr(cfg, "head_dim") else cfg.hidden_size // cfg.num_attention_heads,
+        "attention.key_length": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
         "attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
     }
     metadata["rope.dimension_count"] = metadata["attention.key_length"]

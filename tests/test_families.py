@@ -14,11 +14,13 @@ import shutil
 import pytest
 import torch
 
+import kernels.cpu as cpu_kernels
 from asyncserve import LLM, SamplingParams
 from asyncserve.model.llama import native_loop_gap, native_ops_gap
 from asyncserve.pager.adapters import AdapterError
 from family_models import FAMILIES, build_family_model, write_family_gguf
-from reference import TEST_DEVICE, assert_greedy_matches, peft_references, run_merged, save_random_adapter
+from reference import (TEST_DEVICE, assert_greedy_matches, peft_references, record_calls, require_native_kernels,
+                       run_merged)
 
 NEW_TOKENS = 8
 
@@ -54,16 +56,22 @@ def check(tokens, cases, refs, label):
 
 @pytest.mark.parametrize("native", ["1", "0"])
 def test_base_and_two_adapters_in_one_generate_call(family_model, native, monkeypatch, caplog):
+    """native 1: Qwen's biases and q/k norms run in Python around the native RoPE + KV write and
+    attention kernels (Phi-3 is Llama's layer); Gemma's layers run as eager ops, said in one line."""
     model, cases, refs = family_model
     monkeypatch.setenv("ASYNCSERVE_NATIVE", native)
+    native_calls = []
+    if native == "1":
+        require_native_kernels()
+        record_calls(monkeypatch, cpu_kernels, "rope_write_kv", lambda *a: native_calls.append(1))
     with caplog.at_level(logging.INFO, logger="asyncserve.model.llama"):
         llm, tokens = generate(model, cases)
     check(tokens, cases, refs, f"{model.family} native={native}")
     assert llm.engine.pool.counts().kv == 0
     gap = native_ops_gap(llm.engine.model_config)
+    assert bool(native_calls) == (native == "1" and gap is None)
     fallbacks = [r.getMessage() for r in caplog.records if "native CPU kernels do not cover" in r.getMessage()]
-    import kernels.cpu as cpu_kernels
-    if native == "1" and gap and cpu_kernels.library() is not None:
+    if native == "1" and gap:
         assert fallbacks == [f"the native CPU kernels do not cover {gap}; those run as eager torch ops"]
     else:
         assert fallbacks == []
@@ -116,8 +124,10 @@ def test_adapter_naming_a_module_the_family_lacks_is_refused(family_model, tmp_p
         folder = tmp_path / new
         shutil.copytree(model.adapters["all"], folder)
         tensors = load_file(folder / "adapter_model.safetensors")
-        save_file({k.replace(f".{old}.", f".{new}."): v for k, v in tensors.items()}, folder / "adapter_model.safetensors")
-        with pytest.raises(AdapterError, match=rf"\.{new}\.lora_.*that {model.family} models do not have.*LoRA targets"):
+        renamed = {k.replace(f".{old}.", f".{new}."): v for k, v in tensors.items()}
+        save_file(renamed, folder / "adapter_model.safetensors")
+        message = rf"\.{new}\.lora_.*that {model.family} models do not have.*LoRA targets"
+        with pytest.raises(AdapterError, match=message):
             llm.load_adapter(new, str(folder))
     llm.load_adapter("all", str(model.adapters["all"]))
 
@@ -140,7 +150,6 @@ def test_longrope_tables_equal_transformers_short_and_long():
     factors, those from it on with the long ones, both times the attention factor, as transformers'
     tables for a sequence that short or that long. (transformers recomputes a whole sequence with the
     long factors once it grows past the pretraining context; cached K here keeps its rotation.)"""
-    import torch
     from transformers import Phi3Config
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 

@@ -37,7 +37,8 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         })
         family = config.family
         if family.qkv_bias:
-            shapes.update({p + "self_attn.q_proj.bias": (config.q_size,), p + "self_attn.k_proj.bias": (config.kv_size,),
+            shapes.update({p + "self_attn.q_proj.bias": (config.q_size,),
+                           p + "self_attn.k_proj.bias": (config.kv_size,),
                            p + "self_attn.v_proj.bias": (config.kv_size,)})
         if family.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": (config.head_dim,),

@@ -109,7 +109,7 @@ class ModelConfig:
     # name clients see in /v1/models and the PEFT base_model_name_or_path we expect, when known
     name: str = "model"
     family: Family = LLAMA
-    attn_scale: float | None = None        # scores' scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    attn_scale: float | None = None        # the scores' scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar)
     attn_softcap: float | None = None      # Gemma 2: scores -> tanh(scores / cap) * cap before the mask
     final_softcap: float | None = None     # Gemma 2: the same on the logits
     # per layer, its sliding window (a query sees the last `window` positions, its own included), None

@@ -225,9 +225,9 @@ def rope_inv_freq(config: ModelConfig, theta: float | None = None, long: bool = 
         factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
         exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
         inv_freq = 1.0 / (factors * config.rope_theta ** exponents)
-        factor = scaling.get("factor", 1.0)
+        factor, original = scaling.get("factor", 1.0), scaling["original_max_position_embeddings"]
         attn_factor = scaling.get("attention_factor") or (
-            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(scaling["original_max_position_embeddings"])))
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original)))
     elif kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
     elif kind == "llama3":

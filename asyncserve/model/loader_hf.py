@@ -124,7 +124,8 @@ def _refuse_unsupported_features(cfg: dict[str, Any], family: Family, name: str)
                              f"implements {want[0]}")
     if cfg.get("use_bidirectional_attention"):
         raise ModelLoadError(f"model {name} uses bidirectional attention; asyncserve serves causal decoders")
-    if float((cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
+    rotary = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if float(rotary) != 1.0:
         raise ModelLoadError(f"model {name} rotates part of each head (partial_rotary_factor), which "
                              "asyncserve does not implement")
     quantization = cfg.get("quantization_config")
