@@ -27,10 +27,13 @@ def _refuse(parser: argparse.ArgumentParser, reason: Exception) -> None:
 def _engine_args(p: argparse.ArgumentParser, step_profile: str = "off") -> None:
     """step_profile: --step-profile's default (auto for `serve`, which measures once per machine and model;
     off for a one-off `generate`)."""
-    p.add_argument("--model", default=None, metavar="PATH", help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="HF folder, .gguf file or Hugging Face Hub id (org/name: from the HF cache, downloaded when "
+                        "online; HF_HOME, HF_HUB_OFFLINE) (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--revision", default=None, help="the --model Hub id's branch, tag or commit (default: main)")
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
-                   help="serve the PEFT LoRA folder PATH as model NAME, read into host memory at start; repeat "
-                        "for several (default: none)")
+                   help="serve the PEFT LoRA folder or Hub id (org/name) PATH as model NAME, read into host memory "
+                        "at start; repeat for several (default: none)")
     p.add_argument("--device", default="auto",
                    help="auto (the CUDA GPU if torch sees one, else the CPU), cpu, cuda or cuda:N (default: auto)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
@@ -139,7 +142,8 @@ def flag_reference(parser: argparse.ArgumentParser) -> str:
 def _config(args):
     from asyncserve.config import Config
 
-    return Config(model=args.model, adapters=_adapter_pairs(args.adapter), device=args.device, dtype=args.dtype,
+    return Config(model=args.model, revision=args.revision, adapters=_adapter_pairs(args.adapter),
+                  device=args.device, dtype=args.dtype,
                   lora_backend=args.lora_backend, max_running=args.max_running,
                   max_step_tokens=args.max_step_tokens, max_model_len=args.max_model_len, pool_mem=args.pool_mem,
                   block_size=args.block_size, host_adapter_mem=args.host_adapter_mem,
@@ -232,9 +236,11 @@ def main(argv: list[str] | None = None) -> None:
                       help="the output is one of these; repeat (default: none)")
 
     args = ap.parse_args(argv)
+    from asyncserve.model.hub import is_remote
     from asyncserve.model.paths import check_model_path
     try:
-        check_model_path(args.model)       # a wrong --model fails at once, before torch is imported
+        if not is_remote(args.model):     # a Hub id resolves when the engine loads
+            check_model_path(args.model)   # a wrong --model fails at once, before torch is imported
     except ValueError as e:
         _refuse(s if args.command == "serve" else g, e)
     if args.command == "serve":

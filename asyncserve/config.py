@@ -26,9 +26,10 @@ def parse_size(text: str | int | None) -> int | None:
 
 @dataclass
 class Config:
-    model: str | None = None                 # HF folder, .gguf file, or None for the default SmolLM2
+    model: str | None = None                 # HF folder, .gguf file, Hub id (org/name), or None for the default SmolLM2
+    revision: str | None = None              # the Hub id's branch, tag or commit (default: main)
     served_model_name: str | None = None
-    adapters: dict[str, str] = field(default_factory=dict)   # name -> PEFT folder
+    adapters: dict[str, str] = field(default_factory=dict)   # name -> PEFT folder or Hub id
     dtype: str = "auto"                      # auto | bfloat16 | float16 | float32
     device: str = "auto"                     # auto | cpu | cuda[:N]
     lora_backend: str = "auto"               # auto | torch | triton
@@ -82,9 +83,13 @@ class Config:
         names, sizes that do not parse, counts below 1): these fail at once, not after the model loads."""
         from asyncserve.scheduler.policies import POLICIES
 
-        check_model_path(self.model)        # exists, is a model folder or starts like a GGUF file
+        from asyncserve.model.hub import is_remote
+
+        # a Hub id (org/name) is resolved, from the cache or downloaded, when the engine loads
+        if not is_remote(self.model):
+            check_model_path(self.model)    # exists, is a model folder or starts like a GGUF file
         for name, path in self.adapters.items():
-            if not (Path(path).expanduser() / "adapter_config.json").is_file():
+            if not (Path(path).expanduser() / "adapter_config.json").is_file() and not is_remote(path):
                 raise ValueError(f"adapter {name!r}: {path} is not a PEFT adapter folder (no adapter_config.json)")
         for flag, folder in (("adapter_dir", self.adapter_dir), ("adapter_root", self.adapter_root)):
             if folder is not None and not Path(folder).expanduser().is_dir():

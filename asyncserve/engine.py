@@ -23,6 +23,8 @@ import torch
 
 from asyncserve.config import Config
 from asyncserve.cpus import describe as describe_cpus
+from asyncserve.model import hub
+from asyncserve.model.config import ModelLoadError
 from asyncserve.model.llama import build_weights
 from asyncserve.model.loader import load_model
 from asyncserve.pager.adapters import (AdapterError, PeftFolder, build_host_adapter, check_adapter_name,
@@ -109,11 +111,14 @@ class Engine:
             torch.set_num_threads(config.resolved_threads())
             log.info("%d torch threads (%s)", torch.get_num_threads(), describe_cpus())
         self.dtype = config.resolved_dtype(self.device)
+        model_path = None if config.model is None else hub.resolve(config.model, config.revision)
         loading = Progress(f"loading {config.model or 'the default model'}", "tensors")
         try:
-            loaded = load_model(config.model, loading)
+            loaded = load_model(model_path, loading)
         finally:
             loading.close()
+        if model_path != config.model:        # a Hub id names the model, not its snapshot's commit folder
+            loaded.config.name = config.model
         self.model_config = mc = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = config.served_model_name or mc.name
@@ -121,6 +126,9 @@ class Engine:
             raise ValueError(f"max_model_len {config.max_model_len} is beyond the model's context of "
                              f"{mc.max_position} tokens")
         self.max_model_len = config.max_model_len or mc.max_position
+        # a window no sequence outgrows hides nothing: those layers attend globally (and natively)
+        windows = [w if w is not None and w < self.max_model_len else None for w in mc.layer_windows]
+        mc.layer_windows = windows if any(windows) else []
         weights = build_weights(mc, loaded.weights, self.dtype, self.device)
         weight_bytes = weights.nbytes()
 
@@ -144,7 +152,12 @@ class Engine:
         eos = self.tokenizer.eos_token_ids
         self.runner = ModelRunner(mc, weights, self.pool, self.pager, lora, eos)
         # ASYNCSERVE_ENFORCE_EAGER=1: --enforce-eager for every engine of the process (the GPU test runs)
-        if self.device.type == "cuda" and not (config.enforce_eager or os.environ.get("ASYNCSERVE_ENFORCE_EAGER") == "1"):
+        graphs = self.device.type == "cuda" and not (config.enforce_eager or os.environ.get("ASYNCSERVE_ENFORCE_EAGER") == "1")
+        if graphs and (mc.layer_windows or mc.attn_softcap):
+            # the graphs' decode attention is kernels.paged_attention, which takes neither a window nor a cap
+            log.info("CUDA graphs off: %s has sliding windows or attention soft-capping (--enforce-eager)", mc.name)
+            graphs = False
+        if graphs:
             from asyncserve.stepper.cuda_graphs import CudaSeam
             self.runner.enable_graphs(CudaSeam(self.device), config.max_running,
                                       -(-self.max_model_len // config.block_size))
@@ -168,6 +181,10 @@ class Engine:
                  self.model_name, mc.num_layers, self.dtype, self.device, self.lora_backend_name,
                  num_pages, page_bytes / 1024, num_pages * page_bytes / 2**30)
         for name, path in config.adapters.items():
+            try:
+                path = hub.resolve(path, files=hub.ADAPTER_FILES, what="adapter")
+            except ModelLoadError as e:
+                raise AdapterError(f"adapter {name!r}: {e}") from None
             self.load_adapter(name, path)
         if config.adapter_dir:
             self.register_adapter_dir(config.adapter_dir)
