@@ -254,10 +254,10 @@ def test_help_explains_the_serving_flags(capsys):
         cli_main(["serve", "--help"])
     assert exit_.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    for expected in ("--max-running MAX_RUNNING most sequences in the running batch",
-                     "--max-waiting MAX_WAITING queued sequences (prompts x n) beyond this are refused with 429",
-                     "--policy POLICY batch formation: fcfs (first come, first served), affinity",
+    for expected in ("--max-running N most sequences in the running batch",
+                     "--max-waiting N queued sequences (prompts x n) beyond this are refused with 429",
+                     "--policy NAME batch formation: fcfs (first come, first served), affinity",
                      "--slo-ttft SECONDS slo: answer a waiting request at once with a 429",
-                     "--served-model-name SERVED_MODEL_NAME the base model's name in the API",
+                     "--served-model-name NAME the base model's name in the API",
                      "--shutdown-grace SECONDS", "--max-body-size SIZE"):
         assert expected in text, expected
