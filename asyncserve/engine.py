@@ -106,7 +106,8 @@ class Engine:
         if self.device.type == "cpu":
             torch.set_num_threads(config.resolved_threads())
         self.dtype = config.resolved_dtype(self.device)
-        loaded = load_model(config.model)
+        # GGUF blocks stay blocks on CPU (build_weights dequantizes them where the quantized kernels don't run)
+        loaded = load_model(config.model, keep_quantized=self.device.type == "cpu" and not config.dequantize)
         self.model_config = mc = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = config.served_model_name or mc.name

@@ -7,13 +7,14 @@ from dataclasses import dataclass
 import torch
 
 from asyncserve.model.config import ModelConfig, ModelLoadError
+from asyncserve.model.linear import QuantizedWeight
 from asyncserve.model.tokenizer import Tokenizer
 
 
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]     # HF Llama names (see config.py)
+    weights: dict[str, torch.Tensor | QuantizedWeight]   # HF Llama names (see config.py); GGUF blocks kept
     tokenizer: Tokenizer
     source: str                          # the file or folder the model was read from
 
@@ -51,7 +52,7 @@ def select_weights(config: ModelConfig, tensors: dict[str, torch.Tensor], source
         if tuple(tensor.shape) != shape:
             raise ModelLoadError(f"{source}: tensor {name} has shape {tuple(tensor.shape)}, "
                                  f"but the model's config implies {shape}")
-        if tensor.is_floating_point() and not all_finite(tensor):
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not all_finite(tensor):
             raise ModelLoadError(f"{source}: tensor {name} holds NaN or infinite values")
         weights[name] = tensor
     return weights

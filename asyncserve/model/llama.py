@@ -9,6 +9,7 @@ step's LoRA is lora_segments' (LoraHook.native_step), the same layer loop runs i
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -18,7 +19,9 @@ import torch.nn.functional as F
 
 import kernels.cpu as cpu_kernels
 from asyncserve.model.config import GROUPS, ModelConfig
-from asyncserve.model.linear import Linear, NativeLinear, make_linear
+from asyncserve.model.linear import Linear, NativeLinear, QuantizedWeight, QuantLinear, make_linear, make_weight_linear
+
+log = logging.getLogger(__name__)
 
 
 class LoraHook(Protocol):
@@ -79,6 +82,8 @@ class LlamaWeights:
         """The native layer loop over these weights, or None where it cannot run them."""
         if self._decoder is None:
             linears = [getattr(lw, g) for lw in self.layers for g in GROUPS] + [self.lm_head]
+            if any(isinstance(p, QuantLinear) for p in linears):
+                log.info("quantized projections: the layer loop runs in Python (the native one takes bf16 only)")
             self._decoder = all(isinstance(p, NativeLinear) for p in linears) and cpu_kernels.native_decoder(
                 [t for lw in self.layers for t in (lw.input_norm, lw.post_norm)], [p.weight for p in linears],
                 [p.out_features for p in linears], self.norm, self.lm_head.weight, config.num_heads,
@@ -93,10 +98,11 @@ class LlamaWeights:
                 + sum(p.nbytes for p in linears) - (self.lm_head.nbytes if shared else 0))
 
 
-def build_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+def build_weights(config: ModelConfig, weights: dict[str, torch.Tensor | QuantizedWeight], dtype: torch.dtype,
                   device: torch.device) -> LlamaWeights:
-    """Fuse q/k/v and gate/up, cast and move; consumes ``weights`` to keep peak memory low."""
-    def take(name: str) -> torch.Tensor:
+    """Fuse q/k/v and gate/up, cast and move; consumes ``weights`` to keep peak memory low. Projections
+    given as GGUF blocks (QuantizedWeight) stay blocks where the CPU's quantized kernels run."""
+    def take(name: str) -> torch.Tensor | QuantizedWeight:
         try:
             return weights.pop(name)
         except KeyError:
@@ -105,25 +111,30 @@ def build_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: 
     def put(t: torch.Tensor) -> torch.Tensor:
         return t.to(device=device, dtype=dtype).contiguous()
 
+    def linear(*names: str) -> Linear:
+        parts = [take(name) for name in names]
+        if all(isinstance(t, QuantizedWeight) for t in parts):
+            return make_weight_linear(QuantizedWeight.cat(parts), dtype, device)
+        dense = [t.dequantize() if isinstance(t, QuantizedWeight) else t for t in parts]
+        return make_linear(put(torch.cat(dense) if len(dense) > 1 else dense[0]))
+
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-        gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
         layers.append(LayerWeights(
             input_norm=put(take(p + "input_layernorm.weight")),
-            qkv=make_linear(put(qkv)),
-            o=make_linear(put(take(p + "self_attn.o_proj.weight"))),
+            qkv=linear(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")),
+            o=linear(p + "self_attn.o_proj.weight"),
             post_norm=put(take(p + "post_attention_layernorm.weight")),
-            gate_up=make_linear(put(gate_up)),
-            down=make_linear(put(take(p + "mlp.down_proj.weight"))),
+            gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+            down=linear(p + "mlp.down_proj.weight"),
         ))
     embed = put(take("model.embed_tokens.weight"))
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
         lm_head = make_linear(embed)
     else:
-        lm_head = make_linear(put(take("lm_head.weight")))
+        lm_head = linear("lm_head.weight")
     _check_shapes(config, embed, layers[0], lm_head)
     return LlamaWeights(embed=embed, layers=layers, norm=put(take("model.norm.weight")), lm_head=lm_head)
 

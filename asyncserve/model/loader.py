@@ -25,8 +25,9 @@ def default_model_path() -> Path:
     return files[0]
 
 
-def load_model(path: str | None = None) -> LoadedModel:
-    """A `.gguf` file, an HF folder (config.json + safetensors + tokenizer.json), or None for the default model."""
+def load_model(path: str | None = None, keep_quantized: bool = False) -> LoadedModel:
+    """A `.gguf` file, an HF folder (config.json + safetensors + tokenizer.json), or None for the default model.
+    keep_quantized: a GGUF file's projections of the types QuantLinear runs stay GGUF blocks (QuantizedWeight)."""
     target = default_model_path() if path is None else Path(path).expanduser()
     # the loaders import their file-format libraries only when a model of that kind is loaded
     if target.is_dir():
@@ -34,7 +35,7 @@ def load_model(path: str | None = None) -> LoadedModel:
         return load_hf_folder(target)
     if target.is_file() and target.suffix == ".gguf":
         from asyncserve.model.loader_gguf import load_gguf_file
-        return load_gguf_file(target)
+        return load_gguf_file(target, keep_quantized)
     if not target.exists():
         raise ModelLoadError(f"model path {target} does not exist")
     raise ModelLoadError(f"{target} is neither a .gguf file nor an HF model folder (a directory with config.json)")

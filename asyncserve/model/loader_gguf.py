@@ -1,4 +1,5 @@
-"""Loading a llama.cpp GGUF file: metadata, dequantized float32 weights in HF naming, tokenizer."""
+"""Loading a llama.cpp GGUF file: metadata, weights in HF naming (dequantized to float32, or with
+keep_quantized the projections of the types the CPU kernels run kept as their blocks), tokenizer."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,6 +11,7 @@ import torch
 
 from asyncserve.model.checkpoint import LoadedModel, select_weights
 from asyncserve.model.config import ModelConfig, ModelLoadError
+from asyncserve.model.linear import QuantizedWeight
 from asyncserve.model.tokenizer import Tokenizer
 
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -25,9 +27,11 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
 }
 _REQUIRED = object()
+# what kernels/cpu/quant.h runs: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K (everything a Q4_K_M, Q5_K_M or Q8_0 file holds)
+KEPT_QUANTIZED = {gguf.GGMLQuantizationType(t) for t in (2, 3, 8, 12, 13, 14)}
 
 
-def load_gguf_file(path: Path) -> LoadedModel:
+def load_gguf_file(path: Path, keep_quantized: bool = False) -> LoadedModel:
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:       # the reader raises ValueError, struct errors, ... on a bad file
@@ -51,7 +55,8 @@ def load_gguf_file(path: Path) -> LoadedModel:
     config.bos_token_id = tokenizer.bos_token_id
     config.eos_token_ids = tokenizer.eos_token_ids
 
-    tensors = {hf_names[name]: _dequantize(tensor, config, path) for name, tensor in by_name.items()}
+    tensors = {hf_names[name]: _quantized(tensor, config) if keep_quantized and _keeps(tensor)
+               else _dequantize(tensor, config, path) for name, tensor in by_name.items()}
     return LoadedModel(config, select_weights(config, tensors, str(path)), tokenizer, str(path))
 
 
@@ -122,6 +127,23 @@ def _dequantize(tensor: gguf.ReaderTensor, config: ModelConfig, path: Path) -> t
     elif tensor.name.endswith("attn_k.weight"):
         weight = _unpermute(weight, config.num_kv_heads)
     return weight
+
+
+def _keeps(tensor: gguf.ReaderTensor) -> bool:
+    """Projections and the output head of a kernel type; the embeddings are looked up, not multiplied."""
+    return tensor.tensor_type in KEPT_QUANTIZED and len(tensor.shape) == 2 and tensor.name != "token_embd.weight"
+
+
+def _quantized(tensor: gguf.ReaderTensor, config: ModelConfig) -> QuantizedWeight:
+    """The tensor's blocks copied out of the mapped file, one row of blocks per output: [out, bytes per row]."""
+    fan_in, out = (int(d) for d in tensor.shape)
+    blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(out, -1))
+    # whole rows move, so undoing the converter's Q/K interleave permutes rows of blocks as it does rows of floats
+    if tensor.name.endswith("attn_q.weight"):
+        blocks = _unpermute(blocks, config.num_heads)
+    elif tensor.name.endswith("attn_k.weight"):
+        blocks = _unpermute(blocks, config.num_kv_heads)
+    return QuantizedWeight([(blocks.contiguous(), int(tensor.tensor_type))], fan_in)
 
 
 def _unpermute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
