@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kernels.cpu as cpu_kernels
-from quant_helpers import KERNEL_TYPES, Q, dequantized, quantized
+from quant_helpers import KERNEL_TYPES, Q, dequantized, quantize, random_blocks
 from reference import require_native_kernels
 
 ROWS = [1, 3, 17, 64, 256]
@@ -64,7 +64,7 @@ def test_each_type_rows_and_odd_shapes(qtype):
     rng = np.random.default_rng(int(qtype))
     block = 256 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 32
     fan_in, out = 3 * block, 37            # several blocks; out not a multiple of any tile
-    blocks = quantized((out, fan_in), qtype, rng)
+    blocks = random_blocks((out, fan_in), qtype, rng)
     for rows in ROWS:
         x = torch.from_numpy(rng.standard_normal((rows, fan_in)).astype(np.float32))
         for dtype in (torch.float32, torch.bfloat16):
@@ -74,14 +74,14 @@ def test_each_type_rows_and_odd_shapes(qtype):
 def test_parts_of_mixed_types_stack_as_columns():
     """qkv of a Q4_K_M file: q and k Q4_K, v Q6_K, one call, columns in order."""
     rng = np.random.default_rng(1)
-    parts = [(quantized((out, 512), t, rng), t) for out, t in [(24, Q.Q4_K), (8, Q.Q4_K), (9, Q.Q6_K), (5, Q.Q8_0)]]
+    parts = [(random_blocks((out, 512), t, rng), t) for out, t in [(24, Q.Q4_K), (8, Q.Q4_K), (9, Q.Q6_K), (5, Q.Q8_0)]]
     for rows in (1, 17):
         check(torch.from_numpy(rng.standard_normal((rows, 512)).astype(np.float32)), parts)
 
 
 def test_threads_split_columns_alike():
     rng = np.random.default_rng(2)
-    blocks = quantized((333, 256), Q.Q5_K, rng)
+    blocks = random_blocks((333, 256), Q.Q5_K, rng)
     x = torch.randn(5, 256)
     threads = torch.get_num_threads()
     try:
@@ -96,7 +96,7 @@ def test_threads_split_columns_alike():
 
 def test_zero_rows_and_zero_activations():
     rng = np.random.default_rng(3)
-    blocks = torch.from_numpy(quantized((16, 64), Q.Q4_0, rng))
+    blocks = torch.from_numpy(random_blocks((16, 64), Q.Q4_0, rng))
     assert cpu_kernels.quant_linear(torch.zeros(0, 64), [blocks], [int(Q.Q4_0)]).shape == (0, 16)
     assert torch.equal(cpu_kernels.quant_linear(torch.zeros(2, 64), [blocks], [int(Q.Q4_0)]), torch.zeros(2, 16))
 
@@ -109,7 +109,18 @@ def test_zero_rows_and_zero_activations():
     (lambda b: ([b], [int(Q.Q4_K)]), "not a multiple"),
 ])
 def test_bad_arguments_are_refused(bad, match):
-    blocks = torch.from_numpy(quantized((4, 64), Q.Q4_0, np.random.default_rng(4)))
+    blocks = torch.from_numpy(random_blocks((4, 64), Q.Q4_0, np.random.default_rng(4)))
     parts, types = bad(blocks)
     with pytest.raises(RuntimeError, match=match):
         cpu_kernels.quant_linear(torch.randn(2, 64), parts, types)
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_quantized_gaussian_weights(qtype):
+    """Weights as a model has them (zero mean), quantized; the tests' K-quant quantizer round-trips them."""
+    rng = np.random.default_rng(10 + int(qtype))
+    w = rng.standard_normal((19, 512)).astype(np.float32)
+    blocks = quantize(w, qtype)
+    steps = {Q.Q4_0: 0.5, Q.Q4_1: 0.35, Q.Q8_0: 0.02, Q.Q4_K: 0.35, Q.Q5_K: 0.17, Q.Q6_K: 0.1}
+    assert np.abs(dequantized(blocks, qtype) - w).max() < steps[qtype]
+    check(torch.from_numpy(rng.standard_normal((17, 512)).astype(np.float32)), [(blocks, qtype)])

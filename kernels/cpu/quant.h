@@ -291,7 +291,21 @@ inline void dot_tile(const DecodedColumn& c, const QuantizedRows& a, int64_t m, 
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
 }
 
+// sum of a[i] * b[i], n a multiple of 8 (8 lanes: the order of the sums is fixed, so results do not
+// depend on the thread count)
+inline float dot_floats(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  return hsum(acc);
+}
+
 #else
+
+inline float dot_floats(const float* a, const float* b, int64_t n) {
+  float acc = 0.0f;
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
 
 template <int R, bool Signed>
 inline void dot_tile(const DecodedColumn& c, const QuantizedRows& a, int64_t m, float* out) {
@@ -329,11 +343,12 @@ inline void quant_columns(const uint8_t* blocks, int64_t row_bytes, int64_t n0, 
         default: dot_tile<1, kSigned>(c, a, m, dots); break;
       }
       for (int64_t r = 0; r < rows; ++r) {
-        float off = 0.0f;
-        if constexpr (!kSigned) {   // Q8_0 has no offsets
-          const float* s16 = a.s16.data() + (m + r) * groups;
-          for (int64_t g = 0; g < groups; ++g) off += c.offset[g] * s16[g];
-        }
+        // Q8_0 has no offsets; K is a multiple of 32, so there are 2, 4, 6, ... groups: the tail of 8 runs here
+        const float* s16 = a.s16.data() + (m + r) * groups;
+        const int64_t body = groups / 8 * 8;
+        float off = kSigned ? 0.0f : dot_floats(c.offset.data(), s16, body);
+        if constexpr (!kSigned)
+          for (int64_t g = body; g < groups; ++g) off += c.offset[g] * s16[g];
         y[(m + r) * ldy + col0 + n] = from_float<T>(dots[r] + off);
       }
     }
