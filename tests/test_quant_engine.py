@@ -16,7 +16,7 @@ from reference import (assert_greedy_matches, make_tiny_tokenizer, peft_referenc
                        save_random_adapter)
 
 HIDDEN, INTER, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
-NEW_TOKENS = 8
+NEW_TOKENS = 6
 # int8 activations move these models' logprobs by up to ~0.09 (median 0.02; logits' spread ~1.3) from the
 # dequantized weights' (the kernel tests bound the error per element): a token may differ from the
 # reference only where its top two logits are within twice that
@@ -91,14 +91,14 @@ def test_quantized_engine_matches_dequantized_reference(tmp_path, types):
     assert weights.nbytes() == kept + dense_bytes
     assert "GGUF blocks" in unmergeable_reason(weights)
 
-    prompts = [llm.tokenizer.encode(p) for p in ["The quick brown fox", "def add(a, b):", "LoRA adapters fine"]]
+    prompts = [llm.tokenizer.encode(p) for p in ["The quick brown fox", "def add(a, b):"]]
     cases = [(ids, a) for ids in prompts for a in [None, *adapters]]
     refs = peft_references(reference, adapters, cases, NEW_TOKENS)
     outs = llm.generate([ids for ids, _ in cases], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
                                                                   ignore_eos=True), adapters=[a for _, a in cases])
     equal = [assert_greedy_matches(o.token_ids, ref, TIE_TOL, f"case {i} ({cases[i][1]})")
              for i, (o, ref) in enumerate(zip(outs, refs))]
-    assert sum(equal) >= len(cases) - 2, equal
+    assert sum(equal) >= len(cases) - 1, equal
     # the adapters change the tokens: their LoRA runs on top of the quantized base
     assert any(outs[i].token_ids != outs[i + 1].token_ids for i in range(0, len(cases), 3))
 
