@@ -6,7 +6,7 @@ Runs are interleaved (each round times every variant once, the median round is r
 average is printed before and after, since boxes are shared. Weights are random blocks (every bit
 random, the fp16 scales set to keep entries ~0.05): the kernels' speed does not depend on the values.
 
-    PYTHONPATH=. python scripts/bench_quant.py [--shapes 2048x2048,8192x2048] [--rows 1,16,64] [--rounds 7]
+    PYTHONPATH=. python scripts/bench_quant.py [--shapes 2048x2048,8192x2048] [--rows 1,16,64] [--rounds 7] [--threads N]
 """
 from __future__ import annotations
 
@@ -61,7 +61,10 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=0.2, help="per variant per round")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if cpu_kernels.library() is None:
         raise SystemExit(f"native kernels unavailable: {cpu_kernels.error()}")
     print(f"CPU: {cpu_name()}; threads {torch.get_num_threads()}; quant path {cpu_kernels.quant_path()}; "

@@ -11,7 +11,7 @@ from asyncserve import LLM, SamplingParams
 from asyncserve.model.linear import QuantLinear
 from asyncserve.stepper.merge import MergeError, unmergeable_reason
 from model_io_helpers import backend_vocab, write_gguf
-from quant_helpers import Q, dequantized, quantize
+from quant_helpers import Q, dequantized, quantize, random_blocks
 from reference import (assert_greedy_matches, make_tiny_tokenizer, peft_references, require_native_kernels,
                        save_random_adapter)
 
@@ -126,3 +126,48 @@ def test_dequantize_flag_gives_dense_mergeable_weights(tmp_path):
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     ids = kept.tokenizer.encode("Serving many adapters")
     assert kept.generate([ids], params)[0].token_ids[:1] == dense.generate([ids], params)[0].token_ids[:1]
+
+
+def test_resident_memory_after_loading_is_the_files_size(tmp_path):
+    """A 4-layer 1024-wide Q4_K file (~40 MB; 150 MB as float32): the process's anonymous memory grows by
+    about the file's size when the engine's weights are built from it (in a fresh process)."""
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(0)
+    tokens, merges, special = backend_vocab(make_tiny_tokenizer().backend_tokenizer)
+    hidden, inter, layers = 1024, 4096, 4
+    shapes = {"attn_q": (hidden, hidden), "attn_k": (hidden, hidden), "attn_v": (hidden, hidden),
+              "attn_output": (hidden, hidden), "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden),
+              "ffn_down": (hidden, inter)}
+    tensors = {"token_embd.weight": (rng.standard_normal((len(tokens), hidden)).astype(np.float32), None),
+               "output_norm.weight": (np.ones(hidden, np.float32), None),
+               "output.weight": (random_blocks((len(tokens), hidden), Q.Q4_K, rng, 0.05), Q.Q4_K)}
+    for i in range(layers):
+        for norm in ("attn_norm", "ffn_norm"):
+            tensors[f"blk.{i}.{norm}.weight"] = (np.ones(hidden, np.float32), None)
+        for name, shape in shapes.items():
+            tensors[f"blk.{i}.{name}.weight"] = (random_blocks(shape, Q.Q4_K, rng, 0.05), Q.Q4_K)
+    llama = {"context_length": 256, "embedding_length": hidden, "block_count": layers, "feed_forward_length": inter,
+             "attention.head_count": 16, "attention.head_count_kv": 16}
+    path = write_gguf(tmp_path / "big.gguf", tokens=tokens, merges=merges, special=special, llama=llama,
+                      tensors=tensors)
+    script = f"""
+import gc, torch
+from asyncserve.model.loader import load_model
+from asyncserve.model.llama import build_weights
+import kernels.cpu; kernels.cpu.library()
+def anon():
+    return int(next(l for l in open('/proc/self/status') if l.startswith('RssAnon')).split()[1]) * 1024
+before = anon()
+loaded = load_model({str(path)!r}, keep_quantized=True)
+weights = build_weights(loaded.config, loaded.weights, torch.float32, torch.device('cpu'))
+del loaded; gc.collect()
+print(anon() - before, weights.nbytes())
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    grown, nbytes = (int(v) for v in run.stdout.split())
+    size = path.stat().st_size
+    assert size * 0.95 <= nbytes <= size      # the file is the blocks, a small embedding and its metadata
+    assert grown <= 1.3 * size, (grown, size)

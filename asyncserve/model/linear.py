@@ -127,14 +127,9 @@ class QuantizedWeight:
 
     @staticmethod
     def cat(weights: list[QuantizedWeight]) -> QuantizedWeight:
-        """Rows of weights stacked (fused q/k/v, gate/up); neighbouring parts of one type become one."""
-        parts: list[tuple[torch.Tensor, int]] = []
-        for blocks, qtype in (p for w in weights for p in w.parts):
-            if parts and parts[-1][1] == qtype:
-                parts[-1] = (torch.cat([parts[-1][0], blocks]), qtype)
-            else:
-                parts.append((blocks, qtype))
-        return QuantizedWeight(parts, weights[0].in_features)
+        """Rows of weights stacked (fused q/k/v, gate/up): their parts in order, not copied (the kernel
+        takes a list of parts)."""
+        return QuantizedWeight([p for w in weights for p in w.parts], weights[0].in_features)
 
     def dequantize(self) -> torch.Tensor:
         """[out, in] float32 by gguf.quants' reference dequantization."""

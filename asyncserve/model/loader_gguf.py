@@ -137,13 +137,14 @@ def _keeps(tensor: gguf.ReaderTensor) -> bool:
 def _quantized(tensor: gguf.ReaderTensor, config: ModelConfig) -> QuantizedWeight:
     """The tensor's blocks copied out of the mapped file, one row of blocks per output: [out, bytes per row]."""
     fan_in, out = (int(d) for d in tensor.shape)
-    blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(out, -1))
+    blocks = tensor.data.reshape(out, -1)          # a view of the mapped file
     # whole rows move, so undoing the converter's Q/K interleave permutes rows of blocks as it does rows of floats
     if tensor.name.endswith("attn_q.weight"):
         blocks = _unpermute(blocks, config.num_heads)
     elif tensor.name.endswith("attn_k.weight"):
         blocks = _unpermute(blocks, config.num_kv_heads)
-    return QuantizedWeight([(blocks.contiguous(), int(tensor.tensor_type))], fan_in)
+    # copied out of the mapping (which closes with the reader)
+    return QuantizedWeight([(torch.from_numpy(np.array(blocks, dtype=np.uint8)), int(tensor.tensor_type))], fan_in)
 
 
 def _unpermute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
