@@ -1,4 +1,5 @@
-"""Times kernels.cpu.quant_linear (GGUF blocks, int8 activations) against the dense projection this CPU
+"""Times kernels.cpu.quant_linear (GGUF blocks; int8 activations, and with --strategies int8,fp32 also its fp32
+strategy: each column dequantized to fp32, fp32 activations) against the dense projection this CPU
 runs for the same shape (model/linear.py's make_linear: the native bf16 GEMM on AVX512-BF16 CPUs, oneDNN's
 reordered GEMM elsewhere), in fp32 and bf16 activations, at a step's row counts.
 
@@ -61,6 +62,7 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=0.2, help="per variant per round")
+    ap.add_argument("--strategies", default="int8", help="int8 and/or fp32 (kernels.cpu.set_quant_int8)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
     if args.threads:
@@ -77,13 +79,18 @@ def main() -> None:
             dense = make_linear(torch.randn(out, fan_in).mul_(0.05).to(dtype))
             for rows in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(rows, fan_in).to(dtype)
-                variants = {f"dense {type(dense).__name__}": lambda: dense(x)}
-                variants.update({t.name: (lambda b=b, t=t: cpu_kernels.quant_linear(x, [b], [int(t)]))
-                                 for t, b in blocks.items()})
+                # name -> (int8 strategy, call)
+                variants = {f"dense {type(dense).__name__}": (True, lambda: dense(x))}
+                for strategy in args.strategies.split(","):
+                    variants.update({f"{t.name}{'' if strategy == 'int8' else '/fp32'}":
+                                     (strategy == "int8", lambda b=b, t=t: cpu_kernels.quant_linear(x, [b], [int(t)]))
+                                     for t, b in blocks.items()})
                 times = {name: [] for name in variants}
                 for _ in range(args.rounds):
-                    for name, fn in variants.items():
+                    for name, (int8, fn) in variants.items():
+                        cpu_kernels.set_quant_int8(int8)
                         times[name].append(timed(fn, args.seconds))
+                cpu_kernels.set_quant_int8(True)
                 base = statistics.median(times[next(iter(variants))])
                 cells = []
                 for name, ts in times.items():

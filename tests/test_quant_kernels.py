@@ -124,3 +124,27 @@ def test_quantized_gaussian_weights(qtype):
     steps = {Q.Q4_0: 0.5, Q.Q4_1: 0.35, Q.Q8_0: 0.02, Q.Q4_K: 0.35, Q.Q5_K: 0.17, Q.Q6_K: 0.1}
     assert np.abs(dequantized(blocks, qtype) - w).max() < steps[qtype]
     check(torch.from_numpy(rng.standard_normal((17, 512)).astype(np.float32)), [(blocks, qtype)])
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_fp32_strategy_is_exact_to_rounding(qtype):
+    """set_quant_int8(False): fp32 activations against each column dequantized to fp32, no activation error."""
+    rng = np.random.default_rng(20 + int(qtype))
+    block = 256 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 32
+    blocks = random_blocks((21, 2 * block), qtype, rng)
+    w = dequantized(blocks, qtype).astype(np.float64)
+    previous = cpu_kernels.set_quant_int8(False)
+    try:
+        for rows in (1, 6):
+            x = torch.from_numpy(rng.standard_normal((rows, 2 * block)).astype(np.float32))
+            for dtype in (torch.float32, torch.bfloat16):
+                xd = x.to(dtype)
+                y = cpu_kernels.quant_linear(xd, [torch.from_numpy(blocks)], [int(qtype)])
+                exact = xd.double().numpy() @ w.T
+                tol = np.abs(xd.double().numpy()) @ np.abs(w).T * 1e-5 + 1e-6
+                if dtype == torch.bfloat16:
+                    tol += np.abs(exact) * 2.0 ** -8
+                assert_within(y, exact, tol, f"fp32 strategy, {rows} rows, {dtype}")
+    finally:
+        cpu_kernels.set_quant_int8(previous)
+    assert cpu_kernels.set_quant_int8(previous) == previous

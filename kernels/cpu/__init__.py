@@ -244,6 +244,12 @@ def quant_linear(x: torch.Tensor, parts: list[torch.Tensor], types: list[int]) -
     return _lib().quant_linear(x, parts, types)
 
 
+def set_quant_int8(on: bool) -> bool:
+    """Let quant_linear quantize the activations to int8 (on at start), or run them in fp32 against each
+    weight column dequantized to fp32 (exact activations; to compare); returns the previous setting."""
+    return _lib().set_quant_int8(on)
+
+
 def quant_path() -> str:
     """The integer dot products quant_linear runs on this build: avx2+vnni, avx2 or scalar."""
     return _lib().quant_path()

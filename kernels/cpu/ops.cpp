@@ -388,6 +388,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_amx_gemm", [](bool on) { return amx_gemm_on.exchange(on); },
         "whether packed_linear may run AMX tiles (on at start); returns the previous setting");
   m.def("quant_linear", &quant_linear_op, no_gil, "x W^T over weights in GGUF blocks (quant.h)");
+  m.def("set_quant_int8", [](bool on) { return quant_int8_on.exchange(on); },
+        "whether quant_linear quantizes x to int8 (on at start) or runs fp32 x against fp32-dequantized columns");
   m.def("quant_path", [] { return std::string(quant_path()); }, "the integer dot products quant_linear runs here");
   m.def("lora_segments", &lora_segments_op, no_gil, "y += each run's LoRA, read from the pool rows");
   m.def("lora_prefetch_lines", &lora_prefetch_lines_op, "the lines a GEMM asks for ahead of lora_segments, by thread");

@@ -15,9 +15,13 @@
 // the decoding is paid once per column, not once per row. The integer dot products are AVX2's
 // vpmaddubsw + vpmaddwd, or one vpdpbusd where the CPU has AVX512-VNNI (+VL) or AVX-VNNI; a scalar
 // loop runs where the build has no AVX2.
+//
+// The other strategy, for comparison (set_quant_int8(false), scripts/bench_quant.py): the column
+// dequantized to fp32 once and the rows' fp32 activations multiplied with FMAs, exact activations.
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -78,6 +82,10 @@ inline const char* quant_path() {
 
 constexpr int kQuantTile = 4;   // rows of x per pass over a decoded column
 
+// int8 activations and integer dot products (on at start), or fp32 activations against the column
+// dequantized to fp32 (see the top); returns nothing, read per call.
+inline std::atomic<bool> quant_int8_on{true};
+
 inline float half_to_float(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
@@ -86,17 +94,39 @@ inline float half_to_float(const uint8_t* p) {
 
 // x quantized per block of 32: q [M][K] int8, d [M][K/32] scales, s16 [M][K/16] = d * sum of q over
 // each 16 (what the offsets m multiply).
+// Or, for the fp32 strategy, x as fp32 rows xf [M][K] alone.
 struct QuantizedRows {
   std::vector<int8_t> q;
-  std::vector<float> d, s16;
+  std::vector<float> d, s16, xf;
   int64_t K = 0;
 };
 
-// One decoded column: q [K] bytes, scale and offset per 16 weights [K/16].
+// One decoded column: q [K] bytes, scale and offset per 16 weights [K/16]; for the fp32 strategy
+// also w [K], the weights themselves.
 struct DecodedColumn {
   std::vector<uint8_t> q;
-  std::vector<float> scale, offset;
+  std::vector<float> scale, offset, w;
 };
+
+template <typename T>
+inline void float_rows(const T* x, int64_t ldx, int64_t M, int64_t K, QuantizedRows& out) {
+  out.K = K;
+  out.xf.resize(M * K);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) out.xf[m * K + k] = to_float(x[m * ldx + k]);
+}
+
+// c.w = the decoded column's weights in fp32.
+template <bool Signed>
+inline void dequantize_column(DecodedColumn& c, int64_t K) {
+  for (int64_t g = 0; g < K / 16; ++g) {
+    const float s = c.scale[g], o = c.offset[g];
+    for (int i = 0; i < 16; ++i) {
+      const float q = Signed ? float(int8_t(c.q[16 * g + i])) : float(c.q[16 * g + i]);
+      c.w[16 * g + i] = s * q + o;
+    }
+  }
+}
 
 template <typename T>
 inline void quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K, QuantizedRows& out) {
@@ -291,6 +321,20 @@ inline void dot_tile(const DecodedColumn& c, const QuantizedRows& a, int64_t m, 
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
 }
 
+// R fp32 rows of x (from row m) against the column's fp32 weights.
+template <int R>
+inline void float_tile(const DecodedColumn& c, const QuantizedRows& a, int64_t m, float* out) {
+  const int64_t K = a.K;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    const __m256 w = _mm256_loadu_ps(c.w.data() + k);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(a.xf.data() + (m + r) * K + k), acc[r]);
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+}
+
 // sum of a[i] * b[i], n a multiple of 8 (8 lanes: the order of the sums is fixed, so results do not
 // depend on the thread count)
 inline float dot_floats(const float* a, const float* b, int64_t n) {
@@ -300,6 +344,15 @@ inline float dot_floats(const float* a, const float* b, int64_t n) {
 }
 
 #else
+
+template <int R>
+inline void float_tile(const DecodedColumn& c, const QuantizedRows& a, int64_t m, float* out) {
+  for (int r = 0; r < R; ++r) {
+    float acc = 0.0f;
+    for (int64_t k = 0; k < a.K; ++k) acc += c.w[k] * a.xf[(m + r) * a.K + k];
+    out[r] = acc;
+  }
+}
 
 inline float dot_floats(const float* a, const float* b, int64_t n) {
   float acc = 0.0f;
@@ -328,11 +381,26 @@ inline void dot_tile(const DecodedColumn& c, const QuantizedRows& a, int64_t m, 
 // Columns [n0, n1) of one part: y[m][col0 + n] for every row m of a.
 template <int64_t Type, typename T>
 inline void quant_columns(const uint8_t* blocks, int64_t row_bytes, int64_t n0, int64_t n1, const QuantizedRows& a,
-                          int64_t M, T* y, int64_t ldy, int64_t col0, DecodedColumn& c) {
+                          int64_t M, T* y, int64_t ldy, int64_t col0, DecodedColumn& c, bool int8) {
   constexpr bool kSigned = Type == kQ8_0;
   const int64_t K = a.K, groups = K / 16;
   for (int64_t n = n0; n < n1; ++n) {
     decode_column<Type>(blocks + n * row_bytes, K, c);
+    if (!int8) {
+      dequantize_column<kSigned>(c, K);
+      for (int64_t m = 0; m < M; m += kQuantTile) {
+        float dots[kQuantTile];
+        const int64_t rows = std::min<int64_t>(kQuantTile, M - m);
+        switch (rows) {
+          case 4: float_tile<4>(c, a, m, dots); break;
+          case 3: float_tile<3>(c, a, m, dots); break;
+          case 2: float_tile<2>(c, a, m, dots); break;
+          default: float_tile<1>(c, a, m, dots); break;
+        }
+        for (int64_t r = 0; r < rows; ++r) y[(m + r) * ldy + col0 + n] = from_float<T>(dots[r]);
+      }
+      continue;
+    }
     for (int64_t m = 0; m < M; m += kQuantTile) {
       float dots[kQuantTile];
       const int64_t rows = std::min<int64_t>(kQuantTile, M - m);
@@ -365,7 +433,9 @@ template <typename T>
 inline void quant_linear(const T* x, int64_t ldx, int64_t M, int64_t K, const std::vector<QuantPart>& parts, T* y,
                          int64_t ldy) {
   thread_local QuantizedRows a;   // kept between calls, like gemm.h's row tiles
-  quantize_rows(x, ldx, M, K, a);
+  const bool int8 = quant_int8_on.load(std::memory_order_relaxed);
+  if (int8) quantize_rows(x, ldx, M, K, a);
+  else float_rows(x, ldx, M, K, a);
   const QuantizedRows& rows = a;  // the calling thread's buffer, not the pool threads' own
   int64_t total = 0;
   for (const QuantPart& p : parts) total += p.out;
@@ -374,6 +444,7 @@ inline void quant_linear(const T* x, int64_t ldx, int64_t M, int64_t K, const st
     c.q.resize(K);
     c.scale.resize(K / 16);
     c.offset.resize(K / 16);
+    if (!int8) c.w.resize(K);
     int64_t first = 0;
     for (const QuantPart& p : parts) {
       const int64_t n0 = std::max<int64_t>(begin - first, 0), n1 = std::min<int64_t>(end - first, p.out);
@@ -381,7 +452,7 @@ inline void quant_linear(const T* x, int64_t ldx, int64_t M, int64_t K, const st
       if (n0 >= n1) continue;
       switch (p.type) {
 #define ASYNCSERVE_QUANT_CASE(TYPE) \
-  case TYPE: quant_columns<TYPE, T>(p.blocks, p.row_bytes, n0, n1, rows, M, y, ldy, p.col0, c); break;
+  case TYPE: quant_columns<TYPE, T>(p.blocks, p.row_bytes, n0, n1, rows, M, y, ldy, p.col0, c, int8); break;
         ASYNCSERVE_QUANT_CASE(kQ4_0) ASYNCSERVE_QUANT_CASE(kQ4_1) ASYNCSERVE_QUANT_CASE(kQ8_0)
         ASYNCSERVE_QUANT_CASE(kQ4_K) ASYNCSERVE_QUANT_CASE(kQ5_K) ASYNCSERVE_QUANT_CASE(kQ6_K)
 #undef ASYNCSERVE_QUANT_CASE
