@@ -171,3 +171,24 @@ print(anon() - before, weights.nbytes())
     size = path.stat().st_size
     assert size * 0.95 <= nbytes <= size      # the file is the blocks, a small embedding and its metadata
     assert grown <= 1.3 * size, (grown, size)
+
+
+def test_blocks_are_dequantized_where_the_kernels_do_not_run(monkeypatch, caplog):
+    """ASYNCSERVE_NATIVE=0 (or no compiler, or a GPU): the blocks become a dense projection of the same
+    values in --dtype, and the log says so once."""
+    from asyncserve.model import linear as linear_module
+    from asyncserve.model.linear import QuantizedWeight, make_weight_linear
+
+    rng = np.random.default_rng(6)
+    parts = [(random_blocks((8, 256), Q.Q4_K, rng), Q.Q4_K), (random_blocks((4, 256), Q.Q8_0, rng), Q.Q8_0)]
+    weight = QuantizedWeight([(torch.from_numpy(b), int(t)) for b, t in parts], 256)
+    dense = torch.from_numpy(np.concatenate([dequantized(b, t) for b, t in parts]))
+    assert torch.equal(weight.dequantize(), dense) and weight.shape == (12, 256)
+    assert isinstance(make_weight_linear(weight, torch.float32, torch.device("cpu")), QuantLinear)
+    monkeypatch.setenv("ASYNCSERVE_NATIVE", "0")
+    monkeypatch.setattr(linear_module, "_dequantized_logged", False)
+    with caplog.at_level("WARNING", logger="asyncserve.model.linear"):
+        linears = [make_weight_linear(weight, torch.bfloat16, torch.device("cpu")) for _ in range(3)]
+    assert not any(isinstance(p, QuantLinear) for p in linears)
+    assert all(torch.equal(p.dense_weight(), dense.bfloat16()) for p in linears)
+    assert len([r for r in caplog.records if "dequantized" in r.getMessage()]) == 1
