@@ -119,6 +119,16 @@ inline void float_rows(const T* x, int64_t ldx, int64_t M, int64_t K, QuantizedR
 // c.w = the decoded column's weights in fp32.
 template <bool Signed>
 inline void dequantize_column(DecodedColumn& c, int64_t K) {
+#if ASYNCSERVE_QUANT_AVX2
+  for (int64_t g = 0; g < K / 16; ++g) {
+    const __m256 s = _mm256_set1_ps(c.scale[g]), o = _mm256_set1_ps(c.offset[g]);
+    for (int h = 0; h < 16; h += 8) {
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c.q.data() + 16 * g + h));
+      const __m256i qi = Signed ? _mm256_cvtepi8_epi32(q) : _mm256_cvtepu8_epi32(q);
+      _mm256_storeu_ps(c.w.data() + 16 * g + h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(qi), s, o));
+    }
+  }
+#else
   for (int64_t g = 0; g < K / 16; ++g) {
     const float s = c.scale[g], o = c.offset[g];
     for (int i = 0; i < 16; ++i) {
@@ -126,6 +136,7 @@ inline void dequantize_column(DecodedColumn& c, int64_t K) {
       c.w[16 * g + i] = s * q + o;
     }
   }
+#endif
 }
 
 template <typename T>
