@@ -19,13 +19,21 @@ def _adapter_pairs(values: list[str]) -> dict[str, str]:
     return adapters
 
 
+def _refuse(parser: argparse.ArgumentParser, reason: Exception) -> None:
+    """Exit 2 with the reason on one line (argparse's error() would print the whole usage first)."""
+    parser.exit(2, f"{parser.prog}: error: {reason}\n")
+
+
 def _engine_args(p: argparse.ArgumentParser, step_profile: str = "off") -> None:
     """step_profile: --step-profile's default (auto for `serve`, which measures once per machine and model;
     off for a one-off `generate`)."""
-    p.add_argument("--model", default=None, metavar="PATH", help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="HF folder, .gguf file or Hugging Face Hub id (org/name: from the HF cache, downloaded when "
+                        "online; HF_HOME, HF_HUB_OFFLINE) (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--revision", default=None, help="the --model Hub id's branch, tag or commit (default: main)")
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
-                   help="serve the PEFT LoRA folder PATH as model NAME, read into host memory at start; repeat "
-                        "for several (default: none)")
+                   help="serve the PEFT LoRA folder or Hub id (org/name) PATH as model NAME, read into host memory "
+                        "at start; repeat for several (default: none)")
     p.add_argument("--device", default="auto",
                    help="auto (the CUDA GPU if torch sees one, else the CPU), cpu, cuda or cuda:N (default: auto)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
@@ -54,7 +62,9 @@ def _engine_args(p: argparse.ArgumentParser, step_profile: str = "off") -> None:
     p.add_argument("--pin-adapter", action="append", default=[], metavar="NAME",
                    help="keep this adapter (an --adapter or a folder of --adapter-dir) on the device for good; "
                         "repeat for several (default: none)")
-    p.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads (default: all cores)")
+    p.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads (default: $ASYNCSERVE_THREADS, else the CPUs the process may use - the lesser "
+                        "of its affinity mask and its cgroup CPU quota, e.g. a Kubernetes limits.cpu - less "
+                        "--cpu-workers; logged at start)")
     p.add_argument("--policy", default="fcfs", metavar="NAME",
                    help="batch formation: fcfs (first come, first served), affinity (at most --max-step-adapters "
                         "adapters per step, with aging; S-LoRA), slo (early abort on --slo-ttft, admission within "
@@ -136,8 +146,8 @@ def flag_reference(parser: argparse.ArgumentParser) -> str:
 def _config(args):
     from asyncserve.config import Config
 
-    return Config(model=args.model, adapters=_adapter_pairs(args.adapter), device=args.device, dtype=args.dtype,
-                  dequantize=args.dequantize,
+    return Config(model=args.model, revision=args.revision, adapters=_adapter_pairs(args.adapter),
+                  device=args.device, dtype=args.dtype, dequantize=args.dequantize,
                   lora_backend=args.lora_backend, max_running=args.max_running,
                   max_step_tokens=args.max_step_tokens, max_model_len=args.max_model_len, pool_mem=args.pool_mem,
                   block_size=args.block_size, host_adapter_mem=args.host_adapter_mem,
@@ -230,6 +240,13 @@ def main(argv: list[str] | None = None) -> None:
                       help="the output is one of these; repeat (default: none)")
 
     args = ap.parse_args(argv)
+    from asyncserve.model.hub import is_remote
+    from asyncserve.model.paths import check_model_path
+    try:
+        if not is_remote(args.model):     # a Hub id resolves when the engine loads
+            check_model_path(args.model)   # a wrong --model fails at once, before torch is imported
+    except ValueError as e:
+        _refuse(s if args.command == "serve" else g, e)
     if args.command == "serve":
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         from asyncserve.config import parse_size
@@ -250,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
             config.max_body_bytes = parse_size(args.max_body_size)
             config.validate()              # wrong paths, names, sizes: exit now, not after loading
         except ValueError as e:
-            s.error(str(e))
+            _refuse(s, e)
         sys.exit(run(config))
     else:
         from asyncserve import LLM, SamplingParams, StructuredOutputs
@@ -264,9 +281,9 @@ def main(argv: list[str] | None = None) -> None:
         config = _config(args)
         try:
             config.validate()
-        except ValueError as e:
-            g.error(str(e))
-        llm = LLM(**dataclasses.asdict(config))
+            llm = LLM(**dataclasses.asdict(config))
+        except (ValueError, OSError) as e:     # a model or adapter that cannot be read, ...
+            _refuse(g, e)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                                 structured_outputs=structured)
         if args.chat:

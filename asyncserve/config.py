@@ -8,6 +8,9 @@ from pathlib import Path
 
 import torch
 
+from asyncserve.cpus import usable_cpus
+from asyncserve.model.paths import check_model_path
+
 
 def parse_size(text: str | int | None) -> int | None:
     """'2GiB', '512MB', '1.5G', 1073741824 -> bytes."""
@@ -23,9 +26,10 @@ def parse_size(text: str | int | None) -> int | None:
 
 @dataclass
 class Config:
-    model: str | None = None                 # HF folder, .gguf file, or None for the default SmolLM2
+    model: str | None = None                 # HF folder, .gguf file, Hub id (org/name), or None for the default SmolLM2
+    revision: str | None = None              # the Hub id's branch, tag or commit (default: main)
     served_model_name: str | None = None
-    adapters: dict[str, str] = field(default_factory=dict)   # name -> PEFT folder
+    adapters: dict[str, str] = field(default_factory=dict)   # name -> PEFT folder or Hub id
     dtype: str = "auto"                      # auto | bfloat16 | float16 | float32
     # GGUF files' Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K tensors as dense dtype weights (merged mode needs them);
     # by default they stay in their blocks on CPU (model/linear.py, QuantLinear)
@@ -82,10 +86,13 @@ class Config:
         names, sizes that do not parse, counts below 1): these fail at once, not after the model loads."""
         from asyncserve.scheduler.policies import POLICIES
 
-        if self.model is not None and not Path(self.model).expanduser().exists():
-            raise ValueError(f"model path {self.model} does not exist")
+        from asyncserve.model.hub import is_remote
+
+        # a Hub id (org/name) is resolved, from the cache or downloaded, when the engine loads
+        if not is_remote(self.model):
+            check_model_path(self.model)    # exists, is a model folder or starts like a GGUF file
         for name, path in self.adapters.items():
-            if not (Path(path).expanduser() / "adapter_config.json").is_file():
+            if not (Path(path).expanduser() / "adapter_config.json").is_file() and not is_remote(path):
                 raise ValueError(f"adapter {name!r}: {path} is not a PEFT adapter folder (no adapter_config.json)")
         for flag, folder in (("adapter_dir", self.adapter_dir), ("adapter_root", self.adapter_root)):
             if folder is not None and not Path(folder).expanduser().is_dir():
@@ -187,8 +194,9 @@ class Config:
         return 256 if device.type == "cpu" else 512
 
     def resolved_threads(self) -> int:
-        """torch threads: all cores, less those given to CPU LoRA workers by --cpu-workers."""
-        cores = max(1, (os.cpu_count() or 1) - (self.cpu_workers or 0))
+        """torch threads: the CPUs this process may use (affinity mask and cgroup quota, cpus.py), less
+        those given to CPU LoRA workers by --cpu-workers."""
+        cores = max(1, usable_cpus() - (self.cpu_workers or 0))
         return self.threads or int(os.environ.get("ASYNCSERVE_THREADS", 0)) or cores
 
     def resolved_cpu_workers(self, device: torch.device) -> int:

@@ -22,6 +22,9 @@ from pathlib import Path
 import torch
 
 from asyncserve.config import Config
+from asyncserve.cpus import describe as describe_cpus
+from asyncserve.model import hub
+from asyncserve.model.config import ModelLoadError
 from asyncserve.model.llama import build_weights
 from asyncserve.model.loader import load_model
 from asyncserve.pager.adapters import (AdapterError, PeftFolder, build_host_adapter, check_adapter_name,
@@ -29,6 +32,7 @@ from asyncserve.pager.adapters import (AdapterError, PeftFolder, build_host_adap
 from asyncserve.pager.pager import AdapterPager, Registration
 from asyncserve.pager.pool import PagedPool
 from asyncserve.perf_model import STEP_TIME_PRIOR, PerfCoefficients, StepChunk, StepLatencyModel, adapter_load_seconds
+from asyncserve.progress import Progress
 from asyncserve.sampling_params import SamplingParams
 from asyncserve.scheduler.policies import make_policy
 from asyncserve.scheduler.policy import PolicySettings
@@ -105,9 +109,17 @@ class Engine:
         self.device = config.resolved_device()
         if self.device.type == "cpu":
             torch.set_num_threads(config.resolved_threads())
+            log.info("%d torch threads (%s)", torch.get_num_threads(), describe_cpus())
         self.dtype = config.resolved_dtype(self.device)
-        # GGUF blocks stay blocks on CPU (build_weights dequantizes them where the quantized kernels don't run)
-        loaded = load_model(config.model, keep_quantized=self.device.type == "cpu" and not config.dequantize)
+        model_path = None if config.model is None else hub.resolve(config.model, config.revision)
+        loading = Progress(f"loading {config.model or 'the default model'}", "tensors")
+        try:
+            # GGUF blocks stay blocks on CPU (build_weights dequantizes them where the quantized kernels don't run)
+            loaded = load_model(model_path, loading, keep_quantized=self.device.type == "cpu" and not config.dequantize)
+        finally:
+            loading.close()
+        if model_path != config.model:        # a Hub id names the model, not its snapshot's commit folder
+            loaded.config.name = config.model
         self.model_config = mc = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = config.served_model_name or mc.name
@@ -115,6 +127,9 @@ class Engine:
             raise ValueError(f"max_model_len {config.max_model_len} is beyond the model's context of "
                              f"{mc.max_position} tokens")
         self.max_model_len = config.max_model_len or mc.max_position
+        # a window no sequence outgrows hides nothing: those layers attend globally (and natively)
+        windows = [w if w is not None and w < self.max_model_len else None for w in mc.layer_windows]
+        mc.layer_windows = windows if any(windows) else []
         weights = build_weights(mc, loaded.weights, self.dtype, self.device)
         weight_bytes = weights.nbytes()
 
@@ -138,7 +153,12 @@ class Engine:
         eos = self.tokenizer.eos_token_ids
         self.runner = ModelRunner(mc, weights, self.pool, self.pager, lora, eos)
         # ASYNCSERVE_ENFORCE_EAGER=1: --enforce-eager for every engine of the process (the GPU test runs)
-        if self.device.type == "cuda" and not (config.enforce_eager or os.environ.get("ASYNCSERVE_ENFORCE_EAGER") == "1"):
+        graphs = self.device.type == "cuda" and not (config.enforce_eager or os.environ.get("ASYNCSERVE_ENFORCE_EAGER") == "1")
+        if graphs and (mc.layer_windows or mc.attn_softcap):
+            # the graphs' decode attention is kernels.paged_attention, which takes neither a window nor a cap
+            log.info("CUDA graphs off: %s has sliding windows or attention soft-capping (--enforce-eager)", mc.name)
+            graphs = False
+        if graphs:
             from asyncserve.stepper.cuda_graphs import CudaSeam
             self.runner.enable_graphs(CudaSeam(self.device), config.max_running,
                                       -(-self.max_model_len // config.block_size))
@@ -162,6 +182,10 @@ class Engine:
                  self.model_name, mc.num_layers, self.dtype, self.device, self.lora_backend_name,
                  num_pages, page_bytes / 1024, num_pages * page_bytes / 2**30)
         for name, path in config.adapters.items():
+            try:
+                path = hub.resolve(path, files=hub.ADAPTER_FILES, what="adapter")
+            except ModelLoadError as e:
+                raise AdapterError(f"adapter {name!r}: {e}") from None
             self.load_adapter(name, path)
         if config.adapter_dir:
             self.register_adapter_dir(config.adapter_dir)
@@ -272,10 +296,14 @@ class Engine:
         self.preloading = False
         return None
 
+    def preload_pending(self) -> int:
+        """preload_adapters: registered adapters that take_preload has not yet handed out or passed over."""
+        return len(self._preload)
+
     def preload_now(self) -> None:
         """Offline: preload in the calling thread; an adapter that fails to load is skipped with a
         warning (its requests fail when they come)."""
-        t0, count = time.perf_counter(), 0
+        t0, count, progress = time.perf_counter(), 0, Progress("preloading adapters", "adapters")
         while (name := self.take_preload()) is not None:
             try:
                 self._load_now(name)
@@ -284,6 +312,8 @@ class Engine:
                 log.warning("preload: adapter %s could not be loaded: %s", name, e)
             finally:
                 self._loading.pop(name, None)
+            progress(count, count + self.preload_pending())
+        progress.close()
         log.info("preloaded %d adapters into the host tier in %.1f s", count, time.perf_counter() - t0)
 
     def host_room(self, name: str) -> bool:

@@ -9,6 +9,7 @@ error, stop the actors, exit 0.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
 import socket
@@ -72,9 +73,12 @@ class Server:
         config = self.config
         try:
             self.engine = await self.stepper.call(Engine, config)
-        except Exception as e:
-            log.exception("start-up failed")
-            self.failed = f"{type(e).__name__}: {e}"
+        except (ValueError, OSError, MemoryError) as e:    # the model, an adapter, a size: the reason says it
+            self.failed = str(e) or type(e).__name__
+            return
+        except Exception as e:                              # a defect: its traceback is for a bug report
+            log.debug("start-up failed", exc_info=True)
+            self.failed = f"{type(e).__name__}: {e} (--log-level DEBUG shows the traceback)"
             return
         self.scheduler = SchedulerActor(self.engine, self.metrics)
         self.stepper.attach(self.engine.run, self.scheduler.mailbox)
@@ -95,7 +99,8 @@ class Server:
         if self.stopping:
             return
         self.stopping = True
-        log.info("shutting down")
+        if self.ready:                     # a failed start-up says only why it failed
+            log.info("shutting down")
         if self._runner is not None:
             for site in list(self._runner.sites):
                 await site.stop()          # stop accepting; open connections keep streaming
@@ -125,13 +130,19 @@ class Server:
         self.tokenizer_executor.shutdown(wait=False, cancel_futures=True)
         if self.engine is not None:
             self.engine.close()            # the host tier's shared memory, now that no thread uses it
-        log.info("stopped")
+        if self.ready:
+            log.info("stopped")
 
 
 async def serve(config: Config) -> int:
     """Serve until SIGINT/SIGTERM (exit status 0) or a failed start-up (1)."""
     server = Server(config)
-    await server.start()
+    try:
+        await server.start()
+    except OSError as e:                   # cannot listen: the port is taken, not ours, or the host is wrong
+        log.error("could not start: %s", listen_failure(config.host, config.port, e))
+        await server.stop()
+        return 1
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -146,6 +157,18 @@ async def serve(config: Config) -> int:
     await stopping
     await server.stop()
     return 0
+
+
+def listen_failure(host: str, port: int, e: OSError) -> str:
+    """One line on why the server cannot listen on host:port, and what to do."""
+    if e.errno == errno.EADDRINUSE:
+        return (f"port {port} on {host} is in use by another process: stop it (`ss -ltnp 'sport = :{port}'` "
+                f"shows which) or choose another port with --port")
+    if e.errno == errno.EACCES:
+        return f"no permission to listen on port {port}: choose a port above 1023 with --port"
+    if e.errno == errno.EADDRNOTAVAIL or isinstance(e, socket.gaierror):
+        return f"cannot listen on host {host!r} ({e.strerror or e}): give an address of this machine with --host"
+    return f"cannot listen on {host}:{port}: {e}"
 
 
 def run(config: Config) -> int:

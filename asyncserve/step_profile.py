@@ -32,6 +32,7 @@ from asyncserve.model.linear import NativeLinear
 from asyncserve.perf_model import (STEP_TIME_PRIOR, PerfCoefficients, StepChunk, StepSample, fit, sample_seconds,
                                    step_sample)
 from asyncserve.model.config import ModelConfig
+from asyncserve.progress import Progress
 from asyncserve.sampling_params import SamplingParams
 from asyncserve.sequence import Sequence
 from asyncserve.step import ScheduledChunk, StepPlan, StepResult
@@ -302,6 +303,8 @@ def measure_profile(engine: ProfiledEngine, adapters: list[str], steps: int = PR
     for kind in STEP_KINDS:                         # first-run costs
         timed_step(engine, kind, random_step(rng, kind, [], **shape), repeats=1)
     sets = [[], *([adapters[:1]] if adapters else []), *([adapters] if len(adapters) > 1 else [])]
+    progress = Progress("measuring the step profile", "steps")
+    planned = steps // len(sets) * len(sets)
     timed: list[TimedStep] = []
     profiled: list[str] = []
     for n, active in enumerate(sets, 1):
@@ -314,6 +317,8 @@ def measure_profile(engine: ProfiledEngine, adapters: list[str], steps: int = PR
                 break
             kind = STEP_KINDS[i % len(STEP_KINDS)]
             timed.append(timed_step(engine, kind, random_step(rng, kind, active, **shape), repeats))
+            progress(len(timed), planned)
+    progress.close()
     coefficients = fit([step_sample(s.chunks, s.seconds) for s in timed], source="step profile")
     ranks = [engine.adapter_rank(name) for name in profiled]
     return StepProfile(

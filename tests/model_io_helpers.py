@@ -95,7 +95,10 @@ def write_gguf(path: Path, *, architecture: str = "llama", tokens: list[str], me
     tensors: float32/float16 arrays (type None) or bytes already quantized to the given type."""
     writer = gguf.GGUFWriter(path, architecture)
     for key, value in (llama or {}).items():
-        writer.add_key_value(f"{architecture}.{key}", value, _value_type(value))
+        if isinstance(value, list):
+            writer.add_array(f"{architecture}.{key}", value)
+        else:
+            writer.add_key_value(f"{architecture}.{key}", value, _value_type(value))
     for key, value in (extra or {}).items():
         writer.add_key_value(key, value, _value_type(value))
     writer.add_tokenizer_model(tokenizer_model)

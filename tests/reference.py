@@ -56,29 +56,54 @@ def run_merged(engine, cases, merged_for, params, after_step=None) -> list:
     return seqs
 
 
-def save_tiny_llama(folder: Path, tokenizer_source, *, hidden=64, layers=2, heads=4, kv_heads=2,
-                    intermediate=128, tie=False, seed=0, rope_theta=10000.0, max_pos=512,
-                    max_shard_size=None):
-    """A random LlamaForCausalLM saved as an HF folder with the given HF tokenizer (GQA, untied)."""
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+# family -> (transformers config class, model class)
+FAMILY_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+}
 
+
+def save_tiny_model(folder: Path, tokenizer_source, family: str = "llama", *, seed=0, max_shard_size=None,
+                    random_vectors=False, **config):
+    """A random model of ``family`` made with transformers' own config class (``config``: its
+    arguments) and saved as an HF folder with the given HF tokenizer. random_vectors: norm weights
+    and biases random too (transformers starts them at 1 or 0, which hides a wrong (1 + w) or bias)."""
+    import transformers
+    from transformers import GenerationConfig
+
+    config_class, model_class = (getattr(transformers, name) for name in FAMILY_CLASSES[family])
     torch.manual_seed(seed)
-    vocab = len(tokenizer_source)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      max_position_embeddings=max_pos, rope_theta=rope_theta, tie_word_embeddings=tie,
-                      bos_token_id=tokenizer_source.bos_token_id, eos_token_id=tokenizer_source.eos_token_id)
-    model = LlamaForCausalLM(cfg).eval()
+    cfg = config_class(vocab_size=len(tokenizer_source), bos_token_id=tokenizer_source.bos_token_id,
+                       eos_token_id=tokenizer_source.eos_token_id, **config)
+    model = model_class(cfg).eval()
     # the default init is tiny (std 0.02): widen it so logits are far from ties and LoRA deltas matter
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.08)
+            elif random_vectors and name.endswith("bias"):
+                p.normal_(0, 0.1)
+            elif random_vectors:         # a norm: Gemma's weights are offsets from 1, the others' scale
+                p.normal_(0 if family.startswith("gemma") else 1, 0.1)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, safe_serialization=True, **kwargs)
     tokenizer_source.save_pretrained(folder)
     GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=[cfg.eos_token_id]).save_pretrained(folder)
     return model
+
+
+def save_tiny_llama(folder: Path, tokenizer_source, *, hidden=64, layers=2, heads=4, kv_heads=2,
+                    intermediate=128, tie=False, seed=0, rope_theta=10000.0, max_pos=512,
+                    max_shard_size=None):
+    """A random LlamaForCausalLM saved as an HF folder with the given HF tokenizer (GQA, untied)."""
+    return save_tiny_model(folder, tokenizer_source, "llama", seed=seed, max_shard_size=max_shard_size,
+                           hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                           num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
+                           rope_theta=rope_theta, tie_word_embeddings=tie)
 
 
 def save_random_adapter(base_model, folder: Path, *, r: int, targets: list[str], alpha: float | None = None,

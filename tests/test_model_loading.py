@@ -183,16 +183,48 @@ def test_config_rope_variants():
 
 
 def test_config_refusals():
-    with pytest.raises(ModelLoadError, match="Qwen2ForCausalLM is not supported.*LlamaForCausalLM and Mistral"):
-        model_config({**LLAMA_CONFIG, "architectures": ["Qwen2ForCausalLM"]}, "m")
+    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel is not supported.*LlamaForCausalLM, Mistral"):
+        model_config({**LLAMA_CONFIG, "architectures": ["GPT2LMHeadModel"]}, "m")
+    with pytest.raises(ModelLoadError, match="Gemma3ForConditionalGeneration.*multimodal"):
+        model_config({**LLAMA_CONFIG, "architectures": ["Gemma3ForConditionalGeneration"]}, "m")
     mistral = {**LLAMA_CONFIG, "architectures": ["MistralForCausalLM"]}
-    assert model_config({**mistral, "sliding_window": None}, "m").num_layers == 2
-    with pytest.raises(ModelLoadError, match="sliding-window"):
-        model_config({**mistral, "sliding_window": 1024}, "m")
+    assert model_config({**mistral, "sliding_window": None}, "m").layer_windows == []
+    assert model_config({**mistral, "sliding_window": 4096}, "m").layer_windows == []    # beyond the context
+    assert model_config({**mistral, "sliding_window": 1024}, "m").layer_windows == [1024, 1024]
     with pytest.raises(ModelLoadError, match="attention_bias"):
         model_config({**LLAMA_CONFIG, "attention_bias": True}, "m")
+    qwen2 = {**LLAMA_CONFIG, "architectures": ["Qwen2ForCausalLM"]}
+    assert model_config({**qwen2, "attention_bias": True}, "m").family.qkv_bias   # Qwen2's config may say so
+    with pytest.raises(ModelLoadError, match="mlp_bias"):
+        model_config({**qwen2, "mlp_bias": True}, "m")
+    with pytest.raises(ModelLoadError, match="activation 'gelu'.*implements silu"):
+        model_config({**qwen2, "hidden_act": "gelu"}, "m")
+    with pytest.raises(ModelLoadError, match="partial_rotary_factor"):
+        model_config({**LLAMA_CONFIG, "architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.75}, "m")
+    with pytest.raises(ModelLoadError, match="layer_types"):
+        model_config({**mistral, "sliding_window": 8, "layer_types": ["sliding_attention"]}, "m")
     with pytest.raises(ModelLoadError, match="no 'intermediate_size'"):
         model_config({k: v for k, v in LLAMA_CONFIG.items() if k != "intermediate_size"}, "m")
+
+
+def test_config_family_layer_rules():
+    """Which layers slide when config.json has no layer_types, per family; Gemma 3's two RoPE bases in
+    either spelling; Qwen's window only with use_sliding_window."""
+    gemma2 = {**LLAMA_CONFIG, "architectures": ["Gemma2ForCausalLM"], "num_hidden_layers": 4, "sliding_window": 8,
+              "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 64, "attn_logit_softcapping": 50.0,
+              "final_logit_softcapping": 30.0}
+    c = model_config(gemma2, "m")
+    assert c.layer_windows == [8, None, 8, None] and c.attn_scale == 64 ** -0.5
+    assert (c.attn_softcap, c.final_softcap, c.tie_word_embeddings) == (50.0, 30.0, True)
+    gemma3 = {**gemma2, "architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 7, "sliding_window_pattern": 3,
+              "rope_theta": 1e6, "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    c = model_config(gemma3, "m")
+    assert c.layer_windows == [8, 8, None, 8, 8, None, 8] and c.attn_softcap is None
+    assert (c.rope_theta, c.rope_local_theta, c.rope_scaling) == (1e6, 1e4, {"rope_type": "linear", "factor": 8.0})
+    qwen = {**LLAMA_CONFIG, "architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 4, "sliding_window": 8,
+            "max_window_layers": 2}
+    assert model_config(qwen, "m").layer_windows == []
+    assert model_config({**qwen, "use_sliding_window": True}, "m").layer_windows == [None, None, 8, 8]
 
 
 def test_weight_checks():
@@ -258,7 +290,9 @@ def test_path_errors(tmp_path):
 
 def test_gguf_unsupported_architecture(tmp_path):
     tokens, merges, special = backend_vocab(make_tiny_tokenizer().backend_tokenizer)
-    path = write_gguf(tmp_path / "qwen.gguf", architecture="qwen2", tokens=tokens, merges=merges, special=special,
-                      llama={"block_count": 1})
-    with pytest.raises(ModelLoadError, match="'qwen2' model.*general.architecture 'llama'"):
-        load_model(str(path))
+    for architecture in ("falcon", "mamba", "qwen2moe"):
+        path = write_gguf(tmp_path / f"{architecture}.gguf", architecture=architecture, tokens=tokens, merges=merges,
+                          special=special, llama={"block_count": 1})
+        with pytest.raises(ModelLoadError, match=f"'{architecture}' model.*'llama', 'qwen2', 'qwen3', 'gemma2', "
+                                                 "'gemma3', 'phi3'"):
+            load_model(str(path))

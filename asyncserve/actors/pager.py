@@ -27,6 +27,7 @@ from asyncserve.messages import (Abort, AdapterReady, FetchAdapters, LoadAdapter
                                  adapter_unloaded)
 from asyncserve.pager.adapters import AdapterInfo, HostAdapter, PeftFolder, build_in_pieces, read_peft_folder
 from asyncserve.pager.pager import AdapterPager
+from asyncserve.progress import Progress
 
 log = logging.getLogger("asyncserve.pager")
 
@@ -82,7 +83,7 @@ class PagerActor:
             await self._fetch(await self._to_fetch.get())
 
     async def _preloader(self) -> None:
-        t0, count = time.perf_counter(), 0
+        t0, count, progress = time.perf_counter(), 0, Progress("preloading adapters", "adapters")
         while True:
             while not self._to_fetch.empty():
                 await asyncio.sleep(PRELOAD_YIELD_S)
@@ -90,6 +91,8 @@ class PagerActor:
             if name is None:
                 break
             count += await self._fetch(name)
+            progress(count, count + self.engine.preload_pending())
+        progress.close()
         log.info("preloaded %d adapters into the host tier in %.1f s", count, time.perf_counter() - t0)
 
     async def _fetch(self, name: str) -> bool:

@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from asyncserve.model.config import ModelConfig, ModelLoadError
 from asyncserve.model.linear import QuantizedWeight
 from asyncserve.model.tokenizer import Tokenizer
+
+# progress(done, total) in tensors as a loader reads (and dequantizes) the weights
+ProgressCallback = Callable[[int, int], None]
 
 
 @dataclass
@@ -36,9 +40,38 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (i, h),
             p + "mlp.down_proj.weight": (h, i),
         })
+        family = config.family
+        if family.qkv_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (config.q_size,),
+                           p + "self_attn.k_proj.bias": (config.kv_size,),
+                           p + "self_attn.v_proj.bias": (config.kv_size,)})
+        if family.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (config.head_dim,),
+                           p + "self_attn.k_norm.weight": (config.head_dim,)})
+        if family.sandwich_norms:
+            shapes.update({p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)})
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (vocab, h)
     return shapes
+
+
+def split_fused(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
+    """A fused checkpoint's (Phi-3) self_attn.qkv_proj and mlp.gate_up_proj weights, in place, as the
+    q/k/v and gate/up tensors every loader produces (the forward fuses them again)."""
+    for layer in range(config.num_layers):
+        p = f"model.layers.{layer}."
+        for fused, parts, sizes in (
+                ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                 (config.q_size, config.kv_size, config.kv_size)),
+                ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"), (config.intermediate_size,) * 2)):
+            weight = tensors.pop(p + fused + ".weight", None)
+            if weight is None:
+                continue
+            if weight.dim() != 2 or weight.shape[0] != sum(sizes):
+                raise ModelLoadError(f"tensor {p}{fused}.weight has shape {tuple(weight.shape)}, but the model's "
+                                     f"config implies {sum(sizes)} rows ({' + '.join(map(str, sizes))})")
+            for part, chunk in zip(parts, weight.split(sizes)):
+                tensors[p + part + ".weight"] = chunk
 
 
 def select_weights(config: ModelConfig, tensors: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:

@@ -1,4 +1,5 @@
-"""Architecture description of a Llama-family decoder, filled by the HF and GGUF loaders."""
+"""Architecture description of a decoder (Llama and the families that differ from it in small
+pieces: Qwen2/2.5, Qwen3, Gemma 2/3, Phi-3), filled by the HF and GGUF loaders."""
 from __future__ import annotations
 
 import json
@@ -22,6 +23,72 @@ def read_json(path: Path) -> dict:
     return data
 
 
+# LoRA-targetable projections, PEFT module names, in the order adapters' tables use.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJ_INDEX = {name: i for i, name in enumerate(PROJECTIONS)}
+# Projections that share an input run as one fused base matmul, and their LoRA as one group.
+GROUPS = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """What sets a model family's decoder apart from Llama's, as data the one forward (llama.py) reads."""
+    name: str
+    model_types: tuple[str, ...]          # config.json's model_type
+    architectures: tuple[str, ...]        # config.json's architectures
+    gguf_architecture: str                # general.architecture in a GGUF file
+    qkv_bias: bool = False                # Qwen2: biases on q, k and v
+    qk_norm: bool = False                 # Qwen3, Gemma 3: RMSNorm over each head of q and k, before RoPE
+    unit_offset_norms: bool = False       # Gemma: RMSNorm weights stored as w, applied as (1 + w), in float32
+    sandwich_norms: bool = False          # Gemma: norms on the attention's and the MLP's outputs as well
+    activation: str = "silu"              # the MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    scaled_embeddings: bool = False       # Gemma: embeddings times sqrt(hidden), rounded to the weights' dtype
+    fused_projections: bool = False       # Phi-3: qkv_proj and gate_up_proj in the checkpoint and PEFT adapters
+    # in the order layer_types lists them when config.json does not: "all" layers slide when the config
+    # sets a window, "every_other" from layer 0 (Gemma 2), "pattern" (Gemma 3: all but every
+    # sliding_window_pattern-th), "from_max_window_layers" (Qwen: layers from max_window_layers on,
+    # when use_sliding_window)
+    sliding_layers: str = "all"
+
+    def peft_modules(self) -> dict[str, tuple[str, ...]]:
+        """PEFT module name -> the projections (PROJECTIONS) whose output slices it covers, in order."""
+        if self.fused_projections:
+            return {"qkv_proj": GROUPS["qkv"], "o_proj": ("o_proj",), "gate_up_proj": GROUPS["gate_up"],
+                    "down_proj": ("down_proj",)}
+        return {p: (p,) for p in PROJECTIONS}
+
+    @property
+    def native_ops(self) -> bool:
+        """Whether the native per-op kernels take its norms and activation (biases and q/k norms run
+        in Python between them)."""
+        return not (self.unit_offset_norms or self.sandwich_norms or self.activation != "silu")
+
+    @property
+    def plain(self) -> bool:
+        """Whether the forward is Llama's exactly (the native layer loop's and fused kernels' case)."""
+        return not (self.qkv_bias or self.qk_norm or self.unit_offset_norms or self.sandwich_norms
+                    or self.activation != "silu" or self.scaled_embeddings)
+
+
+LLAMA = Family("llama", ("llama", "mistral"), ("LlamaForCausalLM", "MistralForCausalLM"), "llama")
+FAMILIES = (
+    LLAMA,
+    Family("qwen2", ("qwen2",), ("Qwen2ForCausalLM",), "qwen2", qkv_bias=True,
+           sliding_layers="from_max_window_layers"),
+    Family("qwen3", ("qwen3",), ("Qwen3ForCausalLM",), "qwen3", qk_norm=True, sliding_layers="from_max_window_layers"),
+    Family("gemma2", ("gemma2",), ("Gemma2ForCausalLM",), "gemma2", unit_offset_norms=True, sandwich_norms=True,
+           activation="gelu_tanh", scaled_embeddings=True, sliding_layers="every_other"),
+    Family("gemma3", ("gemma3_text",), ("Gemma3ForCausalLM",), "gemma3", qk_norm=True, unit_offset_norms=True,
+           sandwich_norms=True, activation="gelu_tanh", scaled_embeddings=True, sliding_layers="pattern"),
+    Family("phi3", ("phi3",), ("Phi3ForCausalLM",), "phi3", fused_projections=True),
+)
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int
@@ -41,6 +108,21 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     # name clients see in /v1/models and the PEFT base_model_name_or_path we expect, when known
     name: str = "model"
+    family: Family = LLAMA
+    attn_scale: float | None = None        # the scores' scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar)
+    attn_softcap: float | None = None      # Gemma 2: scores -> tanh(scores / cap) * cap before the mask
+    final_softcap: float | None = None     # Gemma 2: the same on the logits
+    # per layer, its sliding window (a query sees the last `window` positions, its own included), None
+    # for global attention; an empty list: every layer global
+    layer_windows: list[int | None] = field(default_factory=list)
+    rope_local_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (plain RoPE); None: as the others
+
+    def window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim ** -0.5 if self.attn_scale is None else self.attn_scale
 
     @property
     def q_size(self) -> int:
@@ -72,15 +154,8 @@ class ModelConfig:
 #   model.layers.{i}.mlp.{gate,up,down}_proj.weight   [out, in]
 #   model.norm.weight                               [hidden]
 #   lm_head.weight                                  [vocab, hidden]   (absent when tie_word_embeddings)
-
-
-# LoRA-targetable projections, PEFT module names, in the order adapters' tables use.
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-PROJ_INDEX = {name: i for i, name in enumerate(PROJECTIONS)}
-# Projections that share an input run as one fused base matmul, and their LoRA as one group.
-GROUPS = {
-    "qkv": ("q_proj", "k_proj", "v_proj"),
-    "o": ("o_proj",),
-    "gate_up": ("gate_proj", "up_proj"),
-    "down": ("down_proj",),
-}
+# and as the family has them (HF names; a fused checkpoint's qkv_proj / gate_up_proj come split):
+#   model.layers.{i}.self_attn.{q,k,v}_proj.bias     [out]             qkv_bias
+#   model.layers.{i}.self_attn.{q,k}_norm.weight     [head_dim]        qk_norm
+#   model.layers.{i}.{pre,post}_feedforward_layernorm.weight [hidden]  sandwich_norms (Gemma: then
+#       post_attention_layernorm is the attention output's norm, pre_feedforward_layernorm the MLP input's)

@@ -125,6 +125,14 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return sum(blocks.numel() for blocks, _ in self.parts)
 
+    def dim(self) -> int:
+        return 2
+
+    def split(self, sizes: list[int]) -> list[QuantizedWeight]:
+        """Rows of a one-part weight split as torch.Tensor.split does (a fused checkpoint's q/k/v), as views."""
+        (blocks, qtype), = self.parts
+        return [QuantizedWeight([(rows, qtype)], self.in_features) for rows in blocks.split(sizes)]
+
     @staticmethod
     def cat(weights: list[QuantizedWeight]) -> QuantizedWeight:
         """Rows of weights stacked (fused q/k/v, gate/up): their parts in order, not copied (the kernel

@@ -1,5 +1,10 @@
 """Llama-family decoder as plain functions over a flat batch of tokens (gpt-fast style).
 
+One forward for every family (model/config.py's Family: Qwen2's q/k/v biases, Qwen3's and Gemma 3's
+q/k norms, Gemma's (1 + w) norms around attention and MLP, GeGLU, scaled embeddings, soft-capping
+and sliding windows, Phi-3 as Llama once its fused projections are split), each feature a small
+branch on data the weights or the config carry.
+
 A step's tokens from many sequences are concatenated: decode tokens first (one per sequence), then
 prefill chunks. Base projections run once for all tokens; when a step has LoRA tokens, the
 batched-LoRA backend runs each projection group (base and LoRA, which it may fuse). KV lives in
@@ -61,6 +66,12 @@ class LayerWeights:
     post_norm: torch.Tensor    # [hidden]
     gate_up: Linear            # hidden -> 2 inter
     down: Linear               # inter -> hidden
+    # as the family has them (norm weights: (1 + w) in float32 for Gemma's, see build_weights)
+    qkv_bias: torch.Tensor | None = None       # [q + 2 kv]
+    q_norm: torch.Tensor | None = None         # [head_dim]
+    k_norm: torch.Tensor | None = None         # [head_dim]
+    attn_out_norm: torch.Tensor | None = None  # [hidden] Gemma's post_attention_layernorm
+    mlp_out_norm: torch.Tensor | None = None   # [hidden] Gemma's post_feedforward_layernorm
 
 
 @dataclass
@@ -69,6 +80,7 @@ class LlamaWeights:
     layers: list[LayerWeights]
     norm: torch.Tensor         # [hidden]
     lm_head: Linear            # hidden -> vocab (over the embedding itself when tied, unless reordered)
+    embed_scale: float | None = None   # Gemma: sqrt(hidden) as the weights' dtype rounds it
     # the native layer loop over these weights (kernels.cpu.native_decoder), built on first use;
     # False where some projection is not a NativeLinear
     _decoder: object = field(default=None, repr=False, compare=False)
@@ -81,6 +93,10 @@ class LlamaWeights:
     def native_decoder(self, config: ModelConfig):
         """The native layer loop over these weights, or None where it cannot run them."""
         if self._decoder is None:
+            if (why := native_loop_gap(config)) is not None:
+                log.info("the native layer loop does not cover %s; its layers run in Python", why)
+                self._decoder = False
+                return None
             linears = [getattr(lw, g) for lw in self.layers for g in GROUPS] + [self.lm_head]
             if any(isinstance(p, QuantLinear) for p in linears):
                 log.info("quantized projections: the layer loop runs in Python (the native one takes bf16 only)")
@@ -91,7 +107,9 @@ class LlamaWeights:
         return self._decoder or None
 
     def nbytes(self) -> int:
-        tensors = [self.embed, self.norm] + [t for lw in self.layers for t in (lw.input_norm, lw.post_norm)]
+        tensors = [self.embed, self.norm] + [t for lw in self.layers for t in (
+            lw.input_norm, lw.post_norm, lw.qkv_bias, lw.q_norm, lw.k_norm, lw.attn_out_norm, lw.mlp_out_norm)
+            if t is not None]
         linears = [self.lm_head] + [p for lw in self.layers for p in (lw.qkv, lw.o, lw.gate_up, lw.down)]
         shared = self.lm_head.weight is self.embed
         return (sum(t.numel() * t.element_size() for t in tensors)
@@ -118,16 +136,32 @@ def build_weights(config: ModelConfig, weights: dict[str, torch.Tensor | Quantiz
         dense = [t.dequantize() if isinstance(t, QuantizedWeight) else t for t in parts]
         return make_linear(put(torch.cat(dense) if len(dense) > 1 else dense[0]))
 
+    family = config.family
+
+    def norm(name: str) -> torch.Tensor:
+        # Gemma's RMSNorm multiplies by (1 + w) in float32 and rounds once after (as transformers does);
+        # _rms_norm sees the float32 weight and computes in float32
+        if family.unit_offset_norms:
+            return (take(name).float() + 1.0).to(device).contiguous()
+        return put(take(name))
+
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
+        sandwich = family.sandwich_norms
         layers.append(LayerWeights(
-            input_norm=put(take(p + "input_layernorm.weight")),
+            input_norm=norm(p + "input_layernorm.weight"),
             qkv=linear(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")),
             o=linear(p + "self_attn.o_proj.weight"),
-            post_norm=put(take(p + "post_attention_layernorm.weight")),
+            # the MLP's input norm (Gemma names the attention output's norm post_attention_layernorm)
+            post_norm=norm(p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")),
             gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
             down=linear(p + "mlp.down_proj.weight"),
+            qkv_bias=put(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])) if family.qkv_bias else None,
+            q_norm=norm(p + "self_attn.q_norm.weight") if family.qk_norm else None,
+            k_norm=norm(p + "self_attn.k_norm.weight") if family.qk_norm else None,
+            attn_out_norm=norm(p + "post_attention_layernorm.weight") if sandwich else None,
+            mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if sandwich else None,
         ))
     embed = put(take("model.embed_tokens.weight"))
     if config.tie_word_embeddings:
@@ -136,7 +170,32 @@ def build_weights(config: ModelConfig, weights: dict[str, torch.Tensor | Quantiz
     else:
         lm_head = linear("lm_head.weight")
     _check_shapes(config, embed, layers[0], lm_head)
-    return LlamaWeights(embed=embed, layers=layers, norm=put(take("model.norm.weight")), lm_head=lm_head)
+    embed_scale = float(torch.tensor(config.hidden_size ** 0.5, dtype=dtype)) if family.scaled_embeddings else None
+    if cpu_kernels.enabled_for(embed) and (why := native_ops_gap(config)) is not None:
+        log.info("the native CPU kernels do not cover %s; those run as eager torch ops", why)
+    return LlamaWeights(embed=embed, layers=layers, norm=norm("model.norm.weight"), lm_head=lm_head,
+                        embed_scale=embed_scale)
+
+
+def native_ops_gap(config: ModelConfig) -> str | None:
+    """What of the model the native per-op kernels (norms, RoPE + KV write, attention, SiLU·mul) do
+    not take, None if they take it all; the projections and the LoRA stay native whatever this says."""
+    family, gaps = config.family, []
+    if not family.native_ops:
+        gaps.append(f"{family.name}'s norms and {family.activation} MLP")
+    if config.layer_windows:
+        gaps.append("sliding-window attention")
+    if config.attn_softcap:
+        gaps.append("attention soft-capping")
+    return ", ".join(gaps) or None
+
+
+def native_loop_gap(config: ModelConfig) -> str | None:
+    """What keeps the native layer loop (kernels/cpu/decoder.h, Llama's layer exactly) off, None if nothing."""
+    family = config.family
+    if not family.plain:
+        return f"{family.name}'s layers"
+    return native_ops_gap(config) or ("a non-default attention scale" if config.attn_scale is not None else None)
 
 
 def _check_shapes(config: ModelConfig, embed: torch.Tensor, layer: LayerWeights, lm_head: Linear) -> None:
@@ -156,15 +215,27 @@ def _check_shapes(config: ModelConfig, embed: torch.Tensor, layer: LayerWeights,
 
 # ---- rotary embeddings ---------------------------------------------------------------------------
 
-def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim/2] and the attention scaling factor for the config's RoPE."""
+def rope_inv_freq(config: ModelConfig, theta: float | None = None, long: bool = False) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim/2] and the attention scaling factor for the config's RoPE; theta:
+    another base, with plain RoPE (Gemma 3's sliding layers); long: longrope's long-context factors."""
     dim = config.head_dim
+    if theta is not None:
+        return (1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))).float(), 1.0
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     attn_factor = 1.0
     if kind == "default":
         pass
+    elif kind == "longrope":
+        # Phi-3: per-frequency factors, short below the pretraining context and long beyond it, and
+        # one attention factor for both (transformers' _compute_longrope_parameters)
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+        inv_freq = 1.0 / (factors * config.rope_theta ** exponents)
+        factor, original = scaling.get("factor", 1.0), scaling["original_max_position_embeddings"]
+        attn_factor = scaling.get("attention_factor") or (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original)))
     elif kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
     elif kind == "llama3":
@@ -178,24 +249,39 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
         inv_freq = torch.where(wavelen > low_wavelen, inv_freq / factor,
                                torch.where(wavelen < high_wavelen, inv_freq, blended))
     else:
-        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, longrope)")
     return inv_freq.float(), attn_factor
 
 
 class Rope:
-    """cos/sin tables up to max_position, indexed per step by token positions."""
+    """cos/sin tables up to max_position, indexed per step by token positions; local_cos/local_sin
+    those of the sliding layers (Gemma 3's own base; the same tensors otherwise)."""
 
     def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype):
         inv_freq, self.attn_factor = rope_inv_freq(config)
         pos = torch.arange(config.max_position, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq)                      # [max_pos, hd/2]
-        emb = torch.cat([freqs, freqs], dim=-1)                 # [max_pos, hd]
-        self.cos = (emb.cos() * self.attn_factor).to(device=device, dtype=dtype)
-        self.sin = (emb.sin() * self.attn_factor).to(device=device, dtype=dtype)
+        scaling = config.rope_scaling or {}
+        if scaling.get("rope_type") == "longrope":
+            # per position: the long factors from the pretraining context on. transformers switches a
+            # whole sequence once it is longer, recomputing its cache; cached K here keeps its rotation
+            original = scaling["original_max_position_embeddings"]
+            freqs[original:] = torch.outer(pos[original:], rope_inv_freq(config, long=True)[0])
+        self.cos, self.sin = self._tables(freqs, self.attn_factor, device, dtype)
+        self.local_cos, self.local_sin = self.cos, self.sin
+        if config.rope_local_theta is not None:
+            local = torch.outer(pos, rope_inv_freq(config, theta=config.rope_local_theta)[0])
+            self.local_cos, self.local_sin = self._tables(local, 1.0, device, dtype)
 
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    @staticmethod
+    def _tables(freqs: torch.Tensor, factor: float, device: torch.device, dtype: torch.dtype):
+        emb = torch.cat([freqs, freqs], dim=-1)                 # [max_pos, hd]
+        return (emb.cos() * factor).to(device=device, dtype=dtype), (emb.sin() * factor).to(device=device, dtype=dtype)
+
+    def tables(self, positions: torch.Tensor, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [tokens] -> cos, sin: [tokens, 1, hd]
-        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        cos, sin = (self.local_cos, self.local_sin) if local else (self.cos, self.sin)
+        return cos[positions][:, None, :], sin[positions][:, None, :]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -249,46 +335,71 @@ def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, 
     num_layers, block = kv.shape[2], kv.shape[3]
     kv_rows = kv.view(-1, kv_size)
     use_lora = lora.active
-    native = cpu_kernels.enabled_for(w.embed)   # fused C++ norm, RoPE + KV write, decode attention
-
-    step_attention = plan_attention(inp, nh, nkv, hd, w.embed.dtype, native)
-    if step_attention.native and cpu_kernels.decoder_loop_enabled() and (decoder := w.native_decoder(config)):
+    # fused C++ norm, RoPE + KV write, decode attention, where the family's layer is Llama's or close
+    native = cpu_kernels.enabled_for(w.embed) and config.family.native_ops
+    # one attention plan per distinct window (None: global layers)
+    step_attention = {window: plan_attention(inp, nh, nkv, hd, w.embed.dtype, native, scale=config.scale,
+                                             softcap=config.attn_softcap, window=window)
+                      for window in dict.fromkeys(config.layer_windows or [None])}
+    # a step on fixed buffers (StepInputs.decode_tables: the CUDA graphs' decodes) plans no native attention
+    if step_attention[None].native and cpu_kernels.decoder_loop_enabled() and (decoder := w.native_decoder(config)):
         step_lora = lora.native_step() if use_lora else None
         if step_lora is not None or not use_lora:
-            return _forward_native(decoder, w, rope, kv, inp, step_attention, step_lora)
+            return _forward_native(decoder, w, rope, kv, inp, step_attention[None], step_lora)
     if not native:
-        cos, sin = rope.tables(inp.positions)
+        tables = {False: rope.tables(inp.positions)}
+        if rope.local_cos is not rope.cos:
+            tables[True] = rope.tables(inp.positions, local=True)
         # KV rows this step writes, per layer: K rows then V rows, [layers, 2T]
         layer_rows = inp.write_rows + block * torch.arange(num_layers, device=inp.write_rows.device)[:, None]
         layer_rows = torch.cat([layer_rows, layer_rows + num_layers * block], dim=1)
     h = F.embedding(inp.input_ids, w.embed)                       # [T, hidden]
+    if w.embed_scale is not None:
+        h = h * w.embed_scale
     h, x = _residual_norm(h, None, w.layers[0].input_norm, eps, native)
     for li, lw in enumerate(w.layers):
+        window = config.window(li)
+        local = window is not None          # sliding layers take the local RoPE tables (Gemma 3)
         qkv = lora.project(li, "qkv", x, lw.qkv) if use_lora else lw.qkv(x)       # [T, q + 2kv]
+        if lw.qkv_bias is not None:
+            qkv += lw.qkv_bias
+        if lw.q_norm is not None:           # per head, before RoPE, in place
+            qk = qkv[:, :q_size + kv_size]
+            qk[:, :q_size] = _rms_norm(qk[:, :q_size].view(T, nh, hd), lw.q_norm, eps).view(T, q_size)
+            qk[:, q_size:] = _rms_norm(qk[:, q_size:].view(T, nkv, hd), lw.k_norm, eps).view(T, kv_size)
         if native:
             # in place in qkv; the layer's K rows start li blocks into a page, its V rows num_layers further
-            cpu_kernels.rope_write_kv(qkv, inp.positions, rope.cos, rope.sin, kv_rows, inp.write_rows,
+            cos_table, sin_table = (rope.local_cos, rope.local_sin) if local else (rope.cos, rope.sin)
+            cpu_kernels.rope_write_kv(qkv, inp.positions, cos_table, sin_table, kv_rows, inp.write_rows,
                                       li * block, (num_layers + li) * block, nh, nkv)
             q = qkv[:, :q_size].view(T, nh, hd)
             k = qkv[:, q_size:q_size + kv_size].view(T, nkv, hd)
         else:
+            cos, sin = tables[local and len(tables) > 1]
             qk = apply_rope(qkv[:, :q_size + kv_size].view(T, nh + nkv, hd), cos, sin)
             q, k = qk[:, :nh], qk[:, nh:]                          # [T, nh, hd], [T, nkv, hd]
         v = qkv[:, q_size + kv_size:]
         if not native:
             kv_rows.index_copy_(0, layer_rows[li], torch.cat([k.reshape(T, kv_size), v]))
-        attn = attention(q, k, v.view(T, nkv, hd), kv[:, 0, li], kv[:, 1, li], inp, step_attention)   # [T, q]
+        attn = attention(q, k, v.view(T, nkv, hd), kv[:, 0, li], kv[:, 1, li], inp, step_attention[window])  # [T, q]
         o = lora.project(li, "o", attn, lw.o) if use_lora else lw.o(attn)
+        if lw.attn_out_norm is not None:    # Gemma: the attention's output normed before the residual add
+            o = _rms_norm(o, lw.attn_out_norm, eps)
         h, x = _residual_norm(h, o, lw.post_norm, eps, native)
         gu = lora.project(li, "gate_up", x, lw.gate_up) if use_lora else lw.gate_up(x)   # [T, 2 inter]
-        act = silu_mul(gu, native)                                 # [T, inter]
+        act = gelu_tanh_mul(gu) if config.family.activation == "gelu_tanh" else silu_mul(gu, native)   # [T, inter]
         d = lora.project(li, "down", act, lw.down) if use_lora else lw.down(act)
+        if lw.mlp_out_norm is not None:
+            d = _rms_norm(d, lw.mlp_out_norm, eps)
         if li + 1 < len(w.layers):
             h, x = _residual_norm(h, d, w.layers[li + 1].input_norm, eps, native)
         else:
             h = h + d
     _, hs = _residual_norm(h[inp.sample_index], None, w.norm, eps, native)
-    return w.lm_head(hs)
+    logits = w.lm_head(hs)
+    if config.final_softcap:                # Gemma 2: tanh(logits / cap) * cap
+        logits = torch.tanh(logits / config.final_softcap) * config.final_softcap
+    return logits
 
 
 def _forward_native(decoder, w: LlamaWeights, rope: Rope, kv: torch.Tensor, inp: StepInputs, a: StepAttention,
@@ -314,6 +425,20 @@ def silu_mul(gate_up: torch.Tensor, native: bool = False) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU (Gemma): gate_up [T, 2 inter] (gate, then up) -> gelu_tanh(gate) * up [T, inter]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension. A float32 weight over lower-precision x is Gemma's (1 + w),
+    applied in float32 and rounded once, as transformers does."""
+    if weight.dtype != x.dtype:
+        return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(x.dtype)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
 def _residual_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                    native: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(h + delta, rms_norm(h + delta) * weight), delta None adding nothing. h: [T, hidden]. The native
@@ -322,7 +447,7 @@ def _residual_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Te
         return h, cpu_kernels.add_rms_norm(h, delta, weight, eps)
     if delta is not None:
         h = h + delta
-    return h, F.rms_norm(h, (h.shape[-1],), weight, eps)
+    return h, _rms_norm(h, weight, eps)
 
 
 def _gather_context(cache: torch.Tensor, a: StepAttention) -> torch.Tensor:
@@ -357,41 +482,58 @@ class StepAttention:
     prefill_tables: torch.Tensor | None = None     # native: [chunks, max_pages] int64, padded with page 0
     prefill_starts: torch.Tensor | None = None     # native: [chunks + 1] int64, the chunks' first rows, then the end
     prefill_first_pos: torch.Tensor | None = None  # native: [chunks] int64, each chunk's first position
+    scale: float | None = None                 # the scores' scale; None: head_dim ** -0.5
+    softcap: float | None = None               # scores -> tanh(scores / cap) * cap before the mask (bmm forms)
     decode_tables: torch.Tensor | None = None      # StepInputs.decode_tables: the decodes run kernels.paged_attention
 
 
 def plan_attention(inp: StepInputs, num_heads: int, num_kv_heads: int, head_dim: int,
-                   dtype: torch.dtype, native: bool = False) -> StepAttention:
-    """The step's masks (and the bmm path's query blocks), once for all layers."""
+                   dtype: torch.dtype, native: bool = False, *, scale: float | None = None,
+                   softcap: float | None = None, window: int | None = None) -> StepAttention:
+    """The step's masks (and the bmm path's query blocks), once for all layers of one kind. window: a
+    query sees only the last ``window`` positions, its own included (sliding layers); softcap: the
+    bmm forms, which have the scores in hand (SDPA does not take a cap). The native kernels take
+    neither, so either makes the plan eager."""
     device = inp.input_ids.device
-    bmm = _bmm_attention(device, dtype)
+    bmm = _bmm_attention(device, dtype) or softcap is not None
     group = num_heads // num_kv_heads
-    if inp.decode_tables is not None and not inp.prefills:   # no masks, no gathers, no host reads: capturable
+    scale = head_dim ** -0.5 if scale is None else scale
+    # kernels.paged_attention (CUDA, CUDA graphs) takes the scale but neither a window nor a cap
+    paged = inp.decode_tables is not None and window is None and softcap is None
+    if paged and not inp.prefills:          # no masks, no gathers, no host reads: capturable
         return StepAttention(bmm, False, inp.decode_pages, inp.decode_padding, inp.decode_mask, None, [],
-                             inp.positions[:inp.num_decode] + 1, decode_tables=inp.decode_tables)
-    if native:
+                             inp.positions[:inp.num_decode] + 1, scale=scale, decode_tables=inp.decode_tables)
+    if native and window is None and softcap is None:
         # a decode's context ends at its own token; prefill chunks follow the decodes, one after another
         return StepAttention(bmm, True, inp.decode_pages, inp.decode_padding, inp.decode_mask, None, [],
-                             inp.positions[:inp.num_decode] + 1, *_prefill_tables(inp.prefills))
+                             inp.positions[:inp.num_decode] + 1, *_prefill_tables(inp.prefills), scale=scale)
     masks = []
     for chunk in inp.prefills:
         n = chunk.end - chunk.start
         ctx = chunk.first_pos + n
-        if not bmm and chunk.first_pos == 0:
+        if not bmm and chunk.first_pos == 0 and (window is None or window >= n):
             masks.append(None)
             continue
         qpos = torch.arange(chunk.first_pos, ctx, device=device)
-        attend = torch.arange(ctx, device=device)[None, :] <= qpos[:, None]        # [n, ctx]
+        kpos = torch.arange(ctx, device=device)[None, :]
+        attend = kpos <= qpos[:, None]                                              # [n, ctx]
+        if window is not None:
+            attend &= kpos > qpos[:, None] - window
         masks.append(_bias(attend, dtype).repeat(group, 1) if bmm else attend)
     mask, q_blocks = inp.decode_mask, None
+    if window is not None and inp.num_decode:
+        # a decode at position p sees p - window + 1 .. p; rows before stay finite (their owner's K/V)
+        first = inp.positions[:inp.num_decode] + 1 - window
+        mask = mask & (torch.arange(mask.shape[-1], device=device) >= first[:, None])[:, None, None, :]
     if bmm and inp.num_decode:
         n = inp.num_decode
         mask = _bias(mask, dtype).view(n, 1, -1)
         q_blocks = torch.zeros(n, num_kv_heads, group, num_kv_heads, head_dim, dtype=dtype, device=device)
-    if inp.decode_tables is not None:      # the decodes of a mixed step: the same kernel
+    if paged:                               # the decodes of a mixed step: the same kernel
         return StepAttention(bmm, False, inp.decode_pages, inp.decode_padding, mask, q_blocks, masks,
-                             inp.positions[:inp.num_decode] + 1, decode_tables=inp.decode_tables)
-    return StepAttention(bmm, False, inp.decode_pages, inp.decode_padding, mask, q_blocks, masks)
+                             inp.positions[:inp.num_decode] + 1, scale=scale, decode_tables=inp.decode_tables)
+    return StepAttention(bmm, False, inp.decode_pages, inp.decode_padding, mask, q_blocks, masks,
+                         scale=scale, softcap=softcap)
 
 
 def _prefill_tables(chunks: list[PrefillChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -418,45 +560,54 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if a.native:      # reads only each decode's own context rows, never the padding
         out = torch.empty(n, nh, hd, dtype=q.dtype, device=q.device)
         cpu_kernels.paged_decode_attention(out, q, k_cache, v_cache, a.decode_pages.view(n, -1), a.decode_lens,
-                                           hd ** -0.5)
+                                           a.scale)
         return out
     if a.decode_tables is not None:
         from kernels.paged_attention import paged_decode_attention
         out = torch.empty(n, nh, hd, dtype=q.dtype, device=q.device)
-        paged_decode_attention(out, q, k_cache, v_cache, a.decode_tables, a.decode_lens, hd ** -0.5)
+        paged_decode_attention(out, q, k_cache, v_cache, a.decode_tables, a.decode_lens, a.scale)
         return out
     k = _gather_context(k_cache, a).view(n, -1, kv_size)                         # [n, ctx, nkv * hd]
     v = _gather_context(v_cache, a).view(n, -1, kv_size)
     if not a.bmm:
         kc, vc = (t.view(n, -1, nkv, hd).transpose(1, 2) for t in (k, v))         # [n, nkv, ctx, hd]
         return F.scaled_dot_product_attention(q.unsqueeze(2), kc, vc, attn_mask=a.decode_mask,
-                                              enable_gqa=True).squeeze(2)
+                                              enable_gqa=True, scale=a.scale).squeeze(2)
     # Two bmm's over the gathered rows as they lie ([n, ctx, nkv * hd]) avoid the per-head copies of K
     # and V that grouped matmuls make (125 vs 184 us): head h's query sits in the columns of its KV
     # head h // group, zeros elsewhere, and its output is that block of the product (3x the
     # multiply-adds, a few M). Only the diagonal blocks of q_blocks are written, so the zeros stay.
     group = nh // nkv
     a.q_blocks.diagonal(dim1=1, dim2=3).copy_(q.view(n, nkv, group, hd).permute(0, 2, 3, 1))
-    scores = torch.baddbmm(a.decode_mask, a.q_blocks.view(n, nh, kv_size), k.transpose(1, 2), alpha=hd ** -0.5)
+    scores = _scores(a.decode_mask, a.q_blocks.view(n, nh, kv_size), k.transpose(1, 2), a)
     probs = torch.softmax(scores, dim=-1)                       # [n, nh, ctx]: bf16 in and out, fp32 inside
     out = torch.bmm(probs, v).view(n, nkv, group, nkv, hd)      # [n, query's KV head, group, KV head, hd]
     return out.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(n, nh, hd)
 
 
+def _scores(mask: torch.Tensor, q: torch.Tensor, k_t: torch.Tensor, a: StepAttention) -> torch.Tensor:
+    """mask + scale * q @ k_t, soft-capped before the mask where the plan says (Gemma 2)."""
+    if a.softcap is None:
+        return torch.baddbmm(mask, q, k_t, alpha=a.scale)
+    scores = torch.bmm(q, k_t).mul_(a.scale / a.softcap).tanh_().mul_(a.softcap)
+    return scores.add_(mask)
+
+
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                       bmm: bool) -> torch.Tensor:
+                       a: StepAttention) -> torch.Tensor:
     """One sequence's chunk. q: [n, nh, hd]; k, v: [ctx, nkv, hd], the chunk's last; mask: as
     StepAttention.prefill_masks. Returns [n, nh, hd]."""
     n, nh, hd = q.shape
     nkv = k.shape[1]
-    if not bmm:
+    if not a.bmm:
         qc, kc, vc = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)   # heads first
-        oc = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+        oc = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, is_causal=mask is None, enable_gqa=True,
+                                            scale=a.scale)
         return oc.transpose(0, 1)
     # per KV head, its group's queries stacked as rows: no copies of K or V per query head
     group = nh // nkv
     qs = q.view(n, nkv, group, hd).permute(1, 2, 0, 3).reshape(nkv, group * n, hd)
-    scores = torch.baddbmm(mask, qs, k.permute(1, 2, 0), alpha=hd ** -0.5)       # [nkv, group * n, ctx]
+    scores = _scores(mask, qs, k.permute(1, 2, 0), a)                            # [nkv, group * n, ctx]
     out = torch.bmm(torch.softmax(scores, dim=-1), v.transpose(0, 1))           # [nkv, group * n, hd]
     return out.view(nkv, group, n, hd).permute(2, 0, 1, 3).reshape(n, nh, hd)
 
@@ -476,7 +627,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
         out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, a)
     if a.native:      # every chunk in one call, read through its block table (the chunks' own K/V included)
         cpu_kernels.paged_prefill_attention(out, q, k_cache, v_cache, a.prefill_tables, a.prefill_starts,
-                                            a.prefill_first_pos, hd ** -0.5)
+                                            a.prefill_first_pos, a.scale)
         return out.view(T, nh * hd)
     for chunk, mask in zip(inp.prefills, a.prefill_masks):
         s, e = chunk.start, chunk.end
@@ -486,5 +637,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
             ctx = chunk.first_pos + (e - s)
             kc = k_cache.index_select(0, chunk.block_table).view(-1, nkv, hd)[:ctx]
             vc = v_cache.index_select(0, chunk.block_table).view(-1, nkv, hd)[:ctx]
-        out[s:e] = _prefill_attention(q[s:e], kc, vc, mask, a.bmm)
+        out[s:e] = _prefill_attention(q[s:e], kc, vc, mask, a)
     return out.view(T, nh * hd)

@@ -1,5 +1,9 @@
 """Loading a llama.cpp GGUF file: metadata, weights in HF naming (dequantized to float32, or with
-keep_quantized the projections of the types the CPU kernels run kept as their blocks), tokenizer."""
+keep_quantized the projections of the types the CPU kernels run kept as their blocks), tokenizer.
+
+Architectures llama, qwen2, qwen3, gemma2, gemma3 and phi3, with llama.cpp's conventions undone:
+Llama's Q/K rows interleaved per head (the other families rotate halves, as HF does), Gemma's norm
+weights stored as 1 + w, Phi-3's longrope factors stored as tensors."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,8 +13,8 @@ import gguf
 import numpy as np
 import torch
 
-from asyncserve.model.checkpoint import LoadedModel, select_weights
-from asyncserve.model.config import ModelConfig, ModelLoadError
+from asyncserve.model.checkpoint import LoadedModel, ProgressCallback, select_weights, split_fused
+from asyncserve.model.config import FAMILIES, Family, ModelConfig, ModelLoadError
 from asyncserve.model.linear import QuantizedWeight
 from asyncserve.model.tokenizer import Tokenizer
 
@@ -25,66 +29,131 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
+# where a family's converter names HF modules otherwise: Gemma's post_attention_layernorm is the
+# attention output's norm (post_attention_norm) and its MLP input norm pre_feedforward_layernorm is
+# ffn_norm; Phi-3's fused gate_up_proj is ffn_up
+_FAMILY_LAYER_TENSORS = {
+    "gemma2": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm"},
+    "gemma3": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm"},
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},
+}
+_ARCHITECTURES = {family.gguf_architecture: family for family in FAMILIES}
+_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")     # Phi-3's longrope, per frequency
 _REQUIRED = object()
 # what kernels/cpu/quant.h runs: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K (everything a Q4_K_M, Q5_K_M or Q8_0 file holds)
 KEPT_QUANTIZED = {gguf.GGMLQuantizationType(t) for t in (2, 3, 8, 12, 13, 14)}
 
 
-def load_gguf_file(path: Path, keep_quantized: bool = False) -> LoadedModel:
+def load_gguf_file(path: Path, progress: ProgressCallback | None = None, keep_quantized: bool = False) -> LoadedModel:
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:       # the reader raises ValueError, struct errors, ... on a bad file
-        raise ModelLoadError(f"cannot read {path} as a GGUF file: {e}") from None
+        raise ModelLoadError(f"cannot read {path} as a GGUF file (truncated or corrupt?): {e}") from None
     fields = reader.fields
     architecture = _value(fields, "general.architecture", path)
-    if architecture != "llama":
-        raise ModelLoadError(f"{path} holds a {architecture!r} model; asyncserve serves Llama-family GGUF files "
-                             "(general.architecture 'llama')")
+    family = _ARCHITECTURES.get(architecture)
+    if family is None:
+        raise ModelLoadError(f"{path} holds a {architecture!r} model; asyncserve serves GGUF files of "
+                             f"general.architecture {', '.join(repr(a) for a in _ARCHITECTURES)}")
     by_name = {tensor.name: tensor for tensor in reader.tensors}
     if "rope_freqs.weight" in by_name:
         raise ModelLoadError(f"{path} stores per-frequency RoPE factors (rope_freqs, Llama 3.1-style scaling), whose "
                              "parameters a GGUF does not record; serve the model's HF folder instead")
     if "token_embd.weight" not in by_name:
         raise ModelLoadError(f"{path} is missing tensor token_embd.weight")
-    hf_names = {name: _hf_name(name, path) for name in by_name}     # refuse unknown tensors before dequantizing
+    rope_factors = {name: by_name.pop(name) for name in _ROPE_FACTORS if name in by_name}
+    hf_names = {name: _hf_name(name, family, path) for name in by_name}   # refuse unknown tensors before dequantizing
 
-    config = _model_config(fields, path, vocab_size=int(by_name["token_embd.weight"].shape[1]),
+    config = _model_config(fields, family, path, vocab_size=int(by_name["token_embd.weight"].shape[1]),
                            tied="output.weight" not in by_name)
+    if rope_factors:
+        _longrope(config, fields, family, rope_factors, path)
     tokenizer = Tokenizer.from_gguf(fields)
     config.bos_token_id = tokenizer.bos_token_id
     config.eos_token_ids = tokenizer.eos_token_ids
 
-    tensors = {hf_names[name]: _quantized(tensor, config) if keep_quantized and _keeps(tensor)
-               else _dequantize(tensor, config, path) for name, tensor in by_name.items()}
+    tensors = {}
+    for name, tensor in by_name.items():
+        keep = keep_quantized and _keeps(tensor)
+        tensors[hf_names[name]] = _quantized(tensor, config) if keep else _dequantize(tensor, config, path)
+        if progress is not None:
+            progress(len(tensors), len(by_name))
+    if family.unit_offset_norms:       # llama.cpp's converter stores Gemma's norm weights as 1 + w
+        for name, tensor in tensors.items():
+            if name.endswith("norm.weight"):
+                tensor -= 1.0
+    if family.fused_projections:
+        split_fused(config, tensors)
     return LoadedModel(config, select_weights(config, tensors, str(path)), tokenizer, str(path))
 
 
-def _model_config(fields: dict[str, Any], path: Path, vocab_size: int, tied: bool) -> ModelConfig:
+def _model_config(fields: dict[str, Any], family: Family, path: Path, vocab_size: int, tied: bool) -> ModelConfig:
     def llama(key: str, default: Any = _REQUIRED) -> Any:
-        return _value(fields, f"llama.{key}", path, default)
+        return _value(fields, f"{family.gguf_architecture}.{key}", path, default)
 
     hidden, heads = llama("embedding_length"), llama("attention.head_count")
     head_dim = llama("attention.key_length", hidden // heads)
     rope_dim = llama("rope.dimension_count", head_dim)
     if rope_dim != head_dim:
         raise ModelLoadError(f"{path} rotates {rope_dim} of {head_dim} head dimensions (partial RoPE), "
-                             "which the Llama architecture does not do")
+                             "which asyncserve does not implement")
+    num_layers = llama("block_count")
+    gemma = family.name.startswith("gemma")
+    window = llama("attention.sliding_window", None)
+    if family.sliding_layers == "every_other":
+        sliding = [i % 2 == 0 for i in range(num_layers)]
+    elif family.sliding_layers == "pattern":
+        # llama.cpp's Gemma 3: every sliding_window_pattern-th layer global (6 unless the file says)
+        pattern = llama("attention.sliding_window_pattern", 6)
+        sliding = list(pattern) if isinstance(pattern, list) else [(i + 1) % pattern != 0 for i in range(num_layers)]
+    else:
+        sliding = [True] * num_layers
+    max_position = llama("context_length", ModelConfig.max_position)
+    windows = [window if s else None for s in sliding] if window and window < max_position else []
+    # llama.cpp scales Gemma's queries by head_dim ** -0.5, but by (hidden / heads) ** -0.5 for the
+    # 27B models (query_pre_attn_scalar, which a GGUF does not record)
+    big = {"gemma2": 46, "gemma3": 62}.get(family.name) == num_layers
     return ModelConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=llama("feed_forward_length"),
-        num_layers=llama("block_count"),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=llama("attention.head_count_kv", heads),
         head_dim=head_dim,
         rms_norm_eps=llama("attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta=llama("rope.freq_base", 10000.0),
         rope_scaling=_rope_scaling(llama),
-        max_position=llama("context_length", ModelConfig.max_position),
+        max_position=max_position,
         tie_word_embeddings=tied,
         name=path.stem,          # an id clients can type; general.name is free text with spaces
+        family=family,
+        attn_scale=((hidden / heads) if big else head_dim) ** -0.5 if gemma else None,
+        attn_softcap=llama("attn_logit_softcapping", None) if family.name == "gemma2" else None,
+        final_softcap=llama("final_logit_softcapping", None) if gemma else None,
+        layer_windows=windows,
+        rope_local_theta=llama("rope.freq_base_swa", 10000.0) if family.name == "gemma3" else None,
     )
+
+
+def _longrope(config: ModelConfig, fields: dict[str, Any], family: Family, factors: dict, path: Path) -> None:
+    """Phi-3's longrope from its factor tensors and rope.scaling.* keys (llama.cpp's converter)."""
+    def key(name: str, default: Any = _REQUIRED) -> Any:
+        return _value(fields, f"{family.gguf_architecture}.rope.scaling.{name}", path, default)
+
+    if len(factors) != 2:
+        raise ModelLoadError(f"{path} has {', '.join(factors)} without its pair; longrope needs both")
+    long, short = (gguf.quants.dequantize(factors[n].data, factors[n].tensor_type).reshape(-1).tolist()
+                   for n in _ROPE_FACTORS)
+    original = key("original_context_length")
+    config.rope_scaling = {"rope_type": "longrope", "long_factor": long, "short_factor": short,
+                           "original_max_position_embeddings": original,
+                           "factor": config.max_position / original, "attention_factor": key("attn_factor", None)}
 
 
 def _rope_scaling(llama) -> dict | None:
@@ -101,15 +170,18 @@ def _rope_scaling(llama) -> dict | None:
     return scaling
 
 
-def _hf_name(gguf_name: str, path: Path) -> str:
+def _hf_name(gguf_name: str, family: Family, path: Path) -> str:
     """token_embd.weight -> model.embed_tokens.weight, blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight"""
     parts = gguf_name.split(".")
     if len(parts) == 2 and parts[0] in _GLOBAL_TENSORS and parts[1] == "weight":
         return f"{_GLOBAL_TENSORS[parts[0]]}.weight"
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS and parts[3] == "weight":
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.weight"
-    raise ModelLoadError(f"{path} has tensor {gguf_name}, which is not part of the Llama architecture asyncserve "
-                         "implements (no biases, no extra projections)")
+    layer_tensors = {**_LAYER_TENSORS, **_FAMILY_LAYER_TENSORS.get(family.name, {})}
+    biased = family.qkv_bias and parts[2:3] in (["attn_q"], ["attn_k"], ["attn_v"])
+    if (len(parts) == 4 and parts[0] == "blk" and parts[2] in layer_tensors
+            and (parts[3] == "weight" or parts[3] == "bias" and biased)):
+        return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{parts[3]}"
+    raise ModelLoadError(f"{path} has tensor {gguf_name}, which is not part of the {family.name} architecture "
+                         "asyncserve implements")
 
 
 def _dequantize(tensor: gguf.ReaderTensor, config: ModelConfig, path: Path) -> torch.Tensor:
@@ -121,10 +193,12 @@ def _dequantize(tensor: gguf.ReaderTensor, config: ModelConfig, path: Path) -> t
     # float tensors come back as read-only views of the memory-mapped file: copy those
     weight = torch.from_numpy(np.require(values, np.float32, ["C", "W"]))
     weight = weight.reshape([int(d) for d in reversed(tensor.shape)])   # ggml lists dimensions innermost first
-    # llama.cpp's converter interleaves the rotary halves of each Q/K head; undo it for HF's rotate_half layout
-    if tensor.name.endswith("attn_q.weight"):
+    # llama.cpp's converter interleaves the rotary halves of each Q/K head of Llama (only: the other
+    # families rotate halves as HF does); undo it for HF's rotate_half layout
+    interleaved = config.family.name == "llama"
+    if interleaved and tensor.name.endswith("attn_q.weight"):
         weight = _unpermute(weight, config.num_heads)
-    elif tensor.name.endswith("attn_k.weight"):
+    elif interleaved and tensor.name.endswith("attn_k.weight"):
         weight = _unpermute(weight, config.num_kv_heads)
     return weight
 
@@ -138,10 +212,11 @@ def _quantized(tensor: gguf.ReaderTensor, config: ModelConfig) -> QuantizedWeigh
     """The tensor's blocks copied out of the mapped file, one row of blocks per output: [out, bytes per row]."""
     fan_in, out = (int(d) for d in tensor.shape)
     blocks = tensor.data.reshape(out, -1)          # a view of the mapped file
-    # whole rows move, so undoing the converter's Q/K interleave permutes rows of blocks as it does rows of floats
-    if tensor.name.endswith("attn_q.weight"):
+    # whole rows move, so undoing Llama's Q/K interleave (_dequantize) permutes rows of blocks as rows of floats
+    interleaved = config.family.name == "llama"
+    if interleaved and tensor.name.endswith("attn_q.weight"):
         blocks = _unpermute(blocks, config.num_heads)
-    elif tensor.name.endswith("attn_k.weight"):
+    elif interleaved and tensor.name.endswith("attn_k.weight"):
         blocks = _unpermute(blocks, config.num_kv_heads)
     # copied out of the mapping (which closes with the reader)
     return QuantizedWeight([(torch.from_numpy(np.array(blocks, dtype=np.uint8)), int(tensor.tensor_type))], fan_in)

@@ -2,19 +2,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
-from asyncserve.model.checkpoint import LoadedModel, select_weights
-from asyncserve.model.config import ModelConfig, ModelLoadError, read_json
+from asyncserve.model.checkpoint import LoadedModel, ProgressCallback, select_weights, split_fused
+from asyncserve.model.config import FAMILIES, Family, ModelConfig, ModelLoadError, read_json
 from asyncserve.model.tokenizer import Tokenizer
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 
-
-def load_hf_folder(folder: Path) -> LoadedModel:
+def load_hf_folder(folder: Path, progress: ProgressCallback | None = None) -> LoadedModel:
     config_json = read_json(folder / "config.json")
     generation_file = folder / "generation_config.json"
     generation = read_json(generation_file) if generation_file.is_file() else {}
@@ -28,17 +26,32 @@ def load_hf_folder(folder: Path) -> LoadedModel:
     config.bos_token_id = next((i for i in (config_json.get("bos_token_id"), generation.get("bos_token_id"),
                                             tokenizer.bos_token_id) if isinstance(i, int)), None)
 
-    weights = select_weights(config, _read_safetensors(weight_files), str(folder))
+    tensors = _read_safetensors(weight_files, progress)
+    if config.family.fused_projections:
+        split_fused(config, tensors)
+    weights = select_weights(config, tensors, str(folder))
     return LoadedModel(config, weights, tokenizer, str(folder))
 
 
-def model_config(cfg: dict[str, Any], name: str) -> ModelConfig:
-    """ModelConfig from a config.json, refusing what the Llama forward pass does not implement."""
+def family_of(cfg: dict[str, Any], name: str) -> Family:
+    """The family config.json names, by its architectures (or, lacking them, its model_type)."""
     architectures = cfg.get("architectures") or []
-    if not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
-        raise ModelLoadError(f"model {name}: architecture {', '.join(architectures) or '(none given)'} is not "
-                             f"supported; asyncserve serves {' and '.join(SUPPORTED_ARCHITECTURES)}")
-    _refuse_unsupported_features(cfg, name)
+    for family in FAMILIES:
+        if any(a in family.architectures for a in architectures) or (
+                not architectures and cfg.get("model_type") in family.model_types):
+            return family
+    supported = ", ".join(a for f in FAMILIES for a in f.architectures)
+    hint = ""
+    if "Gemma3ForConditionalGeneration" in architectures:
+        hint = " (Gemma 3's multimodal checkpoints are not; its text-only Gemma3ForCausalLM ones are)"
+    raise ModelLoadError(f"model {name}: architecture {', '.join(architectures) or '(none given)'} is not "
+                         f"supported; asyncserve serves {supported}{hint}")
+
+
+def model_config(cfg: dict[str, Any], name: str) -> ModelConfig:
+    """ModelConfig from a config.json, refusing what the forward pass does not implement."""
+    family = family_of(cfg, name)
+    _refuse_unsupported_features(cfg, family, name)
 
     def required(key: str) -> Any:
         if cfg.get(key) is None:
@@ -46,12 +59,14 @@ def model_config(cfg: dict[str, Any], name: str) -> ModelConfig:
         return cfg[key]
 
     hidden, heads = required("hidden_size"), required("num_attention_heads")
-    rope_theta, rope_scaling = _rope(cfg)
+    num_layers = required("num_hidden_layers")
+    rope_theta, rope_scaling, local_theta = _rope(cfg, family)
+    gemma = family.name.startswith("gemma")
     return ModelConfig(
         vocab_size=required("vocab_size"),
         hidden_size=hidden,
         intermediate_size=required("intermediate_size"),
-        num_layers=required("num_hidden_layers"),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or hidden // heads,
@@ -59,40 +74,93 @@ def model_config(cfg: dict[str, Any], name: str) -> ModelConfig:
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_position=cfg.get("max_position_embeddings") or ModelConfig.max_position,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        # Gemma's configs tie by default (transformers writes the key only when it differs)
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
         name=name,
+        family=family,
+        attn_scale=cfg["query_pre_attn_scalar"] ** -0.5 if gemma and cfg.get("query_pre_attn_scalar") else None,
+        attn_softcap=cfg.get("attn_logit_softcapping") if family.name == "gemma2" else None,
+        final_softcap=cfg.get("final_logit_softcapping") if gemma else None,
+        layer_windows=_layer_windows(cfg, family, num_layers),
+        rope_local_theta=local_theta,
     )
 
 
-def _refuse_unsupported_features(cfg: dict[str, Any], name: str) -> None:
+def _layer_windows(cfg: dict[str, Any], family: Family, num_layers: int) -> list[int | None]:
+    """Per layer its sliding window or None, from layer_types where config.json lists them, else by the
+    family's rule; [] when no layer slides (or the window covers the whole context)."""
     window = cfg.get("sliding_window")
-    # a window at least as long as the context never masks anything
-    if window is not None and window < (cfg.get("max_position_embeddings") or ModelConfig.max_position):
-        raise ModelLoadError(f"model {name} uses sliding-window attention (sliding_window={window}), which "
-                             "asyncserve does not implement; only checkpoints with sliding_window null are supported")
-    for flag in ("attention_bias", "mlp_bias"):
+    if family.sliding_layers == "from_max_window_layers" and not cfg.get("use_sliding_window"):
+        window = None
+    if not window or window >= (cfg.get("max_position_embeddings") or ModelConfig.max_position):
+        return []
+    types = cfg.get("layer_types")
+    if types is not None:
+        if len(types) != num_layers or not set(types) <= {"sliding_attention", "full_attention"}:
+            raise ModelLoadError(f"config.json's layer_types {types} should list sliding_attention or "
+                                 f"full_attention for each of the {num_layers} layers")
+        sliding = [t == "sliding_attention" for t in types]
+    elif family.sliding_layers == "every_other":
+        sliding = [(i + 1) % 2 == 1 for i in range(num_layers)]
+    elif family.sliding_layers == "pattern":
+        pattern = cfg.get("sliding_window_pattern", 6)
+        sliding = [(i + 1) % pattern != 0 for i in range(num_layers)]
+    elif family.sliding_layers == "from_max_window_layers":
+        sliding = [i >= cfg.get("max_window_layers", num_layers) for i in range(num_layers)]
+    else:
+        sliding = [True] * num_layers
+    return [window if s else None for s in sliding] if any(sliding) else []
+
+
+def _refuse_unsupported_features(cfg: dict[str, Any], family: Family, name: str) -> None:
+    flags = ("mlp_bias",) if family.qkv_bias else ("attention_bias", "mlp_bias")
+    for flag in flags:
         if cfg.get(flag):
-            raise ModelLoadError(f"model {name} has {flag}: true; asyncserve's Llama has no bias terms")
-    activation = cfg.get("hidden_act", "silu")
-    if activation != "silu":
-        raise ModelLoadError(f"model {name} uses activation {activation!r}; asyncserve's Llama implements only silu")
+            raise ModelLoadError(f"model {name} has {flag}: true; asyncserve's {family.name} has no such bias terms")
+    activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    want = {"silu": ("silu",), "gelu_tanh": ("gelu_pytorch_tanh", "gelu_tanh")}[family.activation]
+    if activation not in want:
+        raise ModelLoadError(f"model {name} uses activation {activation!r}; asyncserve's {family.name} "
+                             f"implements {want[0]}")
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"model {name} uses bidirectional attention; asyncserve serves causal decoders")
+    rotary = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if float(rotary) != 1.0:
+        raise ModelLoadError(f"model {name} rotates part of each head (partial_rotary_factor), which "
+                             "asyncserve does not implement")
     quantization = cfg.get("quantization_config")
     if quantization:
         raise ModelLoadError(f"model {name} is a quantized checkpoint ({quantization.get('quant_method', '?')}); "
                              "asyncserve loads float safetensors checkpoints or GGUF files")
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, dict | None]:
-    """rope_theta and the scaling dict, from the older rope_theta/rope_scaling keys or transformers 5's
-    rope_parameters; scaling is normalised to have `rope_type`, and None for plain RoPE."""
+def _rope(cfg: dict[str, Any], family: Family) -> tuple[float, dict | None, float | None]:
+    """rope_theta, the scaling dict and (Gemma 3) the sliding layers' base, from the older
+    rope_theta/rope_scaling keys or transformers 5's rope_parameters (per layer type for Gemma 3);
+    scaling is normalised to have `rope_type`, and None for plain RoPE."""
     parameters = dict(cfg.get("rope_parameters") or {})
-    theta = parameters.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+    local_theta = None
+    if family.name == "gemma3":
+        local = parameters.pop("sliding_attention", None) or {}
+        parameters = dict(parameters.pop("full_attention", None) or parameters)
+        local_theta = float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0)))
+        if local.get("rope_type", "default") != "default":
+            raise ModelLoadError(f"Gemma 3 with {local['rope_type']!r} RoPE on its sliding layers is not supported")
+    theta = parameters.pop("rope_theta", cfg.get("rope_theta", 1e6 if family.name == "gemma3" else 10000.0))
     scaling = {**(cfg.get("rope_scaling") or {}), **parameters}
+    scaling.pop("partial_rotary_factor", None)
     if "type" in scaling:             # the pre-4.45 spelling of rope_type
         scaling.setdefault("rope_type", scaling.pop("type"))
+    if scaling.get("rope_type") == "su" or (family.name == "phi3" and scaling.get("rope_type") == "yarn"):
+        scaling["rope_type"] = "longrope"          # Phi-3's older names for it, as transformers reads them
     if scaling.get("rope_type", "default") == "default":
-        return float(theta), None
-    return float(theta), scaling
+        return float(theta), None, local_theta
+    if "original_max_position_embeddings" in cfg:  # Phi-3 keeps it beside rope_scaling
+        scaling.setdefault("original_max_position_embeddings", cfg["original_max_position_embeddings"])
+    if scaling["rope_type"] == "longrope" and "factor" not in scaling and "original_max_position_embeddings" in scaling:
+        scaling["factor"] = (cfg.get("max_position_embeddings") or ModelConfig.max_position) / \
+            scaling["original_max_position_embeddings"]
+    return float(theta), scaling, local_theta
 
 
 def _ids(value: int | list[int] | None) -> list[int]:
@@ -121,11 +189,20 @@ def _safetensors_files(folder: Path) -> list[Path]:
     raise ModelLoadError(f"{folder} has no model.safetensors or model.safetensors.index.json")
 
 
-def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
+def _read_safetensors(files: list[Path], progress: ProgressCallback | None) -> dict[str, torch.Tensor]:
+    opened = {path: _safetensors_call(path, lambda: safe_open(path, "pt")) for path in files}
+    total = sum(len(f.keys()) for f in opened.values())
     tensors: dict[str, torch.Tensor] = {}
-    for path in files:
-        try:
-            tensors.update(load_file(path))
-        except Exception as e:     # safetensors raises its own error types for truncated or corrupt files
-            raise ModelLoadError(f"cannot read {path}: {e}") from None
+    for path, f in opened.items():
+        for name in f.keys():
+            tensors[name] = _safetensors_call(path, lambda: f.get_tensor(name))
+            if progress is not None:
+                progress(len(tensors), total)
     return tensors
+
+
+def _safetensors_call(path: Path, read: Callable[[], Any]) -> Any:
+    try:
+        return read()
+    except Exception as e:     # safetensors raises its own error types for truncated or corrupt files
+        raise ModelLoadError(f"cannot read {path}: {e}") from None

@@ -43,9 +43,8 @@ class AdapterError(ValueError):
     """An adapter that cannot be served with this base model; the message says why."""
 
 
-_KEY = re.compile(
-    r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
-    r"\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+# a decoder layer's module: which ones the base model has is its family's (Family.peft_modules)
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
 # safetensors dtype -> (torch dtype, bytes per element); adapters are float tensors
 _DTYPES = {"F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2),
@@ -319,19 +318,22 @@ def _check_against_model(name: str, path: str, acfg: AdapterConfig, stored: list
         raise AdapterError(f"adapter {name!r}: {e}") from None
 
     shapes = config.projection_shapes()
-    modules: dict[tuple[int, int], dict[str, StoredTensor]] = {}
+    peft_modules = config.family.peft_modules()
+    found: dict[tuple[int, str], dict[str, StoredTensor]] = {}
     for t in stored:
         m = _KEY.search(t.key)
-        if m is None:
-            raise AdapterError(f"adapter {name!r}: tensor {t.key!r} targets a module that is not supported "
-                               f"(supported: {', '.join(PROJECTIONS)} of the decoder layers)")
-        layer, proj, ab = int(m.group(1)), m.group(2), m.group(3)
+        if m is None or m.group(2) not in peft_modules:
+            raise AdapterError(f"adapter {name!r}: tensor {t.key!r} targets a module that {config.family.name} "
+                               f"models do not have (their LoRA targets: {', '.join(peft_modules)} of the "
+                               "decoder layers)")
+        layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
         if layer >= config.num_layers:
             raise AdapterError(f"adapter {name!r}: {t.key!r} is for layer {layer}, the base model has "
                                f"{config.num_layers} layers")
-        modules.setdefault((layer, PROJ_INDEX[proj]), {})[ab] = t
-    if not modules:
+        found.setdefault((layer, module), {})[ab] = t
+    if not found:
         raise AdapterError(f"adapter {name!r}: no LoRA tensors in {path}/adapter_model.safetensors")
+    modules = _split_fused_modules(name, found, peft_modules, shapes, fan_in_fan_out)
 
     ranks = [0] * len(PROJECTIONS)
     scaling = [[0.0] * len(PROJECTIONS) for _ in range(config.num_layers)]
@@ -346,7 +348,7 @@ def _check_against_model(name: str, path: str, acfg: AdapterConfig, stored: list
             raise AdapterError(
                 f"adapter {name!r}: layer {layer} {proj} has lora_A {a_shape} and lora_B {b_shape}; this base "
                 f"model needs A [r, {fan_in}] and B [{fan_out}, r] — was it trained for a different base model?")
-        module = f"model.layers.{layer}.{'self_attn' if p < 4 else 'mlp'}.{proj}"
+        module = f"model.layers.{layer}.{'self_attn' if p < 4 else 'mlp'}.{_peft_name(config, proj)}"
         try:
             r_cfg = rank_pattern.lookup(module, acfg.r if acfg.r is not None else r)
             a = alpha_pattern.lookup(module, alpha)
@@ -357,6 +359,43 @@ def _check_against_model(name: str, path: str, acfg: AdapterConfig, stored: list
         scaling[layer][p] = a / math.sqrt(r) if use_rslora else a / r
         ranks[p] = max(ranks[p], r)
     return ranks, scaling, modules, fan_in_fan_out
+
+
+def _split_fused_modules(name: str, found: dict[tuple[int, str], dict[str, StoredTensor]],
+                         peft_modules: dict[str, tuple[str, ...]], shapes: dict[str, tuple[int, int]],
+                         fan_in_fan_out: bool) -> dict[tuple[int, int], dict[str, StoredTensor]]:
+    """(layer, PEFT module) -> (layer, projection). A fused module (Phi-3's qkv_proj, gate_up_proj)
+    covers several projections: each takes the module's A and the rows of B at its output slice
+    (B [out, r] is row-major, so a slice is a contiguous byte range of the file)."""
+    modules: dict[tuple[int, int], dict[str, StoredTensor]] = {}
+    for (layer, module), ab in found.items():
+        parts = peft_modules[module]
+        if len(parts) == 1:
+            modules[(layer, PROJ_INDEX[parts[0]])] = ab
+            continue
+        a, b = ab.get("A"), ab.get("B")
+        if a is None or b is None:
+            raise AdapterError(f"adapter {name!r}: layer {layer} {module} has lora_{''.join(ab)} but not both A and B")
+        if fan_in_fan_out:
+            raise AdapterError(f"adapter {name!r}: fan_in_fan_out is not supported on the fused module {module}")
+        widths = [shapes[p][1] for p in parts]
+        r = b.shape[1] if len(b.shape) == 2 else 0
+        if b.shape != (sum(widths), r):
+            raise AdapterError(f"adapter {name!r}: layer {layer} {module} has lora_B {b.shape}; this base model "
+                               f"needs [{sum(widths)}, r] — was it trained for a different base model?")
+        row_bytes = r * _DTYPES[b.dtype][1]
+        offset = 0
+        for proj, width in zip(parts, widths):
+            rows = StoredTensor(b.key, b.dtype, (width, r), b.begin + offset * row_bytes,
+                                b.begin + (offset + width) * row_bytes)
+            modules[(layer, PROJ_INDEX[proj])] = {"A": a, "B": rows}
+            offset += width
+    return modules
+
+
+def _peft_name(config: ModelConfig, proj: str) -> str:
+    """The PEFT module that covers a projection in this family (Phi-3's q_proj: qkv_proj)."""
+    return next(module for module, parts in config.family.peft_modules().items() if proj in parts)
 
 
 def build_host_adapter(folder: PeftFolder, dtype: torch.dtype) -> HostAdapter:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import shlex
 import sys
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from asyncserve.cpus import usable_cpus
 from asyncserve.lora.backend import LoraBackend, group_layout
 from asyncserve.model.config import GROUPS, PROJ_INDEX, ModelConfig
 from asyncserve.model.linear import Linear
@@ -107,7 +107,7 @@ class CpuAssist:
         CPU device whose threads and the workers want more cores than there are: there they take
         turns, and a job adds all its time to the step."""
         if weights is None or (self.device.type == "cpu"
-                               and torch.get_num_threads() + num_workers > (os.cpu_count() or 1)):
+                               and torch.get_num_threads() + num_workers > usable_cpus()):
             return dict.fromkeys(GROUPS, 0.0)
         layer, tokens, repeats = weights.layers[0], 128, 5
         linears: dict[str, Linear] = {"qkv": layer.qkv, "o": layer.o, "gate_up": layer.gate_up, "down": layer.down}
@@ -249,6 +249,6 @@ def default_workers(device: torch.device, torch_threads: int) -> int:
     """``--cpu-workers`` auto: the cores the device's own threads leave free (on a GPU box one stays
     with the server's thread), at most 8: a job's rows split thinner than that cost more in
     per-worker overhead than they save (ipc/profile.py's fit)."""
-    cores = os.cpu_count() or 1
+    cores = usable_cpus()
     spare = cores - 1 if device.type == "cuda" else cores - torch_threads
     return max(0, min(8, spare))

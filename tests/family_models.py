@@ -1,0 +1,127 @@
+"""Tiny random checkpoints of each supported family (transformers' own config classes) and two random
+PEFT adapters on each family's target names, for tests/test_families.py and the GGUF tests."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from model_io_helpers import backend_vocab, write_gguf
+from reference import make_tiny_tokenizer, save_random_adapter, save_tiny_model
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# family -> transformers config arguments: hidden 64, GQA, windows shorter than the tests' sequences
+FAMILIES = {
+    "qwen2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, rope_theta=1e6, tie_word_embeddings=False),
+    "qwen2_tied": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True),
+    "qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, max_position_embeddings=512, tie_word_embeddings=False),
+    "gemma2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=32, max_position_embeddings=512, sliding_window=8,
+                   query_pre_attn_scalar=24, attn_logit_softcapping=3.0, final_logit_softcapping=5.0),
+    "gemma3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=32, max_position_embeddings=512, sliding_window=8,
+                   query_pre_attn_scalar=24,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}),
+    "phi3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512, original_max_position_embeddings=128,
+                 pad_token_id=0, tie_word_embeddings=False,
+                 rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                               "long_factor": [2.0 + 0.5 * i for i in range(8)]}),
+}
+# family -> two adapters: (rank, targets, rsLoRA); the first on every projection
+ADAPTERS = {
+    "phi3": {"all": (4, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], False),
+             "fused": (8, ["qkv_proj", "gate_up_proj"], True)},
+}
+DEFAULT_ADAPTERS = {"all": (4, ALL, False), "some": (8, ["q_proj", "v_proj", "down_proj"], True)}
+
+
+@dataclass
+class FamilyModel:
+    family: str
+    folder: Path
+    tokenizer: object
+    base: object                   # the transformers model (reference)
+    adapters: dict[str, Path]
+
+
+def build_family_model(root: Path, name: str, **overrides) -> FamilyModel:
+    """name: a key of FAMILIES (qwen2_tied: Qwen2 with tied embeddings); overrides: config arguments."""
+    family = name.split("_")[0]
+    tok = make_tiny_tokenizer()
+    base = save_tiny_model(root / "base", tok, family, max_shard_size="100KB", random_vectors=True,
+                           **{**FAMILIES[name], **overrides})
+    paths = {}
+    for i, (adapter, (r, targets, rslora)) in enumerate(ADAPTERS.get(family, DEFAULT_ADAPTERS).items()):
+        paths[adapter] = root / "adapters" / adapter
+        save_random_adapter(base, paths[adapter], r=r, targets=targets, rslora=rslora, seed=200 + i)
+    return FamilyModel(family, root / "base", tok, base, paths)
+
+
+# HF module -> llama.cpp tensor, as its converter names them (Gemma: see _GEMMA_LAYER)
+_GGUF_LAYER = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+_GEMMA_LAYER = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def write_family_gguf(model: FamilyModel, path: Path) -> Path:
+    """The model as llama.cpp's convert_hf_to_gguf writes it (float32 tensors): its names, Gemma's
+    norms as 1 + w, Phi-3's fused tensors and longrope factors as tensors, the family's metadata keys."""
+    cfg, family = model.base.config, model.family
+    gemma = family.startswith("gemma")
+    names = {**_GGUF_LAYER, **(_GEMMA_LAYER if gemma else {})}
+    tensors = {}
+    for name, weight in model.base.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if name.startswith("model.layers."):
+            _, _, layer, *module, kind = name.split(".")
+            gguf_name = f"blk.{layer}.{names['.'.join(module)]}.{kind}"
+        else:
+            gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                         "lm_head.weight": "output.weight"}[name]
+        if gemma and name.endswith("norm.weight"):
+            weight = weight + 1.0
+        tensors[gguf_name] = (weight.float().numpy(), None)
+    metadata = {
+        "context_length": cfg.max_position_embeddings, "embedding_length": cfg.hidden_size,
+        "block_count": cfg.num_hidden_layers, "feed_forward_length": cfg.intermediate_size,
+        "attention.head_count": cfg.num_attention_heads, "attention.head_count_kv": cfg.num_key_value_heads,
+        "attention.key_length": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        "attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+    }
+    metadata["rope.dimension_count"] = metadata["attention.key_length"]
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
+    metadata["rope.freq_base"] = float(rope["rope_theta"])
+    if rope.get("rope_type") == "linear":
+        metadata.update({"rope.scaling.type": "linear", "rope.scaling.factor": float(rope["factor"])})
+    if gemma:
+        metadata["attention.sliding_window"] = cfg.sliding_window
+        if cfg.final_logit_softcapping is not None:
+            metadata["final_logit_softcapping"] = float(cfg.final_logit_softcapping)
+    if family == "gemma2":
+        metadata["attn_logit_softcapping"] = float(cfg.attn_logit_softcapping)
+    if family == "gemma3":
+        metadata["attention.sliding_window_pattern"] = [t == "sliding_attention" for t in cfg.layer_types]
+        metadata["rope.freq_base_swa"] = float(cfg.rope_parameters["sliding_attention"]["rope_theta"])
+    if family == "phi3":
+        for kind in ("long", "short"):
+            tensors[f"rope_factors_{kind}.weight"] = (np.array(rope[f"{kind}_factor"], dtype=np.float32), None)
+        original = rope["original_max_position_embeddings"]
+        metadata.update({"rope.scaling.original_context_length": original, "rope.scaling.attn_factor": float(
+            np.sqrt(1 + np.log(cfg.max_position_embeddings / original) / np.log(original)))})
+    tokens, merges, special = backend_vocab(model.tokenizer.backend_tokenizer)
+    return write_gguf(path, architecture=family, tokens=tokens, merges=merges, special=special,
+                      bos_id=model.tokenizer.bos_token_id, eos_id=model.tokenizer.eos_token_id,
+                      chat_template=model.tokenizer.chat_template, llama=metadata, tensors=tensors)

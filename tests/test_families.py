@@ -1,0 +1,227 @@
+"""Qwen2 (tied and untied), Qwen3, Gemma 2, Gemma 3 and Phi-3 against transformers+PEFT, fp32.
+
+Per family: a tiny random checkpoint made with transformers' own config class (sharded safetensors,
+random norms and biases, sliding windows shorter than the sequences for Gemma), two random PEFT
+adapters on the family's target names (Phi-3: the fused qkv_proj and gate_up_proj), and base and
+both adapters in ONE generate call with a small step budget, so prefill chunks and decodes of
+different adapters share steps: with the native CPU kernels (default; where they do not cover a
+family's features the eager ops run, said in one log line) and with ASYNCSERVE_NATIVE=0.
+"""
+import logging
+import random
+import shutil
+
+import pytest
+import torch
+
+import kernels.cpu as cpu_kernels
+from asyncserve import LLM, SamplingParams
+from asyncserve.model.llama import native_loop_gap, native_ops_gap
+from asyncserve.pager.adapters import AdapterError
+from family_models import FAMILIES, build_family_model, write_family_gguf
+from reference import (TEST_DEVICE, assert_greedy_matches, peft_references, record_calls, require_native_kernels,
+                       run_merged)
+
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_model(request, tmp_path_factory):
+    model = build_family_model(tmp_path_factory.mktemp(request.param), request.param)
+    rng = random.Random(5)
+    words = "the fox jumps over lazy dog adapters serve many models batch token step rank".split()
+    prompts = [model.tokenizer.encode(" ".join(rng.choice(words) for _ in range(n))) for n in (3, 10, 18)]
+    cases = [(ids, adapter) for ids in prompts for adapter in [None, *model.adapters]]
+    refs = peft_references(model.base, model.adapters, cases, NEW_TOKENS)
+    return model, cases, refs
+
+
+def generate(model, cases, **kwargs):
+    llm = LLM(model=str(model.folder), adapters={k: str(v) for k, v in model.adapters.items()}, dtype="float32",
+              device=TEST_DEVICE, max_step_tokens=16, **kwargs)
+    outs = llm.generate([c[0] for c in cases], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True),
+                        adapters=[c[1] for c in cases])
+    return llm, [o.token_ids for o in outs]
+
+
+def check(tokens, cases, refs, label):
+    exact = 0
+    for i, (ours, (_, adapter)) in enumerate(zip(tokens, cases)):
+        exact += assert_greedy_matches(ours, refs[i], tie_tol=1e-3, label=f"{label} case {i} adapter {adapter}")
+    assert exact >= len(cases) - 1, f"{label}: only {exact}/{len(cases)} sequences equal the reference end to end"
+    # the adapters must change tokens, or this proves nothing about LoRA on the family's modules
+    base = {tuple(c[0]): t for c, t in zip(cases, tokens) if c[1] is None}
+    assert sum(t != base[tuple(c[0])] for c, t in zip(cases, tokens) if c[1] is not None) >= 2, label
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_base_and_two_adapters_in_one_generate_call(family_model, native, monkeypatch, caplog):
+    """native 1: Qwen's biases and q/k norms run in Python around the native RoPE + KV write and
+    attention kernels (Phi-3 is Llama's layer); Gemma's layers run as eager ops, said in one line."""
+    model, cases, refs = family_model
+    monkeypatch.setenv("ASYNCSERVE_NATIVE", native)
+    native_calls = []
+    if native == "1":
+        require_native_kernels()
+        record_calls(monkeypatch, cpu_kernels, "rope_write_kv", lambda *a: native_calls.append(1))
+    with caplog.at_level(logging.INFO, logger="asyncserve.model.llama"):
+        llm, tokens = generate(model, cases)
+    check(tokens, cases, refs, f"{model.family} native={native}")
+    assert llm.engine.pool.counts().kv == 0
+    gap = native_ops_gap(llm.engine.model_config)
+    assert bool(native_calls) == (native == "1" and gap is None)
+    fallbacks = [r.getMessage() for r in caplog.records if "native CPU kernels do not cover" in r.getMessage()]
+    if native == "1" and gap:
+        assert fallbacks == [f"the native CPU kernels do not cover {gap}; those run as eager torch ops"]
+    else:
+        assert fallbacks == []
+
+
+def test_prefix_cache_keeps_reference_tokens(family_model):
+    """Prompts sharing a prefix longer than Gemma's windows hit cached blocks (sliding layers read
+    only their window of them) and still produce the reference's tokens."""
+    model, cases, refs = family_model
+    rng = random.Random(7)
+    prefix = [rng.randrange(3, len(model.tokenizer)) for _ in range(36)]
+    prompts = [prefix + [rng.randrange(3, len(model.tokenizer)) for _ in range(rng.randint(1, 6))] for _ in range(3)]
+    shared = [(ids, adapter) for adapter in (None, "all") for ids in prompts]
+    shared_refs = peft_references(model.base, model.adapters, shared, NEW_TOKENS)
+    llm = LLM(model=str(model.folder), adapters={k: str(v) for k, v in model.adapters.items()}, dtype="float32",
+              device=TEST_DEVICE, prefix_caching=True)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    for i in range(len(shared)):       # one at a time: each later prompt of an adapter finds the prefix cached
+        out = llm.generate([shared[i][0]], params, adapters=[shared[i][1]])[0]
+        assert_greedy_matches(out.token_ids, shared_refs[i], tie_tol=1e-3, label=f"{model.family} cached case {i}")
+    assert llm.engine.load_snapshot().prefix_hit_tokens >= 4 * 32
+
+
+def test_merged_mode_keeps_reference_tokens(family_model):
+    """dLoRA's merged mode: the adapter on every projection folded into the base weights (Phi-3: the
+    fused modules' slices of each projection; Qwen2: beside the q/k/v biases, which stay apart)."""
+    model, cases, refs = family_model
+    alone = [(case, ref) for case, ref in zip(cases, refs) if case[1] == "all"]
+    llm = LLM(model=str(model.folder), adapters={"all": str(model.adapters["all"])}, dtype="float32",
+              device=TEST_DEVICE, max_step_tokens=16)
+    merge = lambda plan, step: "all" if all(c.seq.adapter == "all" for c in plan.chunks) else None   # noqa: E731
+    seqs = run_merged(llm.engine, [case for case, _ in alone], merge,
+                      SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    assert llm.engine.merged_adapter == "all"
+    for i, (seq, (_, ref)) in enumerate(zip(seqs, alone)):
+        assert_greedy_matches(seq.output_ids, ref, tie_tol=1e-3, label=f"{model.family} merged case {i}")
+
+
+def test_adapter_naming_a_module_the_family_lacks_is_refused(family_model, tmp_path):
+    """The "all" adapter with one module renamed to one the family lacks (Phi-3 has no q_proj: its
+    attention input is the fused qkv_proj; the others have no qkv_proj): refused, naming the family's
+    targets; the engine then still loads the real adapter."""
+    from safetensors.torch import load_file, save_file
+
+    model, _, _ = family_model
+    llm = LLM(model=str(model.folder), dtype="float32", device=TEST_DEVICE)
+    renames = {"phi3": [("qkv_proj", "q_proj"), ("gate_up_proj", "up_proj"), ("o_proj", "dense")]}.get(
+        model.family, [("q_proj", "qkv_proj"), ("up_proj", "gate_up_proj"), ("o_proj", "dense")])
+    for old, new in renames:
+        folder = tmp_path / new
+        shutil.copytree(model.adapters["all"], folder)
+        tensors = load_file(folder / "adapter_model.safetensors")
+        renamed = {k.replace(f".{old}.", f".{new}."): v for k, v in tensors.items()}
+        save_file(renamed, folder / "adapter_model.safetensors")
+        message = rf"\.{new}\.lora_.*that {model.family} models do not have.*LoRA targets"
+        with pytest.raises(AdapterError, match=message):
+            llm.load_adapter(new, str(folder))
+    llm.load_adapter("all", str(model.adapters["all"]))
+
+
+def test_native_coverage_is_said_per_feature(family_model):
+    model, _, _ = family_model
+    llm = LLM(model=str(model.folder), dtype="float32", device=TEST_DEVICE)
+    config = llm.engine.model_config
+    ops, loop = native_ops_gap(config), native_loop_gap(config)
+    if model.family in ("gemma2", "gemma3"):
+        assert "norms and gelu_tanh MLP" in ops and "sliding-window attention" in ops
+        assert ("attention soft-capping" in ops) == (model.family == "gemma2")
+    else:
+        assert ops is None
+    assert (loop is None) == (model.family == "phi3")
+
+
+def test_longrope_tables_equal_transformers_short_and_long():
+    """Phi-3's longrope: positions below original_max_position_embeddings rotate with the short
+    factors, those from it on with the long ones, both times the attention factor, as transformers'
+    tables for a sequence that short or that long. (transformers recomputes a whole sequence with the
+    long factors once it grows past the pretraining context; cached K here keeps its rotation.)"""
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    from asyncserve.model.llama import Rope
+    from asyncserve.model.loader_hf import model_config
+
+    cfg = Phi3Config(**{k: v for k, v in FAMILIES["phi3"].items() if k != "pad_token_id"}, vocab_size=100)
+    cfg_json = {**cfg.to_dict(), "architectures": ["Phi3ForCausalLM"]}
+    ours = Rope(model_config(cfg_json, "phi3"), torch.device("cpu"), torch.float32)
+    original = cfg.original_max_position_embeddings
+    x = torch.zeros(1)
+    for length in (original, 3 * original):
+        cos, sin = Phi3RotaryEmbedding(cfg)(x, torch.arange(length)[None])
+        part = slice(0, original) if length == original else slice(original, length)
+        torch.testing.assert_close(ours.cos[part], cos[0, part], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours.sin[part], sin[0, part], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_gguf_file_gives_the_hf_folders_tokens(name, tmp_path):
+    """The same tiny checkpoint written as llama.cpp's converter writes a GGUF (its tensor names and
+    metadata keys, Gemma's 1 + w norms, Phi-3's fused tensors and rope factor tensors): the same
+    tokens as its HF folder, base and an adapter on every projection. (Gemma: query_pre_attn_scalar
+    is head_dim here, the scale llama.cpp derives; a GGUF does not record it.)"""
+    from asyncserve.model.loader import load_model
+
+    overrides = {"query_pre_attn_scalar": 32} if name.startswith("gemma") else {}
+    model = build_family_model(tmp_path, name, **overrides)
+    path = write_family_gguf(model, tmp_path / f"{name}.gguf")
+    from_gguf, from_folder = load_model(str(path)), load_model(str(model.folder))
+    assert from_gguf.config.family == from_folder.config.family
+    assert from_gguf.config.layer_windows == from_folder.config.layer_windows
+    assert set(from_gguf.weights) == set(from_folder.weights)
+    for weight_name, weight in from_folder.weights.items():
+        torch.testing.assert_close(from_gguf.weights[weight_name], weight, rtol=0, atol=1e-6)
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, len(model.tokenizer)) for _ in range(n)] for n in (4, 20)]
+    cases = [(ids, adapter) for ids in prompts for adapter in (None, "all")]
+    folder_model = type(model)(model.family, model.folder, model.tokenizer, model.base,
+                               {"all": model.adapters["all"]})
+    gguf_model = type(model)(model.family, path, model.tokenizer, model.base, {"all": model.adapters["all"]})
+    assert generate(gguf_model, cases)[1] == generate(folder_model, cases)[1]
+
+
+def test_http_with_the_openai_client_equals_the_offline_engine(tmp_path):
+    """Gemma 2 (windows, soft-caps, GeGLU) served over HTTP: completions and chat (its chat template)
+    for the base model and both adapters give the offline engine's text."""
+    import openai
+
+    from asyncserve.config import Config
+    from server_harness import ServerThread
+
+    model = build_family_model(tmp_path, "gemma2")
+    adapters = {k: str(v) for k, v in model.adapters.items()}
+    offline = LLM(model=str(model.folder), adapters=adapters, dtype="float32", device="cpu")
+    srv = ServerThread(Config(model=str(model.folder), adapters=adapters, dtype="float32", device="cpu",
+                              served_model_name="gemma"))
+    try:
+        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0)
+        assert {m.id for m in client.models.list().data} == {"gemma", *adapters}
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        messages = [{"role": "user", "content": "the fox jumps over the lazy dog"}]
+        for name in ("gemma", *adapters):
+            adapter = None if name == "gemma" else name
+            prompt = "adapters serve many models"
+            expected = offline.generate([prompt], params, adapters=adapter)[0].text
+            r = client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            assert r.choices[0].text == expected
+            expected = offline.chat(messages, params, adapters=adapter)[0].text
+            r = client.chat.completions.create(model=name, messages=messages, max_tokens=8, temperature=0,
+                                               extra_body={"ignore_eos": True})
+            assert r.choices[0].message.content == expected
+    finally:
+        srv.stop()
