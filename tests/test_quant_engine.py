@@ -192,3 +192,18 @@ def test_blocks_are_dequantized_where_the_kernels_do_not_run(monkeypatch, caplog
     assert not any(isinstance(p, QuantLinear) for p in linears)
     assert all(torch.equal(p.dense_weight(), dense.bfloat16()) for p in linears)
     assert len([r for r in caplog.records if "dequantized" in r.getMessage()]) == 1
+
+
+def test_kept_blocks_are_the_dequantized_weights(tmp_path):
+    """load_model(keep_quantized=True): each kept tensor's blocks dequantize to exactly the tensor the
+    plain load gives (Q/K rows un-interleaved alike), the rest is identical."""
+    from asyncserve.model.linear import QuantizedWeight
+    from asyncserve.model.loader import load_model
+
+    q_path, _, _ = write_pair(tmp_path, Q4_K_M, seed=7)
+    kept, dense = load_model(str(q_path), keep_quantized=True).weights, load_model(str(q_path)).weights
+    assert kept.keys() == dense.keys()
+    quantized_names = {name for name, t in kept.items() if isinstance(t, QuantizedWeight)}
+    assert quantized_names == {name for name in dense if name.endswith("proj.weight")} | {"lm_head.weight"}
+    for name, tensor in kept.items():
+        assert torch.equal(tensor.dequantize() if name in quantized_names else tensor, dense[name]), name
