@@ -1,7 +1,7 @@
 """The engine on tiny GGUF files whose projections stay quantized (QuantLinear, kernels/cpu/quant.h):
 greedy tokens against transformers+PEFT on the same weights dequantized (a twin file of F32 tensors),
 with adapters, a Q4_K_M-shaped file (Q4_K, Q6_K for v, down and the head) and a Q8_0/Q4_0/Q4_1 one;
-the weights' size is the blocks' size; --dequantize and merged mode."""
+the weights' size is the blocks' size; --keep-quantized and merged mode."""
 import gguf
 import numpy as np
 import pytest
@@ -82,7 +82,7 @@ def test_quantized_engine_matches_dequantized_reference(tmp_path, types):
     save_random_adapter(reference, adapters["r4_qv"], r=4, targets=["q_proj", "v_proj"], seed=2)
 
     llm = LLM(model=str(q_path), adapters={k: str(v) for k, v in adapters.items()}, dtype="float32", device="cpu",
-              max_step_tokens=32, pool_mem="64MiB")
+              max_step_tokens=32, pool_mem="64MiB", keep_quantized=True)
     weights = llm.engine.runner.weights
     linears = [weights.lm_head] + [getattr(lw, g) for lw in weights.layers for g in ("qkv", "o", "gate_up", "down")]
     assert all(isinstance(p, QuantLinear) for p in linears)
@@ -114,14 +114,14 @@ def test_quantized_engine_matches_dequantized_reference(tmp_path, types):
     engine.postprocess(plan, engine.run(plan))
 
 
-def test_dequantize_flag_gives_dense_mergeable_weights(tmp_path):
+def test_keep_quantized_off_gives_dense_mergeable_weights(tmp_path):
     q_path, _, _ = write_pair(tmp_path, LEGACY, seed=5)
-    dense = LLM(model=str(q_path), dtype="float32", device="cpu", pool_mem="16MiB", dequantize=True)
+    dense = LLM(model=str(q_path), dtype="float32", device="cpu", pool_mem="16MiB")
     assert not any(isinstance(getattr(lw, g), QuantLinear) for lw in dense.engine.runner.weights.layers
                    for g in ("qkv", "o", "gate_up", "down"))
     assert unmergeable_reason(dense.engine.runner.weights) is None
-    kept = LLM(model=str(q_path), dtype="float32", device="cpu", pool_mem="16MiB")
-    assert "--dequantize" in unmergeable_reason(kept.engine.runner.weights)
+    kept = LLM(model=str(q_path), dtype="float32", device="cpu", pool_mem="16MiB", keep_quantized=True)
+    assert "--keep-quantized" in unmergeable_reason(kept.engine.runner.weights)
     # both give the same first tokens on a prompt far from ties (the int8 activations aside, the same weights)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     ids = kept.tokenizer.encode("Serving many adapters")
