@@ -39,6 +39,10 @@ def _engine_args(p: argparse.ArgumentParser, step_profile: str = "off") -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="weights, KV cache and adapters: auto is bfloat16 on GPUs and on CPUs with AMX or "
                         "AVX512-BF16, float32 on other CPUs (default: auto)")
+    p.add_argument("--keep-quantized", action="store_true", default=False,
+                   help="on CPU, keep a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K tensors in their blocks (the "
+                        "file's size in memory, int8 dot products; merged mode refuses them; the native layer "
+                        "loop does not take them yet) (default: off, dequantized to --dtype at load)")
     p.add_argument("--lora-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: triton on CUDA, torch (native kernels where built) on CPU. On CUDA the torch "
                         "backend restacks weights whenever a step's adapters change: with 1,000 adapters it "
@@ -143,7 +147,7 @@ def _config(args):
     from asyncserve.config import Config
 
     return Config(model=args.model, revision=args.revision, adapters=_adapter_pairs(args.adapter),
-                  device=args.device, dtype=args.dtype,
+                  device=args.device, dtype=args.dtype, keep_quantized=args.keep_quantized,
                   lora_backend=args.lora_backend, max_running=args.max_running,
                   max_step_tokens=args.max_step_tokens, max_model_len=args.max_model_len, pool_mem=args.pool_mem,
                   block_size=args.block_size, host_adapter_mem=args.host_adapter_mem,

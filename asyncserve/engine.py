@@ -114,7 +114,8 @@ class Engine:
         model_path = None if config.model is None else hub.resolve(config.model, config.revision)
         loading = Progress(f"loading {config.model or 'the default model'}", "tensors")
         try:
-            loaded = load_model(model_path, loading)
+            # GGUF blocks stay blocks on CPU (build_weights dequantizes them where the quantized kernels don't run)
+            loaded = load_model(model_path, loading, keep_quantized=self.device.type == "cpu" and config.keep_quantized)
         finally:
             loading.close()
         if model_path != config.model:        # a Hub id names the model, not its snapshot's commit folder

@@ -53,7 +53,7 @@ import kernels.cpu as cpu_kernels
 from asyncserve.lora.batch import LoraBatch, SlotTables
 from asyncserve.model.checkpoint import all_finite
 from asyncserve.model.config import GROUPS, PROJ_INDEX, PROJECTIONS, ModelConfig
-from asyncserve.model.linear import Linear, make_linear, onednn_packs
+from asyncserve.model.linear import Linear, QuantLinear, make_linear, onednn_packs
 from asyncserve.model.llama import NativeStepLora
 from asyncserve.pager.pager import DeviceAdapter
 from asyncserve.pager.pool import PagedPool
@@ -337,7 +337,9 @@ class TorchLoraBackend(LoraBackend):
             return None
         key = (group, layer)
         if key not in self._fused:
-            fuse = onednn_packs(self.pool.device, self.pool.dtype) and base.nbytes <= FUSE_MAX_WEIGHT_BYTES
+            # a quantized base stays in its blocks: fusing would multiply a dense copy of it
+            fuse = (onednn_packs(self.pool.device, self.pool.dtype) and base.nbytes <= FUSE_MAX_WEIGHT_BYTES
+                    and not isinstance(base, QuantLinear))
             if fuse and not self._take(base.nbytes + self._stacks[group][0][layer].nbytes):
                 return None                                 # this layer is fused on a later step
             self._fused[key] = (make_linear(torch.cat([base.dense_weight(), self._stacks[group][0][layer]]))

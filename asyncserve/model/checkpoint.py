@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from asyncserve.model.config import ModelConfig, ModelLoadError
+from asyncserve.model.linear import QuantizedWeight
 from asyncserve.model.tokenizer import Tokenizer
 
 # progress(done, total) in tensors as a loader reads (and dequantizes) the weights
@@ -17,7 +18,7 @@ ProgressCallback = Callable[[int, int], None]
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]     # HF Llama names (see config.py)
+    weights: dict[str, torch.Tensor | QuantizedWeight]   # HF Llama names (see config.py); GGUF blocks kept
     tokenizer: Tokenizer
     source: str                          # the file or folder the model was read from
 
@@ -84,7 +85,7 @@ def select_weights(config: ModelConfig, tensors: dict[str, torch.Tensor], source
         if tuple(tensor.shape) != shape:
             raise ModelLoadError(f"{source}: tensor {name} has shape {tuple(tensor.shape)}, "
                                  f"but the model's config implies {shape}")
-        if tensor.is_floating_point() and not all_finite(tensor):
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not all_finite(tensor):
             raise ModelLoadError(f"{source}: tensor {name} holds NaN or infinite values")
         weights[name] = tensor
     return weights

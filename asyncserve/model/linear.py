@@ -9,11 +9,16 @@ rows of bf16, and faster at 1..256 rows (BENCHMARKS.md). cuBLAS takes the checkp
 """
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 import kernels.cpu as cpu_kernels
 from asyncserve.model import hugepages
+
+log = logging.getLogger(__name__)
 
 
 class Linear:
@@ -103,3 +108,83 @@ def make_linear(weight: torch.Tensor) -> Linear:
     if onednn_packs(weight.device, weight.dtype):
         return OneDnnLinear(weight.contiguous())
     return Linear(weight.contiguous())
+
+
+@dataclass
+class QuantizedWeight:
+    """A [out, in] weight kept in GGUF blocks: parts stacked by output rows, each a [out_i, bytes per row]
+    uint8 tensor of the file's blocks of ggml type ``type`` (an int: gguf.GGMLQuantizationType)."""
+    parts: list[tuple[torch.Tensor, int]]
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(blocks.shape[0] for blocks, _ in self.parts), self.in_features
+
+    @property
+    def nbytes(self) -> int:
+        return sum(blocks.numel() for blocks, _ in self.parts)
+
+    def dim(self) -> int:
+        return 2
+
+    def split(self, sizes: list[int]) -> list[QuantizedWeight]:
+        """Rows of a one-part weight split as torch.Tensor.split does (a fused checkpoint's q/k/v), as views."""
+        (blocks, qtype), = self.parts
+        return [QuantizedWeight([(rows, qtype)], self.in_features) for rows in blocks.split(sizes)]
+
+    @staticmethod
+    def cat(weights: list[QuantizedWeight]) -> QuantizedWeight:
+        """Rows of weights stacked (fused q/k/v, gate/up): their parts in order, not copied (the kernel
+        takes a list of parts)."""
+        return QuantizedWeight([p for w in weights for p in w.parts], weights[0].in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """[out, in] float32 by gguf.quants' reference dequantization."""
+        import gguf
+
+        return torch.cat([torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType(qtype)))
+                          for blocks, qtype in self.parts]).reshape(self.shape)
+
+
+class QuantLinear(Linear):
+    """W kept in its GGUF blocks (QuantizedWeight), applied by kernels/cpu/quant.h with int8 activations;
+    ``nbytes`` is the blocks' size. x and y in the activation dtype (fp32 or bf16)."""
+
+    def __init__(self, weight: QuantizedWeight):
+        self.weight = weight
+        self.out_features, self.in_features = weight.shape
+        self.nbytes = weight.nbytes
+        self._blocks = [blocks for blocks, _ in weight.parts]
+        self._types = [qtype for _, qtype in weight.parts]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.quant_linear(x, self._blocks, self._types)   # x: [T, in] -> [T, out]
+
+    def dense_weight(self) -> torch.Tensor:
+        """W dequantized, [out, in] float32 (the blocks' exact values)."""
+        return self.weight.dequantize()
+
+
+def quant_kernels_available(device: torch.device) -> bool:
+    """Whether QuantLinear runs here: a CPU with the native kernels built (and not turned off)."""
+    return device.type == "cpu" and not cpu_kernels.disabled() and cpu_kernels.library() is not None
+
+
+_dequantized_logged = False
+
+
+def make_weight_linear(weight: torch.Tensor | QuantizedWeight, dtype: torch.dtype, device: torch.device) -> Linear:
+    """A projection over a checkpoint weight, dense or GGUF blocks: blocks stay blocks where
+    QuantLinear runs (CPU, native kernels built); elsewhere they are dequantized to ``dtype`` (logged once)."""
+    global _dequantized_logged
+    if isinstance(weight, QuantizedWeight):
+        if quant_kernels_available(device):
+            return QuantLinear(weight)
+        if not _dequantized_logged:
+            _dequantized_logged = True
+            log.warning("quantized weights are dequantized to %s: the native quantized kernels do not run on %s (%s)",
+                        dtype, device, cpu_kernels.error() or "ASYNCSERVE_NATIVE=0" if device.type == "cpu"
+                        else "CPU only")
+        weight = weight.dequantize()
+    return make_linear(weight.to(device=device, dtype=dtype).contiguous())

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import kernels.cpu as cpu_kernels
 from asyncserve.model.config import GROUPS, ModelConfig
-from asyncserve.model.linear import Linear, NativeLinear, make_linear
+from asyncserve.model.linear import Linear, NativeLinear, QuantizedWeight, QuantLinear, make_linear, make_weight_linear
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,8 @@ class LlamaWeights:
                 self._decoder = False
                 return None
             linears = [getattr(lw, g) for lw in self.layers for g in GROUPS] + [self.lm_head]
+            if any(isinstance(p, QuantLinear) for p in linears):
+                log.info("quantized projections: the layer loop runs in Python (the native one takes bf16 only)")
             self._decoder = all(isinstance(p, NativeLinear) for p in linears) and cpu_kernels.native_decoder(
                 [t for lw in self.layers for t in (lw.input_norm, lw.post_norm)], [p.weight for p in linears],
                 [p.out_features for p in linears], self.norm, self.lm_head.weight, config.num_heads,
@@ -114,10 +116,11 @@ class LlamaWeights:
                 + sum(p.nbytes for p in linears) - (self.lm_head.nbytes if shared else 0))
 
 
-def build_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+def build_weights(config: ModelConfig, weights: dict[str, torch.Tensor | QuantizedWeight], dtype: torch.dtype,
                   device: torch.device) -> LlamaWeights:
-    """Fuse q/k/v and gate/up, cast and move; consumes ``weights`` to keep peak memory low."""
-    def take(name: str) -> torch.Tensor:
+    """Fuse q/k/v and gate/up, cast and move; consumes ``weights`` to keep peak memory low. Projections
+    given as GGUF blocks (QuantizedWeight) stay blocks where the CPU's quantized kernels run."""
+    def take(name: str) -> torch.Tensor | QuantizedWeight:
         try:
             return weights.pop(name)
         except KeyError:
@@ -125,6 +128,13 @@ def build_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: 
 
     def put(t: torch.Tensor) -> torch.Tensor:
         return t.to(device=device, dtype=dtype).contiguous()
+
+    def linear(*names: str) -> Linear:
+        parts = [take(name) for name in names]
+        if all(isinstance(t, QuantizedWeight) for t in parts):
+            return make_weight_linear(QuantizedWeight.cat(parts), dtype, device)
+        dense = [t.dequantize() if isinstance(t, QuantizedWeight) else t for t in parts]
+        return make_linear(put(torch.cat(dense) if len(dense) > 1 else dense[0]))
 
     family = config.family
 
@@ -138,17 +148,15 @@ def build_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: 
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-        gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
         sandwich = family.sandwich_norms
         layers.append(LayerWeights(
             input_norm=norm(p + "input_layernorm.weight"),
-            qkv=make_linear(put(qkv)),
-            o=make_linear(put(take(p + "self_attn.o_proj.weight"))),
+            qkv=linear(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")),
+            o=linear(p + "self_attn.o_proj.weight"),
             # the MLP's input norm (Gemma names the attention output's norm post_attention_layernorm)
             post_norm=norm(p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")),
-            gate_up=make_linear(put(gate_up)),
-            down=make_linear(put(take(p + "mlp.down_proj.weight"))),
+            gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+            down=linear(p + "mlp.down_proj.weight"),
             qkv_bias=put(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])) if family.qkv_bias else None,
             q_norm=norm(p + "self_attn.q_norm.weight") if family.qk_norm else None,
             k_norm=norm(p + "self_attn.k_norm.weight") if family.qk_norm else None,
@@ -160,7 +168,7 @@ def build_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: 
         weights.pop("lm_head.weight", None)
         lm_head = make_linear(embed)
     else:
-        lm_head = make_linear(put(take("lm_head.weight")))
+        lm_head = linear("lm_head.weight")
     _check_shapes(config, embed, layers[0], lm_head)
     embed_scale = float(torch.tensor(config.hidden_size ** 0.5, dtype=dtype)) if family.scaled_embeddings else None
     if cpu_kernels.enabled_for(embed) and (why := native_ops_gap(config)) is not None:

@@ -1,4 +1,5 @@
-"""Loading a llama.cpp GGUF file: metadata, dequantized float32 weights in HF naming, tokenizer.
+"""Loading a llama.cpp GGUF file: metadata, weights in HF naming (dequantized to float32, or with
+keep_quantized the projections of the types the CPU kernels run kept as their blocks), tokenizer.
 
 Architectures llama, qwen2, qwen3, gemma2, gemma3 and phi3, with llama.cpp's conventions undone:
 Llama's Q/K rows interleaved per head (the other families rotate halves, as HF does), Gemma's norm
@@ -14,6 +15,7 @@ import torch
 
 from asyncserve.model.checkpoint import LoadedModel, ProgressCallback, select_weights, split_fused
 from asyncserve.model.config import FAMILIES, Family, ModelConfig, ModelLoadError
+from asyncserve.model.linear import QuantizedWeight
 from asyncserve.model.tokenizer import Tokenizer
 
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -43,9 +45,11 @@ _FAMILY_LAYER_TENSORS = {
 _ARCHITECTURES = {family.gguf_architecture: family for family in FAMILIES}
 _ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")     # Phi-3's longrope, per frequency
 _REQUIRED = object()
+# what kernels/cpu/quant.h runs: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K (everything a Q4_K_M, Q5_K_M or Q8_0 file holds)
+KEPT_QUANTIZED = {gguf.GGMLQuantizationType(t) for t in (2, 3, 8, 12, 13, 14)}
 
 
-def load_gguf_file(path: Path, progress: ProgressCallback | None = None) -> LoadedModel:
+def load_gguf_file(path: Path, progress: ProgressCallback | None = None, keep_quantized: bool = False) -> LoadedModel:
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:       # the reader raises ValueError, struct errors, ... on a bad file
@@ -75,7 +79,8 @@ def load_gguf_file(path: Path, progress: ProgressCallback | None = None) -> Load
 
     tensors = {}
     for name, tensor in by_name.items():
-        tensors[hf_names[name]] = _dequantize(tensor, config, path)
+        keep = keep_quantized and _keeps(tensor)
+        tensors[hf_names[name]] = _quantized(tensor, config) if keep else _dequantize(tensor, config, path)
         if progress is not None:
             progress(len(tensors), len(by_name))
     if family.unit_offset_norms:       # llama.cpp's converter stores Gemma's norm weights as 1 + w
@@ -196,6 +201,25 @@ def _dequantize(tensor: gguf.ReaderTensor, config: ModelConfig, path: Path) -> t
     elif interleaved and tensor.name.endswith("attn_k.weight"):
         weight = _unpermute(weight, config.num_kv_heads)
     return weight
+
+
+def _keeps(tensor: gguf.ReaderTensor) -> bool:
+    """Projections and the output head of a kernel type; the embeddings are looked up, not multiplied."""
+    return tensor.tensor_type in KEPT_QUANTIZED and len(tensor.shape) == 2 and tensor.name != "token_embd.weight"
+
+
+def _quantized(tensor: gguf.ReaderTensor, config: ModelConfig) -> QuantizedWeight:
+    """The tensor's blocks copied out of the mapped file, one row of blocks per output: [out, bytes per row]."""
+    fan_in, out = (int(d) for d in tensor.shape)
+    blocks = tensor.data.reshape(out, -1)          # a view of the mapped file
+    # whole rows move, so undoing Llama's Q/K interleave (_dequantize) permutes rows of blocks as rows of floats
+    interleaved = config.family.name == "llama"
+    if interleaved and tensor.name.endswith("attn_q.weight"):
+        blocks = _unpermute(blocks, config.num_heads)
+    elif interleaved and tensor.name.endswith("attn_k.weight"):
+        blocks = _unpermute(blocks, config.num_kv_heads)
+    # copied out of the mapping (which closes with the reader)
+    return QuantizedWeight([(torch.from_numpy(np.array(blocks, dtype=np.uint8)), int(tensor.tensor_type))], fan_in)
 
 
 def _unpermute(weight: torch.Tensor, n_head: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 from asyncserve.lora.backend import LoraBackend, _rows, group_layout
 from asyncserve.model.checkpoint import all_finite
 from asyncserve.model.config import GROUPS, PROJ_INDEX, ModelConfig
-from asyncserve.model.linear import Linear, NativeLinear, OneDnnLinear
+from asyncserve.model.linear import Linear, NativeLinear, OneDnnLinear, QuantLinear
 from asyncserve.model.llama import LlamaWeights
 from asyncserve.pager.pager import DeviceAdapter
 from asyncserve.pager.pool import PagedPool
@@ -63,6 +63,9 @@ def unmergeable_reason(weights: LlamaWeights) -> str | None:
     for li, lw in enumerate(weights.layers):
         for group in GROUPS:
             linear = getattr(lw, group)
+            if isinstance(linear, QuantLinear):
+                return (f"layer {li}'s {group} projection is kept in GGUF blocks, which cannot take an adapter "
+                        "merged in exactly; adapters run unmerged only (serve without --keep-quantized to merge)")
             if type(linear) not in MERGEABLE or not linear.weight.dtype.is_floating_point:
                 return (f"layer {li}'s {group} projection is a {type(linear).__name__} over {linear.weight.dtype} "
                         "weights, which cannot take an adapter merged in exactly; adapters run unmerged only")

@@ -231,3 +231,25 @@ def native_decoder(norms: list[torch.Tensor], packed: list[torch.Tensor], out_fe
     packed, out_features: NativeLinear's weights, qkv, o, gate_up, down per layer, then lm_head's."""
     return _lib().NativeDecoder(norms, packed, out_features, final_norm, lm_head, num_heads, num_kv_heads,
                                 head_dim, eps)
+
+
+# ggml type ids (gguf.GGMLQuantizationType) that quant_linear runs: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K
+QUANT_TYPES = (2, 3, 8, 12, 13, 14)
+
+
+def quant_linear(x: torch.Tensor, parts: list[torch.Tensor], types: list[int]) -> torch.Tensor:
+    """x: [rows, in] fp32 or bf16 -> x W^T: [rows, sum of out_i] in x's dtype, for W stacked from parts,
+    each [out_i, bytes per row] uint8: a GGUF tensor's rows of blocks of ggml type types[i] (quant.h).
+    The activations are quantized to int8 per 32 (as llama.cpp does)."""
+    return _lib().quant_linear(x, parts, types)
+
+
+def set_quant_int8(on: bool) -> bool:
+    """Let quant_linear quantize the activations to int8 (on at start), or run them in fp32 against each
+    weight column dequantized to fp32 (exact activations; to compare); returns the previous setting."""
+    return _lib().set_quant_int8(on)
+
+
+def quant_path() -> str:
+    """The integer dot products quant_linear runs on this build: avx2+vnni, avx2 or scalar."""
+    return _lib().quant_path()

@@ -9,6 +9,7 @@
 #include "lora.h"
 #include "norm.h"
 #include "prefill_attention.h"
+#include "quant.h"
 #include "rope_kv.h"
 #include "sampling.h"
 
@@ -328,6 +329,38 @@ at::Tensor packed_linear_op(at::Tensor x, at::Tensor packed, int64_t out_feature
   return y;
 }
 
+
+// x: [M, K] float32 or bf16; parts: each one weight's [out_i, K / block * bytes] uint8 rows of GGUF
+// blocks of types[i] (quant.h's formats), stacked as output columns in order. Returns x W^T as a new
+// [M, sum out_i] tensor of x's dtype.
+at::Tensor quant_linear_op(at::Tensor x, std::vector<at::Tensor> parts, std::vector<int64_t> types) {
+  check_like(x, x, "x");
+  TORCH_CHECK(x.dim() == 2, "x must be [rows, in_features]");
+  TORCH_CHECK(!parts.empty() && parts.size() == types.size(), "one type per part, at least one part");
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<QuantPart> checked;
+  int64_t N = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const QuantFormat f = quant_format(types[i]);
+    TORCH_CHECK(f.block > 0, "ggml type ", types[i], " has no quantized kernel (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)");
+    TORCH_CHECK(K % f.block == 0, "in_features ", K, " is not a multiple of type ", types[i], "'s ", f.block,
+                "-weight blocks");
+    const at::Tensor& p = parts[i];
+    TORCH_CHECK(p.device().is_cpu() && p.scalar_type() == at::kByte && p.is_contiguous() && p.dim() == 2 &&
+                    p.size(0) > 0 && p.size(1) == K / f.block * f.bytes,
+                "part ", i, " must be a contiguous uint8 [out, ", K / f.block * f.bytes, "] tensor");
+    checked.push_back({p.data_ptr<uint8_t>(), types[i], p.size(0), p.size(1), N});
+    N += p.size(0);
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  dispatch_dtype(x, [&](auto zero) {
+    using T = decltype(zero);
+    quant_linear<T>(x.data_ptr<T>(), x.stride(0), M, K, checked, y.data_ptr<T>(), N);
+  });
+  return y;
+}
+
 }  // namespace
 }  // namespace asyncserve
 
@@ -354,6 +387,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.def("set_amx_gemm", [](bool on) { return amx_gemm_on.exchange(on); },
         "whether packed_linear may run AMX tiles (on at start); returns the previous setting");
+  m.def("quant_linear", &quant_linear_op, no_gil, "x W^T over weights in GGUF blocks (quant.h)");
+  m.def("set_quant_int8", [](bool on) { return quant_int8_on.exchange(on); },
+        "whether quant_linear quantizes x to int8 (on at start) or runs fp32 x against fp32-dequantized columns");
+  m.def("quant_path", [] { return std::string(quant_path()); }, "the integer dot products quant_linear runs here");
   m.def("lora_segments", &lora_segments_op, no_gil, "y += each run's LoRA, read from the pool rows");
   m.def("lora_prefetch_lines", &lora_prefetch_lines_op, "the lines a GEMM asks for ahead of lora_segments, by thread");
   m.def("set_lora_rows_ahead", [](bool on) { return lora_rows_ahead_on.exchange(on); },

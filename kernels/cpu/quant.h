@@ -1,0 +1,475 @@
+// Projections y = x W^T over weights kept in GGUF's own block formats (Q4_0, Q4_1, Q8_0, Q4_K,
+// Q5_K, Q6_K), the bits exactly as the file stores them, one row of blocks per output column.
+//
+// As llama.cpp does, the activations are quantized once per call to int8 in blocks of 32 (one
+// fp32 scale each, |q| <= 127) and the dot products run in integers: every format decodes to
+// unsigned (or, for Q8_0, signed) bytes q with, per group of 16 weights, a scale s and an offset m
+// such that w = s q + m exactly (for the K-quants s = d * sc and m = -dmin * mn, products of an
+// fp16 and a 6-bit integer, exact in fp32; Q4_0's m = -8 d, Q6_K's m = -32 d sc). Then
+//     sum_i w_i x_i ~= sum_chunks dx (s . dot(q, qx)) + sum_groups m (dx sum(qx)),
+// the second sum over per-16 sums of the activations computed with their quantization.
+//
+// Work is split between the threads by output columns in contiguous ranges. A thread decodes one
+// column (all of K) into bytes and per-16 scales once, into buffers that stay in L1/L2, then runs
+// every row of x over it in tiles of kQuantTile rows whose fp32 accumulators stay in registers:
+// the decoding is paid once per column, not once per row. The integer dot products are AVX2's
+// vpmaddubsw + vpmaddwd, or one vpdpbusd where the CPU has AVX512-VNNI (+VL) or AVX-VNNI; a scalar
+// loop runs where the build has no AVX2.
+//
+// The other strategy, for comparison (set_quant_int8(false), scripts/bench_quant.py): the column
+// dequantized to fp32 once and the rows' fp32 activations multiplied with FMAs, exact activations.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include "common.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define ASYNCSERVE_QUANT_AVX2 1
+#else
+#define ASYNCSERVE_QUANT_AVX2 0
+#endif
+
+#if ASYNCSERVE_QUANT_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define ASYNCSERVE_QUANT_VNNI 1   // vpdpbusd on ymm registers (EVEX)
+#elif ASYNCSERVE_QUANT_AVX2 && defined(__AVXVNNI__)
+#define ASYNCSERVE_QUANT_VNNI 2   // vpdpbusd on ymm registers (VEX)
+#else
+#define ASYNCSERVE_QUANT_VNNI 0
+#endif
+
+namespace asyncserve {
+
+// ggml's type ids (GGMLQuantizationType)
+enum QuantType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+struct QuantFormat {
+  int64_t block;   // weights per block
+  int64_t bytes;   // bytes per block
+};
+
+// The formats this file runs, by ggml type id (gguf's GGML_QUANT_SIZES); block 0 for others.
+inline QuantFormat quant_format(int64_t type) {
+  switch (type) {
+    case kQ4_0: return {32, 18};
+    case kQ4_1: return {32, 20};
+    case kQ8_0: return {32, 34};
+    case kQ4_K: return {256, 144};
+    case kQ5_K: return {256, 176};
+    case kQ6_K: return {256, 210};
+    default: return {0, 0};
+  }
+}
+
+inline const char* quant_path() {
+#if ASYNCSERVE_QUANT_VNNI
+  return "avx2+vnni";
+#elif ASYNCSERVE_QUANT_AVX2
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+constexpr int kQuantTile = 4;   // rows of x per pass over a decoded column
+
+// int8 activations and integer dot products (on at start), or fp32 activations against the column
+// dequantized to fp32 (see the top); returns nothing, read per call.
+inline std::atomic<bool> quant_int8_on{true};
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return float(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// x quantized per block of 32: q [M][K] int8, d [M][K/32] scales, s16 [M][K/16] = d * sum of q over
+// each 16 (what the offsets m multiply).
+// Or, for the fp32 strategy, x as fp32 rows xf [M][K] alone.
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> d, s16, xf;
+  int64_t K = 0;
+};
+
+// One decoded column: q [K] bytes, scale and offset per 16 weights [K/16]; for the fp32 strategy
+// also w [K], the weights themselves.
+struct DecodedColumn {
+  std::vector<uint8_t> q;
+  std::vector<float> scale, offset, w;
+};
+
+template <typename T>
+inline void float_rows(const T* x, int64_t ldx, int64_t M, int64_t K, QuantizedRows& out) {
+  out.K = K;
+  out.xf.resize(M * K);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) out.xf[m * K + k] = to_float(x[m * ldx + k]);
+}
+
+// c.w = the decoded column's weights in fp32.
+template <bool Signed>
+inline void dequantize_column(DecodedColumn& c, int64_t K) {
+#if ASYNCSERVE_QUANT_AVX2
+  for (int64_t g = 0; g < K / 16; ++g) {
+    const __m256 s = _mm256_set1_ps(c.scale[g]), o = _mm256_set1_ps(c.offset[g]);
+    for (int h = 0; h < 16; h += 8) {
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c.q.data() + 16 * g + h));
+      const __m256i qi = Signed ? _mm256_cvtepi8_epi32(q) : _mm256_cvtepu8_epi32(q);
+      _mm256_storeu_ps(c.w.data() + 16 * g + h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(qi), s, o));
+    }
+  }
+#else
+  for (int64_t g = 0; g < K / 16; ++g) {
+    const float s = c.scale[g], o = c.offset[g];
+    for (int i = 0; i < 16; ++i) {
+      const float q = Signed ? float(int8_t(c.q[16 * g + i])) : float(c.q[16 * g + i]);
+      c.w[16 * g + i] = s * q + o;
+    }
+  }
+#endif
+}
+
+template <typename T>
+inline void quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K, QuantizedRows& out) {
+  out.K = K;
+  out.q.resize(M * K);
+  out.d.resize(M * K / 32);
+  out.s16.resize(M * K / 16);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const T* xr = x + m * ldx;
+      for (int64_t b = 0; b < K / 32; ++b) {
+        float v[32], amax = 0.0f;
+        for (int i = 0; i < 32; ++i) {
+          v[i] = to_float(xr[b * 32 + i]);
+          amax = std::max(amax, std::fabs(v[i]));
+        }
+        const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+        int8_t* q = out.q.data() + m * K + b * 32;
+        int sum[2] = {0, 0};
+        for (int i = 0; i < 32; ++i) {
+          q[i] = int8_t(std::nearbyint(v[i] * inv));   // |q| <= 127: the signed trick below needs it
+          sum[i / 16] += q[i];
+        }
+        out.d[m * (K / 32) + b] = d;
+        out.s16[m * (K / 16) + 2 * b] = d * float(sum[0]);
+        out.s16[m * (K / 16) + 2 * b + 1] = d * float(sum[1]);
+      }
+    }
+  });
+}
+
+// 16 bytes of packed nibbles -> 32 values: the low nibbles, then the high ones.
+inline void unpack_nibbles16(const uint8_t* in, uint8_t* out) {
+#if ASYNCSERVE_QUANT_AVX2
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_and_si128(v, mask));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm_and_si128(_mm_srli_epi16(v, 4), mask));
+#else
+  for (int i = 0; i < 16; ++i) {
+    out[i] = in[i] & 0x0F;
+    out[16 + i] = in[i] >> 4;
+  }
+#endif
+}
+
+// 32 bytes of packed nibbles -> the low nibbles (32 values) to lo, the high ones to hi; each value
+// plus the bits of `high` (32 bytes, or null) selected by high_bit, shifted to bit 4 (Q5_K).
+inline void unpack_nibbles32(const uint8_t* in, uint8_t* lo, uint8_t* hi, const uint8_t* high = nullptr,
+                             int high_bit = 0) {
+#if ASYNCSERVE_QUANT_AVX2
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in));
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  __m256i l = _mm256_and_si256(v, mask), h = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+  if (high) {
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high));
+    const __m256i b0 = _mm256_set1_epi8(char(1 << high_bit)), b1 = _mm256_set1_epi8(char(2 << high_bit));
+    const __m256i sixteen = _mm256_set1_epi8(0x10);
+    l = _mm256_or_si256(l, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0), sixteen));
+    h = _mm256_or_si256(h, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1), sixteen));
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), l);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi), h);
+#else
+  for (int i = 0; i < 32; ++i) {
+    lo[i] = (in[i] & 0x0F) | (high ? ((high[i] >> high_bit) & 1) << 4 : 0);
+    hi[i] = (in[i] >> 4) | (high ? ((high[i] >> (high_bit + 1)) & 1) << 4 : 0);
+  }
+#endif
+}
+
+// Q4_K and Q5_K's 6-bit scales and mins of the 8 chunks of 32 (gguf's Q4_K.get_scale_min).
+inline void k_scales(const uint8_t* s, int sc[8], int mn[8]) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 0x3F;
+    mn[j] = s[4 + j] & 0x3F;
+    sc[4 + j] = (s[8 + j] & 0x0F) | ((s[j] >> 2) & 0x30);
+    mn[4 + j] = (s[8 + j] >> 4) | ((s[4 + j] >> 2) & 0x30);
+  }
+}
+
+// Decodes one column's row of blocks (K weights) so that w[i] = scale[i/16] * q[i] + offset[i/16].
+template <int64_t Type>
+inline void decode_column(const uint8_t* row, int64_t K, DecodedColumn& c) {
+  uint8_t* q = c.q.data();
+  float* scale = c.scale.data();
+  float* offset = c.offset.data();
+  constexpr QuantFormat f = Type == kQ4_0 ? QuantFormat{32, 18} : Type == kQ4_1 ? QuantFormat{32, 20}
+                          : Type == kQ8_0 ? QuantFormat{32, 34} : Type == kQ4_K ? QuantFormat{256, 144}
+                          : Type == kQ5_K ? QuantFormat{256, 176} : QuantFormat{256, 210};
+  for (int64_t b = 0; b < K / f.block; ++b, row += f.bytes, q += f.block, scale += f.block / 16,
+               offset += f.block / 16) {
+    if constexpr (Type == kQ4_0 || Type == kQ4_1) {
+      const float d = half_to_float(row), m = Type == kQ4_0 ? -8.0f * d : half_to_float(row + 2);
+      unpack_nibbles16(row + (Type == kQ4_0 ? 2 : 4), q);
+      scale[0] = scale[1] = d;
+      offset[0] = offset[1] = m;
+    } else if constexpr (Type == kQ8_0) {
+      std::memcpy(q, row + 2, 32);
+      scale[0] = scale[1] = half_to_float(row);
+      offset[0] = offset[1] = 0.0f;
+    } else if constexpr (Type == kQ4_K || Type == kQ5_K) {
+      const float d = half_to_float(row), dmin = half_to_float(row + 2);
+      int sc[8], mn[8];
+      k_scales(row + 4, sc, mn);
+      const uint8_t* qh = Type == kQ5_K ? row + 16 : nullptr;
+      const uint8_t* qs = row + (Type == kQ5_K ? 48 : 16);
+      for (int j = 0; j < 4; ++j)   // 32 bytes: chunk 2j in the low nibbles, 2j + 1 in the high ones
+        unpack_nibbles32(qs + 32 * j, q + 64 * j, q + 64 * j + 32, qh, 2 * j);
+      for (int j = 0; j < 8; ++j) {
+        scale[2 * j] = scale[2 * j + 1] = d * float(sc[j]);
+        offset[2 * j] = offset[2 * j + 1] = -dmin * float(mn[j]);
+      }
+    } else {   // Q6_K: ql [128], qh [64], scales [16] int8, d
+      const uint8_t* ql = row;
+      const uint8_t* qh = row + 128;
+      const auto* sc = reinterpret_cast<const int8_t*>(row + 192);
+      const float d = half_to_float(row + 208);
+      for (int half = 0; half < 2; ++half) {
+        // chunk j of the half: nibbles (low for j < 2) of ql bytes 32 (j % 2).. and bits 2j of qh
+        uint8_t* out = q + 128 * half;
+        const uint8_t* l = ql + 64 * half;
+        const uint8_t* h = qh + 32 * half;
+#if ASYNCSERVE_QUANT_AVX2
+        const __m256i mask = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(0x03);
+        const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l));
+        const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l + 32));
+        const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h));
+        const __m256i lows[4] = {_mm256_and_si256(l0, mask), _mm256_and_si256(l1, mask),
+                                 _mm256_and_si256(_mm256_srli_epi16(l0, 4), mask),
+                                 _mm256_and_si256(_mm256_srli_epi16(l1, 4), mask)};
+        for (int j = 0; j < 4; ++j) {
+          const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(hv, 2 * j), three);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * j),
+                              _mm256_or_si256(lows[j], _mm256_slli_epi16(hb, 4)));
+        }
+#else
+        for (int j = 0; j < 4; ++j)
+          for (int i = 0; i < 32; ++i)
+            out[32 * j + i] = ((l[32 * (j % 2) + i] >> (4 * (j / 2))) & 0x0F) | (((h[i] >> (2 * j)) & 3) << 4);
+#endif
+      }
+      for (int g = 0; g < 16; ++g) {
+        scale[g] = d * float(sc[g]);
+        offset[g] = -32.0f * scale[g];
+      }
+    }
+  }
+}
+
+#if ASYNCSERVE_QUANT_AVX2
+
+// 8 int32 lanes, lane l the sum over bytes 4l..4l+3 of w * x (w unsigned bytes <= 128 ... here
+// <= 63 or Q8_0's |w| after the sign moved to x, x signed with |x| <= 127: no int16 saturation).
+inline __m256i dot_bytes(__m256i w, __m256i x) {
+#if ASYNCSERVE_QUANT_VNNI == 1
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+#elif ASYNCSERVE_QUANT_VNNI == 2
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+#endif
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// R rows of x (from row m) against the decoded column: their dot products without the offsets.
+template <int R, bool Signed>
+inline void dot_tile(const DecodedColumn& c, const QuantizedRows& a, int64_t m, float* out) {
+  const int64_t K = a.K, chunks = K / 32;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < chunks; ++k) {
+    __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.q.data() + 32 * k));
+    const __m256i sign = w;
+    if constexpr (Signed) w = _mm256_sign_epi8(w, w);   // |w|; x takes w's sign
+    // lanes 0-3 cover the chunk's first 16 weights, 4-7 the next 16
+    const __m256 s = _mm256_set_m128(_mm_set1_ps(c.scale[2 * k + 1]), _mm_set1_ps(c.scale[2 * k]));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (m + r) * K + 32 * k));
+      if constexpr (Signed) x = _mm256_sign_epi8(x, sign);
+      const __m256 p = _mm256_cvtepi32_ps(dot_bytes(w, x));
+      acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(s, _mm256_set1_ps(a.d[(m + r) * chunks + k])), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+}
+
+// R fp32 rows of x (from row m) against the column's fp32 weights.
+template <int R>
+inline void float_tile(const DecodedColumn& c, const QuantizedRows& a, int64_t m, float* out) {
+  const int64_t K = a.K;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    const __m256 w = _mm256_loadu_ps(c.w.data() + k);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(a.xf.data() + (m + r) * K + k), acc[r]);
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+}
+
+// sum of a[i] * b[i], n a multiple of 8 (8 lanes: the order of the sums is fixed, so results do not
+// depend on the thread count)
+inline float dot_floats(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  return hsum(acc);
+}
+
+#else
+
+template <int R>
+inline void float_tile(const DecodedColumn& c, const QuantizedRows& a, int64_t m, float* out) {
+  for (int r = 0; r < R; ++r) {
+    float acc = 0.0f;
+    for (int64_t k = 0; k < a.K; ++k) acc += c.w[k] * a.xf[(m + r) * a.K + k];
+    out[r] = acc;
+  }
+}
+
+inline float dot_floats(const float* a, const float* b, int64_t n) {
+  float acc = 0.0f;
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+template <int R, bool Signed>
+inline void dot_tile(const DecodedColumn& c, const QuantizedRows& a, int64_t m, float* out) {
+  const int64_t K = a.K, chunks = K / 32;
+  for (int r = 0; r < R; ++r) {
+    const int8_t* x = a.q.data() + (m + r) * K;
+    float acc = 0.0f;
+    for (int64_t k = 0; k < chunks; ++k) {
+      int32_t p[2] = {0, 0};
+      for (int i = 0; i < 32; ++i)
+        p[i / 16] += (Signed ? int32_t(int8_t(c.q[32 * k + i])) : int32_t(c.q[32 * k + i])) * x[32 * k + i];
+      acc += a.d[(m + r) * chunks + k] * (c.scale[2 * k] * float(p[0]) + c.scale[2 * k + 1] * float(p[1]));
+    }
+    out[r] = acc;
+  }
+}
+
+#endif
+
+// Columns [n0, n1) of one part: y[m][col0 + n] for every row m of a.
+template <int64_t Type, typename T>
+inline void quant_columns(const uint8_t* blocks, int64_t row_bytes, int64_t n0, int64_t n1, const QuantizedRows& a,
+                          int64_t M, T* y, int64_t ldy, int64_t col0, DecodedColumn& c, bool int8) {
+  constexpr bool kSigned = Type == kQ8_0;
+  const int64_t K = a.K, groups = K / 16;
+  for (int64_t n = n0; n < n1; ++n) {
+    decode_column<Type>(blocks + n * row_bytes, K, c);
+    if (!int8) {
+      dequantize_column<kSigned>(c, K);
+      for (int64_t m = 0; m < M; m += kQuantTile) {
+        float dots[kQuantTile];
+        const int64_t rows = std::min<int64_t>(kQuantTile, M - m);
+        switch (rows) {
+          case 4: float_tile<4>(c, a, m, dots); break;
+          case 3: float_tile<3>(c, a, m, dots); break;
+          case 2: float_tile<2>(c, a, m, dots); break;
+          default: float_tile<1>(c, a, m, dots); break;
+        }
+        for (int64_t r = 0; r < rows; ++r) y[(m + r) * ldy + col0 + n] = from_float<T>(dots[r]);
+      }
+      continue;
+    }
+    for (int64_t m = 0; m < M; m += kQuantTile) {
+      float dots[kQuantTile];
+      const int64_t rows = std::min<int64_t>(kQuantTile, M - m);
+      switch (rows) {
+        case 4: dot_tile<4, kSigned>(c, a, m, dots); break;
+        case 3: dot_tile<3, kSigned>(c, a, m, dots); break;
+        case 2: dot_tile<2, kSigned>(c, a, m, dots); break;
+        default: dot_tile<1, kSigned>(c, a, m, dots); break;
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        // Q8_0 has no offsets; K is a multiple of 32, so there are 2, 4, 6, ... groups: the tail of 8 runs here
+        const float* s16 = a.s16.data() + (m + r) * groups;
+        const int64_t body = groups / 8 * 8;
+        float off = kSigned ? 0.0f : dot_floats(c.offset.data(), s16, body);
+        if constexpr (!kSigned)
+          for (int64_t g = body; g < groups; ++g) off += c.offset[g] * s16[g];
+        y[(m + r) * ldy + col0 + n] = from_float<T>(dots[r] + off);
+      }
+    }
+  }
+}
+
+struct QuantPart {
+  const uint8_t* blocks;   // [out, row_bytes]
+  int64_t type, out, row_bytes, col0;
+};
+
+// y[:, part.col0 + n] = x . W_part[n] for every part's columns; x: [M, K] (ldx apart), y: [M, ldy].
+template <typename T>
+inline void quant_linear(const T* x, int64_t ldx, int64_t M, int64_t K, const std::vector<QuantPart>& parts, T* y,
+                         int64_t ldy) {
+  thread_local QuantizedRows a;   // kept between calls, like gemm.h's row tiles
+  const bool int8 = quant_int8_on.load(std::memory_order_relaxed);
+  if (int8) quantize_rows(x, ldx, M, K, a);
+  else float_rows(x, ldx, M, K, a);
+  const QuantizedRows& rows = a;  // the calling thread's buffer, not the pool threads' own
+  int64_t total = 0;
+  for (const QuantPart& p : parts) total += p.out;
+  at::parallel_for(0, total, 8, [&](int64_t begin, int64_t end) {
+    thread_local DecodedColumn c;
+    c.q.resize(K);
+    c.scale.resize(K / 16);
+    c.offset.resize(K / 16);
+    if (!int8) c.w.resize(K);
+    int64_t first = 0;
+    for (const QuantPart& p : parts) {
+      const int64_t n0 = std::max<int64_t>(begin - first, 0), n1 = std::min<int64_t>(end - first, p.out);
+      first += p.out;
+      if (n0 >= n1) continue;
+      switch (p.type) {
+#define ASYNCSERVE_QUANT_CASE(TYPE) \
+  case TYPE: quant_columns<TYPE, T>(p.blocks, p.row_bytes, n0, n1, rows, M, y, ldy, p.col0, c, int8); break;
+        ASYNCSERVE_QUANT_CASE(kQ4_0) ASYNCSERVE_QUANT_CASE(kQ4_1) ASYNCSERVE_QUANT_CASE(kQ8_0)
+        ASYNCSERVE_QUANT_CASE(kQ4_K) ASYNCSERVE_QUANT_CASE(kQ5_K) ASYNCSERVE_QUANT_CASE(kQ6_K)
+#undef ASYNCSERVE_QUANT_CASE
+      }
+    }
+  });
+}
+
+}  // namespace asyncserve

@@ -1,0 +1,104 @@
+"""Times kernels.cpu.quant_linear (GGUF blocks; int8 activations, and with --strategies int8,fp32 also its fp32
+strategy: each column dequantized to fp32, fp32 activations) against the dense projection this CPU
+runs for the same shape (model/linear.py's make_linear: the native bf16 GEMM on AVX512-BF16 CPUs, oneDNN's
+reordered GEMM elsewhere), in fp32 and bf16 activations, at a step's row counts.
+
+Runs are interleaved (each round times every variant once, the median round is reported) and the load
+average is printed before and after, since boxes are shared. Weights are random blocks (every bit
+random, the fp16 scales set to keep entries ~0.05): the kernels' speed does not depend on the values.
+
+    PYTHONPATH=. python scripts/bench_quant.py [--shapes 2048x2048,8192x2048] [--rows 1,16,64] [--rounds 7] [--threads N]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import gguf
+import numpy as np
+import torch
+
+import kernels.cpu as cpu_kernels
+from asyncserve.model.linear import make_linear
+
+Q = gguf.GGMLQuantizationType
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+# byte offsets of each type's fp16 scales (d, and dmin or m where it has one)
+SCALES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q8_0: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+
+
+def random_blocks(out: int, fan_in: int, qtype: Q, rng: np.random.Generator) -> torch.Tensor:
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(out * fan_in // block, size), dtype=np.uint8)
+    for offset in SCALES[qtype]:
+        blocks[:, offset:offset + 2] = np.full((len(blocks), 1), 1e-3, np.float16).view(np.uint8)
+    return torch.from_numpy(blocks.reshape(out, -1))
+
+
+def cpu_name() -> str:
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def timed(fn, seconds: float) -> float:
+    """Mean seconds per call over at least `seconds` of calls (after one warm call)."""
+    fn()
+    n, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds or n < 3:
+        fn()
+        n += 1
+    return elapsed / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="2048x2048,8192x2048", help="OUTxIN pairs")
+    ap.add_argument("--rows", default="1,16,64")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--seconds", type=float, default=0.2, help="per variant per round")
+    ap.add_argument("--strategies", default="int8", help="int8 and/or fp32 (kernels.cpu.set_quant_int8)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if cpu_kernels.library() is None:
+        raise SystemExit(f"native kernels unavailable: {cpu_kernels.error()}")
+    print(f"CPU: {cpu_name()}; threads {torch.get_num_threads()}; quant path {cpu_kernels.quant_path()}; "
+          f"bf16 GEMM {cpu_kernels.bf16_gemm_available()}; load average {os.getloadavg()}")
+    rng = np.random.default_rng(0)
+    for shape in args.shapes.split(","):
+        out, fan_in = (int(v) for v in shape.split("x"))
+        blocks = {t: random_blocks(out, fan_in, t, rng) for t in TYPES}
+        for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
+            dense = make_linear(torch.randn(out, fan_in).mul_(0.05).to(dtype))
+            for rows in (int(r) for r in args.rows.split(",")):
+                x = torch.randn(rows, fan_in).to(dtype)
+                # name -> (int8 strategy, call)
+                variants = {f"dense {type(dense).__name__}": (True, lambda: dense(x))}
+                for strategy in args.strategies.split(","):
+                    variants.update({f"{t.name}{'' if strategy == 'int8' else '/fp32'}":
+                                     (strategy == "int8", lambda b=b, t=t: cpu_kernels.quant_linear(x, [b], [int(t)]))
+                                     for t, b in blocks.items()})
+                times = {name: [] for name in variants}
+                for _ in range(args.rounds):
+                    for name, (int8, fn) in variants.items():
+                        cpu_kernels.set_quant_int8(int8)
+                        times[name].append(timed(fn, args.seconds))
+                cpu_kernels.set_quant_int8(True)
+                base = statistics.median(times[next(iter(variants))])
+                cells = []
+                for name, ts in times.items():
+                    t = statistics.median(ts)
+                    cells.append(f"{name} {t * 1e3:.3f} ms ({base / t:.2f}x)")
+                print(f"{out}x{fan_in} {str(dtype).split('.')[1]} rows {rows}: " + "; ".join(cells), flush=True)
+    print(f"load average {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()

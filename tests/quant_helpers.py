@@ -1,0 +1,89 @@
+"""GGUF quantized tensors for the tests: random blocks (every bit random, for the kernels), or weights
+quantized: by the gguf package (Q4_0, Q4_1, Q8_0), by the plain round-to-nearest quantizers below for the
+K-quants, which gguf.quants can dequantize but not quantize (llama.cpp searches scales better; the bits
+mean the same)."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+
+Q = gguf.GGMLQuantizationType
+KERNEL_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+
+
+def _set_half(blocks: np.ndarray, offset: int, values: np.ndarray) -> None:
+    blocks[:, offset:offset + 2] = values.astype(np.float16).view(np.uint8).reshape(-1, 2)
+
+
+def quantize(w: np.ndarray, qtype: Q) -> np.ndarray:
+    """[out, in] float32 -> [out, in / block * bytes] uint8 blocks of qtype."""
+    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+        return gguf.quants.quantize(w, qtype)
+    out = w.shape[0]
+    x = w.reshape(-1, 256).astype(np.float32)
+    if qtype == Q.Q6_K:
+        return _quantize_q6_k(x).reshape(out, -1)
+    return _quantize_q45_k(x, 15 if qtype == Q.Q4_K else 31).reshape(out, -1)
+
+
+def _half(v: np.ndarray) -> np.ndarray:
+    return v.astype(np.float16)
+
+
+def _quantize_q45_k(x: np.ndarray, qmax: int) -> np.ndarray:
+    """w = d sc q - dmin m per chunk of 32 (sc, m 6-bit, q 4 or 5 bits)."""
+    n = len(x)
+    chunks = x.reshape(n, 8, 32)
+    lo, hi = np.minimum(chunks.min(-1), 0), chunks.max(-1)
+    scale, offset = (hi - lo) / qmax, -lo                                      # [n, 8]
+    d, dmin = _half(scale.max(-1) / 63), _half(offset.max(-1) / 63)            # [n]
+    sc = np.clip(np.rint(scale / np.maximum(d.astype(np.float32), 1e-30)[:, None]), 0, 63).astype(np.uint8)
+    m = np.clip(np.rint(offset / np.maximum(dmin.astype(np.float32), 1e-30)[:, None]), 0, 63).astype(np.uint8)
+    step = np.maximum(d.astype(np.float32)[:, None] * sc, 1e-30)[..., None]
+    q = np.clip(np.rint((chunks + (dmin.astype(np.float32)[:, None] * m)[..., None]) / step), 0, qmax).astype(np.uint8)
+    scales = np.concatenate([sc[:, :4] | ((sc[:, 4:] >> 4) << 6), m[:, :4] | ((m[:, 4:] >> 4) << 6),
+                             (sc[:, 4:] & 0xF) | ((m[:, 4:] & 0xF) << 4)], axis=1)
+    qs = ((q[:, 0::2] & 0xF) | ((q[:, 1::2] & 0xF) << 4)).reshape(n, 128)     # chunk pairs share bytes
+    parts = [d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2), scales]
+    if qmax == 31:                                                             # Q5_K: bit j of qh[i], chunk j's
+        parts.append(((q >> 4) << np.arange(8, dtype=np.uint8)[:, None]).sum(1, dtype=np.uint8))
+    return np.concatenate(parts + [qs], axis=1)
+
+
+def _quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """w = d sc (q - 32) per group of 16 (sc int8, q 6 bits)."""
+    n = len(x)
+    groups = x.reshape(n, 16, 16)
+    scale = np.abs(groups).max(-1) / 31                                        # [n, 16]
+    d = _half(scale.max(-1) / 127)
+    sc = np.clip(np.rint(scale / np.maximum(d.astype(np.float32), 1e-30)[:, None]), -128, 127).astype(np.int8)
+    step = np.maximum(d.astype(np.float32)[:, None] * sc, 1e-30)[..., None]
+    q = (np.clip(np.rint(groups / step), -32, 31) + 32).astype(np.uint8).reshape(n, 2, 4, 32)   # [n, half, j, i]
+    ql = np.concatenate([(q[:, :, 0] & 0xF) | ((q[:, :, 2] & 0xF) << 4),
+                         (q[:, :, 1] & 0xF) | ((q[:, :, 3] & 0xF) << 4)], axis=2).reshape(n, 128)
+    qh = ((q >> 4) << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(2, dtype=np.uint8).reshape(n, 64)
+    return np.concatenate([ql, qh, sc.view(np.uint8), d.view(np.uint8).reshape(n, 2)], axis=1)
+
+
+def random_blocks(shape: tuple[int, int], qtype: Q, rng: np.random.Generator, std: float = 1.0) -> np.ndarray:
+    """Blocks of ``qtype`` for a [out, in] weight with entries of about ``std``: [out, in / block * bytes] uint8;
+    every bit random but the fp16 scales (the gguf package's quantization for the legacy types)."""
+    out, fan_in = shape
+    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+        return gguf.quants.quantize(rng.standard_normal(shape).astype(np.float32) * std, qtype)
+    # K-quants: every quant and 6-bit scale bit random, the fp16 super-block scales chosen for ~std entries
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    n = out * fan_in // block
+    blocks = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
+    if qtype == Q.Q6_K:   # w = d * scale * (q - 32): scale int8, |q - 32| ~ 18
+        _set_half(blocks, 208, rng.uniform(0.5, 1.5, n) * std / (18 * 64))
+    else:                 # w = d * sc * q - dmin * m: sc, m 6-bit, q 4 or 5 bits
+        top = 8 if qtype == Q.Q4_K else 16
+        _set_half(blocks, 0, rng.uniform(0.5, 1.5, n) * 2 * std / (32 * top))
+        _set_half(blocks, 2, rng.uniform(0.5, 1.5, n) * std / 32)
+    return blocks.reshape(out, -1)
+
+
+def dequantized(blocks: np.ndarray, qtype: Q) -> np.ndarray:
+    """The gguf package's reference dequantization: [out, in] float32."""
+    return gguf.quants.dequantize(blocks, qtype)

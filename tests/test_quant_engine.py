@@ -1,0 +1,209 @@
+"""The engine on tiny GGUF files whose projections stay quantized (QuantLinear, kernels/cpu/quant.h):
+greedy tokens against transformers+PEFT on the same weights dequantized (a twin file of F32 tensors),
+with adapters, a Q4_K_M-shaped file (Q4_K, Q6_K for v, down and the head) and a Q8_0/Q4_0/Q4_1 one;
+the weights' size is the blocks' size; --keep-quantized and merged mode."""
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from asyncserve import LLM, SamplingParams
+from asyncserve.model.linear import QuantLinear
+from asyncserve.stepper.merge import MergeError, unmergeable_reason
+from model_io_helpers import backend_vocab, write_gguf
+from quant_helpers import Q, dequantized, quantize, random_blocks
+from reference import (assert_greedy_matches, make_tiny_tokenizer, peft_references, require_native_kernels,
+                       save_random_adapter)
+
+HIDDEN, INTER, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
+NEW_TOKENS = 6
+# int8 activations move these models' logprobs by up to ~0.09 (median 0.02; logits' spread ~1.3) from the
+# dequantized weights' (the kernel tests bound the error per element): a token may differ from the
+# reference only where its top two logits are within twice that
+TIE_TOL = 0.2
+Q4_K_M = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q4_K, "ffn_gate": Q.Q4_K,
+          "ffn_up": Q.Q4_K, "ffn_down": Q.Q6_K, "output": Q.Q6_K}
+LEGACY = {"attn_q": Q.Q8_0, "attn_k": Q.Q4_0, "attn_v": Q.Q4_1, "attn_output": Q.Q8_0, "ffn_gate": Q.Q4_0,
+          "ffn_up": Q.Q4_0, "ffn_down": Q.Q4_1, "output": Q.Q8_0}
+SHAPES = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * 64, HIDDEN), "attn_v": (KV_HEADS * 64, HIDDEN),
+          "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (INTER, HIDDEN), "ffn_up": (INTER, HIDDEN),
+          "ffn_down": (HIDDEN, INTER)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native():
+    require_native_kernels()
+
+
+def write_pair(folder, types: dict[str, Q], seed: int):
+    """(quantized file, its twin with every tensor dequantized to F32, bytes of the kept blocks)."""
+    rng = np.random.default_rng(seed)
+    tokens, merges, special = backend_vocab(make_tiny_tokenizer().backend_tokenizer)
+    vocab = len(tokens)
+    quant, dense = {}, {}
+
+    def add(name: str, shape: tuple, qtype: Q | None, std: float = 0.08):
+        if qtype is None:
+            quant[name] = dense[name] = ((rng.standard_normal(shape) * std).astype(np.float32), None)
+            return
+        blocks = quantize((rng.standard_normal(shape) * std).astype(np.float32), qtype)
+        quant[name] = (blocks, qtype)
+        dense[name] = (dequantized(blocks, qtype), None)
+
+    add("token_embd.weight", (vocab, HIDDEN), None, 1.0)
+    quant["output_norm.weight"] = dense["output_norm.weight"] = ((1 + 0.1 * rng.standard_normal(HIDDEN)).astype(
+        np.float32), None)
+    add("output.weight", (vocab, HIDDEN), types["output"])
+    for i in range(LAYERS):
+        for norm in ("attn_norm", "ffn_norm"):
+            quant[f"blk.{i}.{norm}.weight"] = dense[f"blk.{i}.{norm}.weight"] = (
+                (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32), None)
+        for name, shape in SHAPES.items():
+            add(f"blk.{i}.{name}.weight", shape, types[name])
+    llama = {"context_length": 256, "embedding_length": HIDDEN, "block_count": LAYERS, "feed_forward_length": INTER,
+             "attention.head_count": HEADS, "attention.head_count_kv": KV_HEADS,
+             "attention.layer_norm_rms_epsilon": 1e-5}
+    common = dict(tokens=tokens, merges=merges, special=special, llama=llama, bos_id=1, eos_id=2)
+    q_path = write_gguf(folder / "tiny-q.gguf", tensors=quant, **common)
+    d_path = write_gguf(folder / "tiny-f32.gguf", tensors=dense, **common)
+    kept = sum(b.nbytes for b, t in quant.values() if t is not None)
+    return q_path, d_path, kept
+
+
+@pytest.mark.parametrize("types", [Q4_K_M, LEGACY], ids=["q4_k_m", "q8_0-q4_0-q4_1"])
+def test_quantized_engine_matches_dequantized_reference(tmp_path, types):
+    from transformers import AutoModelForCausalLM
+
+    q_path, d_path, kept = write_pair(tmp_path, types, seed=len(types) + int(types["attn_q"]))
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=d_path.name, dtype=torch.float32).eval()
+    adapters = {"r8_all": tmp_path / "r8_all", "r4_qv": tmp_path / "r4_qv"}
+    save_random_adapter(reference, adapters["r8_all"], r=8, seed=1,
+                        targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    save_random_adapter(reference, adapters["r4_qv"], r=4, targets=["q_proj", "v_proj"], seed=2)
+
+    llm = LLM(model=str(q_path), adapters={k: str(v) for k, v in adapters.items()}, dtype="float32", device="cpu",
+              max_step_tokens=32, pool_mem="64MiB", keep_quantized=True)
+    weights = llm.engine.runner.weights
+    linears = [weights.lm_head] + [getattr(lw, g) for lw in weights.layers for g in ("qkv", "o", "gate_up", "down")]
+    assert all(isinstance(p, QuantLinear) for p in linears)
+    # the blocks as in the file, the embeddings and norms in float32
+    dense_bytes = 4 * (weights.embed.numel() + HIDDEN * (2 * LAYERS + 1))
+    assert weights.nbytes() == kept + dense_bytes
+    assert "GGUF blocks" in unmergeable_reason(weights)
+
+    prompts = [llm.tokenizer.encode(p) for p in ["The quick brown fox", "def add(a, b):"]]
+    cases = [(ids, a) for ids in prompts for a in [None, *adapters]]
+    refs = peft_references(reference, adapters, cases, NEW_TOKENS)
+    outs = llm.generate([ids for ids, _ in cases], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
+                                                                  ignore_eos=True), adapters=[a for _, a in cases])
+    equal = [assert_greedy_matches(o.token_ids, ref, TIE_TOL, f"case {i} ({cases[i][1]})")
+             for i, (o, ref) in enumerate(zip(outs, refs))]
+    assert sum(equal) >= len(cases) - 1, equal
+    # the adapters change the tokens: their LoRA runs on top of the quantized base
+    assert any(outs[i].token_ids != outs[i + 1].token_ids for i in range(0, len(cases), 3))
+
+    # merged mode refuses the blocks; unmerged the same plan runs
+    engine = llm.engine
+    assert "GGUF blocks" in engine.merge_refusal("r8_all")
+    engine.add(engine.make_sequence(prompts[0], SamplingParams(max_tokens=2, temperature=0.0), "r8_all"))
+    plan = engine.schedule()
+    plan.merged = "r8_all"
+    with pytest.raises(MergeError, match="layer 0's qkv projection is kept in GGUF blocks"):
+        engine.run(plan)
+    plan.merged = None
+    engine.postprocess(plan, engine.run(plan))
+
+
+def test_keep_quantized_off_gives_dense_mergeable_weights(tmp_path):
+    q_path, _, _ = write_pair(tmp_path, LEGACY, seed=5)
+    dense = LLM(model=str(q_path), dtype="float32", device="cpu", pool_mem="16MiB")
+    assert not any(isinstance(getattr(lw, g), QuantLinear) for lw in dense.engine.runner.weights.layers
+                   for g in ("qkv", "o", "gate_up", "down"))
+    assert unmergeable_reason(dense.engine.runner.weights) is None
+    kept = LLM(model=str(q_path), dtype="float32", device="cpu", pool_mem="16MiB", keep_quantized=True)
+    assert "--keep-quantized" in unmergeable_reason(kept.engine.runner.weights)
+    # both give the same first tokens on a prompt far from ties (the int8 activations aside, the same weights)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    ids = kept.tokenizer.encode("Serving many adapters")
+    assert kept.generate([ids], params)[0].token_ids[:1] == dense.generate([ids], params)[0].token_ids[:1]
+
+
+def test_resident_memory_after_loading_is_the_files_size(tmp_path):
+    """A 4-layer 1024-wide Q4_K file (~40 MB; 150 MB as float32): the process's anonymous memory grows by
+    about the file's size when the engine's weights are built from it (in a fresh process)."""
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(0)
+    tokens, merges, special = backend_vocab(make_tiny_tokenizer().backend_tokenizer)
+    hidden, inter, layers = 1024, 4096, 4
+    shapes = {"attn_q": (hidden, hidden), "attn_k": (hidden, hidden), "attn_v": (hidden, hidden),
+              "attn_output": (hidden, hidden), "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden),
+              "ffn_down": (hidden, inter)}
+    tensors = {"token_embd.weight": (rng.standard_normal((len(tokens), hidden)).astype(np.float32), None),
+               "output_norm.weight": (np.ones(hidden, np.float32), None),
+               "output.weight": (random_blocks((len(tokens), hidden), Q.Q4_K, rng, 0.05), Q.Q4_K)}
+    for i in range(layers):
+        for norm in ("attn_norm", "ffn_norm"):
+            tensors[f"blk.{i}.{norm}.weight"] = (np.ones(hidden, np.float32), None)
+        for name, shape in shapes.items():
+            tensors[f"blk.{i}.{name}.weight"] = (random_blocks(shape, Q.Q4_K, rng, 0.05), Q.Q4_K)
+    llama = {"context_length": 256, "embedding_length": hidden, "block_count": layers, "feed_forward_length": inter,
+             "attention.head_count": 16, "attention.head_count_kv": 16}
+    path = write_gguf(tmp_path / "big.gguf", tokens=tokens, merges=merges, special=special, llama=llama,
+                      tensors=tensors)
+    script = f"""
+import gc, torch
+from asyncserve.model.loader import load_model
+from asyncserve.model.llama import build_weights
+import kernels.cpu; kernels.cpu.library()
+def anon():
+    return int(next(l for l in open('/proc/self/status') if l.startswith('RssAnon')).split()[1]) * 1024
+before = anon()
+loaded = load_model({str(path)!r}, keep_quantized=True)
+weights = build_weights(loaded.config, loaded.weights, torch.float32, torch.device('cpu'))
+del loaded; gc.collect()
+print(anon() - before, weights.nbytes())
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    grown, nbytes = (int(v) for v in run.stdout.split())
+    size = path.stat().st_size
+    assert size * 0.95 <= nbytes <= size      # the file is the blocks, a small embedding and its metadata
+    assert grown <= 1.3 * size, (grown, size)
+
+
+def test_blocks_are_dequantized_where_the_kernels_do_not_run(monkeypatch, caplog):
+    """ASYNCSERVE_NATIVE=0 (or no compiler, or a GPU): the blocks become a dense projection of the same
+    values in --dtype, and the log says so once."""
+    from asyncserve.model import linear as linear_module
+    from asyncserve.model.linear import QuantizedWeight, make_weight_linear
+
+    rng = np.random.default_rng(6)
+    parts = [(random_blocks((8, 256), Q.Q4_K, rng), Q.Q4_K), (random_blocks((4, 256), Q.Q8_0, rng), Q.Q8_0)]
+    weight = QuantizedWeight([(torch.from_numpy(b), int(t)) for b, t in parts], 256)
+    dense = torch.from_numpy(np.concatenate([dequantized(b, t) for b, t in parts]))
+    assert torch.equal(weight.dequantize(), dense) and weight.shape == (12, 256)
+    assert isinstance(make_weight_linear(weight, torch.float32, torch.device("cpu")), QuantLinear)
+    monkeypatch.setenv("ASYNCSERVE_NATIVE", "0")
+    monkeypatch.setattr(linear_module, "_dequantized_logged", False)
+    with caplog.at_level("WARNING", logger="asyncserve.model.linear"):
+        linears = [make_weight_linear(weight, torch.bfloat16, torch.device("cpu")) for _ in range(3)]
+    assert not any(isinstance(p, QuantLinear) for p in linears)
+    assert all(torch.equal(p.dense_weight(), dense.bfloat16()) for p in linears)
+    assert len([r for r in caplog.records if "dequantized" in r.getMessage()]) == 1
+
+
+def test_kept_blocks_are_the_dequantized_weights(tmp_path):
+    """load_model(keep_quantized=True): each kept tensor's blocks dequantize to exactly the tensor the
+    plain load gives (Q/K rows un-interleaved alike), the rest is identical."""
+    from asyncserve.model.linear import QuantizedWeight
+    from asyncserve.model.loader import load_model
+
+    q_path, _, _ = write_pair(tmp_path, Q4_K_M, seed=7)
+    kept, dense = load_model(str(q_path), keep_quantized=True).weights, load_model(str(q_path)).weights
+    assert kept.keys() == dense.keys()
+    quantized_names = {name for name, t in kept.items() if isinstance(t, QuantizedWeight)}
+    assert quantized_names == {name for name in dense if name.endswith("proj.weight")} | {"lm_head.weight"}
+    for name, tensor in kept.items():
+        assert torch.equal(tensor.dequantize() if name in quantized_names else tensor, dense[name]), name

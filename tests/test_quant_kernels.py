@@ -1,0 +1,150 @@
+"""kernels.cpu.quant_linear (kernels/cpu/quant.h) against float64 references built from gguf.quants'
+dequantization of the same blocks, for every type, odd shapes and 1..256 rows.
+
+The kernel quantizes the activations to int8 per block of 32 (scale d = max |x| / 127, q = round(x / d)).
+Two checks per output element: against x @ W^T with the activations quantized the same way (replicated
+here in float32), to fp32 accumulation's error (and bf16 rounding of the result): the integer dot
+products and the block scales are exact; and against the exact x @ W^T within the rigorous bound of
+the activations' rounding, |x_i - d q_i| <= d / 2: sum over blocks of d / 2 * sum |w_i| in the block.
+"""
+import numpy as np
+import pytest
+import torch
+
+import kernels.cpu as cpu_kernels
+from quant_helpers import KERNEL_TYPES, Q, dequantized, quantize, random_blocks
+from reference import require_native_kernels
+
+ROWS = [1, 3, 17, 64, 256]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native():
+    require_native_kernels()
+
+
+def activation_bound(x: torch.Tensor, w: np.ndarray) -> np.ndarray:
+    """[rows, out]: the most the int8 activations (per block of 32) can move x @ w.T."""
+    x64 = x.double().numpy()
+    rows, fan_in = x64.shape
+    d = np.abs(x64).reshape(rows, fan_in // 32, 32).max(-1) / 127                      # [rows, blocks]
+    wsum = np.abs(w.astype(np.float64)).reshape(w.shape[0], fan_in // 32, 32).sum(-1)  # [out, blocks]
+    return d / 2 @ wsum.T
+
+
+def int8_activations(x: torch.Tensor) -> np.ndarray:
+    """x as the kernel multiplies it: per block of 32, d * round(x / d) with d = max |x| / 127 (float32)."""
+    x32 = x.float().numpy()
+    rows, fan_in = x32.shape
+    blocks = x32.reshape(rows, fan_in // 32, 32)
+    d = np.abs(blocks).max(-1, keepdims=True) / np.float32(127)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    return (np.rint(blocks * inv).astype(np.float64) * d).reshape(rows, fan_in)
+
+
+def assert_within(y: torch.Tensor, ref: np.ndarray, tol: np.ndarray, what: str) -> None:
+    err = np.abs(y.double().numpy() - ref)
+    worst = np.unravel_index(np.argmax(err / tol), err.shape)
+    assert (err <= tol).all(), f"{what}: error {err[worst]:.3g} > tolerance {tol[worst]:.3g} at {worst}"
+
+
+def check(x: torch.Tensor, parts: list[tuple[np.ndarray, Q]]) -> None:
+    y = cpu_kernels.quant_linear(x, [torch.from_numpy(b) for b, _ in parts], [int(t) for _, t in parts])
+    w = np.concatenate([dequantized(b, t) for b, t in parts]).astype(np.float64)
+    assert y.dtype == x.dtype and tuple(y.shape) == (x.shape[0], w.shape[0])
+    rounding = np.abs(x.double().numpy()) @ np.abs(w).T * 1e-5 + 1e-6   # fp32 accumulation
+    exact = x.double().numpy() @ w.T
+    output = np.abs(exact) * 2.0 ** -8 if x.dtype == torch.bfloat16 else 0.0
+    assert_within(y, int8_activations(x) @ w.T, rounding + output, "against the same int8 activations")
+    assert_within(y, exact, activation_bound(x, w) + rounding + output, "against the exact activations")
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_each_type_rows_and_odd_shapes(qtype):
+    rng = np.random.default_rng(int(qtype))
+    block = 256 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 32
+    fan_in, out = 3 * block, 37            # several blocks; out not a multiple of any tile
+    blocks = random_blocks((out, fan_in), qtype, rng)
+    for rows in ROWS:
+        x = torch.from_numpy(rng.standard_normal((rows, fan_in)).astype(np.float32))
+        for dtype in (torch.float32, torch.bfloat16):
+            check(x.to(dtype), [(blocks, qtype)])
+
+
+def test_parts_of_mixed_types_stack_as_columns():
+    """qkv of a Q4_K_M file: q and k Q4_K, v Q6_K, one call, columns in order."""
+    rng = np.random.default_rng(1)
+    parts = [(random_blocks((out, 512), t, rng), t) for out, t in [(24, Q.Q4_K), (8, Q.Q4_K), (9, Q.Q6_K), (5, Q.Q8_0)]]
+    for rows in (1, 17):
+        check(torch.from_numpy(rng.standard_normal((rows, 512)).astype(np.float32)), parts)
+
+
+def test_threads_split_columns_alike():
+    rng = np.random.default_rng(2)
+    blocks = random_blocks((333, 256), Q.Q5_K, rng)
+    x = torch.randn(5, 256)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_kernels.quant_linear(x, [torch.from_numpy(blocks)], [int(Q.Q5_K)])
+        torch.set_num_threads(2)
+        two = cpu_kernels.quant_linear(x, [torch.from_numpy(blocks)], [int(Q.Q5_K)])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_zero_rows_and_zero_activations():
+    rng = np.random.default_rng(3)
+    blocks = torch.from_numpy(random_blocks((16, 64), Q.Q4_0, rng))
+    assert cpu_kernels.quant_linear(torch.zeros(0, 64), [blocks], [int(Q.Q4_0)]).shape == (0, 16)
+    assert torch.equal(cpu_kernels.quant_linear(torch.zeros(2, 64), [blocks], [int(Q.Q4_0)]), torch.zeros(2, 16))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda b: ([b], [int(Q.Q2_K)]), "no quantized kernel"),
+    (lambda b: ([b[:, :-1].contiguous()], [int(Q.Q4_0)]), "must be a contiguous uint8"),
+    (lambda b: ([b.view(torch.int8)], [int(Q.Q4_0)]), "must be a contiguous uint8"),
+    (lambda b: ([b], [int(Q.Q4_0), int(Q.Q4_0)]), "one type per part"),
+    (lambda b: ([b], [int(Q.Q4_K)]), "not a multiple"),
+])
+def test_bad_arguments_are_refused(bad, match):
+    blocks = torch.from_numpy(random_blocks((4, 64), Q.Q4_0, np.random.default_rng(4)))
+    parts, types = bad(blocks)
+    with pytest.raises(RuntimeError, match=match):
+        cpu_kernels.quant_linear(torch.randn(2, 64), parts, types)
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_quantized_gaussian_weights(qtype):
+    """Weights as a model has them (zero mean), quantized; the tests' K-quant quantizer round-trips them."""
+    rng = np.random.default_rng(10 + int(qtype))
+    w = rng.standard_normal((19, 512)).astype(np.float32)
+    blocks = quantize(w, qtype)
+    steps = {Q.Q4_0: 0.5, Q.Q4_1: 0.35, Q.Q8_0: 0.02, Q.Q4_K: 0.35, Q.Q5_K: 0.17, Q.Q6_K: 0.1}
+    assert np.abs(dequantized(blocks, qtype) - w).max() < steps[qtype]
+    check(torch.from_numpy(rng.standard_normal((17, 512)).astype(np.float32)), [(blocks, qtype)])
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_fp32_strategy_is_exact_to_rounding(qtype):
+    """set_quant_int8(False): fp32 activations against each column dequantized to fp32, no activation error."""
+    rng = np.random.default_rng(20 + int(qtype))
+    block = 256 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 32
+    blocks = random_blocks((21, 2 * block), qtype, rng)
+    w = dequantized(blocks, qtype).astype(np.float64)
+    previous = cpu_kernels.set_quant_int8(False)
+    try:
+        for rows in (1, 6):
+            x = torch.from_numpy(rng.standard_normal((rows, 2 * block)).astype(np.float32))
+            for dtype in (torch.float32, torch.bfloat16):
+                xd = x.to(dtype)
+                y = cpu_kernels.quant_linear(xd, [torch.from_numpy(blocks)], [int(qtype)])
+                exact = xd.double().numpy() @ w.T
+                tol = np.abs(xd.double().numpy()) @ np.abs(w).T * 1e-5 + 1e-6
+                if dtype == torch.bfloat16:
+                    tol += np.abs(exact) * 2.0 ** -8
+                assert_within(y, exact, tol, f"fp32 strategy, {rows} rows, {dtype}")
+    finally:
+        cpu_kernels.set_quant_int8(previous)
+    assert cpu_kernels.set_quant_int8(previous) == previous
