@@ -59,6 +59,7 @@ def run_merged(engine, cases, merged_for, params, after_step=None) -> list:
 # family -> (transformers config class, model class)
 FAMILY_CLASSES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),

@@ -18,9 +18,9 @@ import kernels.cpu as cpu_kernels
 from asyncserve import LLM, SamplingParams
 from asyncserve.model.llama import native_loop_gap, native_ops_gap
 from asyncserve.pager.adapters import AdapterError
-from family_models import FAMILIES, build_family_model, write_family_gguf
-from reference import (TEST_DEVICE, assert_greedy_matches, peft_references, record_calls, require_native_kernels,
-                       run_merged)
+from family_models import ALL, FAMILIES, FamilyModel, build_family_model, write_family_gguf
+from reference import (TEST_DEVICE, assert_greedy_matches, make_tiny_tokenizer, peft_references, record_calls,
+                       require_native_kernels, run_merged, save_random_adapter, save_tiny_model)
 
 NEW_TOKENS = 8
 
@@ -52,6 +52,23 @@ def check(tokens, cases, refs, label):
     # the adapters must change tokens, or this proves nothing about LoRA on the family's modules
     base = {tuple(c[0]): t for c, t in zip(cases, tokens) if c[1] is None}
     assert sum(t != base[tuple(c[0])] for c, t in zip(cases, tokens) if c[1] is not None) >= 2, label
+
+
+def test_mistral_whose_every_layer_slides(tmp_path):
+    """Mistral's window shorter than the sequences: every layer slides, so the step has no global
+    layers' attention plan and the layer loop stays in Python; tokens equal transformers+PEFT's."""
+    tok = make_tiny_tokenizer()
+    base = save_tiny_model(tmp_path / "base", tok, "mistral", random_vectors=True, hidden_size=64,
+                           intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=512, sliding_window=8)
+    adapters = {"all": tmp_path / "adapters" / "all"}
+    save_random_adapter(base, adapters["all"], r=4, targets=ALL, seed=200)
+    model = FamilyModel("mistral", tmp_path / "base", tok, base, adapters)
+    prompts = [tok.encode(" ".join(["the fox jumps over lazy dog adapters serve"] * n)) for n in (1, 2, 3)]
+    cases = [(ids, adapter) for ids in prompts for adapter in (None, "all")]
+    llm, tokens = generate(model, cases)
+    assert all(w == 8 for w in llm.engine.model_config.layer_windows)
+    check(tokens, cases, peft_references(base, adapters, cases, NEW_TOKENS), "mistral")
 
 
 @pytest.mark.parametrize("native", ["1", "0"])

@@ -341,11 +341,13 @@ def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, 
     step_attention = {window: plan_attention(inp, nh, nkv, hd, w.embed.dtype, native, scale=config.scale,
                                              softcap=config.attn_softcap, window=window)
                       for window in dict.fromkeys(config.layer_windows or [None])}
-    # a step on fixed buffers (StepInputs.decode_tables: the CUDA graphs' decodes) plans no native attention
-    if step_attention[None].native and cpu_kernels.decoder_loop_enabled() and (decoder := w.native_decoder(config)):
+    # the native loop has global layers only (native_loop_gap); a step on fixed buffers
+    # (StepInputs.decode_tables: the CUDA graphs' decodes) plans no native attention
+    plan = step_attention.get(None)
+    if plan is not None and plan.native and cpu_kernels.decoder_loop_enabled() and (decoder := w.native_decoder(config)):
         step_lora = lora.native_step() if use_lora else None
         if step_lora is not None or not use_lora:
-            return _forward_native(decoder, w, rope, kv, inp, step_attention[None], step_lora)
+            return _forward_native(decoder, w, rope, kv, inp, plan, step_lora)
     if not native:
         tables = {False: rope.tables(inp.positions)}
         if rope.local_cos is not rope.cos:
