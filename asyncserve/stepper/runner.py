@@ -95,8 +95,11 @@ class ModelRunner:
         return rows, bool(adapters)
 
     def _sampling_rows(self, plan: StepPlan) -> list[SamplingRow]:
-        return [SamplingRow(c.seq.params, c.seq.prompt_ids, c.seq.output_ids, self.eos_token_ids, c.seq.seed,
-                            c.seq.guide, c.seq.bad_words_ids) for c in plan.chunks if c.samples]
+        return [self._sampling_row(c.seq) for c in plan.chunks if c.samples]
+
+    def _sampling_row(self, seq) -> SamplingRow:
+        return SamplingRow(seq.params, seq.prompt_ids, seq.output_ids, self.eos_token_ids, seq.seed, seq.guide,
+                           seq.bad_words_ids)
 
     def _replay(self, plan: StepPlan, graph_rows: list[DecodeRow], lora: bool):
         """A decode step from its graph: the logits, and the sampling rows with their device inputs."""
@@ -164,8 +167,7 @@ class ModelRunner:
                 write_rows.append(seq.block_table[pos // bs] * self._row_stride + pos % bs)
             if chunk.samples:
                 sample_index.append(len(ids) - 1)
-                rows.append(SamplingRow(seq.params, seq.prompt_ids, seq.output_ids, self.eos_token_ids, seq.seed,
-                                        seq.guide, seq.bad_words_ids))
+                rows.append(self._sampling_row(seq))
             if seq.params.prompt_logprobs is not None:
                 # each position's logits score the next prompt token; a sequence recomputed after a
                 # preemption skips the tokens it already has

@@ -87,8 +87,10 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], plain: PlainSampling |
     """One token per row. logits: [rows, vocab] (float32; lower precision is upcast), not modified.
     On a GPU, a batch of plain rows (is_plain) is sampled there whole, with one copy of its tokens back
     (``plain``: its inputs already on the device, else built here)."""
+    if plain is not None:            # the caller found every row plain
+        return sample_plain(logits, plain)
     if logits.device.type != "cpu" and rows and all(is_plain(row) for row in rows):
-        return sample_plain(logits, plain if plain is not None else plain_sampling(rows, logits.device))
+        return sample_plain(logits, plain_sampling(rows, logits.device))
     if all(_is_plain_greedy(row) for row in rows):
         if cpu_kernels.enabled_for(logits):     # one pass over the logits as they are
             tokens, finite = cpu_kernels.greedy_rows(logits)
