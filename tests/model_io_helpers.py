@@ -88,10 +88,12 @@ def llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def write_gguf(path: Path, *, architecture: str = "llama", tokens: list[str], merges: list[str], special: set[str],
                pre: str = "gpt-2", tokenizer_model: str = "gpt2", add_bos: bool | None = None,
+               scores: list[float] | None = None, token_types: list[int] | None = None,
                bos_id: int = 1, eos_id: int = 2, chat_template: str | None = None,
                llama: dict | None = None, extra: dict | None = None,
                tensors: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType | None]] | None = None) -> Path:
-    """A GGUF file with the given tokenizer, `{architecture}.*` metadata (llama) and other keys (extra), and
+    """A GGUF file with the given tokenizer (token_types: llama.cpp's, else control for `special`, normal
+    for the rest; no types or merges written when empty), `{architecture}.*` metadata (llama) and other keys (extra), and
     tensors: float32/float16 arrays (type None) or bytes already quantized to the given type."""
     writer = gguf.GGUFWriter(path, architecture)
     for key, value in (llama or {}).items():
@@ -104,8 +106,13 @@ def write_gguf(path: Path, *, architecture: str = "llama", tokens: list[str], me
     writer.add_tokenizer_model(tokenizer_model)
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in special else 1 for t in tokens])
-    writer.add_token_merges(merges)
+    token_types = [3 if t in special else 1 for t in tokens] if token_types is None else token_types
+    if token_types:
+        writer.add_token_types(token_types)
+    if scores is not None:
+        writer.add_token_scores(scores)
+    if merges:
+        writer.add_token_merges(merges)
     writer.add_bos_token_id(bos_id)
     writer.add_eos_token_id(eos_id)
     if add_bos is not None:
@@ -122,8 +129,58 @@ def write_gguf(path: Path, *, architecture: str = "llama", tokens: list[str], me
 
 
 def _value_type(value) -> gguf.GGUFValueType:
+    if isinstance(value, bool):
+        return gguf.GGUFValueType.BOOL
     if isinstance(value, str):
         return gguf.GGUFValueType.STRING
     if isinstance(value, float):
         return gguf.GGUFValueType.FLOAT32
     return gguf.GGUFValueType.UINT32
+
+
+# ---- SentencePiece vocabularies, as llama.cpp's converter writes them from a tokenizer.model -----
+
+SPM_CORPUS = [
+    " Leading spaces,  two spaces,   three and    four; trailing ones too  ",
+    "Lines\nand\n\nblank lines\n\n\n, tabs\tand indentation:\n    return x\n        pass",
+    "<start_of_turn>user\nHi there!<end_of_turn>\n<start_of_turn>model\nHello, how can I help?<end_of_turn>",
+    "<|user|>\nWhat is 2+2?<|end|>\n<|assistant|>\nIt is 4.<|end|>",
+]
+
+
+@lru_cache(maxsize=None)
+def sentencepiece_model(add_dummy_prefix: bool, vocab_size: int = 500):
+    """A SentencePiece BPE model trained on the test corpus as Llama's and Gemma's are made (byte
+    fallback, no whitespace folding; Gemma: add_dummy_prefix false), with control and user-defined
+    symbols, and its vocabulary in GGUF terms: (processor, tokens, scores, llama.cpp token types)."""
+    import io
+
+    import sentencepiece as spm
+    from reference import CORPUS
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter((CORPUS + SPM_CORPUS + TEXT_BATTERY[:11]) * 4), model_writer=model, model_type="bpe",
+        vocab_size=vocab_size, byte_fallback=True, character_coverage=1.0, add_dummy_prefix=add_dummy_prefix,
+        remove_extra_whitespaces=False, normalization_rule_name="identity", split_digits=True, hard_vocab_limit=False,
+        allow_whitespace_only_pieces=True, split_by_whitespace=True, minloglevel=2,
+        control_symbols=["<start_of_turn>", "<end_of_turn>", "<|user|>", "<|assistant|>", "<|end|>",
+                         "<|endoftext|>"],
+        user_defined_symbols=["<think>", "</think>"])
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    tokens = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    scores = [sp.get_score(i) for i in range(sp.get_piece_size())]
+    # llama.cpp's types: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
+    types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 5 if sp.is_unused(i)
+             else 4 if tokens[i] in ("<think>", "</think>") else 1 for i in range(len(tokens))]
+    return sp, tokens, scores, types
+
+
+def write_sentencepiece_gguf(path: Path, add_dummy_prefix: bool, architecture: str = "llama", **kwargs) -> Path:
+    """A GGUF with the SentencePiece vocabulary as `tokenizer.ggml.model` "llama" (scores, types, no merges)."""
+    sp, tokens, scores, types = sentencepiece_model(add_dummy_prefix)
+    extra = {"tokenizer.ggml.unknown_token_id": sp.unk_id(), "tokenizer.ggml.add_space_prefix": add_dummy_prefix,
+             **kwargs.pop("extra", {})}
+    return write_gguf(path, architecture=architecture, tokens=tokens, merges=[], special=set(), pre="default",
+                      tokenizer_model="llama", scores=scores, token_types=types, bos_id=sp.bos_id(),
+                      eos_id=sp.eos_id(), extra=extra, **kwargs)

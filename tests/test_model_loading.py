@@ -52,7 +52,7 @@ def test_default_model_config(smollm2, smollm2_transformers, smollm2_gguf):
     assert c.rope_theta == hf.rope_parameters["rope_theta"] == 100000.0 and c.rope_scaling is None
     assert c.max_position == hf.max_position_embeddings == 8192
     assert c.tie_word_embeddings and hf.tie_word_embeddings
-    assert c.bos_token_id == 1 and c.eos_token_ids == [2] == smollm2.tokenizer.eos_token_ids
+    assert c.bos_token_id == 1 and c.eos_token_ids == [2, 0] == smollm2.tokenizer.eos_token_ids   # <|im_end|>, <|endoftext|>
     assert c.name == "SmolLM2-135M-Instruct.Q4_1"            # the file's stem, not general.name's free text
     assert smollm2.source == str(smollm2_gguf) and default_model_path() == smollm2_gguf
 

@@ -3,17 +3,21 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import gguf
 import jinja2
 import pytest
 from model_io_helpers import (
+    SPM_CORPUS,
     TEXT_BATTERY,
     backend_vocab,
     save_hf_tokenizer,
+    sentencepiece_model,
     smollm2_tokenizer,
     transformers_smollm2_tokenizer,
     write_gguf,
+    write_sentencepiece_gguf,
 )
 from reference import make_tiny_tokenizer
 
@@ -68,7 +72,8 @@ def test_gguf_chat_template_matches_transformers(ours, theirs, add_generation_pr
 def test_gguf_special_tokens(ours, theirs):
     assert ours.vocab_size == len(theirs) == 49152
     assert ours.bos_token_id == theirs.bos_token_id == 1
-    assert ours.eos_token_ids == [theirs.eos_token_id] == [2]
+    # eos, then <|endoftext|>: llama.cpp ends generation at it too, known by its spelling
+    assert ours.eos_token_ids == [theirs.eos_token_id, 0] == [2, 0]
     assert set(theirs.all_special_ids) <= ours.all_special_ids
     assert set(range(17)) == ours.all_special_ids          # the control tokens <|endoftext|> ... <empty_output>
     assert ours.id_to_token(1) == "<|im_start|>" and ours.id_to_token(19556) == theirs.convert_ids_to_tokens(19556)
@@ -121,12 +126,136 @@ def test_tiny_gguf_tokenizer_matches_transformers(tmp_path, tiny_vocab, pre, add
 
 def test_unsupported_gguf_tokenizers(tmp_path, tiny_vocab):
     tokens, merges, special = tiny_vocab
-    spm = write_gguf(tmp_path / "spm.gguf", tokens=tokens, merges=merges, special=special, tokenizer_model="llama")
-    with pytest.raises(ModelLoadError, match="SentencePiece"):
-        Tokenizer.from_gguf(gguf.GGUFReader(spm).fields)
+    for model in ("t5", "rwkv", "bert", "gemma4"):
+        path = write_gguf(tmp_path / f"{model}.gguf", tokens=tokens, merges=merges, special=special, tokenizer_model=model)
+        with pytest.raises(ModelLoadError, match=f"tokenizer model is '{model}'.*'gpt2'.*'llama'"):
+            Tokenizer.from_gguf(gguf.GGUFReader(path).fields)
     odd = write_gguf(tmp_path / "odd.gguf", tokens=tokens, merges=merges, special=special, pre="default")
     with pytest.raises(ModelLoadError, match="pre-tokenizer 'default'.*supported: .*llama-bpe"):
         Tokenizer.from_gguf(gguf.GGUFReader(odd).fields)
+
+
+# ---- SentencePiece GGUF tokenizers ("llama"): Llama-2, Mistral, Phi-3, Gemma ------------------
+
+SPM_TEXTS = TEXT_BATTERY + SPM_CORPUS + [
+    " x", "  x", "   x", "x ", "x  ", " ", "  ", "\n", " \n ", "a\n\n b", "\t\ttab", "a<think>b<think> </think>",
+    "ß ŉ ǅ — ‘quotes’ … €", "\x00\x01\x7f control bytes", "🧑🏿‍🚀 astronaut", "zero\u200bwidth",
+    "<start_of_turn>  spaced <end_of_turn>\n\n<start_of_turn>", "<|user|>\n\n  hi<|end|> <|assistant|>\t<s>x</s>",
+    "<|endoftext|>   kept<unk> kept", "<start_of_turn", "end_of_turn>", "<|end|",
+]
+# the architectures whose GGUFs llama.cpp tokenizes differently: Gemma without the leading space, Phi-3
+# dropping the whitespace after its control tokens
+SPM_FILES = {"llama": True, "phi3": True, "gemma2": False}
+
+
+@pytest.fixture(scope="module", params=list(SPM_FILES))
+def spm_pair(request, tmp_path_factory):
+    architecture, add_dummy_prefix = request.param, SPM_FILES[request.param]
+    path = write_sentencepiece_gguf(tmp_path_factory.mktemp(architecture) / "spm.gguf", add_dummy_prefix,
+                                    architecture=architecture, chat_template=CHAT_TEMPLATE_GEMMA)
+    sp, tokens, _, types = sentencepiece_model(add_dummy_prefix)
+    return architecture, Tokenizer.from_gguf(gguf.GGUFReader(path).fields), sp, tokens, types
+
+
+CHAT_TEMPLATE_GEMMA = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' "
+                       "else m['role'] }}\n{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
+                       "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def llama_cpp_spm_encode(architecture, sp, tokens, types, text, add_special_tokens):
+    """llama.cpp's SentencePiece tokenization, with SentencePiece itself cutting the text between
+    whole-matched tokens: control, unknown and user-defined tokens are found in the text first (longest
+    first); each piece of text between them gets the leading space (when the vocabulary adds one) and
+    SentencePiece's BPE; Phi-3's control tokens but <unk>, <s>, <|endoftext|> eat the whitespace after them."""
+    whole = {tokens[i]: i for i, t in enumerate(types) if t in (2, 3, 4)}
+    eats_whitespace = {i for i, t in enumerate(types) if t == 3 and architecture == "phi3"} - {
+        whole["<unk>"], whole["<s>"], whole["<|endoftext|>"]}
+    ids = [sp.bos_id()] if add_special_tokens else []
+    pattern = re.compile("|".join(re.escape(t) for t in sorted(whole, key=len, reverse=True)))
+    position = 0
+    while position <= len(text):
+        match = pattern.search(text, position)
+        end = match.start() if match else len(text)
+        if end > position:
+            ids += sp.encode(text[position:end])
+        if not match:
+            break
+        ids.append(whole[match.group()])
+        position = match.end()
+        if whole[match.group()] in eats_whitespace:
+            while position < len(text) and text[position] in " \t\n\r\v\f":
+                position += 1
+    return ids
+
+
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_sentencepiece_gguf_encodes_as_llama_cpp(spm_pair, add_special_tokens):
+    """A SentencePiece BPE vocabulary (trained by the sentencepiece package: scores, byte fallback,
+    control and user-defined tokens) written as llama.cpp writes Llama-2's, Phi-3's and Gemma's:
+    ids equal SentencePiece's own, cut around special tokens as llama.cpp cuts them."""
+    architecture, ours, sp, tokens, types = spm_pair
+    for text in SPM_TEXTS:
+        expected = llama_cpp_spm_encode(architecture, sp, tokens, types, text, add_special_tokens)
+        assert ours.encode(text, add_special_tokens=add_special_tokens) == expected, (architecture, text)
+
+
+def test_sentencepiece_gguf_decodes_as_sentencepiece(spm_pair):
+    """Decoding: SentencePiece's text for the battery's ids and for random runs of non-byte tokens (a run
+    of byte tokens that is not valid UTF-8 gives one U+FFFD per byte, as transformers' tokenizer.json
+    decoder does; SentencePiece keeps the run's valid bytes)."""
+    architecture, ours, sp, tokens, types = spm_pair
+    rng = random.Random(1)
+    pieces = [i for i, t in enumerate(types) if t in (1, 3)]
+    sequences = [sp.encode(text) for text in SPM_TEXTS]
+    sequences += [[rng.choice(pieces) for _ in range(rng.randint(1, 20))] for _ in range(300)]
+    for ids in sequences:
+        assert ours.decode(ids) == sp.decode(ids), (architecture, [tokens[i] for i in ids])
+    for text in SPM_TEXTS:       # text with no token matched whole comes back as it was
+        if not re.search(r"<(s|/s|unk|think|/think|start_of_turn|end_of_turn)>|<\|", text):
+            assert ours.decode(ours.encode(text)) == text, (architecture, text)
+
+
+def test_sentencepiece_gguf_special_tokens_and_chat(spm_pair):
+    architecture, ours, sp, tokens, _ = spm_pair
+    assert ours.vocab_size == len(tokens) == sp.get_piece_size()
+    assert (ours.bos_token_id, ours.special_tokens["unk_token"]) == (sp.bos_id(), "<unk>")
+    # llama.cpp ends generation at eos and at the end-of-turn tokens it knows by their spelling
+    assert ours.eos_token_ids == [sp.eos_id(), *(tokens.index(t) for t in ("<end_of_turn>", "<|end|>", "<|endoftext|>"))]
+    assert {sp.bos_id(), sp.eos_id(), sp.unk_id(), tokens.index("<start_of_turn>")} <= ours.all_special_ids
+    assert tokens.index("<think>") not in ours.all_special_ids           # user-defined: kept in decoded text
+    assert ours.encode("hi")[0] == sp.bos_id()                         # add_bos: llama.cpp's default for SentencePiece
+    messages = CONVERSATIONS[2]
+    prompt = ours.apply_chat_template(messages)
+    assert prompt.startswith("<s><start_of_turn>system\nAnswer in French.<end_of_turn>\n<start_of_turn>user\nHello")
+    assert prompt.endswith("<end_of_turn>\n<start_of_turn>model\n")
+    ids = ours.encode(prompt, add_special_tokens=False)
+    assert ids == llama_cpp_spm_encode(architecture, sp, tokens, _, prompt, False)
+    assert ids.count(tokens.index("<start_of_turn>")) == 5 and ids[0] == sp.bos_id()
+
+
+def test_sentencepiece_gguf_equals_transformers_for_gemma(tmp_path):
+    """transformers' GGUF tokenizer builds Gemma's the same way: equal ids (special tokens in text too) and text."""
+    from transformers import AutoTokenizer
+
+    path = write_sentencepiece_gguf(tmp_path / "gemma.gguf", False, architecture="gemma2")
+    ours = Tokenizer.from_gguf(gguf.GGUFReader(path).fields)
+    theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in SPM_TEXTS:
+        ids = theirs.encode(text)
+        assert ours.encode(text) == ids, text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+
+
+def test_sentencepiece_gguf_without_scores_types_or_flags(tmp_path):
+    """Older files: no token types, add_bos or add_space_prefix: llama.cpp's defaults (BOS added, a
+    leading space); byte tokens still fall back by their <0xNN> spelling."""
+    sp, tokens, scores, _ = sentencepiece_model(True)
+    path = write_gguf(tmp_path / "old.gguf", tokens=tokens, merges=[], special=set(), tokenizer_model="llama",
+                      scores=scores, token_types=[], pre="default")
+    ours = Tokenizer.from_gguf(gguf.GGUFReader(path).fields)
+    for text in ("Hello, world!", "  two leading", "emoji 🙂🚀 中文字符 ñ"):
+        assert ours.encode(text) == [sp.bos_id(), *sp.encode(text)], text
+        assert ours.decode(ours.encode(text)) == text
 
 
 # ---- HF folders ------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import jinja2
 from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
 from asyncserve.model.config import ModelLoadError, read_json
@@ -23,7 +23,13 @@ from asyncserve.model.config import ModelLoadError, read_json
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 # llama.cpp's token types (tokenizer.ggml.token_type)
-_CONTROL, _USER_DEFINED = 3, 4
+_UNKNOWN, _CONTROL, _USER_DEFINED, _BYTE = 2, 3, 4, 6
+# tokens llama.cpp ends generation at, by their spelling, whatever ids the file names
+_END_OF_GENERATION_TOKENS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+                             "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>"}
+# Phi-3's control tokens that keep the whitespace after them (llama.cpp's list)
+_PHI3_KEEP_WHITESPACE = {"<unk>", "<s>", "<|endoftext|>"}
+_SPACE = "\u2581"        # SentencePiece's "▁": a space inside a piece
 
 # GGUF `tokenizer.ggml.pre` -> how llama.cpp splits text before byte-level BPE. The regexes are the
 # published pre-tokenizer patterns of each family.
@@ -80,26 +86,30 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, fields: Mapping[str, Any]) -> Tokenizer:
-        """From `gguf.GGUFReader(...).fields`: a byte-level BPE tokenizer ("gpt2" in llama.cpp's terms)."""
+        """From `gguf.GGUFReader(...).fields`: byte-level BPE ("gpt2" in llama.cpp's terms) or
+        SentencePiece ("llama": pieces with scores, <0xNN> byte tokens, no merges)."""
         kind = _gguf_value(fields, "tokenizer.ggml.model")
         tokens: list[str] | None = _gguf_value(fields, "tokenizer.ggml.tokens")
         if kind is None or tokens is None:
             raise ModelLoadError("the GGUF file has no tokenizer (tokenizer.ggml.model and tokenizer.ggml.tokens); "
                                  "asyncserve needs one to serve text")
-        if kind != "gpt2":
-            raise ModelLoadError(
-                f"the GGUF's tokenizer model is {kind!r}; asyncserve reads only byte-level BPE ('gpt2') tokenizers "
-                "from GGUF files (SentencePiece 'llama' tokenizers are not supported): serve the model's HF folder")
-        pre = _gguf_value(fields, "tokenizer.ggml.pre", "default")
-        merges = [tuple(m.split(" ", 1)) for m in _gguf_value(fields, "tokenizer.ggml.merges", [])]
         token_types: list[int] = _gguf_value(fields, "tokenizer.ggml.token_type", [])
-
-        backend = BackendTokenizer(models.BPE({token: i for i, token in enumerate(tokens)}, merges))
-        backend.pre_tokenizer = _gguf_pre_tokenizer(pre)
-        backend.decoder = decoders.ByteLevel()
-        # control tokens (<|im_start|> ...) and user-defined ones are matched whole in text, never split
-        backend.add_special_tokens([AddedToken(token, special=True, normalized=False)
-                                    for token, token_type in zip(tokens, token_types) if token_type == _CONTROL])
+        if kind == "gpt2":
+            backend = _gguf_byte_level_bpe(fields, tokens)
+            add_bos_default = False
+        elif kind == "llama":
+            backend = _gguf_sentencepiece(fields, tokens, token_types)
+            add_bos_default = True       # llama.cpp's default for a SentencePiece vocabulary that does not say
+        else:
+            raise ModelLoadError(
+                f"the GGUF's tokenizer model is {kind!r}; asyncserve reads byte-level BPE ('gpt2') and "
+                "SentencePiece ('llama') tokenizers from GGUF files: serve the model's HF folder")
+        # control tokens (<|im_start|> ...) and user-defined ones are matched whole in text, never split.
+        # llama.cpp drops the whitespace after Phi-3's control tokens (as Phi-3's tokenizer.json does)
+        rstrip = _is_phi3(fields)
+        backend.add_special_tokens([
+            AddedToken(token, special=True, normalized=False, rstrip=rstrip and token not in _PHI3_KEEP_WHITESPACE)
+            for token, token_type in zip(tokens, token_types) if token_type in (_CONTROL, _UNKNOWN)])
         backend.add_tokens([AddedToken(token, special=False, normalized=False)
                             for token, token_type in zip(tokens, token_types) if token_type == _USER_DEFINED])
 
@@ -109,11 +119,17 @@ class Tokenizer:
 
         special = {"bos_token": token_at("bos_token_id"), "eos_token": token_at("eos_token_id"),
                    "unk_token": token_at("unknown_token_id"), "pad_token": token_at("padding_token_id")}
+        # a file without token types still names its special tokens: they are special (skipped in text) too
+        backend.add_special_tokens([AddedToken(token, special=True, normalized=False)
+                                    for token in dict.fromkeys(special.values()) if token is not None])
+        add_bos = _gguf_value(fields, "tokenizer.ggml.add_bos_token", add_bos_default)
         backend.post_processor = _bos_eos_processor(
-            backend, special["bos_token"] if _gguf_value(fields, "tokenizer.ggml.add_bos_token", False) else None,
+            backend, special["bos_token"] if add_bos else None,
             special["eos_token"] if _gguf_value(fields, "tokenizer.ggml.add_eos_token", False) else None)
-        # llama.cpp also ends generation at end-of-turn / end-of-message tokens (Llama 3's <|eot_id|>)
+        # llama.cpp also ends generation at end-of-turn / end-of-message tokens: the ids the file names,
+        # and, as it does, the tokens spelled as a known family's end of turn (Gemma's <end_of_turn>)
         end_of_turn = [_gguf_value(fields, f"tokenizer.ggml.{key}") for key in ("eot_token_id", "eom_token_id")]
+        end_of_turn += [i for i, token in enumerate(tokens) if token in _END_OF_GENERATION_TOKENS]
         return cls(backend, special_tokens=special, extra_eos_token_ids=[i for i in end_of_turn if i is not None],
                    chat_template=_gguf_value(fields, "tokenizer.chat_template"))
 
@@ -207,6 +223,44 @@ def _bos_eos_processor(backend: BackendTokenizer, bos: str | None, eos: str | No
 def _gguf_value(fields: Mapping[str, Any], key: str, default: Any = None) -> Any:
     field = fields.get(key)
     return default if field is None else field.contents()
+
+
+def _gguf_byte_level_bpe(fields: Mapping[str, Any], tokens: list[str]) -> BackendTokenizer:
+    merges = [tuple(m.split(" ", 1)) for m in _gguf_value(fields, "tokenizer.ggml.merges", [])]
+    backend = BackendTokenizer(models.BPE({token: i for i, token in enumerate(tokens)}, merges))
+    backend.pre_tokenizer = _gguf_pre_tokenizer(_gguf_value(fields, "tokenizer.ggml.pre", "default"))
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _gguf_sentencepiece(fields: Mapping[str, Any], tokens: list[str], token_types: list[int]) -> BackendTokenizer:
+    """llama.cpp's SentencePiece tokenizer: the text with a space in front (unless add_space_prefix is
+    false, as for Gemma) and every space as "▁", then pieces joined pairwise, the pair whose joined
+    piece scores best first, and what the vocabulary lacks as <0xNN> byte tokens. A BPE model whose
+    merges are ranked by the joined piece's score does that (where two competing pairs' pieces score
+    the same, llama.cpp joins the leftmost, this the piece of lower id; trained vocabularies' scores differ)."""
+    scores: list[float] = _gguf_value(fields, "tokenizer.ggml.scores") or [0.0] * len(tokens)
+    add_space_prefix = _gguf_value(fields, "tokenizer.ggml.add_space_prefix", True)
+    types = token_types or [1] * len(tokens)
+    # the pieces text can be cut into: not control tokens (matched whole before), unknown or byte tokens
+    pieces = {token: i for i, (token, token_type) in enumerate(zip(tokens, types))
+              if token_type not in (_UNKNOWN, _CONTROL, _BYTE)}
+    ranked = sorted((-scores[i], i, cut) for token, i in pieces.items() for cut in range(1, len(token))
+                    if token[:cut] in pieces and token[cut:] in pieces)
+    merges = [(tokens[i][:cut], tokens[i][cut:]) for _, i, cut in ranked]
+    unknown_id = _gguf_value(fields, "tokenizer.ggml.unknown_token_id")
+    backend = BackendTokenizer(models.BPE({token: i for i, token in enumerate(tokens)}, merges, byte_fallback=True,
+                                          unk_token=tokens[unknown_id] if unknown_id is not None else None))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE)] * add_space_prefix
+                                              + [normalizers.Replace(" ", _SPACE)])
+    backend.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+                                        + [decoders.Strip(" ", 1, 0)] * add_space_prefix)
+    return backend
+
+
+def _is_phi3(fields: Mapping[str, Any]) -> bool:
+    name = str(_gguf_value(fields, "general.name", "")).lower()
+    return _gguf_value(fields, "general.architecture") == "phi3" or "phi-3" in name or "phi3" in name
 
 
 def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
