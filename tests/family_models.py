@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from model_io_helpers import backend_vocab, write_gguf
+from model_io_helpers import backend_vocab, sentencepiece_model, write_gguf, write_sentencepiece_gguf
 from reference import make_tiny_tokenizer, save_random_adapter, save_tiny_model
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -42,6 +42,16 @@ ADAPTERS = {
 DEFAULT_ADAPTERS = {"all": (4, ALL, False), "some": (8, ["q_proj", "v_proj", "down_proj"], True)}
 
 
+# the chat templates of the families whose tokenizers are SentencePiece (Gemma's, Phi-3's), cut short
+SPM_CHAT_TEMPLATES = {
+    "gemma": ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' "
+              "else m['role'] }}\n{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
+              "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"),
+    "phi3": ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + '\n' + m['content'] + '<|end|>' + '\n' }}"
+             "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% else %}{{ eos_token }}{% endif %}"),
+}
+
+
 @dataclass
 class FamilyModel:
     family: str
@@ -49,19 +59,51 @@ class FamilyModel:
     tokenizer: object
     base: object                   # the transformers model (reference)
     adapters: dict[str, Path]
+    sentencepiece: bool = False    # the tokenizer is a SentencePiece vocabulary (else a byte-level BPE)
 
 
-def build_family_model(root: Path, name: str, **overrides) -> FamilyModel:
-    """name: a key of FAMILIES (qwen2_tied: Qwen2 with tied embeddings); overrides: config arguments."""
+def sentencepiece_hf_tokenizer(family: str, folder: Path):
+    """The families' SentencePiece tokenizer as transformers builds it (from a GGUF holding only the
+    vocabulary) and saves it in an HF folder; Phi-3's control tokens strip the whitespace after them,
+    as its tokenizer.json says (all but <unk>, <s> and <|endoftext|>)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    gemma = family.startswith("gemma")
+    path = write_sentencepiece_gguf(folder / "vocab.gguf", gemma, architecture=family,
+                                    chat_template=SPM_CHAT_TEMPLATES["gemma" if gemma else family],
+                                    llama={"block_count": 1, "embedding_length": 8, "attention.head_count": 2})
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=path.name)
+    path.unlink()
+    if family == "phi3":
+        tok.save_pretrained(folder)
+        config = json.loads((folder / "tokenizer.json").read_text())
+        _, tokens, _, types = sentencepiece_model(False)
+        strip = {t for t, kind in zip(tokens, types) if kind == 3} - {"<unk>", "<s>", "<|endoftext|>"}
+        for added in config["added_tokens"]:
+            added["rstrip"] = added["content"] in strip
+        (folder / "tokenizer.json").write_text(json.dumps(config))
+        tok = AutoTokenizer.from_pretrained(folder)
+    return tok
+
+
+def build_family_model(root: Path, name: str, sentencepiece: bool = False, **overrides) -> FamilyModel:
+    """name: a key of FAMILIES (qwen2_tied: Qwen2 with tied embeddings); sentencepiece: a SentencePiece
+    vocabulary as Gemma's and Phi-3's (else a byte-level BPE); overrides: config arguments."""
     family = name.split("_")[0]
-    tok = make_tiny_tokenizer()
+    if sentencepiece:
+        (root / "tokenizer").mkdir(parents=True, exist_ok=True)
+        tok = sentencepiece_hf_tokenizer(family, root / "tokenizer")
+    else:
+        tok = make_tiny_tokenizer()
     base = save_tiny_model(root / "base", tok, family, max_shard_size="100KB", random_vectors=True,
                            **{**FAMILIES[name], **overrides})
     paths = {}
     for i, (adapter, (r, targets, rslora)) in enumerate(ADAPTERS.get(family, DEFAULT_ADAPTERS).items()):
         paths[adapter] = root / "adapters" / adapter
         save_random_adapter(base, paths[adapter], r=r, targets=targets, rslora=rslora, seed=200 + i)
-    return FamilyModel(family, root / "base", tok, base, paths)
+    return FamilyModel(family, root / "base", tok, base, paths, sentencepiece)
 
 
 # HF module -> llama.cpp tensor, as its converter names them (Gemma: see _GEMMA_LAYER)
@@ -121,6 +163,9 @@ def write_family_gguf(model: FamilyModel, path: Path) -> Path:
         original = rope["original_max_position_embeddings"]
         metadata.update({"rope.scaling.original_context_length": original, "rope.scaling.attn_factor": float(
             np.sqrt(1 + np.log(cfg.max_position_embeddings / original) / np.log(original)))})
+    if model.sentencepiece:
+        return write_sentencepiece_gguf(path, gemma, architecture=family, chat_template=model.tokenizer.chat_template,
+                                        llama=metadata, tensors=tensors)
     tokens, merges, special = backend_vocab(model.tokenizer.backend_tokenizer)
     return write_gguf(path, architecture=family, tokens=tokens, merges=merges, special=special,
                       bos_id=model.tokenizer.bos_token_id, eos_id=model.tokenizer.eos_token_id,

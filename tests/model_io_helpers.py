@@ -149,23 +149,26 @@ SPM_CORPUS = [
 
 
 @lru_cache(maxsize=None)
-def sentencepiece_model(add_dummy_prefix: bool, vocab_size: int = 500):
+def sentencepiece_model(gemma: bool, vocab_size: int = 500):
     """A SentencePiece BPE model trained on the test corpus as Llama's and Gemma's are made (byte
-    fallback, no whitespace folding; Gemma: add_dummy_prefix false), with control and user-defined
-    symbols, and its vocabulary in GGUF terms: (processor, tokens, scores, llama.cpp token types)."""
+    fallback, no whitespace folding; Gemma's: no leading space added, <pad> <eos> <bos> <unk> <mask>
+    first), with control and user-defined symbols, and its vocabulary in GGUF terms: (processor,
+    tokens, scores, llama.cpp token types)."""
     import io
 
     import sentencepiece as spm
     from reference import CORPUS
 
+    layout = (dict(pad_id=0, eos_id=1, bos_id=2, unk_id=3, bos_piece="<bos>", eos_piece="<eos>") if gemma
+              else dict(unk_id=0, bos_id=1, eos_id=2))
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter((CORPUS + SPM_CORPUS + TEXT_BATTERY[:11]) * 4), model_writer=model, model_type="bpe",
-        vocab_size=vocab_size, byte_fallback=True, character_coverage=1.0, add_dummy_prefix=add_dummy_prefix,
+        vocab_size=vocab_size, byte_fallback=True, character_coverage=1.0, add_dummy_prefix=not gemma,
         remove_extra_whitespaces=False, normalization_rule_name="identity", split_digits=True, hard_vocab_limit=False,
-        allow_whitespace_only_pieces=True, split_by_whitespace=True, minloglevel=2,
-        control_symbols=["<start_of_turn>", "<end_of_turn>", "<|user|>", "<|assistant|>", "<|end|>",
-                         "<|endoftext|>"],
+        allow_whitespace_only_pieces=True, minloglevel=2, **layout,
+        control_symbols=["<mask>"] * gemma + ["<start_of_turn>", "<end_of_turn>", "<|user|>", "<|system|>",
+                                               "<|assistant|>", "<|end|>", "<|endoftext|>"],
         user_defined_symbols=["<think>", "</think>"])
     sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
     tokens = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
@@ -176,11 +179,12 @@ def sentencepiece_model(add_dummy_prefix: bool, vocab_size: int = 500):
     return sp, tokens, scores, types
 
 
-def write_sentencepiece_gguf(path: Path, add_dummy_prefix: bool, architecture: str = "llama", **kwargs) -> Path:
-    """A GGUF with the SentencePiece vocabulary as `tokenizer.ggml.model` "llama" (scores, types, no merges)."""
-    sp, tokens, scores, types = sentencepiece_model(add_dummy_prefix)
-    extra = {"tokenizer.ggml.unknown_token_id": sp.unk_id(), "tokenizer.ggml.add_space_prefix": add_dummy_prefix,
-             **kwargs.pop("extra", {})}
+def write_sentencepiece_gguf(path: Path, gemma: bool, architecture: str = "llama", **kwargs) -> Path:
+    """A GGUF with the SentencePiece vocabulary as `tokenizer.ggml.model` "llama" (scores, types, no
+    merges), as llama.cpp's converter writes it (Gemma's: add_space_prefix false)."""
+    sp, tokens, scores, types = sentencepiece_model(gemma)
+    extra = {"tokenizer.ggml.unknown_token_id": sp.unk_id(), "tokenizer.ggml.add_space_prefix": not gemma,
+             **({"tokenizer.ggml.padding_token_id": sp.pad_id()} if gemma else {}), **kwargs.pop("extra", {})}
     return write_gguf(path, architecture=architecture, tokens=tokens, merges=[], special=set(), pre="default",
                       tokenizer_model="llama", scores=scores, token_types=types, bos_id=sp.bos_id(),
                       eos_id=sp.eos_id(), extra=extra, **kwargs)

@@ -185,16 +185,22 @@ def test_longrope_tables_equal_transformers_short_and_long():
         torch.testing.assert_close(ours.sin[part], sin[0, part], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
-def test_gguf_file_gives_the_hf_folders_tokens(name, tmp_path):
+GGUF_CASES = [(name, False) for name in FAMILIES] + [(name, True) for name in ("gemma2", "gemma3", "phi3")]
+
+
+@pytest.mark.parametrize("name, sentencepiece", GGUF_CASES,
+                         ids=[f"{name}{'-spm' if spm else ''}" for name, spm in GGUF_CASES])
+def test_gguf_file_gives_the_hf_folders_tokens(name, sentencepiece, tmp_path):
     """The same tiny checkpoint written as llama.cpp's converter writes a GGUF (its tensor names and
     metadata keys, Gemma's 1 + w norms, Phi-3's fused tensors and rope factor tensors): the same
     tokens as its HF folder, base and an adapter on every projection. (Gemma: query_pre_attn_scalar
-    is head_dim here, the scale llama.cpp derives; a GGUF does not record it.)"""
+    is head_dim here, the scale llama.cpp derives; a GGUF does not record it.) Gemma and Phi-3 also
+    with their kind of tokenizer, SentencePiece: the GGUF's vocabulary tokenizes text and renders
+    the chat template as the HF folder's tokenizer.json (transformers') does."""
     from asyncserve.model.loader import load_model
 
     overrides = {"query_pre_attn_scalar": 32} if name.startswith("gemma") else {}
-    model = build_family_model(tmp_path, name, **overrides)
+    model = build_family_model(tmp_path, name, sentencepiece=sentencepiece, **overrides)
     path = write_family_gguf(model, tmp_path / f"{name}.gguf")
     from_gguf, from_folder = load_model(str(path)), load_model(str(model.folder))
     assert from_gguf.config.family == from_folder.config.family
@@ -202,6 +208,14 @@ def test_gguf_file_gives_the_hf_folders_tokens(name, tmp_path):
     assert set(from_gguf.weights) == set(from_folder.weights)
     for weight_name, weight in from_folder.weights.items():
         torch.testing.assert_close(from_gguf.weights[weight_name], weight, rtol=0, atol=1e-6)
+    if sentencepiece:
+        messages = [{"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": " Hi there!\n\nHow are  you? 🙂"}]
+        prompt = from_gguf.tokenizer.apply_chat_template(messages)
+        assert prompt == model.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        for text in (prompt, "Hello world", "  two leading spaces", "emoji 🙂🚀 中文", "a\n\n b\t"):
+            assert from_gguf.tokenizer.encode(text) == model.tokenizer.encode(text), text
+        assert from_gguf.tokenizer.bos_token_id == model.tokenizer.bos_token_id
     rng = random.Random(9)
     prompts = [[rng.randrange(3, len(model.tokenizer)) for _ in range(n)] for n in (4, 20)]
     cases = [(ids, adapter) for ids in prompts for adapter in (None, "all")]
@@ -209,6 +223,34 @@ def test_gguf_file_gives_the_hf_folders_tokens(name, tmp_path):
                                {"all": model.adapters["all"]})
     gguf_model = type(model)(model.family, path, model.tokenizer, model.base, {"all": model.adapters["all"]})
     assert generate(gguf_model, cases)[1] == generate(folder_model, cases)[1]
+
+
+def test_http_chat_on_a_sentencepiece_gguf(tmp_path):
+    """A server started on a Phi-3 GGUF with a SentencePiece vocabulary: a chat request over HTTP with
+    the openai client gives the offline engine's text from the HF folder; its prompt is the HF
+    tokenizer's tokens (Phi-3's template, the whitespace after its control tokens dropped)."""
+    import openai
+
+    from asyncserve.config import Config
+    from server_harness import ServerThread
+
+    model = build_family_model(tmp_path, "phi3", sentencepiece=True)
+    path = write_family_gguf(model, tmp_path / "phi3.gguf")
+    messages = [{"role": "user", "content": "the quick brown fox jumps"}]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    expected = LLM(model=str(model.folder), dtype="float32", device="cpu").chat(messages, params)[0]
+    prompt_ids = model.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                     return_dict=False)
+    assert expected.prompt_token_ids == prompt_ids
+    srv = ServerThread(Config(model=str(path), dtype="float32", device="cpu", served_model_name="phi3"))
+    try:
+        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0)
+        r = client.chat.completions.create(model="phi3", messages=messages, max_tokens=8, temperature=0,
+                                           extra_body={"ignore_eos": True})
+        assert r.choices[0].message.content == expected.text and expected.text
+        assert r.usage.prompt_tokens == len(prompt_ids)
+    finally:
+        srv.stop()
 
 
 def test_http_with_the_openai_client_equals_the_offline_engine(tmp_path):

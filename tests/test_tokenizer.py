@@ -145,15 +145,15 @@ SPM_TEXTS = TEXT_BATTERY + SPM_CORPUS + [
 ]
 # the architectures whose GGUFs llama.cpp tokenizes differently: Gemma without the leading space, Phi-3
 # dropping the whitespace after its control tokens
-SPM_FILES = {"llama": True, "phi3": True, "gemma2": False}
+SPM_FILES = {"llama": False, "phi3": False, "gemma2": True}      # architecture: Gemma's vocabulary
 
 
 @pytest.fixture(scope="module", params=list(SPM_FILES))
 def spm_pair(request, tmp_path_factory):
-    architecture, add_dummy_prefix = request.param, SPM_FILES[request.param]
-    path = write_sentencepiece_gguf(tmp_path_factory.mktemp(architecture) / "spm.gguf", add_dummy_prefix,
+    architecture, gemma = request.param, SPM_FILES[request.param]
+    path = write_sentencepiece_gguf(tmp_path_factory.mktemp(architecture) / "spm.gguf", gemma,
                                     architecture=architecture, chat_template=CHAT_TEMPLATE_GEMMA)
-    sp, tokens, _, types = sentencepiece_model(add_dummy_prefix)
+    sp, tokens, _, types = sentencepiece_model(gemma)
     return architecture, Tokenizer.from_gguf(gguf.GGUFReader(path).fields), sp, tokens, types
 
 
@@ -168,8 +168,8 @@ def llama_cpp_spm_encode(architecture, sp, tokens, types, text, add_special_toke
     first); each piece of text between them gets the leading space (when the vocabulary adds one) and
     SentencePiece's BPE; Phi-3's control tokens but <unk>, <s>, <|endoftext|> eat the whitespace after them."""
     whole = {tokens[i]: i for i, t in enumerate(types) if t in (2, 3, 4)}
-    eats_whitespace = {i for i, t in enumerate(types) if t == 3 and architecture == "phi3"} - {
-        whole["<unk>"], whole["<s>"], whole["<|endoftext|>"]}
+    eats_whitespace = {i for i, t in enumerate(types) if t == 3 and architecture == "phi3"
+                       and tokens[i] not in ("<unk>", "<s>", "<|endoftext|>")}
     ids = [sp.bos_id()] if add_special_tokens else []
     pattern = re.compile("|".join(re.escape(t) for t in sorted(whole, key=len, reverse=True)))
     position = 0
@@ -219,6 +219,7 @@ def test_sentencepiece_gguf_special_tokens_and_chat(spm_pair):
     architecture, ours, sp, tokens, _ = spm_pair
     assert ours.vocab_size == len(tokens) == sp.get_piece_size()
     assert (ours.bos_token_id, ours.special_tokens["unk_token"]) == (sp.bos_id(), "<unk>")
+    assert ours.special_tokens["pad_token"] == ("<pad>" if architecture == "gemma2" else None)
     # llama.cpp ends generation at eos and at the end-of-turn tokens it knows by their spelling
     assert ours.eos_token_ids == [sp.eos_id(), *(tokens.index(t) for t in ("<end_of_turn>", "<|end|>", "<|endoftext|>"))]
     assert {sp.bos_id(), sp.eos_id(), sp.unk_id(), tokens.index("<start_of_turn>")} <= ours.all_special_ids
@@ -226,7 +227,7 @@ def test_sentencepiece_gguf_special_tokens_and_chat(spm_pair):
     assert ours.encode("hi")[0] == sp.bos_id()                         # add_bos: llama.cpp's default for SentencePiece
     messages = CONVERSATIONS[2]
     prompt = ours.apply_chat_template(messages)
-    assert prompt.startswith("<s><start_of_turn>system\nAnswer in French.<end_of_turn>\n<start_of_turn>user\nHello")
+    assert prompt.startswith(f"{tokens[sp.bos_id()]}<start_of_turn>system\nAnswer in French.<end_of_turn>\n<start_of_turn>user\nHello")
     assert prompt.endswith("<end_of_turn>\n<start_of_turn>model\n")
     ids = ours.encode(prompt, add_special_tokens=False)
     assert ids == llama_cpp_spm_encode(architecture, sp, tokens, _, prompt, False)
@@ -237,7 +238,7 @@ def test_sentencepiece_gguf_equals_transformers_for_gemma(tmp_path):
     """transformers' GGUF tokenizer builds Gemma's the same way: equal ids (special tokens in text too) and text."""
     from transformers import AutoTokenizer
 
-    path = write_sentencepiece_gguf(tmp_path / "gemma.gguf", False, architecture="gemma2")
+    path = write_sentencepiece_gguf(tmp_path / "gemma.gguf", True, architecture="gemma2")
     ours = Tokenizer.from_gguf(gguf.GGUFReader(path).fields)
     theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     for text in SPM_TEXTS:
@@ -249,7 +250,7 @@ def test_sentencepiece_gguf_equals_transformers_for_gemma(tmp_path):
 def test_sentencepiece_gguf_without_scores_types_or_flags(tmp_path):
     """Older files: no token types, add_bos or add_space_prefix: llama.cpp's defaults (BOS added, a
     leading space); byte tokens still fall back by their <0xNN> spelling."""
-    sp, tokens, scores, _ = sentencepiece_model(True)
+    sp, tokens, scores, _ = sentencepiece_model(False)
     path = write_gguf(tmp_path / "old.gguf", tokens=tokens, merges=[], special=set(), tokenizer_model="llama",
                       scores=scores, token_types=[], pre="default")
     ours = Tokenizer.from_gguf(gguf.GGUFReader(path).fields)
