@@ -167,7 +167,7 @@ class Engine:
             log.info("LoRA backend %s: kernels warmed up in %.1f s", self.lora_backend_name, compile_s)
         self._merge_refs: set[int] = set()             # adapter loads held for being merged (see postprocess)
         self._mode_seconds = {"merged": 0.0, "unmerged": 0.0}
-        self.latency = StepLatencyModel(STEP_TIME_PRIOR)
+        self.latency = StepLatencyModel(STEP_TIME_PRIOR, attention_windows=mc.layer_windows)
         max_step_tokens = config.resolved_max_step_tokens(self.device)
         policy = make_policy(config.policy, PolicySettings(
             max_running=config.max_running, max_step_tokens=max_step_tokens, latency=self.latency,

@@ -14,8 +14,9 @@ The other terms are what CaraServe's decode-only fit leaves out and a mixed step
 (scripts/bench_step_model.py): each sequence's own work (its sampled row through the LM head, its
 attention call), each distinct adapter's (a LoRA turn or a segment of the stacked GEMMs), and
 attention's quadratic part, attention = sum_i n_i * (context_i + (n_i + 1) / 2) query-key pairs for
-a chunk of n_i tokens after context_i cached ones. Chunks given as (tokens, rank) alone count no
-context and one adapter per distinct rank. Fitted by least squares on the relative error, so that
+a chunk of n_i tokens after context_i cached ones, averaged over the layers: a sliding-window layer
+(Gemma's, Mistral's) reads a token's last `window` keys at most, min(position + 1, window) pairs, not
+the whole context. Chunks given as (tokens, rank) alone count no context and one adapter per distinct rank. Fitted by least squares on the relative error, so that
 short decode steps weigh as much as long prefill steps.
 
 The pending time of a queue is the sum of each request's additive share of the steps it will be in
@@ -27,7 +28,8 @@ by tier: host memory -> pool per unit of rank, disk -> pool with a fixed cost on
 """
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple
+from collections import Counter
+from typing import Iterable, NamedTuple, Sequence
 
 import msgspec
 import numpy as np
@@ -94,13 +96,32 @@ def rank_work(chunks: Iterable[tuple[int, int]], rank_cost: str = "sum") -> floa
     raise ValueError(f"rank_cost must be one of {RANK_COSTS}, got {rank_cost!r}")
 
 
-def step_sample(chunks: Iterable[tuple], seconds: float, rank_cost: str = "sum") -> StepSample:
-    """A step's terms (see the module's docstring) from its chunks: StepChunks or (tokens, rank) tuples."""
+def attention_pairs(tokens: int, context: int, windows: Sequence[int | None] = ()) -> float:
+    """Query-key pairs a chunk of `tokens` after `context` cached ones reads per layer, averaged over
+    the layers' windows (None: global; no windows: every layer global). The token at position p reads
+    p + 1 keys, min(p + 1, window) in a sliding-window layer."""
+    full = tokens * (context + (tokens + 1) / 2)
+    if not windows:
+        return full
+    pairs = 0.0
+    for window, layers in Counter(windows).items():
+        if window is None or context + tokens <= window:
+            pairs += layers * full
+        else:    # positions up to the window read all keys before them, the rest `window` each
+            inside = max(window - context, 0)
+            pairs += layers * (inside * (context + (inside + 1) / 2) + (tokens - inside) * window)
+    return pairs / len(windows)
+
+
+def step_sample(chunks: Iterable[tuple], seconds: float, rank_cost: str = "sum",
+                windows: Sequence[int | None] = ()) -> StepSample:
+    """A step's terms (see the module's docstring) from its chunks: StepChunks or (tokens, rank) tuples;
+    windows: the model's per-layer attention windows (None: global; empty: every layer global)."""
     chunks = [StepChunk(*c) for c in chunks]
     adapters = {c.adapter if c.adapter is not None else ("rank", c.rank) for c in chunks if c.rank > 0}
     return StepSample(sum(c.tokens for c in chunks), rank_work([(c.tokens, c.rank) for c in chunks], rank_cost),
                       seconds, len(chunks), len(adapters),
-                      float(sum(c.tokens * (c.context + (c.tokens + 1) / 2) for c in chunks)))
+                      float(sum(attention_pairs(c.tokens, c.context, windows) for c in chunks)))
 
 
 def _columns(s: StepSample) -> tuple[float, ...]:
@@ -117,9 +138,9 @@ def step_seconds(c: PerfCoefficients, tokens: int, work: float, sequences: int =
     return sample_seconds(c, StepSample(tokens, work, 0.0, sequences, adapters, attention))
 
 
-def predict_step_seconds(c: PerfCoefficients, chunks: Iterable[tuple]) -> float:
-    """Predicted seconds of a step made of chunks: StepChunks or (num_tokens, rank) tuples."""
-    return sample_seconds(c, step_sample(chunks, 0.0, c.rank_cost))
+def predict_step_seconds(c: PerfCoefficients, chunks: Iterable[tuple], windows: Sequence[int | None] = ()) -> float:
+    """Predicted seconds of a step made of chunks: StepChunks or (num_tokens, rank) tuples (windows: step_sample's)."""
+    return sample_seconds(c, step_sample(chunks, 0.0, c.rank_cost, windows))
 
 
 def decode_step_seconds(c: PerfCoefficients, batch: int, rank_sum: int, max_rank: int) -> float:
@@ -225,10 +246,12 @@ class StepLatencyModel:
     to the fit, and a step far slower than the fit predicts (a stall of the machine) is dropped
     before one refit. While all recorded steps look alike, the coefficients it has are kept; a term
     the window's steps never exercise (no adapter in them, say) keeps the value it had, which the
-    fit of the others does not depend on."""
+    fit of the others does not depend on. attention_windows: the model's per-layer windows (step_sample's)."""
 
-    def __init__(self, prior: PerfCoefficients, window: int = 512, refit_every: int = 64, warmup: int = 8):
+    def __init__(self, prior: PerfCoefficients, window: int = 512, refit_every: int = 64, warmup: int = 8,
+                 attention_windows: Sequence[int | None] = ()):
         self.coefficients = prior
+        self.attention_windows = list(attention_windows)
         self.start = prior                 # where it started (its source says from what)
         self._start_measured = False       # start_from a step profile: measured on this device
         self.window = window
@@ -243,7 +266,7 @@ class StepLatencyModel:
         self._start_measured = True
 
     def predict(self, chunks: Iterable[tuple]) -> float:
-        return predict_step_seconds(self.coefficients, chunks)
+        return predict_step_seconds(self.coefficients, chunks, self.attention_windows)
 
     @property
     def measured(self) -> bool:
@@ -255,7 +278,7 @@ class StepLatencyModel:
         if self._skip > 0:
             self._skip -= 1
             return
-        self._samples.append(step_sample(chunks, seconds, self.coefficients.rank_cost))
+        self._samples.append(step_sample(chunks, seconds, self.coefficients.rank_cost, self.attention_windows))
         del self._samples[:-self.window]
         self._since_fit += 1
         if self._since_fit >= self.refit_every and len({s.tokens for s in self._samples}) >= 3:

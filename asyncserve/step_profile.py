@@ -319,14 +319,15 @@ def measure_profile(engine: ProfiledEngine, adapters: list[str], steps: int = PR
             timed.append(timed_step(engine, kind, random_step(rng, kind, active, **shape), repeats))
             progress(len(timed), planned)
     progress.close()
-    coefficients = fit([step_sample(s.chunks, s.seconds) for s in timed], source="step profile")
+    samples = [step_sample(s.chunks, s.seconds, windows=engine.model_config.layer_windows) for s in timed]
+    coefficients = fit(samples, source="step profile")
     ranks = [engine.adapter_rank(name) for name in profiled]
     return StepProfile(
         key=profile_key(engine), coefficients=coefficients, adapter_ranks=ranks,
         command=f"{shlex.join(sys.argv)}  # at start-up: {len(timed)} steps, best of {repeats} runs, "
                 f"adapters of ranks {ranks}",
         created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), seconds=time.perf_counter() - t0,
-        median_error=statistics.median(relative_errors(coefficients, timed)["all"]),
+        median_error=statistics.median(relative_errors(coefficients, timed, samples)["all"]),
         steps=[ProfiledStep(s.kind, [tuple(c) for c in s.chunks], s.seconds) for s in timed])
 
 

@@ -160,6 +160,9 @@ def test_native_coverage_is_said_per_feature(family_model):
     else:
         assert ops is None
     assert (loop is None) == (model.family == "phi3")
+    # the step-time model prices sliding layers' attention over their windows (tests/test_step_model.py)
+    assert llm.engine.latency.attention_windows == config.layer_windows
+    assert any(config.layer_windows) == model.family.startswith("gemma")
 
 
 def test_longrope_tables_equal_transformers_short_and_long():

@@ -300,3 +300,29 @@ def test_step_profile_flags():
     assert Config().step_profile == "off" and Config().resolved_step_profile_dir().name == "step-profiles"
     with pytest.raises(ValueError, match="step_profile"):
         Config(step_profile="sometimes").validate()
+
+
+def test_sliding_window_layers_price_attention_over_the_window():
+    """A sliding-window layer reads min(position + 1, window) keys per token, not the whole context:
+    the attention term is those pairs averaged over the layers (brute force per layer and position),
+    so a long-context decode on Gemma 2's alternating layers costs about half a global model's."""
+    from asyncserve.perf_model import StepChunk, StepLatencyModel, attention_pairs, step_sample
+
+    def brute_force(tokens, context, windows):
+        layers = windows or [None]
+        return sum(min(p + 1, w or p + 1) for w in layers for p in range(context, context + tokens)) / len(layers)
+
+    for windows in ([], [None, None], [8, None], [8, 8, None, 8], [8], [4, 16, None]):
+        for tokens, context in ((1, 0), (1, 7), (1, 8), (1, 500), (5, 0), (8, 0), (9, 0), (6, 5), (20, 3), (3, 30)):
+            assert attention_pairs(tokens, context, windows) == pytest.approx(brute_force(tokens, context, windows))
+    chunks = [StepChunk(1, 8, 10_000, "a"), StepChunk(1, 0, 100), StepChunk(64, 16, 4_000, "b")]
+    gemma2 = [4096, None] * 13
+    global_sample, windowed = step_sample(chunks, 0.1), step_sample(chunks, 0.1, windows=gemma2)
+    assert global_sample.attention == 10_001 + 101 + 64 * (4_000 + 32.5)
+    # the prefill chunk ends inside the window: all its pairs in both kinds of layer
+    assert windowed.attention == (10_001 + 4096 + 2 * 101 + 2 * 64 * (4_000 + 32.5)) / 2
+    assert windowed[:5] == global_sample[:5]                          # the other terms do not change
+    coefficients = PerfCoefficients(beta=1e-3, alpha_token=1e-5, alpha_rank=0.0, alpha_attn=1e-7)
+    decode = [StepChunk(1, 0, 100_000)]
+    assert (StepLatencyModel(coefficients, attention_windows=[4096, None]).predict(decode)
+            < 0.6 * StepLatencyModel(coefficients).predict(decode))
