@@ -127,6 +127,14 @@ class Engine:
             raise ValueError(f"max_model_len {config.max_model_len} is beyond the model's context of "
                              f"{mc.max_position} tokens")
         self.max_model_len = config.max_model_len or mc.max_position
+        if mc.rope_scaling and mc.rope_scaling.get("rope_type") == "longrope":
+            original = mc.rope_scaling["original_max_position_embeddings"]
+            mc.rope_scaling = {**mc.rope_scaling, "long_factors": self.max_model_len > original}
+            if self.max_model_len > original:
+                log.warning("longrope: the long-context factors rotate every position, as sequences may grow to "
+                            "%d tokens; for sequences of at most %d (the pretraining context) set max_model_len "
+                            "to %d, which rotates them with the short factors as transformers does",
+                            self.max_model_len, original, original)
         # a window no sequence outgrows hides nothing: those layers attend globally (and natively)
         windows = [w if w is not None and w < self.max_model_len else None for w in mc.layer_windows]
         mc.layer_windows = windows if any(windows) else []

@@ -23,6 +23,9 @@ from reference import (TEST_DEVICE, assert_greedy_matches, make_tiny_tokenizer, 
                        require_native_kernels, run_merged, save_random_adapter, save_tiny_model)
 
 NEW_TOKENS = 8
+# Phi-3 served no longer than its pretraining context rotates with longrope's short factors, as
+# transformers does for these short sequences (longer: the long factors everywhere, as vLLM)
+SERVED = {"phi3": {"max_model_len": FAMILIES["phi3"]["original_max_position_embeddings"]}}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -38,7 +41,7 @@ def family_model(request, tmp_path_factory):
 
 def generate(model, cases, **kwargs):
     llm = LLM(model=str(model.folder), adapters={k: str(v) for k, v in model.adapters.items()}, dtype="float32",
-              device=TEST_DEVICE, max_step_tokens=16, **kwargs)
+              device=TEST_DEVICE, max_step_tokens=16, **{**SERVED.get(model.family, {}), **kwargs})
     outs = llm.generate([c[0] for c in cases], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True),
                         adapters=[c[1] for c in cases])
     return llm, [o.token_ids for o in outs]
@@ -104,7 +107,7 @@ def test_prefix_cache_keeps_reference_tokens(family_model):
     shared = [(ids, adapter) for adapter in (None, "all") for ids in prompts]
     shared_refs = peft_references(model.base, model.adapters, shared, NEW_TOKENS)
     llm = LLM(model=str(model.folder), adapters={k: str(v) for k, v in model.adapters.items()}, dtype="float32",
-              device=TEST_DEVICE, prefix_caching=True)
+              device=TEST_DEVICE, prefix_caching=True, **SERVED.get(model.family, {}))
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     for i in range(len(shared)):       # one at a time: each later prompt of an adapter finds the prefix cached
         out = llm.generate([shared[i][0]], params, adapters=[shared[i][1]])[0]
@@ -118,7 +121,7 @@ def test_merged_mode_keeps_reference_tokens(family_model):
     model, cases, refs = family_model
     alone = [(case, ref) for case, ref in zip(cases, refs) if case[1] == "all"]
     llm = LLM(model=str(model.folder), adapters={"all": str(model.adapters["all"])}, dtype="float32",
-              device=TEST_DEVICE, max_step_tokens=16)
+              device=TEST_DEVICE, max_step_tokens=16, **SERVED.get(model.family, {}))
     merge = lambda plan, step: "all" if all(c.seq.adapter == "all" for c in plan.chunks) else None   # noqa: E731
     seqs = run_merged(llm.engine, [case for case, _ in alone], merge,
                       SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
@@ -166,10 +169,14 @@ def test_native_coverage_is_said_per_feature(family_model):
 
 
 def test_longrope_tables_equal_transformers_short_and_long():
-    """Phi-3's longrope: positions below original_max_position_embeddings rotate with the short
-    factors, those from it on with the long ones, both times the attention factor, as transformers'
-    tables for a sequence that short or that long. (transformers recomputes a whole sequence with the
-    long factors once it grows past the pretraining context; cached K here keeps its rotation.)"""
+    """Phi-3's longrope, one set of factors at every position (vLLM's rule): served no longer than
+    original_max_position_embeddings, the short factors, transformers' tables for a sequence that
+    short; served longer (the default: the model's whole context), the long ones, transformers'
+    tables for a sequence longer than that, from position 0 on. The difference from transformers:
+    a sequence of at most original_max_position_embeddings tokens served with the longer context
+    rotates with the long factors where transformers rotates it with the short ones (and when a
+    sequence outgrows that context transformers recomputes its KV with the long factors; here it
+    was rotated with them from the start)."""
     from transformers import Phi3Config
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
@@ -177,15 +184,38 @@ def test_longrope_tables_equal_transformers_short_and_long():
     from asyncserve.model.loader_hf import model_config
 
     cfg = Phi3Config(**{k: v for k, v in FAMILIES["phi3"].items() if k != "pad_token_id"}, vocab_size=100)
-    cfg_json = {**cfg.to_dict(), "architectures": ["Phi3ForCausalLM"]}
-    ours = Rope(model_config(cfg_json, "phi3"), torch.device("cpu"), torch.float32)
+    config = model_config({**cfg.to_dict(), "architectures": ["Phi3ForCausalLM"]}, "phi3")
     original = cfg.original_max_position_embeddings
     x = torch.zeros(1)
-    for length in (original, 3 * original):
-        cos, sin = Phi3RotaryEmbedding(cfg)(x, torch.arange(length)[None])
-        part = slice(0, original) if length == original else slice(original, length)
-        torch.testing.assert_close(ours.cos[part], cos[0, part], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(ours.sin[part], sin[0, part], rtol=1e-5, atol=1e-5)
+    short_cos, short_sin = Phi3RotaryEmbedding(cfg)(x, torch.arange(original)[None])
+    long_cos, long_sin = Phi3RotaryEmbedding(cfg)(x, torch.arange(3 * original)[None])
+    assert not torch.allclose(short_cos[0, 1:], long_cos[0, 1:original])
+    for long_factors in (False, True, None):
+        if long_factors is not None:
+            config.rope_scaling["long_factors"] = long_factors
+        ours = Rope(config, torch.device("cpu"), torch.float32)
+        cos, sin = (long_cos, long_sin) if long_factors in (True, None) else (short_cos, short_sin)
+        torch.testing.assert_close(ours.cos[:cos.shape[1]], cos[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours.sin[:sin.shape[1]], sin[0], rtol=1e-5, atol=1e-5)
+
+
+def test_longrope_greedy_tokens_equal_transformers(tmp_path):
+    """Phi-3 (original_max_position_embeddings 128 of 512) against transformers' generate, base and
+    an adapter: served with max_model_len 128, sequences within it (short factors); served with the
+    whole context, prompts longer than 128 (transformers rotates those with the long factors too)."""
+    model = build_family_model(tmp_path, "phi3")
+    rng = random.Random(11)
+    original = FAMILIES["phi3"]["original_max_position_embeddings"]
+    for max_model_len, lengths in ((original, (60, original - NEW_TOKENS)), (None, (original + 1, original + 40))):
+        prompts = [[rng.randrange(3, len(model.tokenizer)) for _ in range(n)] for n in lengths]
+        cases = [(ids, adapter) for ids in prompts for adapter in (None, "all")]
+        refs = peft_references(model.base, {"all": model.adapters["all"]}, cases, NEW_TOKENS)
+        llm = LLM(model=str(model.folder), adapters={"all": str(model.adapters["all"])}, dtype="float32",
+                  device=TEST_DEVICE, max_step_tokens=64, max_model_len=max_model_len)
+        outs = llm.generate([c[0] for c in cases], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
+                                                                   ignore_eos=True), adapters=[c[1] for c in cases])
+        for i, (out, ref) in enumerate(zip(outs, refs)):
+            assert_greedy_matches(out.token_ids, ref, tie_tol=1e-3, label=f"max_model_len {max_model_len} case {i}")
 
 
 GGUF_CASES = [(name, False) for name in FAMILIES] + [(name, True) for name in ("gemma2", "gemma3", "phi3")]

@@ -258,15 +258,17 @@ class Rope:
     those of the sliding layers (Gemma 3's own base; the same tensors otherwise)."""
 
     def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype):
-        inv_freq, self.attn_factor = rope_inv_freq(config)
+        scaling = config.rope_scaling or {}
+        # longrope (Phi-3): one set of factors at every position, as vLLM does: the long ones where
+        # sequences may outgrow the pretraining context (long_factors, set by the engine from its
+        # max_model_len; the model's whole context if unset), else the short ones. transformers picks
+        # by a sequence's length and recomputes its KV when it grows past that context; cached K
+        # here keeps its rotation, so a sequence rotates one way from its first token to its last.
+        long = scaling.get("rope_type") == "longrope" and scaling.get(
+            "long_factors", config.max_position > scaling["original_max_position_embeddings"])
+        inv_freq, self.attn_factor = rope_inv_freq(config, long=long)
         pos = torch.arange(config.max_position, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq)                      # [max_pos, hd/2]
-        scaling = config.rope_scaling or {}
-        if scaling.get("rope_type") == "longrope":
-            # per position: the long factors from the pretraining context on. transformers switches a
-            # whole sequence once it is longer, recomputing its cache; cached K here keeps its rotation
-            original = scaling["original_max_position_embeddings"]
-            freqs[original:] = torch.outer(pos[original:], rope_inv_freq(config, long=True)[0])
         self.cos, self.sin = self._tables(freqs, self.attn_factor, device, dtype)
         self.local_cos, self.local_sin = self.cos, self.sin
         if config.rope_local_theta is not None:
