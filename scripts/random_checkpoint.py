@@ -13,6 +13,11 @@ The tokens such a model writes mean nothing: never use it for accuracy.
     python scripts/random_checkpoint.py --like default --out /tmp/llama7b --set hidden_size=4096 \\
         intermediate_size=11008 num_hidden_layers=32 num_attention_heads=32 num_key_value_heads=32 \\
         tie_word_embeddings=false --adapters 32 --ranks 8 16 32 64
+    # another family's model: Gemma-2-2B's config (transformers' Gemma2Config with its dimensions,
+    # vocabulary size included) with SmolLM2's tokenizer, so W1's prompts are the same tokens, and W1's
+    # four adapters (ranks 8, 16, 8, 16 on q,k,v,o)
+    python scripts/random_checkpoint.py --like default --shape gemma-2-2b --out .bench/gemma2-2b \\
+        --adapters 4 --ranks 8 16
 """
 from __future__ import annotations
 
@@ -25,26 +30,48 @@ import torch
 from safetensors.torch import save_file
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# --shape: a real model's config, by transformers' config class and the model's published config.json
+SHAPES = {
+    "qwen2.5-0.5b": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True)),
+    "gemma-2-2b": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, max_position_embeddings=8192, rope_theta=10000.0, rms_norm_eps=1e-6,
+        sliding_window=4096, query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)),
+}
 
 
-def write_skeleton(like: str | None, out: Path, overrides: dict) -> None:
-    """config.json, tokenizer.json, tokenizer_config.json and generation_config.json of a model."""
+def write_skeleton(like: str | None, out: Path, overrides: dict, shape: str | None = None) -> None:
+    """config.json, tokenizer.json, tokenizer_config.json and generation_config.json of a model
+    (shape: a SHAPES config in place of `like`'s, which then gives only the tokenizer)."""
     from asyncserve.model.loader import load_model
 
     loaded = load_model(None if like == "default" else like)
     c, tok = loaded.config, loaded.tokenizer
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-        "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
-        "rope_scaling": c.rope_scaling, "max_position_embeddings": c.max_position,
-        "tie_word_embeddings": c.tie_word_embeddings, "bos_token_id": c.bos_token_id,
-        "eos_token_id": c.eos_token_ids, "torch_dtype": "bfloat16",
-    }
-    config.update(overrides)
-    # head_dim follows the overridden shapes unless given
-    config["head_dim"] = overrides.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    if shape is not None:
+        import transformers
+
+        config_class, architecture, dims = SHAPES[shape]
+        # overrides go through the config class, so what derives from them follows (Gemma's layer_types)
+        config = getattr(transformers, config_class)(**{**dims, **overrides}, bos_token_id=c.bos_token_id,
+                                                     eos_token_id=c.eos_token_ids).to_dict()
+        config.update({"architectures": [architecture], "torch_dtype": "bfloat16"})
+    else:
+        config = {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+            "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+            "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
+            "num_key_value_heads": c.num_kv_heads, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+            "rope_scaling": c.rope_scaling, "max_position_embeddings": c.max_position,
+            "tie_word_embeddings": c.tie_word_embeddings, "bos_token_id": c.bos_token_id,
+            "eos_token_id": c.eos_token_ids, "torch_dtype": "bfloat16",
+        }
+        config.update(overrides)
+        # head_dim follows the overridden shapes unless given
+        config["head_dim"] = overrides.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": c.eos_token_ids}) + "\n")
@@ -108,6 +135,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--like", help="a model asyncserve loads (GGUF file, HF folder, or 'default') whose config "
                                    "and tokenizer are copied; without it, --out must already hold them")
+    ap.add_argument("--shape", choices=sorted(SHAPES), help="another family's config with a real model's dimensions "
+                                                          "(--like then gives only the tokenizer)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=JSON", help="config.json overrides")
     ap.add_argument("--no-weights", action="store_true")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
@@ -116,8 +145,10 @@ def main() -> None:
     ap.add_argument("--targets", nargs="+", default=["q_proj", "k_proj", "v_proj", "o_proj"], choices=LORA_TARGETS)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    if args.shape and not args.like:
+        ap.error("--shape needs --like MODEL for the tokenizer (--like default: SmolLM2's)")
     if args.like:
-        write_skeleton(args.like, args.out, dict(parse_override(s) for s in args.set))
+        write_skeleton(args.like, args.out, dict(parse_override(s) for s in args.set), args.shape)
     elif not (args.out / "config.json").is_file():
         ap.error(f"{args.out} has no config.json: pass --like MODEL")
     t0 = time.perf_counter()

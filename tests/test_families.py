@@ -7,6 +7,7 @@ both adapters in ONE generate call with a small step budget, so prefill chunks a
 different adapters share steps: with the native CPU kernels (default; where they do not cover a
 family's features the eager ops run, said in one log line) and with ASYNCSERVE_NATIVE=0.
 """
+import json
 import logging
 import random
 import shutil
@@ -317,3 +318,42 @@ def test_http_with_the_openai_client_equals_the_offline_engine(tmp_path):
             assert r.choices[0].message.content == expected
     finally:
         srv.stop()
+
+
+def test_random_checkpoint_shapes_are_the_real_models(tmp_path):
+    """scripts/random_checkpoint.py --shape (the benchmarks' Qwen2.5-0.5B- and Gemma-2-2B-shaped random
+    checkpoints): config.json loads as that family with the real model's dimensions; a small one's
+    random weights and four adapters (W1's ranks) serve a mixed generate call."""
+    import importlib.util
+    from pathlib import Path
+
+    from asyncserve.model.loader_hf import model_config
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "random_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("random_checkpoint", script)
+    random_checkpoint = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(random_checkpoint)
+    tok = make_tiny_tokenizer()
+    save_tiny_model(tmp_path / "tokenizer_source", tok, "llama", hidden_size=16, intermediate_size=32,
+                    num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    like = str(tmp_path / "tokenizer_source")
+    expected = {"qwen2.5-0.5b": ("qwen2", 896, 4864, 24, 14, 2, 64, 151936, []),
+                "gemma-2-2b": ("gemma2", 2304, 9216, 26, 8, 4, 256, 256000, [4096, None] * 13)}
+    for shape, (family, *dims, windows) in expected.items():
+        random_checkpoint.write_skeleton(like, tmp_path / shape, {}, shape)
+        c = model_config(json.loads((tmp_path / shape / "config.json").read_text()), name=shape)
+        assert (c.family.name, c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads,
+                c.head_dim, c.vocab_size) == (family, *dims)
+        assert c.layer_windows == windows and c.tie_word_embeddings
+    small = tmp_path / "small"
+    random_checkpoint.write_skeleton(like, small, {"num_hidden_layers": 2, "vocab_size": len(tok), "hidden_size": 64,
+                                                   "intermediate_size": 128, "head_dim": 32, "sliding_window": 8},
+                                     "gemma-2-2b")
+    random_checkpoint.random_weights(small, torch.float32, torch.device("cpu"), seed=0)
+    random_checkpoint.random_adapters(small, 4, [8, 16], ["q_proj", "k_proj", "v_proj", "o_proj"], seed=1)
+    llm = LLM(model=str(small), adapters={f"a{i}": str(small / "adapters" / f"a{i}") for i in range(4)},
+              dtype="float32", device="cpu", max_model_len=64)
+    assert llm.engine.model_config.family.name == "gemma2" and llm.engine.model_config.layer_windows == [8, None]
+    outs = llm.generate(["Story 1: the quick brown fox jumps"] * 4, SamplingParams(max_tokens=12, ignore_eos=True),
+                        adapters=["a0", "a1", "a2", "a3"])
+    assert [len(o.token_ids) for o in outs] == [12] * 4
