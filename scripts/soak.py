@@ -46,9 +46,13 @@ from workloads import Request, slora_synthetic
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 API_KEY = "soak-key"
-# malformed adapter folders, one per --bad-every: each must get a 4xx and leave the server serving
-BAD_KINDS = ("config_not_json", "rank_not_int", "peft_type_int", "no_weights", "truncated_weights",
-             "header_garbage", "shape_mismatch", "nan_weights", "dtype_list", "rank_pattern_regex")
+# malformed adapter folders, one per --bad-every (issue 33's list first): each must get a 4xx, promptly,
+# and leave the server serving; the two backtracking keys are regular (the bounded matcher may take
+# them, as keys that match no module: 200, then unloaded) but froze `re` for minutes
+BAD_KINDS = ("dtype_list", "peft_type_int", "rank_pattern_regex", "rank_pattern_list", "alpha_400_digits",
+             "config_not_utf8", "header_brackets", "padded_3gib", "duplicate_names", "overlapping_offsets",
+             "rank_pattern_backtrack", "alpha_pattern_backtrack", "header_100mb", "config_not_json", "rank_not_int",
+             "no_weights", "truncated_weights", "shape_mismatch", "nan_weights")
 LOST = ("short", "no_content", "exception")        # ends that are neither the tokens nor a clear error
 
 
@@ -135,30 +139,46 @@ def write_bad_adapter(kind: str, good: Path, folder: Path) -> None:
     config = json.loads(config_path.read_text())
     raw = weights.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
-    if kind == "config_not_json":
-        config_path.write_bytes(b"{\"r\": 8, \xff\xfe")
-    elif kind == "rank_not_int":
-        config_path.write_text(json.dumps({**config, "r": "eight"}))
-    elif kind == "peft_type_int":
-        config_path.write_text(json.dumps({**config, "peft_type": 5}))
-    elif kind == "rank_pattern_regex":
-        config_path.write_text(json.dumps({**config, "rank_pattern": {"(": 8}}))
+    header, body = json.loads(raw[8:8 + n]), raw[8 + n:]
+    tensors = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"])
+    config_changes = {
+        "peft_type_int": {"peft_type": 5}, "rank_not_int": {"r": "eight"},
+        "rank_pattern_regex": {"rank_pattern": {"(": 8}}, "rank_pattern_list": {"rank_pattern": [8]},
+        "alpha_400_digits": {"lora_alpha": int("9" * 400)},
+        "rank_pattern_backtrack": {"rank_pattern": {"(.|.)*X": 8}},
+        "alpha_pattern_backtrack": {"alpha_pattern": {"(.|.)*X": 8}},
+    }
+    if kind in config_changes:
+        config_path.write_text(json.dumps({**config, **config_changes[kind]}))
+    elif kind == "config_not_json":
+        config_path.write_bytes(b'{"r": 8, ')
+    elif kind == "config_not_utf8":          # valid JSON but for one Latin-1 byte
+        config_path.write_bytes(json.dumps({**config, "base_model_name_or_path": "caf\u00e9"},
+                                           ensure_ascii=False).encode("latin-1"))
     elif kind == "no_weights":
         weights.unlink()
     elif kind == "truncated_weights":
         weights.write_bytes(raw[:len(raw) // 2])
-    elif kind == "header_garbage":
+    elif kind == "padded_3gib":              # sparse: refused by its length, never read
+        os.truncate(weights, 3 << 30)
+    elif kind == "header_brackets":
         weights.write_bytes(struct.pack("<Q", 100_000) + b"[" * 100_000)
-    elif kind in ("shape_mismatch", "nan_weights", "dtype_list"):
-        name = next(k for k in header if k.endswith("lora_A.weight"))
-        entry = header[name]
+    elif kind == "header_100mb":             # a header length of 100 MB in a (sparse) file long enough for it
+        weights.write_bytes(struct.pack("<Q", 100 << 20) + raw[8:8 + n])
+        os.truncate(weights, 8 + (100 << 20) + len(body))
+    elif kind == "duplicate_names":          # the second tensor's entry under the first one's name
+        encoded = json.dumps(header).replace(json.dumps(tensors[1]) + ":", json.dumps(tensors[0]) + ":", 1).encode()
+        weights.write_bytes(struct.pack("<Q", len(encoded)) + encoded + body)
+    elif kind in ("shape_mismatch", "nan_weights", "dtype_list", "overlapping_offsets"):
+        entry = header[next(k for k in tensors if k.endswith("lora_A.weight"))]
         if kind == "shape_mismatch":
             entry["shape"] = [entry["shape"][0] + 1, entry["shape"][1]]
         elif kind == "dtype_list":
             entry["dtype"] = [entry["dtype"]]
-        body = raw[8 + n:]
-        if kind == "nan_weights":       # the first element of the tensor: float32 NaN
+        elif kind == "overlapping_offsets":  # the last tensor moved 4 bytes back, over the one before it
+            last = header[tensors[-1]]
+            last["data_offsets"] = [o - 4 for o in last["data_offsets"]]
+        elif kind == "nan_weights":          # the first element of the tensor: float32 NaN
             start = entry["data_offsets"][0]
             body = body[:start] + struct.pack("<f", float("nan")) + body[start + 4:]
         encoded = json.dumps(header).encode()
@@ -327,7 +347,8 @@ class Soak:
             await asyncio.sleep(self.args.sample_every)
 
     async def run(self) -> None:
-        timeout = aiohttp.ClientTimeout(total=self.args.request_timeout)
+        request_timeout = self.args.request_timeout or self.args.duration + 900
+        timeout = aiohttp.ClientTimeout(total=request_timeout)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session, \
                 aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as control:
             background = [asyncio.ensure_future(self.sampler(control))]
@@ -412,7 +433,10 @@ def parse_args(argv):
     ap.add_argument("--bad-kinds", nargs="+", default=list(BAD_KINDS), choices=BAD_KINDS)
     ap.add_argument("--cpu-workers", type=int, default=2)
     ap.add_argument("--sample-every", type=float, default=5.0, help="seconds between RSS and /metrics samples")
-    ap.add_argument("--request-timeout", type=float, default=600.0)
+    ap.add_argument("--request-timeout", type=float, default=None,
+                    help="seconds a client waits for its whole answer (default: --duration + 900; 1,000 streams "
+                         "queue for minutes on a small CPU, and no client should give up on a request the server "
+                         "still serves: one it forgot shows as lost when this runs out)")
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--server-arg", action="append", default=[], help="one more `serve` argument; repeat")
     ap.add_argument("--seed", type=int, default=0)

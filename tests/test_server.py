@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import logging
 import os
 import random
 import shutil
@@ -18,6 +19,7 @@ import aiohttp
 import msgspec
 import openai
 import pytest
+from aiohttp import web
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import asyncserve
@@ -573,6 +575,29 @@ def test_unknown_route_and_method(srv):
     assert status == 404 and "error" in payload
 
 
+def _aborted(srv) -> float:
+    """Sequences the server has ended as aborted, over the models the tests stream from."""
+    total = 0.0
+    for model in ("tiny", "r1_qv", "r2_mlp"):
+        try:
+            total += srv.metric("asyncserve_requests_total", f'model="{model}",status="abort"')
+        except KeyError:              # no request of that model aborted yet
+            pass
+    return total
+
+
+def _wait_pool_empty(srv) -> None:
+    """Aborted sequences free their pages after the step they were in: wait (bounded) for that."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if srv.metric("asyncserve_pool_pages", 'kind="kv"') == 0 and srv.metric("asyncserve_running_requests") == 0:
+            break
+        time.sleep(0.1)
+    assert srv.metric("asyncserve_pool_pages", 'kind="kv"') == 0
+    assert srv.metric("asyncserve_running_requests") == 0
+    assert srv.metric("asyncserve_waiting_requests") == 0
+
+
 def test_disconnecting_stream_clients_leave_no_kv_pages(srv):
     async def one(session, i):
         body = {"model": ["tiny", "r1_qv", "r2_mlp"][i % 3], "prompt": PROMPTS[i % 3], "max_tokens": 400,
@@ -592,25 +617,92 @@ def test_disconnecting_stream_clients_leave_no_kv_pages(srv):
         async with aiohttp.ClientSession() as session:
             await asyncio.gather(*(one(session, i) for i in range(20)))
 
-    def aborted() -> float:
-        total = 0.0
-        for model in ("tiny", "r1_qv", "r2_mlp"):
-            try:
-                total += srv.metric("asyncserve_requests_total", f'model="{model}",status="abort"')
-            except KeyError:              # no request of that model aborted yet
-                pass
-        return total
-
-    aborted_before = aborted()
+    aborted_before = _aborted(srv)
     asyncio.run(main())
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if srv.metric("asyncserve_pool_pages", 'kind="kv"') == 0 and srv.metric("asyncserve_running_requests") == 0:
-            break
-        time.sleep(0.1)
-    assert srv.metric("asyncserve_pool_pages", 'kind="kv"') == 0
-    assert srv.metric("asyncserve_running_requests") == 0
-    assert aborted() - aborted_before == 15 + 5 * 4      # every sequence of every stream
+    _wait_pool_empty(srv)
+    assert _aborted(srv) - aborted_before == 15 + 5 * 4      # every sequence of every stream
+
+
+def _send_and_close(srv, body: dict) -> None:
+    """A streaming request on a bare socket, closed as soon as it is sent: before any token."""
+    data = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", srv.server.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+
+
+@pytest.mark.parametrize("when", ["before_first_token", "mid_stream", "mid_stream_write", "at_done"])
+def test_a_client_leaving_its_stream_is_no_server_error(srv, monkeypatch, caplog, when):
+    """A client that goes away while its stream is written (before its first token, after a few chunks,
+    its connection closing as a chunk or [DONE] is written) is normal: no ERROR record, its sequences
+    aborted (or finished) and their pages freed; the next request is served."""
+    bodies = [{"model": ["tiny", "r1_qv", "r2_mlp"][i % 3], "prompt": PROMPTS[i % 3], "temperature": 0,
+               "ignore_eos": True, "stream": True, "max_tokens": 400 if when != "at_done" else 5 + i}
+              for i in range(6)]
+    bodies[0].update(prompt=PROMPTS[:2], n=2)                      # four sequences in one stream
+    bodies[1]["stream_options"] = {"include_usage": True}
+    sequences = 3 + len(bodies)
+    # the connection closes just as the server writes: the third chunk, or [DONE]
+    close_on = {"mid_stream_write": lambda n, data: n == 3,
+                "at_done": lambda n, data: data == b"data: [DONE]\n\n"}.get(when)
+    if close_on is not None:
+        real_write, written = web.StreamResponse.write, collections.Counter()
+
+        async def write(self, data):
+            written[id(self)] += 1
+            if close_on(written[id(self)], data):
+                self._req.transport.close()
+            return await real_write(self, data)
+
+        monkeypatch.setattr(web.StreamResponse, "write", write)
+
+    async def leave_after_three_chunks(session, body):
+        async with session.post(srv.base + "/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            got = 0
+            async for line in resp.content:
+                if line.startswith(b"data: {"):
+                    got += 1
+                    if got >= 3:
+                        return            # leaving the context manager drops the connection
+
+    async def read_until_closed(session, body):
+        async with session.post(srv.base + "/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            lines = []
+            with pytest.raises(aiohttp.ClientPayloadError):     # the chunked body never ends
+                async for line in resp.content:
+                    lines.append(line)
+            assert b"data: [DONE]\n" not in lines
+            assert any(b'"finish_reason": "length"' in line for line in lines) == (when == "at_done")
+
+    async def main():
+        client = leave_after_three_chunks if when == "mid_stream" else read_until_closed
+        async with aiohttp.ClientSession() as session:
+            await asyncio.gather(*(client(session, body) for body in bodies))
+
+    aborted_before = _aborted(srv)
+    with caplog.at_level(logging.DEBUG):
+        if when == "before_first_token":
+            for body in bodies:
+                _send_and_close(srv, body)
+        else:
+            asyncio.run(main())
+        _wait_pool_empty(srv)
+        monkeypatch.undo()
+        chunks = srv.stream("/v1/completions", {"model": "r1_qv", "prompt": PROMPTS[0], "max_tokens": 3,
+                                                "ignore_eos": True, "stream": True,
+                                                "stream_options": {"include_usage": True}})
+        assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+        assert chunks[-1]["usage"]["completion_tokens"] == 3
+    errors = [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.WARNING]
+    assert errors == []
+    assert _aborted(srv) - aborted_before == (0 if when == "at_done" else sequences)
+    # a client that leaves mid-stream usually has its handler cancelled first (handler_cancellation);
+    # a write that comes first fails on the closing transport, as in the other cases
+    left = [r for r in caplog.records if "closed the connection" in r.getMessage()]
+    assert left or when == "mid_stream"
+    assert all(r.levelno <= logging.INFO and r.exc_info is None and "\n" not in r.getMessage() for r in left)
 
 
 @pytest.mark.parametrize("max_tokens, reason", [(1, "length"), (400, "abort")])

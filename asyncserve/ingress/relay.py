@@ -61,6 +61,13 @@ def submit(server, choices: list[Choice]) -> None:
         server.scheduler.mailbox.put_nowait(Submit(choice.seq, choice.stream))
 
 
+def abort(server, seq) -> None:
+    """Nobody reads the sequence's events any more: end it (its pages are freed after the step)."""
+    server.scheduler.mailbox.put_nowait(Abort(seq.request_id))
+    if server.cluster is not None:
+        server.cluster.abort(seq.request_id)
+
+
 async def relay(server, seq, stream: asyncio.Queue, model: str, on_event) -> None:
     """Feed the request's events to ``on_event`` until it finishes; abort it if the client leaves."""
     t0, first, n_out, status = seq.arrival, None, 0, "abort"
@@ -76,9 +83,7 @@ async def relay(server, seq, stream: asyncio.Queue, model: str, on_event) -> Non
                 return
     finally:
         if status == "abort":
-            server.scheduler.mailbox.put_nowait(Abort(seq.request_id))
-            if server.cluster is not None:
-                server.cluster.abort(seq.request_id)
+            abort(server, seq)
         log.info("request %s model=%s prompt_tokens=%d output_tokens=%d ttft=%s latency=%.3fs status=%s",
                  seq.request_id, model, len(seq.prompt_ids), n_out,
                  f"{first - t0:.3f}s" if first is not None else "-", time.monotonic() - t0, status)
@@ -183,8 +188,13 @@ class Reply(abc.ABC):
     async def _stream(self, request: web.Request) -> web.StreamResponse:
         self.resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                 "Connection": "keep-alive"})
-        await self.resp.prepare(request)
-        await self.stream_start()
+        try:
+            await self.resp.prepare(request)
+            await self.stream_start()
+        except BaseException:           # the client left before the first chunk: no relay will abort them
+            for choice in self.choices:
+                abort(self.server, choice.seq)
+            raise
         await relay_all(self.server, self.choices, self.req.model, self._send_event)
         if self.req.stream_options and self.req.stream_options.include_usage:
             await self.send({**self.head(self.chunk_object, []), "usage": self.usage()})

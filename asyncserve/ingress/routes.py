@@ -45,8 +45,15 @@ async def errors_middleware(request: web.Request, handler):
             raise
         return error_response(request, ApiError(e.status, e.reason or "error",
                                                 code=e.reason.lower().replace(" ", "_")))
-    except (asyncio.CancelledError, ConnectionResetError):
+    except asyncio.CancelledError:
         raise
+    except ConnectionResetError as e:
+        if request.transport is not None and not request.transport.is_closing():
+            raise
+        # the client went away (mid-stream, or before its body was read): normal, not a server error.
+        # Its sequences were aborted on the way out; aiohttp's write of this answer fails quietly.
+        log.debug("%s %s: the client closed the connection (%s)", request.method, printable(request.path), e)
+        return web.Response(status=499)
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         return error_response(request, ApiError(500, "internal server error", code="internal_error"))
