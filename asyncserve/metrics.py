@@ -10,6 +10,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20,
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 _LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 TOP_ADAPTERS = 20          # adapters with series of their own; the rest add up under adapter="other"
+OTHER = "other"            # the label of adapters beyond the top and of unloaded ones
 
 
 @dataclass
@@ -25,11 +26,13 @@ class AdapterTraffic:
     """Per-adapter series with a bounded label set: at each scrape the TOP_ADAPTERS adapters with the
     most requests get series of their own and every other adapter adds into adapter="other". When an
     adapter enters or leaves the top, "other" moves by its counts (a rate over that scrape sees a
-    reset); an adapter's own series always carries its whole history."""
+    reset); an adapter's own series always carries its whole history. An unloaded adapter's counts
+    move into "other" for good (retire), so names loaded and unloaded at runtime leave no series."""
 
     def __init__(self, top: int = TOP_ADAPTERS):
         self.top = top
         self.counts: dict[str, AdapterCounts] = {}
+        self.retired = AdapterCounts()
 
     def _of(self, adapter: str) -> AdapterCounts:
         c = self.counts.get(adapter)
@@ -37,32 +40,33 @@ class AdapterTraffic:
             c = self.counts[adapter] = AdapterCounts()
         return c
 
-    def record(self, adapter: str, prompt_tokens: int, generated_tokens: int) -> None:
-        """A finished request."""
-        c = self._of(adapter)
+    def record(self, adapter: str, prompt_tokens: int, generated_tokens: int, *, retired: bool = False) -> None:
+        """A finished request; retired: its adapter was unloaded meanwhile (counted under "other")."""
+        c = self.retired if retired else self._of(adapter)
         c.requests += 1
         c.prompt_tokens += prompt_tokens
         c.generated_tokens += generated_tokens
 
-    def record_load(self, adapter: str, seconds: float) -> None:
-        self._of(adapter).load_seconds += seconds
+    def record_load(self, adapter: str, seconds: float, *, retired: bool = False) -> None:
+        (self.retired if retired else self._of(adapter)).load_seconds += seconds
 
     def set_device_hits(self, hits: dict[str, int]) -> None:
         for adapter, n in hits.items():
             self._of(adapter).device_hits = n
 
+    def retire(self, adapter: str) -> None:
+        """An unloaded adapter: its counts join "other"."""
+        if (c := self.counts.pop(adapter, None)) is not None:
+            _add_counts(self.retired, c)
+
     def collect(self):
         ranked = sorted(self.counts.items(), key=lambda kv: (-kv[1].requests, kv[0]))
         rows = ranked[:self.top]
-        if len(ranked) > self.top:
+        if len(ranked) > self.top or self.retired != AdapterCounts():
             other = AdapterCounts()
-            for _, c in ranked[self.top:]:
-                other.requests += c.requests
-                other.prompt_tokens += c.prompt_tokens
-                other.generated_tokens += c.generated_tokens
-                other.load_seconds += c.load_seconds
-                other.device_hits += c.device_hits
-            rows.append(("other", other))
+            for _, c in [*ranked[self.top:], (OTHER, self.retired)]:
+                _add_counts(other, c)
+            rows.append((OTHER, other))
         requests = CounterMetricFamily("asyncserve_adapter_requests", "Finished requests per adapter",
                                        labels=["adapter"])
         tokens = CounterMetricFamily("asyncserve_adapter_tokens", "Prompt and generated tokens of finished "
@@ -78,6 +82,14 @@ class AdapterTraffic:
             load.add_metric([adapter], c.load_seconds)
             hits.add_metric([adapter], c.device_hits)
         return [requests, tokens, load, hits]
+
+
+def _add_counts(into: AdapterCounts, c: AdapterCounts) -> None:
+    into.requests += c.requests
+    into.prompt_tokens += c.prompt_tokens
+    into.generated_tokens += c.generated_tokens
+    into.load_seconds += c.load_seconds
+    into.device_hits += c.device_hits
 
 
 class Metrics:
@@ -182,7 +194,23 @@ class Metrics:
         that between two scrapes."""
         for tier, adapter, seconds in engine.take_load_times():
             self.adapter_load_seconds.labels(tier).observe(seconds)
-            self.adapter_traffic.record_load(adapter, seconds)
+            self.adapter_traffic.record_load(adapter, seconds, retired=not engine.has_adapter(adapter))
+
+    def record_finish(self, model: str, adapter: str | None, registered: bool, status: str, prompt_tokens: int,
+                      generated_tokens: int) -> None:
+        """A finished request; one whose adapter is no longer registered counts under "other"."""
+        self.requests.labels(model if registered else OTHER, status).inc()
+        if adapter is not None:
+            self.adapter_traffic.record(adapter, prompt_tokens, generated_tokens, retired=not registered)
+
+    def retire_adapter(self, name: str) -> None:
+        """An unloaded adapter: its series fold into "other", so runtime names leave none behind."""
+        self.adapter_traffic.retire(name)
+        done = [(s.labels["status"], s.value) for family in self.requests.collect() for s in family.samples
+                if s.name.endswith("_total") and s.labels["model"] == name]
+        for status, value in done:
+            self.requests.remove(name, status)
+            self.requests.labels(OTHER, status).inc(value)
 
     def _observe_merge(self, m) -> None:
         seen = self._merge_seen

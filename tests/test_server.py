@@ -785,6 +785,33 @@ def test_runtime_load_and_unload_while_others_stream(srv, client, offline, tiny_
         client.completions.create(model="late", prompt="x", max_tokens=2)
 
 
+def test_unloaded_adapters_leave_no_metric_series(srv):
+    """Names loaded, used and unloaded at runtime (a soak's churn, a tenant's) fold into "other": the
+    scrape keeps no series of theirs and every total still counts their requests."""
+    names = [f"churn{i}" for i in range(3)]
+    before = _scrape(srv)
+    for i, name in enumerate(names):
+        status, text, _ = srv.request("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": "late"})
+        assert status == 200, text
+        for _ in range(i + 1):
+            body = {"model": name, "prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+            assert srv.request("POST", "/v1/completions", body)[0] == 200
+        assert any(name in key for key in _scrape(srv))
+        status, text, _ = srv.request("POST", "/v1/unload_lora_adapter", {"lora_name": name})
+        assert status == 200, text
+    after = _scrape(srv)
+    assert not [key for key in after if "churn" in key]
+
+    def delta(prefix: str, key: str | None = None) -> float:
+        keys = [key] if key else [k for k in after if k.startswith(prefix)]
+        return sum(after.get(k, 0.0) - before.get(k, 0.0) for k in keys)
+
+    assert delta("asyncserve_requests_total{") == 1 + 2 + 3
+    assert delta("", 'asyncserve_requests_total{model="other",status="length"}') == 6
+    assert delta("", 'asyncserve_adapter_requests_total{adapter="other"}') == 6
+    assert delta("", 'asyncserve_adapter_tokens_total{adapter="other",kind="generated"}') == 12
+
+
 def _scrape(srv) -> dict[str, float]:
     """Every sample of /metrics, keyed by its name and labels as written."""
     _, text, _ = srv.request("GET", "/metrics")

@@ -154,9 +154,9 @@ class SchedulerActor:
                 del self.streams[seq.request_id]
 
     def _record_finish(self, seq: Sequence, reason: str | None, now: float) -> None:
-        self.metrics.requests.labels(seq.adapter or self.engine.model_name, reason or "unknown").inc()
-        if seq.adapter is not None:
-            self.metrics.adapter_traffic.record(seq.adapter, len(seq.prompt_ids), len(seq.output_ids))
+        self.metrics.record_finish(seq.adapter or self.engine.model_name, seq.adapter,
+                                   seq.adapter is None or self.engine.has_adapter(seq.adapter), reason or "unknown",
+                                   len(seq.prompt_ids), len(seq.output_ids))
         self.metrics.latency.observe(now - seq.arrival)
         n = len(seq.output_ids)
         if reason in ("stop", "length"):

@@ -91,6 +91,7 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
     except KeyError:
         raise ApiError(404, f"adapter {req.lora_name!r} is not loaded", param="lora_name",
                        code="model_not_found") from None
+    server.metrics.retire_adapter(req.lora_name)
     return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
 

@@ -183,6 +183,7 @@ class AdapterPager:
     def unregister(self, name: str) -> None:
         """Forget an adapter; its pages and host block go once no running sequence uses them."""
         reg = self.registry.pop(name)
+        self.device_hits.pop(name, None)
         self._live.discard(reg.load)
         self.host.pop(name, None)
         if self.refs.get(reg.load, 0) == 0:
