@@ -195,6 +195,38 @@ def test_longrope_tables_equal_transformers_short_and_long():
         torch.testing.assert_close(ours.sin[part], sin[0, part], rtol=1e-5, atol=1e-5)
 
 
+def test_quantized_projections_fall_back_to_the_python_loop(tmp_path, monkeypatch, caplog):
+    """Gemma 2 with GGUF blocks (Q8_0) for every layer's projections, kept quantized: the native layer
+    loop takes dense weights only, so one log line says so and every step runs the Python loop over
+    the native kernels and the quantized GEMM; its tokens are transformers+PEFT's on the blocks'
+    values (int8 activations: a token may differ where the top two logits are within 0.2, as in
+    test_quant_engine)."""
+    from asyncserve.model.linear import QuantLinear
+    from quant_helpers import Q
+
+    require_native_kernels()
+    name = "gemma2"
+    model = build_family_model(tmp_path, name, query_pre_attn_scalar=32)     # a GGUF does not record it
+    path = write_family_gguf(model, tmp_path / f"{name}.gguf", projections=Q.Q8_0)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, len(model.tokenizer)) for _ in range(n)] for n in (5, 19)]
+    cases = [(ids, adapter) for ids in prompts for adapter in (None, *model.adapters)]
+    refs = peft_references(model.base, model.adapters, cases, NEW_TOKENS)
+    loop_steps, python_steps = [], []
+    record_calls(monkeypatch, llama, "_forward_native", lambda *a: loop_steps.append(1))
+    record_calls(monkeypatch, llama, "_forward_layers", lambda *a: python_steps.append(1))
+    with caplog.at_level(logging.INFO, logger="asyncserve.model.llama"):
+        llm, tokens = generate(type(model)(model.family, path, model.tokenizer, model.base, model.adapters), cases,
+                               keep_quantized=True)
+    assert isinstance(llm.engine.runner.weights.layers[0].qkv, QuantLinear)
+    assert [r.getMessage() for r in caplog.records if "does not cover" in r.getMessage()] == [
+        "the native layer loop does not cover quantized projections; its layers run in Python"]
+    assert python_steps and not loop_steps
+    equal = [assert_greedy_matches(ours, ref, tie_tol=0.2, label=f"{name} Q8_0 case {i}")
+             for i, (ours, ref) in enumerate(zip(tokens, refs))]
+    assert sum(equal) >= len(cases) - 1, equal
+
+
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_gguf_file_gives_the_hf_folders_tokens(name, tmp_path):
     """The same tiny checkpoint written as llama.cpp's converter writes a GGUF (its tensor names and
