@@ -6,8 +6,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
+<<<<<<< HEAD
 from model_io_helpers import backend_vocab, sentencepiece_model, write_gguf, write_sentencepiece_gguf
+=======
+from model_io_helpers import backend_vocab, write_gguf
+from quant_helpers import dequantized, quantize
+>>>>>>> s34n
 from reference import make_tiny_tokenizer, save_random_adapter, save_tiny_model
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -117,9 +123,11 @@ _GEMMA_LAYER = {"post_attention_layernorm": "post_attention_norm", "pre_feedforw
                 "post_feedforward_layernorm": "post_ffw_norm"}
 
 
-def write_family_gguf(model: FamilyModel, path: Path) -> Path:
+def write_family_gguf(model: FamilyModel, path: Path, projections=None) -> Path:
     """The model as llama.cpp's convert_hf_to_gguf writes it (float32 tensors): its names, Gemma's
-    norms as 1 + w, Phi-3's fused tensors and longrope factors as tensors, the family's metadata keys."""
+    norms as 1 + w, Phi-3's fused tensors and longrope factors as tensors, the family's metadata keys.
+    projections: a gguf.GGMLQuantizationType for the layers' projections, whose blocks' values then
+    replace model.base's weights (the reference runs the file's weights)."""
     cfg, family = model.base.config, model.family
     gemma = family.startswith("gemma")
     names = {**_GGUF_LAYER, **(_GEMMA_LAYER if gemma else {})}
@@ -135,6 +143,12 @@ def write_family_gguf(model: FamilyModel, path: Path) -> Path:
                          "lm_head.weight": "output.weight"}[name]
         if gemma and name.endswith("norm.weight"):
             weight = weight + 1.0
+        if projections is not None and name.endswith("proj.weight"):
+            blocks = quantize(weight.float().numpy(), projections)
+            with torch.no_grad():
+                weight.copy_(torch.from_numpy(dequantized(blocks, projections)))
+            tensors[gguf_name] = (blocks, projections)
+            continue
         tensors[gguf_name] = (weight.float().numpy(), None)
     metadata = {
         "context_length": cfg.max_position_embeddings, "embedding_length": cfg.hidden_size,

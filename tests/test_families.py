@@ -4,8 +4,8 @@ Per family: a tiny random checkpoint made with transformers' own config class (s
 random norms and biases, sliding windows shorter than the sequences for Gemma), two random PEFT
 adapters on the family's target names (Phi-3: the fused qkv_proj and gate_up_proj), and base and
 both adapters in ONE generate call with a small step budget, so prefill chunks and decodes of
-different adapters share steps: with the native CPU kernels (default; where they do not cover a
-family's features the eager ops run, said in one log line) and with ASYNCSERVE_NATIVE=0.
+different adapters share steps: with the native CPU kernels in the native layer loop (default), in
+the Python loop (ASYNCSERVE_NATIVE_DECODER=0) and with the eager ops (ASYNCSERVE_NATIVE=0).
 """
 import json
 import logging
@@ -17,7 +17,7 @@ import torch
 
 import kernels.cpu as cpu_kernels
 from asyncserve import LLM, SamplingParams
-from asyncserve.model.llama import native_loop_gap, native_ops_gap
+from asyncserve.model import llama
 from asyncserve.pager.adapters import AdapterError
 from family_models import ALL, FAMILIES, FamilyModel, build_family_model, write_family_gguf
 from reference import (TEST_DEVICE, assert_greedy_matches, make_tiny_tokenizer, peft_references, record_calls,
@@ -75,27 +75,50 @@ def test_mistral_whose_every_layer_slides(tmp_path):
     check(tokens, cases, peft_references(base, adapters, cases, NEW_TOKENS), "mistral")
 
 
-@pytest.mark.parametrize("native", ["1", "0"])
-def test_base_and_two_adapters_in_one_generate_call(family_model, native, monkeypatch, caplog):
-    """native 1: Qwen's biases and q/k norms run in Python around the native RoPE + KV write and
-    attention kernels (Phi-3 is Llama's layer); Gemma's layers run as eager ops, said in one line."""
+@pytest.mark.parametrize("path", ["loop", "ops", "eager"])
+def test_base_and_two_adapters_in_one_generate_call(family_model, path, monkeypatch, caplog):
+    """loop: every step in the native layer loop (kernels/cpu/decoder.h: Qwen's biases, q/k norms,
+    Gemma's (1 + w) and sandwich norms, GeGLU, windows, local RoPE, scale and soft caps as per-layer
+    options); ops: the Python loop over the same native kernels; eager: torch ops. No fallback line."""
     model, cases, refs = family_model
-    monkeypatch.setenv("ASYNCSERVE_NATIVE", native)
-    native_calls = []
-    if native == "1":
+    monkeypatch.setenv("ASYNCSERVE_NATIVE", "0" if path == "eager" else "1")
+    monkeypatch.setenv("ASYNCSERVE_NATIVE_DECODER", "0" if path == "ops" else "1")
+    loop_steps, python_steps, native_ops = [], [], []
+    if path != "eager":
         require_native_kernels()
-        record_calls(monkeypatch, cpu_kernels, "rope_write_kv", lambda *a: native_calls.append(1))
+    record_calls(monkeypatch, llama, "_forward_native", lambda *a: loop_steps.append(1))
+    record_calls(monkeypatch, llama, "_forward_layers", lambda *a: python_steps.append(1))
+    record_calls(monkeypatch, cpu_kernels, "rope_write_kv", lambda *a: native_ops.append(1))
     with caplog.at_level(logging.INFO, logger="asyncserve.model.llama"):
         llm, tokens = generate(model, cases)
-    check(tokens, cases, refs, f"{model.family} native={native}")
+    check(tokens, cases, refs, f"{model.family} {path}")
     assert llm.engine.pool.counts().kv == 0
-    gap = native_ops_gap(llm.engine.model_config)
-    assert bool(native_calls) == (native == "1" and gap is None)
-    fallbacks = [r.getMessage() for r in caplog.records if "native CPU kernels do not cover" in r.getMessage()]
-    if native == "1" and gap:
-        assert fallbacks == [f"the native CPU kernels do not cover {gap}; those run as eager torch ops"]
-    else:
-        assert fallbacks == []
+    assert bool(loop_steps) == (path == "loop") and bool(python_steps) == (path != "loop")
+    assert bool(native_ops) == (path == "ops")
+    assert not [r for r in caplog.records if "does not cover" in r.getMessage()]
+
+
+def test_native_layer_loop_gives_the_python_loops_logits(family_model, monkeypatch):
+    """bf16: the layer loop in one native call runs the Python loop's native kernels in its order for
+    every family, so every step's logits are the same bits: greedy tokens and the top-5 logprobs of
+    each, base and both adapters in one generate call, prompts chunked beside decodes."""
+    require_native_kernels()
+    model, cases, _ = family_model
+    loop_steps = []
+    record_calls(monkeypatch, llama, "_forward_native", lambda *a: loop_steps.append(1))
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=5)
+    runs = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("ASYNCSERVE_NATIVE_DECODER", mode)
+        llm = LLM(model=str(model.folder), adapters={k: str(v) for k, v in model.adapters.items()},
+                  dtype="bfloat16", device="cpu", max_step_tokens=16)
+        outs = llm.generate([c[0] for c in cases], params, adapters=[c[1] for c in cases])
+        runs[mode] = [(o.token_ids, o.logprobs, o.top_logprobs) for o in outs]
+        if mode == "1":
+            assert loop_steps, "the native layer loop did not run"
+            used = len(loop_steps)
+    assert len(loop_steps) == used, "ASYNCSERVE_NATIVE_DECODER=0 must run the Python loop"
+    assert runs["1"] == runs["0"]
 
 
 def test_prefix_cache_keeps_reference_tokens(family_model):
@@ -153,18 +176,11 @@ def test_adapter_naming_a_module_the_family_lacks_is_refused(family_model, tmp_p
     llm.load_adapter("all", str(model.adapters["all"]))
 
 
-def test_native_coverage_is_said_per_feature(family_model):
+def test_the_step_time_model_gets_the_models_windows(family_model):
+    """The step-time model prices sliding layers' attention over their windows (tests/test_step_model.py)."""
     model, _, _ = family_model
     llm = LLM(model=str(model.folder), dtype="float32", device=TEST_DEVICE)
     config = llm.engine.model_config
-    ops, loop = native_ops_gap(config), native_loop_gap(config)
-    if model.family in ("gemma2", "gemma3"):
-        assert "norms and gelu_tanh MLP" in ops and "sliding-window attention" in ops
-        assert ("attention soft-capping" in ops) == (model.family == "gemma2")
-    else:
-        assert ops is None
-    assert (loop is None) == (model.family == "phi3")
-    # the step-time model prices sliding layers' attention over their windows (tests/test_step_model.py)
     assert llm.engine.latency.attention_windows == config.layer_windows
     assert any(config.layer_windows) == model.family.startswith("gemma")
 
@@ -217,6 +233,38 @@ def test_longrope_greedy_tokens_equal_transformers(tmp_path):
                                                                    ignore_eos=True), adapters=[c[1] for c in cases])
         for i, (out, ref) in enumerate(zip(outs, refs)):
             assert_greedy_matches(out.token_ids, ref, tie_tol=1e-3, label=f"max_model_len {max_model_len} case {i}")
+
+
+def test_quantized_projections_fall_back_to_the_python_loop(tmp_path, monkeypatch, caplog):
+    """Gemma 2 with GGUF blocks (Q8_0) for every layer's projections, kept quantized: the native layer
+    loop takes dense weights only, so one log line says so and every step runs the Python loop over
+    the native kernels and the quantized GEMM; its tokens are transformers+PEFT's on the blocks'
+    values (int8 activations: a token may differ where the top two logits are within 0.2, as in
+    test_quant_engine)."""
+    from asyncserve.model.linear import QuantLinear
+    from quant_helpers import Q
+
+    require_native_kernels()
+    name = "gemma2"
+    model = build_family_model(tmp_path, name, query_pre_attn_scalar=32)     # a GGUF does not record it
+    path = write_family_gguf(model, tmp_path / f"{name}.gguf", projections=Q.Q8_0)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, len(model.tokenizer)) for _ in range(n)] for n in (5, 19)]
+    cases = [(ids, adapter) for ids in prompts for adapter in (None, *model.adapters)]
+    refs = peft_references(model.base, model.adapters, cases, NEW_TOKENS)
+    loop_steps, python_steps = [], []
+    record_calls(monkeypatch, llama, "_forward_native", lambda *a: loop_steps.append(1))
+    record_calls(monkeypatch, llama, "_forward_layers", lambda *a: python_steps.append(1))
+    with caplog.at_level(logging.INFO, logger="asyncserve.model.llama"):
+        llm, tokens = generate(type(model)(model.family, path, model.tokenizer, model.base, model.adapters), cases,
+                               keep_quantized=True)
+    assert isinstance(llm.engine.runner.weights.layers[0].qkv, QuantLinear)
+    assert [r.getMessage() for r in caplog.records if "does not cover" in r.getMessage()] == [
+        "the native layer loop does not cover quantized projections; its layers run in Python"]
+    assert python_steps and not loop_steps
+    equal = [assert_greedy_matches(ours, ref, tie_tol=0.2, label=f"{name} Q8_0 case {i}")
+             for i, (ours, ref) in enumerate(zip(tokens, refs))]
+    assert sum(equal) >= len(cases) - 1, equal
 
 
 GGUF_CASES = [(name, False) for name in FAMILIES] + [(name, True) for name in ("gemma2", "gemma3", "phi3")]

@@ -62,18 +62,6 @@ class Family:
                     "down_proj": ("down_proj",)}
         return {p: (p,) for p in PROJECTIONS}
 
-    @property
-    def native_ops(self) -> bool:
-        """Whether the native per-op kernels take its norms and activation (biases and q/k norms run
-        in Python between them)."""
-        return not (self.unit_offset_norms or self.sandwich_norms or self.activation != "silu")
-
-    @property
-    def plain(self) -> bool:
-        """Whether the forward is Llama's exactly (the native layer loop's and fused kernels' case)."""
-        return not (self.qkv_bias or self.qk_norm or self.unit_offset_norms or self.sandwich_norms
-                    or self.activation != "silu" or self.scaled_embeddings)
-
 
 LLAMA = Family("llama", ("llama", "mistral"), ("LlamaForCausalLM", "MistralForCausalLM"), "llama")
 FAMILIES = (

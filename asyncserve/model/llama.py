@@ -8,9 +8,10 @@ branch on data the weights or the config carry.
 A step's tokens from many sequences are concatenated: decode tokens first (one per sequence), then
 prefill chunks. Base projections run once for all tokens; when a step has LoRA tokens, the
 batched-LoRA backend runs each projection group (base and LoRA, which it may fuse). KV lives in
-the unified pool's pages (pager/pool.py). On CPUs where every projection is a NativeLinear and the
-step's LoRA is lora_segments' (LoraHook.native_step), the same layer loop runs in one native call
-(kernels/cpu/decoder.h): the same kernels in the same order, the same logits.
+the unified pool's pages (pager/pool.py). On CPU with the native kernels, where no projection is in
+GGUF blocks and the step's LoRA is lora_segments' (LoraHook.native_step), the same layer loop runs
+in one native call (kernels/cpu/decoder.h), for every family: the same kernels in the same order,
+the same logits.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 
 import kernels.cpu as cpu_kernels
 from asyncserve.model.config import GROUPS, ModelConfig
-from asyncserve.model.linear import Linear, NativeLinear, QuantizedWeight, QuantLinear, make_linear, make_weight_linear
+from asyncserve.model.linear import Linear, QuantizedWeight, QuantLinear, make_linear, make_weight_linear
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class LlamaWeights:
     lm_head: Linear            # hidden -> vocab (over the embedding itself when tied, unless reordered)
     embed_scale: float | None = None   # Gemma: sqrt(hidden) as the weights' dtype rounds it
     # the native layer loop over these weights (kernels.cpu.native_decoder), built on first use;
-    # False where some projection is not a NativeLinear
+    # False where native_loop_gap says it cannot run them
     _decoder: object = field(default=None, repr=False, compare=False)
 
     def set_projection(self, layer: int, group: str, linear: Linear) -> None:
@@ -90,30 +91,34 @@ class LlamaWeights:
         setattr(self.layers[layer], group, linear)
         self._decoder = None
 
+    def linears(self) -> list[Linear]:
+        """Every projection, qkv, o, gate_up, down per layer (GROUPS order), then the lm_head."""
+        return [getattr(lw, g) for lw in self.layers for g in GROUPS] + [self.lm_head]
+
     def native_decoder(self, config: ModelConfig):
         """The native layer loop over these weights, or None where it cannot run them."""
         if self._decoder is None:
-            if (why := native_loop_gap(config)) is not None:
+            if (why := native_loop_gap(self)) is not None:
                 log.info("the native layer loop does not cover %s; its layers run in Python", why)
                 self._decoder = False
                 return None
-            linears = [getattr(lw, g) for lw in self.layers for g in GROUPS] + [self.lm_head]
-            if any(isinstance(p, QuantLinear) for p in linears):
-                log.info("quantized projections: the layer loop runs in Python (the native one takes bf16 only)")
-            self._decoder = all(isinstance(p, NativeLinear) for p in linears) and cpu_kernels.native_decoder(
-                [t for lw in self.layers for t in (lw.input_norm, lw.post_norm)], [p.weight for p in linears],
-                [p.out_features for p in linears], self.norm, self.lm_head.weight, config.num_heads,
-                config.num_kv_heads, config.head_dim, config.rms_norm_eps)
+            linears = self.linears()
+            self._decoder = cpu_kernels.native_decoder(
+                [t for lw in self.layers for t in (lw.input_norm, lw.post_norm, lw.qkv_bias, lw.q_norm, lw.k_norm,
+                                                   lw.attn_out_norm, lw.mlp_out_norm)],
+                [p.weight for p in linears], [p.out_features for p in linears],
+                [config.window(i) or 0 for i in range(config.num_layers)], self.norm, config.num_heads,
+                config.num_kv_heads, config.head_dim, config.rms_norm_eps, config.scale, config.attn_softcap,
+                config.family.activation == "gelu_tanh")
         return self._decoder or None
 
     def nbytes(self) -> int:
         tensors = [self.embed, self.norm] + [t for lw in self.layers for t in (
             lw.input_norm, lw.post_norm, lw.qkv_bias, lw.q_norm, lw.k_norm, lw.attn_out_norm, lw.mlp_out_norm)
             if t is not None]
-        linears = [self.lm_head] + [p for lw in self.layers for p in (lw.qkv, lw.o, lw.gate_up, lw.down)]
         shared = self.lm_head.weight is self.embed
         return (sum(t.numel() * t.element_size() for t in tensors)
-                + sum(p.nbytes for p in linears) - (self.lm_head.nbytes if shared else 0))
+                + sum(p.nbytes for p in self.linears()) - (self.lm_head.nbytes if shared else 0))
 
 
 def build_weights(config: ModelConfig, weights: dict[str, torch.Tensor | QuantizedWeight], dtype: torch.dtype,
@@ -171,31 +176,16 @@ def build_weights(config: ModelConfig, weights: dict[str, torch.Tensor | Quantiz
         lm_head = linear("lm_head.weight")
     _check_shapes(config, embed, layers[0], lm_head)
     embed_scale = float(torch.tensor(config.hidden_size ** 0.5, dtype=dtype)) if family.scaled_embeddings else None
-    if cpu_kernels.enabled_for(embed) and (why := native_ops_gap(config)) is not None:
-        log.info("the native CPU kernels do not cover %s; those run as eager torch ops", why)
     return LlamaWeights(embed=embed, layers=layers, norm=norm("model.norm.weight"), lm_head=lm_head,
                         embed_scale=embed_scale)
 
 
-def native_ops_gap(config: ModelConfig) -> str | None:
-    """What of the model the native per-op kernels (norms, RoPE + KV write, attention, SiLU·mul) do
-    not take, None if they take it all; the projections and the LoRA stay native whatever this says."""
-    family, gaps = config.family, []
-    if not family.native_ops:
-        gaps.append(f"{family.name}'s norms and {family.activation} MLP")
-    if config.layer_windows:
-        gaps.append("sliding-window attention")
-    if config.attn_softcap:
-        gaps.append("attention soft-capping")
-    return ", ".join(gaps) or None
-
-
-def native_loop_gap(config: ModelConfig) -> str | None:
-    """What keeps the native layer loop (kernels/cpu/decoder.h, Llama's layer exactly) off, None if nothing."""
-    family = config.family
-    if not family.plain:
-        return f"{family.name}'s layers"
-    return native_ops_gap(config) or ("a non-default attention scale" if config.attn_scale is not None else None)
+def native_loop_gap(w: LlamaWeights) -> str | None:
+    """What keeps the native layer loop (kernels/cpu/decoder.h) off these weights, None if nothing: it
+    takes every family's layer over dense projections, not GGUF blocks (QuantLinear)."""
+    if any(isinstance(p, QuantLinear) for p in w.linears()):
+        return "quantized projections"
+    return None
 
 
 def _check_shapes(config: ModelConfig, embed: torch.Tensor, layer: LayerWeights, lm_head: Linear) -> None:
@@ -329,6 +319,35 @@ def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, 
 
     kv: the pool's KV view [pages, 2, layers, block, kv_size].
     """
+    use_lora = lora.active
+    # fused C++ norms, activations, RoPE + KV write and paged attention
+    native = cpu_kernels.enabled_for(w.embed)
+    # one attention plan per distinct window (None: global layers)
+    step_attention = {window: plan_attention(inp, config.num_heads, config.num_kv_heads, config.head_dim,
+                                             w.embed.dtype, native, scale=config.scale, softcap=config.attn_softcap,
+                                             window=window)
+                      for window in dict.fromkeys(config.layer_windows or [None])}
+    h = F.embedding(inp.input_ids, w.embed)                       # [T, hidden]
+    if w.embed_scale is not None:
+        h = h * w.embed_scale
+    # a step on fixed buffers (StepInputs.decode_tables: the CUDA graphs' decodes) plans no native attention
+    plan = next(iter(step_attention.values()))
+    decoder = plan.native and cpu_kernels.decoder_loop_enabled() and w.native_decoder(config)
+    step_lora = lora.native_step() if decoder and use_lora else None
+    if decoder and (step_lora is not None or not use_lora):
+        logits = _forward_native(decoder, h, rope, kv, inp, plan, step_lora)
+    else:
+        logits = _forward_layers(w, config, rope, kv, inp, lora, h, step_attention, native)
+    if config.final_softcap:                # Gemma 2: tanh(logits / cap) * cap
+        logits = torch.tanh(logits / config.final_softcap) * config.final_softcap
+    return logits
+
+
+def _forward_layers(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, inp: StepInputs,
+                    lora: LoraHook, h: torch.Tensor, step_attention: dict[int | None, StepAttention],
+                    native: bool) -> torch.Tensor:
+    """forward()'s layer loop in Python from the embedded tokens h [T, hidden]: the native kernels
+    between the projections, or eager torch ops."""
     T = inp.input_ids.shape[0]
     nh, nkv, hd = config.num_heads, config.num_kv_heads, config.head_dim
     q_size, kv_size = config.q_size, config.kv_size
@@ -337,19 +356,7 @@ def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, 
     num_layers, block = kv.shape[2], kv.shape[3]
     kv_rows = kv.view(-1, kv_size)
     use_lora = lora.active
-    # fused C++ norm, RoPE + KV write, decode attention, where the family's layer is Llama's or close
-    native = cpu_kernels.enabled_for(w.embed) and config.family.native_ops
-    # one attention plan per distinct window (None: global layers)
-    step_attention = {window: plan_attention(inp, nh, nkv, hd, w.embed.dtype, native, scale=config.scale,
-                                             softcap=config.attn_softcap, window=window)
-                      for window in dict.fromkeys(config.layer_windows or [None])}
-    # the native loop has global layers only (native_loop_gap); a step on fixed buffers
-    # (StepInputs.decode_tables: the CUDA graphs' decodes) plans no native attention
-    plan = step_attention.get(None)
-    if plan is not None and plan.native and cpu_kernels.decoder_loop_enabled() and (decoder := w.native_decoder(config)):
-        step_lora = lora.native_step() if use_lora else None
-        if step_lora is not None or not use_lora:
-            return _forward_native(decoder, w, rope, kv, inp, plan, step_lora)
+    gelu = config.family.activation == "gelu_tanh"
     if not native:
         tables = {False: rope.tables(inp.positions)}
         if rope.local_cos is not rope.cos:
@@ -357,9 +364,6 @@ def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, 
         # KV rows this step writes, per layer: K rows then V rows, [layers, 2T]
         layer_rows = inp.write_rows + block * torch.arange(num_layers, device=inp.write_rows.device)[:, None]
         layer_rows = torch.cat([layer_rows, layer_rows + num_layers * block], dim=1)
-    h = F.embedding(inp.input_ids, w.embed)                       # [T, hidden]
-    if w.embed_scale is not None:
-        h = h * w.embed_scale
     h, x = _residual_norm(h, None, w.layers[0].input_norm, eps, native)
     for li, lw in enumerate(w.layers):
         window = config.window(li)
@@ -367,7 +371,9 @@ def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, 
         qkv = lora.project(li, "qkv", x, lw.qkv) if use_lora else lw.qkv(x)       # [T, q + 2kv]
         if lw.qkv_bias is not None:
             qkv += lw.qkv_bias
-        if lw.q_norm is not None:           # per head, before RoPE, in place
+        if lw.q_norm is not None and native:    # per head, before RoPE, in place
+            cpu_kernels.head_rms_norm(qkv, lw.q_norm, lw.k_norm, nh, nkv, eps)
+        elif lw.q_norm is not None:
             qk = qkv[:, :q_size + kv_size]
             qk[:, :q_size] = _rms_norm(qk[:, :q_size].view(T, nh, hd), lw.q_norm, eps).view(T, q_size)
             qk[:, q_size:] = _rms_norm(qk[:, q_size:].view(T, nkv, hd), lw.k_norm, eps).view(T, kv_size)
@@ -388,36 +394,33 @@ def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, 
         attn = attention(q, k, v.view(T, nkv, hd), kv[:, 0, li], kv[:, 1, li], inp, step_attention[window])  # [T, q]
         o = lora.project(li, "o", attn, lw.o) if use_lora else lw.o(attn)
         if lw.attn_out_norm is not None:    # Gemma: the attention's output normed before the residual add
-            o = _rms_norm(o, lw.attn_out_norm, eps)
+            o = _norm(o, lw.attn_out_norm, eps, native)
         h, x = _residual_norm(h, o, lw.post_norm, eps, native)
         gu = lora.project(li, "gate_up", x, lw.gate_up) if use_lora else lw.gate_up(x)   # [T, 2 inter]
-        act = gelu_tanh_mul(gu) if config.family.activation == "gelu_tanh" else silu_mul(gu, native)   # [T, inter]
+        act = gelu_tanh_mul(gu, native) if gelu else silu_mul(gu, native)                 # [T, inter]
         d = lora.project(li, "down", act, lw.down) if use_lora else lw.down(act)
         if lw.mlp_out_norm is not None:
-            d = _rms_norm(d, lw.mlp_out_norm, eps)
+            d = _norm(d, lw.mlp_out_norm, eps, native)
         if li + 1 < len(w.layers):
             h, x = _residual_norm(h, d, w.layers[li + 1].input_norm, eps, native)
         else:
             h = h + d
     _, hs = _residual_norm(h[inp.sample_index], None, w.norm, eps, native)
-    logits = w.lm_head(hs)
-    if config.final_softcap:                # Gemma 2: tanh(logits / cap) * cap
-        logits = torch.tanh(logits / config.final_softcap) * config.final_softcap
-    return logits
+    return w.lm_head(hs)
 
 
-def _forward_native(decoder, w: LlamaWeights, rope: Rope, kv: torch.Tensor, inp: StepInputs, a: StepAttention,
+def _forward_native(decoder, h: torch.Tensor, rope: Rope, kv: torch.Tensor, inp: StepInputs, a: StepAttention,
                     step_lora: NativeStepLora | None) -> torch.Tensor:
-    """forward() in one native call (kernels/cpu/decoder.h): the same kernels, the same logits."""
-    h = F.embedding(inp.input_ids, w.embed)                       # [T, hidden]
+    """_forward_layers in one native call (kernels/cpu/decoder.h): the same kernels, the same logits."""
     n = inp.num_decode
     if step_lora is None:
         lora = (None, [], [], None, None, None, None)
     else:
         lora = (step_lora.flat, step_lora.runs, step_lora.projections, *step_lora.tables)
     decode_tables = a.decode_pages.view(n, -1) if n else a.decode_pages.view(0, 0)
-    return decoder.forward(h, inp.positions, rope.cos, rope.sin, kv, inp.write_rows, n, decode_tables, a.decode_lens,
-                           a.prefill_tables, a.prefill_starts, a.prefill_first_pos, inp.sample_index, *lora)
+    return decoder.forward(h, inp.positions, rope.cos, rope.sin, rope.local_cos, rope.local_sin, kv, inp.write_rows,
+                           n, decode_tables, a.decode_lens, a.prefill_tables, a.prefill_starts, a.prefill_first_pos,
+                           inp.sample_index, *lora)
 
 
 def silu_mul(gate_up: torch.Tensor, native: bool = False) -> torch.Tensor:
@@ -429,8 +432,11 @@ def silu_mul(gate_up: torch.Tensor, native: bool = False) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """GeGLU (Gemma): gate_up [T, 2 inter] (gate, then up) -> gelu_tanh(gate) * up [T, inter]."""
+def gelu_tanh_mul(gate_up: torch.Tensor, native: bool = False) -> torch.Tensor:
+    """GeGLU (Gemma): gate_up [T, 2 inter] (gate, then up) -> gelu_tanh(gate) * up [T, inter]; native: the
+    C++ kernel's one pass."""
+    if native:
+        return cpu_kernels.gelu_tanh_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
 
@@ -441,6 +447,11 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     if weight.dtype != x.dtype:
         return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(x.dtype)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, native: bool) -> torch.Tensor:
+    """rms_norm(x) * weight as _rms_norm, new [T, hidden]; native: the C++ kernel (x left as it is)."""
+    return cpu_kernels.add_rms_norm(x, None, weight, eps) if native else _rms_norm(x, weight, eps)
 
 
 def _residual_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -487,7 +498,8 @@ class StepAttention:
     prefill_starts: torch.Tensor | None = None     # native: [chunks + 1] int64, the chunks' first rows, then the end
     prefill_first_pos: torch.Tensor | None = None  # native: [chunks] int64, each chunk's first position
     scale: float | None = None                 # the scores' scale; None: head_dim ** -0.5
-    softcap: float | None = None               # scores -> tanh(scores / cap) * cap before the mask (bmm forms)
+    softcap: float | None = None               # scores -> tanh(scores / cap) * cap before the mask (native, bmm)
+    window: int | None = None                  # native: the layers' sliding window (the masks have it otherwise)
     decode_tables: torch.Tensor | None = None      # StepInputs.decode_tables: the decodes run kernels.paged_attention
 
 
@@ -496,8 +508,7 @@ def plan_attention(inp: StepInputs, num_heads: int, num_kv_heads: int, head_dim:
                    softcap: float | None = None, window: int | None = None) -> StepAttention:
     """The step's masks (and the bmm path's query blocks), once for all layers of one kind. window: a
     query sees only the last ``window`` positions, its own included (sliding layers); softcap: the
-    bmm forms, which have the scores in hand (SDPA does not take a cap). The native kernels take
-    neither, so either makes the plan eager."""
+    native kernels and the bmm forms, which have the scores in hand (SDPA does not take a cap)."""
     device = inp.input_ids.device
     bmm = _bmm_attention(device, dtype) or softcap is not None
     group = num_heads // num_kv_heads
@@ -507,10 +518,11 @@ def plan_attention(inp: StepInputs, num_heads: int, num_kv_heads: int, head_dim:
     if paged and not inp.prefills:          # no masks, no gathers, no host reads: capturable
         return StepAttention(bmm, False, inp.decode_pages, inp.decode_padding, inp.decode_mask, None, [],
                              inp.positions[:inp.num_decode] + 1, scale=scale, decode_tables=inp.decode_tables)
-    if native and window is None and softcap is None:
+    if native:
         # a decode's context ends at its own token; prefill chunks follow the decodes, one after another
         return StepAttention(bmm, True, inp.decode_pages, inp.decode_padding, inp.decode_mask, None, [],
-                             inp.positions[:inp.num_decode] + 1, *_prefill_tables(inp.prefills), scale=scale)
+                             inp.positions[:inp.num_decode] + 1, *_prefill_tables(inp.prefills), scale=scale,
+                             softcap=softcap, window=window)
     masks = []
     for chunk in inp.prefills:
         n = chunk.end - chunk.start
@@ -564,7 +576,7 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if a.native:      # reads only each decode's own context rows, never the padding
         out = torch.empty(n, nh, hd, dtype=q.dtype, device=q.device)
         cpu_kernels.paged_decode_attention(out, q, k_cache, v_cache, a.decode_pages.view(n, -1), a.decode_lens,
-                                           a.scale)
+                                           a.scale, a.window, a.softcap)
         return out
     if a.decode_tables is not None:
         from kernels.paged_attention import paged_decode_attention
@@ -631,7 +643,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
         out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, a)
     if a.native:      # every chunk in one call, read through its block table (the chunks' own K/V included)
         cpu_kernels.paged_prefill_attention(out, q, k_cache, v_cache, a.prefill_tables, a.prefill_starts,
-                                            a.prefill_first_pos, a.scale)
+                                            a.prefill_first_pos, a.scale, a.window, a.softcap)
         return out.view(T, nh * hd)
     for chunk, mask in zip(inp.prefills, a.prefill_masks):
         s, e = chunk.start, chunk.end

@@ -134,13 +134,27 @@ def _lib() -> ModuleType:
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """h: [rows, hidden]; with delta, h += delta in place. Returns rms_norm(h) * weight, new [rows, hidden]."""
+    """h: [rows, hidden]; with delta, h += delta in place. Returns rms_norm(h) * weight, new [rows, hidden].
+    weight: h's dtype (torch's rms_norm's rounding steps) or float32 (Gemma's (1 + w): the product in
+    float32, rounded once)."""
     return _lib().add_rms_norm(h, delta, weight, eps)
+
+
+def head_rms_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_heads: int,
+                  num_kv_heads: int, eps: float) -> None:
+    """qkv: [T, (nh + 2 nkv) hd]: each q head rms-normed with q_weight [hd], each k head with k_weight,
+    in place (weights as add_rms_norm takes them); v untouched."""
+    _lib().head_rms_norm(qkv, q_weight, k_weight, num_heads, num_kv_heads, eps)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: [rows, 2 inter] (gate, then up) -> silu(gate) * up: [rows, inter], new."""
     return _lib().silu_mul(gate_up)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [rows, 2 inter] (gate, then up) -> F.gelu(gate, approximate="tanh") * up: [rows, inter], new."""
+    return _lib().gelu_tanh_mul(gate_up)
 
 
 def greedy_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,20 +173,25 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
 
 
 def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> None:
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           window: int | None = None, softcap: float | None = None) -> None:
     """out, q: [n, nh, hd]; k_cache, v_cache: [pages, block, nkv * hd] of one layer; block_tables:
-    [n, max_pages] int64; context_lens: [n] int64. Attends each query to its first context_lens rows."""
-    _lib().paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens, scale)
+    [n, max_pages] int64; context_lens: [n] int64. Attends each query to its first context_lens rows,
+    or with a window to the last ``window`` of them; softcap: scores -> tanh(scores / cap) * cap."""
+    _lib().paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens, scale, window or 0,
+                                  softcap or 0.0)
 
 
 def paged_prefill_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_starts: torch.Tensor, first_pos: torch.Tensor,
-                            scale: float) -> None:
+                            scale: float, window: int | None = None, softcap: float | None = None) -> None:
     """out, q: [T, nh, hd]; k_cache, v_cache: [pages, block, nkv * hd] of one layer, holding the chunks'
     own K/V already; block_tables: [chunks, max_pages] int64; query_starts: [chunks + 1] int64, chunk i's
     rows of q and out; first_pos: [chunks] int64, the position of each chunk's first row. Each row
-    attends causally to its sequence's keys; rows of out outside the chunks are not written."""
-    _lib().paged_prefill_attention(out, q, k_cache, v_cache, block_tables, query_starts, first_pos, scale)
+    attends causally to its sequence's keys, with a window only to the last ``window`` positions (its
+    own included); softcap as paged_decode_attention's; rows of out outside the chunks are not written."""
+    _lib().paged_prefill_attention(out, q, k_cache, v_cache, block_tables, query_starts, first_pos, scale,
+                                   window or 0, softcap or 0.0)
 
 
 def lora_segments(y: torch.Tensor, x: torch.Tensor, flat: torch.Tensor, runs: torch.Tensor, ranks: torch.Tensor,
@@ -224,13 +243,16 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> t
     return _lib().packed_linear(x, packed, out_features)
 
 
-def native_decoder(norms: list[torch.Tensor], packed: list[torch.Tensor], out_features: list[int],
-                   final_norm: torch.Tensor, lm_head: torch.Tensor, num_heads: int, num_kv_heads: int,
-                   head_dim: int, eps: float):
-    """The layer loop of one step in one call (decoder.h). norms: input_norm, post_norm per layer;
-    packed, out_features: NativeLinear's weights, qkv, o, gate_up, down per layer, then lm_head's."""
-    return _lib().NativeDecoder(norms, packed, out_features, final_norm, lm_head, num_heads, num_kv_heads,
-                                head_dim, eps)
+def native_decoder(layer_tensors: list[torch.Tensor | None], weights: list[torch.Tensor], out_features: list[int],
+                   windows: list[int], final_norm: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                   eps: float, scale: float, softcap: float | None, gelu: bool):
+    """The layer loop of one step in one call (decoder.h). layer_tensors: per layer input_norm, post_norm,
+    qkv_bias, q_norm, k_norm, attn_out_norm, mlp_out_norm (None where the family has none); weights,
+    out_features: the Linear weights (packed, oneDNN's or dense), qkv, o, gate_up, down per layer, then
+    lm_head's; windows: per layer its sliding window, 0 for global; scale, softcap: the attention
+    scores'; gelu: GeGLU, else SwiGLU."""
+    return _lib().NativeDecoder(layer_tensors, weights, out_features, windows, final_norm, num_heads, num_kv_heads,
+                                head_dim, eps, scale, softcap or 0.0, gelu)
 
 
 # ggml type ids (gguf.GGMLQuantizationType) that quant_linear runs: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K

@@ -7,6 +7,9 @@
 // are merged by their softmax statistics. The group of query heads that shares a KV head is
 // computed together, so each K/V row is read once for the group. Rows past a sequence's context
 // length are never read, so stale or uninitialised pool slots cannot leak in. fp32 accumulation.
+// A sliding window (a query sees its last `window` rows, its own included) starts each context
+// there: rows before it are never read either. Scores may be soft-capped (Gemma 2: cap *
+// tanh(score / cap), before the softmax).
 //
 // On CPUs with AVX-512 (F, BW, VL; the build is -march=native per CPU, as for lora.h, so this is
 // chosen at build time for the machine that runs it) an item walks its rows in chunks of up to
@@ -63,9 +66,9 @@ struct DecodeAttentionShape {
 template <typename T, int HD>
 void attend_part(const T* q, int64_t q_head_stride, const T* k_cache, const T* v_cache, int64_t kv_head,
                  int64_t page_stride, int64_t slot_stride, const int64_t* table, int64_t row_begin,
-                 int64_t row_end, const DecodeAttentionShape& s, float scale, float* __restrict__ acc,
-                 float* row_max, float* row_sum, float* __restrict__ q_f32, float* __restrict__ scores,
-                 float* __restrict__ tile_f32) {
+                 int64_t row_end, const DecodeAttentionShape& s, float scale, float softcap,
+                 float* __restrict__ acc, float* row_max, float* row_sum, float* __restrict__ q_f32,
+                 float* __restrict__ scores, float* __restrict__ tile_f32) {
   const int64_t group = s.nh / s.nkv, hd = HD > 0 ? HD : s.hd;
   for (int64_t g = 0; g < group; ++g) {
     for (int64_t d = 0; d < hd; ++d) q_f32[g * hd + d] = to_float(q[g * q_head_stride + d]) * scale;
@@ -91,6 +94,7 @@ void attend_part(const T* q, int64_t q_head_stride, const T* k_cache, const T* v
         for (int64_t d = 0; d < hd; ++d) dot += qg[d] * kj[d];
         scores[g * kAttentionTile + j] = dot;
       }
+      if (softcap > 0.0f) soft_cap(scores + g * kAttentionTile, rows, softcap);
     }
     for (int64_t g = 0; g < group; ++g) {
       float* sg = scores + g * kAttentionTile;
@@ -300,13 +304,14 @@ inline void accumulate_values_heads(const bf16* v_cache, const int64_t* offsets,
 // attend_part's contract for KV heads [kv_head, kv_head + kv_heads) at once: their heads' q rows are
 // consecutive (q_head_stride apart) and so are their acc, row_max and row_sum entries. Taking a
 // row's KV heads together walks the pages once, row after row, while one KV head per item (when
-// the step has too few rows to share out otherwise) reads a strided slice of each row. Scratch:
+// the step has too few rows to share out otherwise) reads a strided slice of each row. softcap > 0
+// caps the scores as attend_part does. Scratch:
 // scores [heads * kDecodeChunk], head_max [heads * 16] (lanes of running maxima), correction [heads].
 template <typename T, int HD>
 void attend_part_avx512(const T* q, int64_t q_head_stride, const T* k_cache, const T* v_cache, int64_t kv_head,
                         int64_t kv_heads, int64_t page_stride, int64_t slot_stride, const int64_t* table,
                         int64_t row_begin, int64_t row_end, const DecodeAttentionShape& s, float scale,
-                        float* __restrict__ acc, float* row_max, float* row_sum, float* __restrict__ scores,
+                        float softcap, float* __restrict__ acc, float* row_max, float* row_sum, float* __restrict__ scores,
                         float* __restrict__ head_max, float* __restrict__ correction) {
   using Dot = DecodeDot<T>;
   constexpr int W = Dot::W;
@@ -359,7 +364,14 @@ void attend_part_avx512(const T* q, int64_t q_head_stride, const T* k_cache, con
           }
           partial[kRowSlot[j]] = sum;
         }
-        const __m512 sc = _mm512_mask_blend_ps(valid, minus_inf, _mm512_mul_ps(reduce_rows(partial), _mm512_set1_ps(scale)));
+        __m512 raw = _mm512_mul_ps(reduce_rows(partial), _mm512_set1_ps(scale));
+        if (softcap > 0.0f) {
+          alignas(64) float lanes[kDecodeRows];
+          _mm512_store_ps(lanes, raw);
+          soft_cap(lanes, kDecodeRows, softcap);
+          raw = _mm512_load_ps(lanes);
+        }
+        const __m512 sc = _mm512_mask_blend_ps(valid, minus_inf, raw);
         _mm512_storeu_ps(scores + g * kDecodeChunk + j0, sc);
         _mm512_storeu_ps(head_max + g * 16, _mm512_max_ps(_mm512_loadu_ps(head_max + g * 16), sc));
       }
@@ -399,15 +411,18 @@ void attend_part_avx512(const T* q, int64_t q_head_stride, const T* k_cache, con
 
 // out, q: [n, nh, hd] with row strides (*_s0, *_s1; hd contiguous). k_cache, v_cache: one layer's
 // K and V; row `slot` of page p starts at p * page_stride + slot * slot_stride and holds nkv * hd
-// values. tables: [n, table_stride] page ids; context_lens: [n], each >= 1.
+// values. tables: [n, table_stride] page ids; context_lens: [n], each >= 1. window > 0: each query
+// attends to its context's last `window` rows only; softcap > 0: scores soft-capped.
 template <typename T>
 void paged_decode_attention(T* out, int64_t out_s0, int64_t out_s1, const T* q, int64_t q_s0, int64_t q_s1,
                             const T* k_cache, const T* v_cache, int64_t page_stride, int64_t slot_stride,
                             const int64_t* tables, int64_t table_stride, const int64_t* context_lens,
-                            const DecodeAttentionShape& s, float scale) {
+                            const DecodeAttentionShape& s, float scale, int64_t window, float softcap) {
   const int64_t group = s.nh / s.nkv, hd = s.hd;
-  int64_t max_ctx = 1;
-  for (int64_t i = 0; i < s.n; ++i) max_ctx = std::max(max_ctx, context_lens[i]);
+  // sequence i attends to its rows [first_row(i), context_lens[i])
+  auto first_row = [&](int64_t i) { return window > 0 ? std::max<int64_t>(0, context_lens[i] - window) : 0; };
+  int64_t max_ctx = 1;      // the longest span of rows attended to
+  for (int64_t i = 0; i < s.n; ++i) max_ctx = std::max(max_ctx, context_lens[i] - first_row(i));
   const int64_t threads = at::get_num_threads(), busy = 4 * threads;
   // Items are (sequence, context part, KV heads): all of a row's KV heads when there are sequences
   // enough to share out, else one KV head each, and with too few of those the contexts split too.
@@ -444,7 +459,8 @@ void paged_decode_attention(T* out, int64_t out_s0, int64_t out_s1, const T* q, 
     for (int64_t item = begin; item < end; ++item) {
       const int64_t i = item / (slices * parts), part = (item / slices) % parts;
       const int64_t kv_head = item % slices * kv_per_item;
-      const int64_t row_begin = part * part_len, row_end = std::min(context_lens[i], row_begin + part_len);
+      const int64_t row_begin = first_row(i) + part * part_len;
+      const int64_t row_end = std::min(context_lens[i], row_begin + part_len);
       const int64_t first_head = (i * parts + part) * s.nh + kv_head * group;   // in the part arrays
       float* acc = parts > 1 ? part_acc.data() + first_head * hd : acc_own;
       float* row_max = parts > 1 ? part_max.data() + first_head : max_own;
@@ -456,7 +472,7 @@ void paged_decode_attention(T* out, int64_t out_s0, int64_t out_s1, const T* q, 
       // the next item's first rows, which it reads before its own prefetches run ahead of it
       if (item + 1 < end) {
         const int64_t next = item + 1, ni = next / (slices * parts), nkv_head = next % slices * kv_per_item;
-        const int64_t first = (next / slices) % parts * part_len;
+        const int64_t first = first_row(ni) + (next / slices) % parts * part_len;
         const int64_t last = std::min(context_lens[ni], first + kAheadRows);
         for (int64_t t = first; t < last; ++t) {
           const int64_t offset = tables[ni * table_stride + t / s.block] * page_stride + (t % s.block) * slot_stride +
@@ -470,13 +486,14 @@ void paged_decode_attention(T* out, int64_t out_s0, int64_t out_s1, const T* q, 
 #if ASYNCSERVE_DECODE_AVX512
         attend_part_avx512<T, decltype(head_dim)::value>(qi, q_s1, k_cache, v_cache, kv_head, kv_per_item,
                                                          page_stride, slot_stride, table, row_begin, row_end, s,
-                                                         scale, acc, row_max, row_sum, scores, head_max, correction);
+                                                         scale, softcap, acc, row_max, row_sum, scores, head_max,
+                                                         correction);
 #else
         for (int64_t h = 0; h < kv_per_item; ++h)
           attend_part<T, decltype(head_dim)::value>(
               qi + h * group * q_s1, q_s1, k_cache, v_cache, kv_head + h, page_stride, slot_stride, table, row_begin,
-              row_end, s, scale, acc + h * group * hd, row_max + h * group, row_sum + h * group, q_f32, scores,
-              tile_f32);
+              row_end, s, scale, softcap, acc + h * group * hd, row_max + h * group, row_sum + h * group, q_f32,
+              scores, tile_f32);
 #endif
       };
       switch (hd) {

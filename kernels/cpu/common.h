@@ -72,4 +72,23 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// tanh(x), relative error ~3e-7, NaN stays NaN; plain arithmetic so that loops over it vectorise:
+// tanh's odd Taylor polynomial below |x| = 1/4, (1 - e) / (1 + e) with e = exp(-2|x|) from there.
+inline float tanh_float(float x) {
+  const float a = x < 0.0f ? -x : x;
+  const float e = exp_nonpositive(-2.0f * a);
+  const float x2 = a * a;
+  const float near =
+      a * (1.0f + x2 * (-1.0f / 3 + x2 * (2.0f / 15 + x2 * (-17.0f / 315 + x2 * (62.0f / 2835)))));
+  const float t = a < 0.25f ? near : (1.0f - e) / (1.0f + e);
+  return x < 0.0f ? -t : t;
+}
+
+// Soft-capping of attention scores (Gemma 2): x -> tanh(x / cap) * cap, in place over n values.
+inline void soft_cap(float* x, int64_t n, float cap) {
+  const float inv = 1.0f / cap;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) x[i] = cap * tanh_float(x[i] * inv);
+}
+
 }  // namespace asyncserve

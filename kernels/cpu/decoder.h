@@ -3,8 +3,11 @@
 // same order, so its logits are bit for bit those of the Python loop. The Python loop spends
 // about 2 ms per step between the kernels (views, dispatch, the LoRA hook's calls; 2.1 ms of a
 // 20 ms W1 decode step and 1.9 of 7.8 ms at one decode on the Zen 4 of BENCHMARKS.md); here that
-// is gone and the GIL is released for the whole step. It runs where every projection is packed
-// for gemm.h (bf16 on AVX512-BF16 CPUs) and the step's LoRA, if any, is lora_segments' (the torch
+// is gone and the GIL is released for the whole step. One loop for every family: a layer's
+// optional pieces (q/k/v biases, per-head q/k norms, Gemma's (1 + w) and sandwich norms, GeGLU,
+// sliding windows with their own RoPE tables, the attention's scale and soft cap) are data. It runs
+// where every projection is a dense weight (packed for gemm.h on AVX512-BF16 CPUs, oneDNN's or
+// torch's otherwise; not GGUF blocks) and the step's LoRA, if any, is lora_segments' (the torch
 // backend's native plans; no CPU-assisted rows). Included by ops.cpp after the ops (one
 // translation unit).
 #pragma once
@@ -22,14 +25,41 @@ inline std::atomic<bool> lora_rows_ahead_on{true};
 // Projection groups, in the order forward's per-group arguments come in.
 enum Group { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3, kGroups = 4 };
 
-struct PackedProjection {
-  at::Tensor packed;          // [ceil(out / 16), in / 2, 16, 2] bf16 (NativeLinear)
+// A projection's weight as model/linear.py holds it, applied by the op its Linear calls: packed for
+// gemm.h (NativeLinear: [ceil(out / 16), in / 2, 16, 2] bf16), reordered for oneDNN (OneDnnLinear:
+// an mkldnn tensor) or as given (Linear: [out, in], F.linear).
+struct Projection {
+  at::Tensor weight;
   int64_t out_features;
+
+  bool packed() const { return !weight.is_mkldnn() && weight.dim() == 4; }
+
+  // x: [rows, in] -> [rows, out_features]; side: what a packed GEMM asks for as it goes (gemm.h)
+  at::Tensor operator()(const at::Tensor& x, const std::vector<PrefetchSpan>* side = nullptr) const {
+    if (packed()) return packed_linear_op(x, weight, out_features, side);
+    if (weight.is_mkldnn()) {   // torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+      static const c10::OperatorHandle op =
+          c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+      std::vector<c10::IValue> stack{x, weight, c10::IValue(), std::string("none"),
+                                     c10::List<c10::optional<at::Scalar>>(), std::string("")};
+      op.callBoxed(&stack);
+      return stack[0].toTensor();
+    }
+    return at::linear(x, weight);
+  }
 };
 
+// A layer's weights and what its family adds to Llama's layer (model/config.py's Family): norm
+// weights of h's dtype, or float32 for Gemma's (1 + w) (norm.h); the optional pieces undefined
+// where the family has none.
 struct DecoderLayer {
-  at::Tensor input_norm, post_norm;        // [hidden]
-  PackedProjection groups[kGroups];
+  at::Tensor input_norm, post_norm;             // [hidden]: attention's and MLP's input norms
+  Projection groups[kGroups];
+  c10::optional<at::Tensor> qkv_bias;           // [q + 2 kv] (Qwen2)
+  c10::optional<at::Tensor> q_norm, k_norm;     // [head_dim], per head before RoPE (Qwen3, Gemma 3)
+  c10::optional<at::Tensor> attn_out_norm;      // [hidden], on the attention's output (Gemma)
+  c10::optional<at::Tensor> mlp_out_norm;       // [hidden], on the MLP's output (Gemma)
+  int64_t window;                               // sliding window; 0: global attention
 };
 
 // The step's LoRA as lora_segments takes it: flat pool, adapter tables and, per group, its runs
@@ -41,38 +71,53 @@ struct StepLora {
   at::Tensor ranks, a_ptr, b_ptr, scaling;
 };
 
+// Per layer, in this order, the tensors that NativeDecoder's constructor takes in `norms`.
+constexpr size_t kLayerTensors = 7;
+
 class NativeDecoder {
  public:
-  // norms: input_norm, post_norm per layer; packed, out_features: qkv, o, gate_up, down per layer
-  // (kGroups order); final_norm: [hidden]; lm_head: packed like the projections.
-  NativeDecoder(std::vector<at::Tensor> norms, std::vector<at::Tensor> packed, std::vector<int64_t> out_features,
-                at::Tensor final_norm, at::Tensor lm_head, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                double eps)
-      : final_norm_(std::move(final_norm)), nh_(num_heads), nkv_(num_kv_heads), hd_(head_dim), eps_(eps) {
-    const size_t layers = norms.size() / 2;
-    TORCH_CHECK(norms.size() == 2 * layers && packed.size() == kGroups * layers + 1 &&
-                    out_features.size() == packed.size(),
-                "two norms per layer, four projections per layer and the lm_head");
+  // layer_tensors: per layer input_norm, post_norm, qkv_bias, q_norm, k_norm, attn_out_norm,
+  // mlp_out_norm (None where the family has none); weights, out_features: qkv, o, gate_up, down per
+  // layer (kGroups order), then the lm_head's, each as its Linear holds it (Projection); windows:
+  // per layer, 0 for global attention; final_norm: [hidden]. scale, softcap (0: none): the
+  // attention scores'; gelu: GeGLU, else SwiGLU.
+  NativeDecoder(std::vector<c10::optional<at::Tensor>> layer_tensors, std::vector<at::Tensor> weights,
+                std::vector<int64_t> out_features, std::vector<int64_t> windows, at::Tensor final_norm,
+                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+                double softcap, bool gelu)
+      : final_norm_(std::move(final_norm)), nh_(num_heads), nkv_(num_kv_heads), hd_(head_dim), eps_(eps),
+        scale_(scale), softcap_(softcap), gelu_(gelu) {
+    const size_t layers = windows.size();
+    TORCH_CHECK(layer_tensors.size() == kLayerTensors * layers && weights.size() == kGroups * layers + 1 &&
+                    out_features.size() == weights.size(),
+                "seven norm and bias tensors per layer, four projections per layer and the lm_head");
     for (size_t l = 0; l < layers; ++l) {
-      DecoderLayer layer{norms[2 * l], norms[2 * l + 1], {}};
-      for (int g = 0; g < kGroups; ++g) layer.groups[g] = {packed[kGroups * l + g], out_features[kGroups * l + g]};
+      const auto* t = layer_tensors.data() + kLayerTensors * l;
+      TORCH_CHECK(t[0] && t[1] && t[3].has_value() == t[4].has_value() && t[5].has_value() == t[6].has_value(),
+                  "layer ", l, ": both input norms, q and k norms both or neither, output norms both or neither");
+      TORCH_CHECK(windows[l] >= 0, "windows must be 0 (global) or positive");
+      DecoderLayer layer{*t[0], *t[1], {}, t[2], t[3], t[4], t[5], t[6], windows[l]};
+      for (int g = 0; g < kGroups; ++g) layer.groups[g] = {weights[kGroups * l + g], out_features[kGroups * l + g]};
       layers_.push_back(std::move(layer));
     }
-    lm_head_ = {packed.back(), out_features.back()};
+    lm_head_ = {weights.back(), out_features.back()};
   }
 
-  // h: [T, hidden] embedded tokens (updated in place: the residual stream); positions, write_rows
-  // [T]; cos, sin: the RoPE tables; kv: the pool's KV view [pages, 2, layers, block, kv_size]. The
-  // first num_decode rows decode (decode_tables [n, max_pages], decode_lens [n]); the rest are
-  // prefill chunks (prefill_tables, prefill_starts, prefill_first_pos as paged_prefill_attention
-  // takes them). Returns the logits of rows sample_index: [rows, vocab].
-  at::Tensor forward(at::Tensor h, at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor kv,
-                     at::Tensor write_rows, int64_t num_decode, at::Tensor decode_tables, at::Tensor decode_lens,
-                     at::Tensor prefill_tables, at::Tensor prefill_starts, at::Tensor prefill_first_pos,
-                     at::Tensor sample_index, c10::optional<at::Tensor> flat,
-                     std::vector<c10::optional<at::Tensor>> runs, std::vector<at::Tensor> projections,
-                     c10::optional<at::Tensor> ranks, c10::optional<at::Tensor> a_ptr,
-                     c10::optional<at::Tensor> b_ptr, c10::optional<at::Tensor> scaling) const {
+  // h: [T, hidden] embedded tokens (scaled where the family scales them; updated in place: the
+  // residual stream); positions, write_rows [T]; cos, sin: the RoPE tables, local_cos, local_sin the
+  // sliding layers' (the same tensors where they share them); kv: the pool's KV view [pages, 2,
+  // layers, block, kv_size]. The first num_decode rows decode (decode_tables [n, max_pages],
+  // decode_lens [n]); the rest are prefill chunks (prefill_tables, prefill_starts, prefill_first_pos
+  // as paged_prefill_attention takes them). Returns the logits of rows sample_index: [rows, vocab]
+  // (before any final soft-capping).
+  at::Tensor forward(at::Tensor h, at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor local_cos,
+                     at::Tensor local_sin, at::Tensor kv, at::Tensor write_rows, int64_t num_decode,
+                     at::Tensor decode_tables, at::Tensor decode_lens, at::Tensor prefill_tables,
+                     at::Tensor prefill_starts, at::Tensor prefill_first_pos, at::Tensor sample_index,
+                     c10::optional<at::Tensor> flat, std::vector<c10::optional<at::Tensor>> runs,
+                     std::vector<at::Tensor> projections, c10::optional<at::Tensor> ranks,
+                     c10::optional<at::Tensor> a_ptr, c10::optional<at::Tensor> b_ptr,
+                     c10::optional<at::Tensor> scaling) const {
     const int64_t T = h.size(0), layers = int64_t(layers_.size());
     TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2 && kv.size(2) == layers, "kv must be [pages, 2, layers, block, kv_size]");
     TORCH_CHECK(num_decode >= 0 && num_decode <= T, "num_decode outside the step's rows");
@@ -84,32 +129,39 @@ class NativeDecoder {
     }
     const int64_t block = kv.size(3), q_size = nh_ * hd_;
     const at::Tensor kv_rows = kv.view({-1, kv.size(4)});
-    const double scale = std::pow(double(hd_), -0.5);             // as Python's hd ** -0.5
     at::Tensor x = add_rms_norm_op(h, c10::nullopt, layers_[0].input_norm, eps_);
     for (int64_t li = 0; li < layers; ++li) {
       const DecoderLayer& L = layers_[li];
       const at::Tensor qkv = project(kQkv, li, x, L, lora);                       // [T, q + 2 kv]
-      rope_write_kv_op(qkv, positions, cos, sin, kv_rows, write_rows, li * block, (layers + li) * block, nh_, nkv_);
+      if (L.qkv_bias) qkv.add_(*L.qkv_bias);
+      if (L.q_norm) head_rms_norm_op(qkv, *L.q_norm, *L.k_norm, nh_, nkv_, eps_);
+      const bool local = L.window > 0;
+      rope_write_kv_op(qkv, positions, local ? local_cos : cos, local ? local_sin : sin, kv_rows, write_rows,
+                       li * block, (layers + li) * block, nh_, nkv_);
       const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, nh_, hd_});
       const at::Tensor k_cache = kv.select(1, 0).select(1, li), v_cache = kv.select(1, 1).select(1, li);
       const at::Tensor attn = at::empty({T, nh_, hd_}, h.options());
       if (num_decode > 0)
         paged_decode_attention_op(attn.narrow(0, 0, num_decode), q.narrow(0, 0, num_decode), k_cache, v_cache,
-                                  decode_tables, decode_lens, scale);
+                                  decode_tables, decode_lens, scale_, L.window, softcap_);
       if (num_decode < T)
-        paged_prefill_attention_op(attn, q, k_cache, v_cache, prefill_tables, prefill_starts, prefill_first_pos, scale);
+        paged_prefill_attention_op(attn, q, k_cache, v_cache, prefill_tables, prefill_starts, prefill_first_pos,
+                                   scale_, L.window, softcap_);
       const at::Tensor attn_rows = attn.view({T, q_size});
-      const at::Tensor o = project(kO, li, attn_rows, L, lora);
+      at::Tensor o = project(kO, li, attn_rows, L, lora);
+      if (L.attn_out_norm) o = add_rms_norm_op(o, c10::nullopt, *L.attn_out_norm, eps_);
       x = add_rms_norm_op(h, o, L.post_norm, eps_);                               // h += o
-      const at::Tensor act = silu_mul_op(project(kGateUp, li, x, L, lora));        // [T, inter]
-      const at::Tensor d = project(kDown, li, act, L, lora);
+      const at::Tensor gate_up = project(kGateUp, li, x, L, lora);                // [T, 2 inter]
+      const at::Tensor act = gelu_ ? gated_mul_op<gelu_tanh>(gate_up) : gated_mul_op<silu>(gate_up);   // [T, inter]
+      at::Tensor d = project(kDown, li, act, L, lora);
+      if (L.mlp_out_norm) d = add_rms_norm_op(d, c10::nullopt, *L.mlp_out_norm, eps_);
       if (li + 1 < layers)
         x = add_rms_norm_op(h, d, layers_[li + 1].input_norm, eps_);              // h += d
       else
         h.add_(d);
     }
     const at::Tensor hs = add_rms_norm_op(h.index_select(0, sample_index), c10::nullopt, final_norm_, eps_);
-    return packed_linear_op(hs, lm_head_.packed, lm_head_.out_features);
+    return lm_head_(hs);
   }
 
  private:
@@ -118,9 +170,10 @@ class NativeDecoder {
   // v: down asks for the next layer's), so that they come from cache: a decode step of 31 adapters'
   // q and v rows took 2.4 ms from DRAM and 0.8 from cache (Zen 4, BENCHMARKS.md).
   at::Tensor project(Group g, int64_t layer, const at::Tensor& x, const DecoderLayer& L, const StepLora& lora) const {
-    const bool asks = x.size(0) >= kSideStreamFromRows && !amx_tiles_run(x.size(1) / 2);   // gemm.h's tiles that ask
+    const Projection& base = L.groups[g];
+    const bool asks = base.packed() && x.size(0) >= kSideStreamFromRows && !amx_tiles_run(x.size(1) / 2);   // gemm.h's tiles that ask
     const std::vector<PrefetchSpan> ahead = asks ? next_lora_rows(g, layer, lora) : std::vector<PrefetchSpan>{};
-    at::Tensor y = packed_linear_op(x, L.groups[g].packed, L.groups[g].out_features, ahead.empty() ? nullptr : &ahead);
+    at::Tensor y = base(x, ahead.empty() ? nullptr : &ahead);
     if (lora.flat && lora.runs[g])
       lora_segments_op(y, x, *lora.flat, *lora.runs[g], lora.ranks, lora.a_ptr, lora.b_ptr, lora.scaling, layer,
                        lora.projections[g]);
@@ -132,24 +185,25 @@ class NativeDecoder {
     const Group next = Group((g + 1) % kGroups);
     const int64_t next_layer = next == kQkv ? layer + 1 : layer;
     if (!lora.flat || !lora.runs[next] || next_layer == int64_t(layers_.size()) ||
-        !lora_rows_ahead_on.load(std::memory_order_relaxed))
+        !layers_[next_layer].groups[next].packed() || !lora_rows_ahead_on.load(std::memory_order_relaxed))
       return {};
     const at::Tensor& runs = *lora.runs[next];
     const at::Tensor& projs = lora.projections[next];
     const LoraTables tables{lora.ranks.data_ptr<int32_t>(), lora.a_ptr.data_ptr<int64_t>(), lora.b_ptr.data_ptr<int64_t>(),
                             lora.scaling.data_ptr<float>(), lora.a_ptr.size(1), lora.a_ptr.size(2), lora.a_ptr.size(3),
                             next_layer};
-    const int64_t fan_in = 2 * layers_[next_layer].groups[next].packed.size(1);   // [blocks, in / 2, 16, 2]
+    const int64_t fan_in = 2 * layers_[next_layer].groups[next].weight.size(1);   // [blocks, in / 2, 16, 2]
     return lora_spans(lora.flat->data_ptr<bf16>(), tables, reinterpret_cast<const LoraRun*>(runs.data_ptr<int64_t>()),
                       runs.size(0), reinterpret_cast<const LoraProjection*>(projs.data_ptr<int64_t>()), projs.size(0),
                       fan_in);
   }
 
   std::vector<DecoderLayer> layers_;
-  PackedProjection lm_head_;
+  Projection lm_head_;
   at::Tensor final_norm_;
   int64_t nh_, nkv_, hd_;
-  double eps_;
+  double eps_, scale_, softcap_;
+  bool gelu_;
 };
 
 }  // namespace asyncserve

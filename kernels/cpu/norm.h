@@ -1,7 +1,8 @@
-// Residual add + RMSNorm in one pass over each row.
+// RMSNorm: residual add + norm in one pass over each row, and the per-head norm of q and k.
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include <ATen/Parallel.h>
 
@@ -9,11 +10,30 @@
 
 namespace asyncserve {
 
+// One row: y = rms_norm(x) * weight (y may be x). With a weight of x's type T, the rounding steps
+// of torch's rms_norm: y = T(T(x * rsqrt(mean(x^2) + eps)) * weight). With a float32 weight over
+// bf16 x (Gemma's (1 + w), as transformers applies it): the product in float32, rounded once.
+template <typename T, typename W>
+inline void rms_norm_row(const T* x, const W* weight, T* y, int64_t hidden, float eps) {
+  float sum_sq = 0.0f;
+#pragma omp simd reduction(+ : sum_sq)
+  for (int64_t i = 0; i < hidden; ++i) {
+    float v = to_float(x[i]);
+    sum_sq += v * v;
+  }
+  const float inv_rms = 1.0f / std::sqrt(sum_sq / float(hidden) + eps);
+  for (int64_t i = 0; i < hidden; ++i) {
+    float normed = to_float(x[i]) * inv_rms;
+    if constexpr (std::is_same_v<T, W>) normed = to_float(from_float<T>(normed));
+    y[i] = from_float<T>(normed * to_float(weight[i]));
+  }
+}
+
 // h: [rows, hidden] (row stride h_stride), delta: same shape or null, out: [rows, hidden].
-// With delta: h += delta, rounded to T as eager torch rounds it. Then
-// out = T(T(h * rsqrt(mean(h^2) + eps)) * weight), the rounding steps of torch's rms_norm.
-template <typename T>
-void add_rms_norm(T* h, int64_t h_stride, const T* delta, int64_t delta_stride, const T* weight,
+// With delta: h += delta, rounded to T as eager torch rounds it. Then out = rms_norm(h) * weight
+// (rms_norm_row).
+template <typename T, typename W>
+void add_rms_norm(T* h, int64_t h_stride, const T* delta, int64_t delta_stride, const W* weight,
                   T* out, int64_t out_stride, int64_t rows, int64_t hidden, float eps) {
   // rows are short: a thread takes at least ~16k elements so small steps stay on the caller's thread
   const int64_t grain = std::max<int64_t>(1, 16384 / hidden);
@@ -24,18 +44,23 @@ void add_rms_norm(T* h, int64_t h_stride, const T* delta, int64_t delta_stride, 
         const T* d = delta + r * delta_stride;
         for (int64_t i = 0; i < hidden; ++i) x[i] = from_float<T>(to_float(x[i]) + to_float(d[i]));
       }
-      float sum_sq = 0.0f;
-#pragma omp simd reduction(+ : sum_sq)
-      for (int64_t i = 0; i < hidden; ++i) {
-        float v = to_float(x[i]);
-        sum_sq += v * v;
-      }
-      const float inv_rms = 1.0f / std::sqrt(sum_sq / float(hidden) + eps);
-      T* y = out + r * out_stride;
-      for (int64_t i = 0; i < hidden; ++i) {
-        float normed = to_float(from_float<T>(to_float(x[i]) * inv_rms));
-        y[i] = from_float<T>(normed * to_float(weight[i]));
-      }
+      rms_norm_row(x, weight, out + r * out_stride, hidden, eps);
+    }
+  });
+}
+
+// qkv: [tokens, (nh + 2 nkv) * hd] (row stride qkv_stride): each of the nh q heads normed in place
+// with q_weight [hd], each of the nkv k heads with k_weight (Qwen3's and Gemma 3's q/k norms,
+// before RoPE); v untouched.
+template <typename T, typename W>
+void head_rms_norm(T* qkv, int64_t qkv_stride, const W* q_weight, const W* k_weight, int64_t tokens, int64_t nh,
+                   int64_t nkv, int64_t hd, float eps) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / ((nh + nkv) * hd));
+  at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      T* row = qkv + t * qkv_stride;
+      for (int64_t head = 0; head < nh + nkv; ++head)
+        rms_norm_row(row + head * hd, head < nh ? q_weight : k_weight, row + head * hd, hd, eps);
     }
   });
 }

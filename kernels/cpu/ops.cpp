@@ -39,13 +39,26 @@ void check_index(const at::Tensor& t, const char* name) {
               " must be a contiguous int64 CPU tensor");
 }
 
-// h: [rows, hidden]; delta: like h or None; weight: [hidden]. Adds delta into h (in place) when
-// given; returns rms_norm(h) * weight as a new [rows, hidden] tensor.
+// A norm weight of x's dtype (torch's rms_norm) or float32 (Gemma's (1 + w)): f(T, W) for its type W.
+template <typename T, typename F>
+void dispatch_norm_weight(const at::Tensor& weight, const at::Tensor& x, const char* name, F&& f) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.is_contiguous() && weight.dim() == 1, name,
+              " must be a contiguous one-dimensional CPU tensor");
+  if (weight.scalar_type() == x.scalar_type()) {
+    f(weight.data_ptr<T>());
+  } else {
+    TORCH_CHECK(weight.scalar_type() == at::kFloat, name, " has dtype ", weight.scalar_type(), ", expected ",
+                x.scalar_type(), " or float32");
+    f(weight.data_ptr<float>());
+  }
+}
+
+// h: [rows, hidden]; delta: like h or None; weight: [hidden], h's dtype or float32 (norm.h). Adds
+// delta into h (in place) when given; returns rms_norm(h) * weight as a new [rows, hidden] tensor.
 at::Tensor add_rms_norm_op(at::Tensor h, c10::optional<at::Tensor> delta, at::Tensor weight, double eps) {
   check_like(h, h, "h");
   TORCH_CHECK(h.dim() == 2, "h must be [rows, hidden]");
   const int64_t rows = h.size(0), hidden = h.size(1);
-  check_like(weight, h, "weight");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden, "weight must be [hidden]");
   if (delta) {
     check_like(*delta, h, "delta");
@@ -54,22 +67,44 @@ at::Tensor add_rms_norm_op(at::Tensor h, c10::optional<at::Tensor> delta, at::Te
   at::Tensor out = at::empty({rows, hidden}, h.options());
   dispatch_dtype(h, [&](auto zero) {
     using T = decltype(zero);
-    add_rms_norm<T>(h.data_ptr<T>(), h.stride(0), delta ? delta->data_ptr<T>() : nullptr,
-                    delta ? delta->stride(0) : 0, weight.data_ptr<T>(), out.data_ptr<T>(), hidden, rows, hidden,
-                    float(eps));
+    dispatch_norm_weight<T>(weight, h, "weight", [&](auto* w) {
+      add_rms_norm(h.data_ptr<T>(), h.stride(0), delta ? delta->data_ptr<T>() : nullptr,
+                   delta ? delta->stride(0) : 0, w, out.data_ptr<T>(), hidden, rows, hidden, float(eps));
+    });
   });
   return out;
 }
 
-// gate_up: [rows, 2 * inter]; returns silu(gate) * up as a new [rows, inter] tensor.
-at::Tensor silu_mul_op(at::Tensor gate_up) {
+// qkv: [tokens, (nh + 2 nkv) hd]; q_weight, k_weight: [hd], qkv's dtype or float32 (both the same).
+// Norms each q head with q_weight and each k head with k_weight, in place.
+void head_rms_norm_op(at::Tensor qkv, at::Tensor q_weight, at::Tensor k_weight, int64_t nh, int64_t nkv, double eps) {
+  check_like(qkv, qkv, "qkv");
+  TORCH_CHECK(qkv.dim() == 2 && nh > 0 && nkv > 0 && qkv.size(1) % (nh + 2 * nkv) == 0,
+              "qkv must be [tokens, (nh + 2 nkv) * hd]");
+  const int64_t hd = qkv.size(1) / (nh + 2 * nkv);
+  TORCH_CHECK(q_weight.numel() == hd && k_weight.sizes() == q_weight.sizes() && k_weight.is_contiguous() &&
+                  k_weight.device().is_cpu() && k_weight.scalar_type() == q_weight.scalar_type(),
+              "q_weight and k_weight must be contiguous [head_dim] CPU tensors of one dtype");
+  dispatch_dtype(qkv, [&](auto zero) {
+    using T = decltype(zero);
+    dispatch_norm_weight<T>(q_weight, qkv, "q_weight", [&](auto* q_w) {
+      using W = std::remove_pointer_t<decltype(q_w)>;
+      head_rms_norm(qkv.data_ptr<T>(), qkv.stride(0), q_w, k_weight.data_ptr<W>(), qkv.size(0), nh, nkv, hd,
+                    float(eps));
+    });
+  });
+}
+
+// gate_up: [rows, 2 * inter]; returns Act(gate) * up as a new [rows, inter] tensor (activation.h).
+template <float (*Act)(float)>
+at::Tensor gated_mul_op(at::Tensor gate_up) {
   check_like(gate_up, gate_up, "gate_up");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [rows, 2 * intermediate]");
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
   at::Tensor out = at::empty({rows, inter}, gate_up.options());
   dispatch_dtype(gate_up, [&](auto zero) {
     using T = decltype(zero);
-    silu_mul<T>(gate_up.data_ptr<T>(), gate_up.stride(0), out.data_ptr<T>(), inter, rows, inter);
+    gated_mul<T, Act>(gate_up.data_ptr<T>(), gate_up.stride(0), out.data_ptr<T>(), inter, rows, inter);
   });
   return out;
 }
@@ -124,9 +159,10 @@ void rope_write_kv_op(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::
 }
 
 // out, q: [n, nh, hd]; k_cache, v_cache: [pages, block, nkv * hd] (one layer, any page and slot
-// strides); tables: [n, max_pages] page ids; context_lens: [n]. Writes attention into out.
+// strides); tables: [n, max_pages] page ids; context_lens: [n]; window: 0, or each query's sliding
+// window; softcap: 0, or the scores' soft cap. Writes attention into out.
 void paged_decode_attention_op(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables,
-                               at::Tensor context_lens, double scale) {
+                               at::Tensor context_lens, double scale, int64_t window, double softcap) {
   check_like(q, q, "q");
   check_like(out, q, "out");
   check_like(k_cache, q, "k_cache");
@@ -139,6 +175,7 @@ void paged_decode_attention_op(at::Tensor out, at::Tensor q, at::Tensor k_cache,
               "num_heads must be a multiple of the cache's KV heads");
   check_index(tables, "tables");
   check_index(context_lens, "context_lens");
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "window and softcap must be 0 (none) or positive");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == s.n && context_lens.numel() == s.n,
               "tables must be [n, max_pages] and context_lens [n]");
   const int64_t* table = tables.data_ptr<int64_t>();
@@ -154,16 +191,18 @@ void paged_decode_attention_op(at::Tensor out, at::Tensor q, at::Tensor k_cache,
     using T = decltype(zero);
     paged_decode_attention<T>(out.data_ptr<T>(), out.stride(0), out.stride(1), q.data_ptr<T>(), q.stride(0),
                               q.stride(1), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), k_cache.stride(0),
-                              k_cache.stride(1), table, width, lens, s, float(scale));
+                              k_cache.stride(1), table, width, lens, s, float(scale), window, float(softcap));
   });
 }
 
 // out, q: [tokens, nh, hd]; k_cache, v_cache as for decode; tables: [chunks, max_pages] page ids;
 // query_starts: [chunks + 1], chunk i's rows of q and out; first_pos: [chunks], the position of each
 // chunk's first row. Each row attends causally to its sequence's keys (the chunk's own K/V already
-// in the pool). Rows of out outside the chunks are left as they are.
+// in the pool), within its sliding window where window > 0, scores soft-capped where softcap > 0.
+// Rows of out outside the chunks are left as they are.
 void paged_prefill_attention_op(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                                at::Tensor tables, at::Tensor query_starts, at::Tensor first_pos, double scale) {
+                                at::Tensor tables, at::Tensor query_starts, at::Tensor first_pos, double scale,
+                                int64_t window, double softcap) {
   check_like(q, q, "q");
   check_like(out, q, "out");
   check_like(k_cache, q, "k_cache");
@@ -178,6 +217,7 @@ void paged_prefill_attention_op(at::Tensor out, at::Tensor q, at::Tensor k_cache
   check_index(tables, "tables");
   check_index(query_starts, "query_starts");
   check_index(first_pos, "first_pos");
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "window and softcap must be 0 (none) or positive");
   const int64_t chunks = first_pos.numel();
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == chunks && query_starts.numel() == chunks + 1,
               "tables must be [chunks, max_pages], query_starts [chunks + 1] and first_pos [chunks]");
@@ -198,7 +238,8 @@ void paged_prefill_attention_op(at::Tensor out, at::Tensor q, at::Tensor k_cache
     using T = decltype(zero);
     paged_prefill_attention<T>(out.data_ptr<T>(), out.stride(0), out.stride(1), q.data_ptr<T>(), q.stride(0),
                                q.stride(1), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), k_cache.stride(0),
-                               k_cache.stride(1), table, width, starts, pos, chunks, s, float(scale));
+                               k_cache.stride(1), table, width, starts, pos, chunks, s, float(scale), window,
+                               float(softcap));
   });
 }
 
@@ -371,7 +412,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace asyncserve;
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.def("add_rms_norm", &add_rms_norm_op, no_gil, "h += delta (if given); returns rms_norm(h) * weight");
-  m.def("silu_mul", &silu_mul_op, no_gil, "silu(gate) * up of gate_up = [gate, up]");
+  m.def("head_rms_norm", &head_rms_norm_op, no_gil, "per-head RMSNorm of qkv's q and k heads, in place");
+  m.def("silu_mul", &gated_mul_op<silu>, no_gil, "silu(gate) * up of gate_up = [gate, up]");
+  m.def("gelu_tanh_mul", &gated_mul_op<gelu_tanh>, no_gil, "gelu_tanh(gate) * up of gate_up = [gate, up]");
   m.def("greedy_rows", &greedy_rows_op, no_gil, "argmax per row (torch's ties and NaN) and its finiteness");
   m.def("rope_write_kv", &rope_write_kv_op, no_gil, "RoPE on q and k in place; k and v into the pool");
   m.def("paged_decode_attention", &paged_decode_attention_op, no_gil, "decode attention over block tables");
@@ -396,7 +439,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_lora_rows_ahead", [](bool on) { return lora_rows_ahead_on.exchange(on); },
         "whether the native decoder's GEMMs ask for the next LoRA call's rows (on at start); returns the previous setting");
   py::class_<NativeDecoder>(m, "NativeDecoder")
-      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>, at::Tensor, at::Tensor,
-                    int64_t, int64_t, int64_t, double>())
+      .def(py::init<std::vector<c10::optional<at::Tensor>>, std::vector<at::Tensor>, std::vector<int64_t>,
+                    std::vector<int64_t>, at::Tensor, int64_t, int64_t, int64_t, double, double, double, bool>())
       .def("forward", &NativeDecoder::forward, no_gil, "the layers, final norm and lm_head of one step");
 }

@@ -6,7 +6,10 @@
 // [d, m]) so that the softmax statistics are per-lane vectors and K rows are used as they lie.
 // bf16 runs the GEMMs as AVX512-BF16 dot products of pairs (where the CPU has them), fp32 as FMAs;
 // online softmax over the tiles, fp32 accumulation. Keys past a row's own position are masked;
-// keys past the item's last row are never read.
+// keys past the item's last row are never read. With a sliding window (a row sees the last
+// `window` positions, its own included) keys before a row's window are masked too, and those
+// before the item's first row's window never read. Scores may be soft-capped (Gemma 2: cap *
+// tanh(score / cap), before the mask).
 #pragma once
 
 #include <algorithm>
@@ -127,15 +130,16 @@ constexpr bool kBf16Pairs =
 // keys and values [tile, hd]; per lane the running max and sum, the tile's max and correction, and
 // its row's position (as a float: exact below 2^24, and compared in the lanes' vectors). bf16
 // pairs (uint32): q [hd / 2, lanes], keys [tile, hd / 2] (rows as they lie), probabilities
-// [tile / 2, lanes] and values [tile / 2, hd] with two keys' entries in each.
+// [tile / 2, lanes] and values [tile / 2, hd] with two keys' entries in each. first_key, last_key:
+// per lane the keys it attends to.
 struct PrefillScratch {
   std::vector<float> buffer;
   std::vector<uint32_t> pairs;
-  float *q_t, *acc_t, *scores, *k, *v, *row_max, *row_sum, *correction, *tile_max, *last_key;
+  float *q_t, *acc_t, *scores, *k, *v, *row_max, *row_sum, *correction, *tile_max, *first_key, *last_key;
   uint32_t *q_pairs, *k_pairs, *p_pairs, *v_pairs;
 
   PrefillScratch(int64_t lanes, int64_t hd)
-      : buffer(lanes * (2 * hd + kPrefillKeyTile + 5) + 2 * kPrefillKeyTile * hd),
+      : buffer(lanes * (2 * hd + kPrefillKeyTile + 6) + 2 * kPrefillKeyTile * hd),
         pairs(hd / 2 * lanes + kPrefillKeyTile * hd / 2 + kPrefillKeyTile / 2 * (lanes + hd)) {
     q_t = buffer.data();
     acc_t = q_t + hd * lanes;
@@ -146,7 +150,8 @@ struct PrefillScratch {
     row_sum = row_max + lanes;
     correction = row_sum + lanes;
     tile_max = correction + lanes;
-    last_key = tile_max + lanes;
+    first_key = tile_max + lanes;
+    last_key = first_key + lanes;
     q_pairs = pairs.data();
     k_pairs = q_pairs + hd / 2 * lanes;
     p_pairs = k_pairs + kPrefillKeyTile * hd / 2;
@@ -156,12 +161,13 @@ struct PrefillScratch {
 
 // The online softmax's step over one tile's scores [tile_rows, lanes], in place into
 // probabilities: the running max and sum move on, correction gets the factor that rescales the
-// lanes' accumulated output. diagonal: some lane's position is before the tile's last key, so keys
-// past last_key are masked (probability 0).
-inline void softmax_tile(PrefillScratch& w, int64_t key0, int64_t tile_rows, int64_t lanes, bool diagonal) {
+// lanes' accumulated output. masked: some lane does not attend to some key of the tile, so keys
+// outside [first_key, last_key] are masked (probability 0).
+inline void softmax_tile(PrefillScratch& w, int64_t key0, int64_t tile_rows, int64_t lanes, bool masked) {
   float* __restrict__ row_max = w.row_max;
   float* __restrict__ row_sum = w.row_sum;
   float* __restrict__ correction = w.correction;
+  const float* __restrict__ first_key = w.first_key;
   const float* __restrict__ last_key = w.last_key;
   float* __restrict__ tile_max = w.tile_max;
   for (int64_t m = 0; m < lanes; ++m) tile_max[m] = -std::numeric_limits<float>::infinity();
@@ -170,11 +176,13 @@ inline void softmax_tile(PrefillScratch& w, int64_t key0, int64_t tile_rows, int
     const float key = float(key0 + j);
 #pragma omp simd
     for (int64_t m = 0; m < lanes; ++m)
-      tile_max[m] = (!diagonal || key <= last_key[m]) ? std::max(tile_max[m], sj[m]) : tile_max[m];
+      tile_max[m] = (!masked || (key >= first_key[m] && key <= last_key[m])) ? std::max(tile_max[m], sj[m])
+                                                                             : tile_max[m];
   }
 #pragma omp simd
   for (int64_t m = 0; m < lanes; ++m) {
-    // the first tile holds key 0, which every lane attends to: row_max is finite after it
+    // the first tile holds every lane's first key (a lane's window starts at most 15 keys after the
+    // item's first row's): row_max is finite after it
     const float new_max = std::max(row_max[m], tile_max[m]);
     correction[m] = exp_nonpositive(row_max[m] - new_max);   // -inf on the first tile: ~1e-38 x 0
     row_max[m] = new_max;
@@ -185,7 +193,8 @@ inline void softmax_tile(PrefillScratch& w, int64_t key0, int64_t tile_rows, int
     const float key = float(key0 + j);
 #pragma omp simd
     for (int64_t m = 0; m < lanes; ++m) {
-      const float p = (!diagonal || key <= last_key[m]) ? exp_nonpositive(sj[m] - row_max[m]) : 0.0f;
+      const float p = (!masked || (key >= first_key[m] && key <= last_key[m])) ? exp_nonpositive(sj[m] - row_max[m])
+                                                                                : 0.0f;
       sj[m] = p;
       row_sum[m] += p;
     }
@@ -195,15 +204,18 @@ inline void softmax_tile(PrefillScratch& w, int64_t key0, int64_t tile_rows, int
 // One item: query rows [t0, t0 + rows) of a chunk (q, out at its first row) whose first row sits
 // at position first_pos, the group of query heads of kv_head. Lane m is row m / group, head
 // m % group; lanes past rows * group (padding to a multiple of 16) have zero queries, their
-// results are dropped.
+// results are dropped. window > 0: a sliding window; softcap > 0: capped scores.
 template <typename T>
 void prefill_item(T* out, int64_t out_s0, int64_t out_s1, const T* q, int64_t q_s0, int64_t q_s1,
                   const T* k_cache, const T* v_cache, int64_t page_stride, int64_t slot_stride,
                   const int64_t* table, int64_t first_pos, int64_t t0, int64_t rows, int64_t kv_head,
-                  const PrefillAttentionShape& s, float scale, PrefillScratch& w) {
+                  const PrefillAttentionShape& s, float scale, int64_t window, float softcap, PrefillScratch& w) {
   const int64_t group = s.nh / s.nkv, hd = s.hd, tile = kPrefillKeyTile;
   const int64_t used = rows * group, lanes = (used + kLanes - 1) / kLanes * kLanes;
-  const int64_t keys = first_pos + t0 + rows;          // the item attends to keys [0, keys)
+  const int64_t keys = first_pos + t0 + rows;          // the item attends to keys [key_begin, keys)
+  // a row at position p sees keys [window_start(p), p]
+  auto window_start = [&](int64_t p) { return window > 0 ? std::max<int64_t>(0, p - window + 1) : 0; };
+  const int64_t key_begin = window_start(first_pos + t0), last_row_begin = window_start(keys - 1);
   // a type that depends on T: the branches that kBf16Pairs discards are then never checked, so CPUs
   // without AVX512-BF16 (where Bf16PairMadd is only declared) compile them
   using PairMadd = std::conditional_t<kBf16Pairs<T>, Bf16PairMadd, Fp32Madd>;
@@ -216,11 +228,12 @@ void prefill_item(T* out, int64_t out_s0, int64_t out_s1, const T* q, int64_t q_
       for (int64_t d = 0; d < hd; ++d) w.q_t[d * lanes + m] = m < used ? to_float(src[d]) * scale : 0.0f;
     }
     w.last_key[m] = float(m < used ? first_pos + t0 + m / group : keys - 1);
+    w.first_key[m] = float(m < used ? window_start(first_pos + t0 + m / group) : key_begin);
     w.row_max[m] = -std::numeric_limits<float>::infinity();
     w.row_sum[m] = 0.0f;
   }
   std::fill(w.acc_t, w.acc_t + hd * lanes, 0.0f);
-  for (int64_t key0 = 0; key0 < keys; key0 += tile) {
+  for (int64_t key0 = key_begin; key0 < keys; key0 += tile) {
     const int64_t tile_rows = std::min(tile, keys - key0);
     for (int64_t j = 0; j < tile_rows; ++j) {
       const int64_t pos = key0 + j;
@@ -246,7 +259,9 @@ void prefill_item(T* out, int64_t out_s0, int64_t out_s1, const T* q, int64_t q_
       gemm_lanes<PairMadd, false>(w.k_pairs, hd / 2, 1, w.q_pairs, w.scores, tile_rows, lanes, hd / 2, nullptr, scale);
     else
       gemm_lanes<Fp32Madd, false>(w.k, hd, 1, w.q_t, w.scores, tile_rows, lanes, hd, nullptr, 1.0f);
-    softmax_tile(w, key0, tile_rows, lanes, key0 + tile_rows - 1 > first_pos + t0);
+    if (softcap > 0.0f) soft_cap(w.scores, tile_rows * lanes, softcap);
+    softmax_tile(w, key0, tile_rows, lanes,
+                 key0 + tile_rows - 1 > first_pos + t0 || key0 < last_row_begin);
     if constexpr (kBf16Pairs<T>) {
       // probabilities of keys 2i and 2i + 1 as one bf16 pair per lane (an odd last key pairs with 0)
       const int64_t key_pairs = (tile_rows + 1) / 2;
@@ -272,12 +287,14 @@ void prefill_item(T* out, int64_t out_s0, int64_t out_s1, const T* q, int64_t q_
 // out, q: [tokens, nh, hd] with row strides (*_s0, *_s1; hd contiguous); chunk i's query rows are
 // [query_starts[i], query_starts[i + 1]) and its first one sits at position first_pos[i] of its
 // sequence. k_cache, v_cache: one layer's K and V; row `slot` of page p starts at p * page_stride +
-// slot * slot_stride and holds nkv * hd values. tables: [chunks, table_stride] page ids.
+// slot * slot_stride and holds nkv * hd values. tables: [chunks, table_stride] page ids. window > 0:
+// a sliding window; softcap > 0: soft-capped scores.
 template <typename T>
 void paged_prefill_attention(T* out, int64_t out_s0, int64_t out_s1, const T* q, int64_t q_s0, int64_t q_s1,
                              const T* k_cache, const T* v_cache, int64_t page_stride, int64_t slot_stride,
                              const int64_t* tables, int64_t table_stride, const int64_t* query_starts,
-                             const int64_t* first_pos, int64_t chunks, const PrefillAttentionShape& s, float scale) {
+                             const int64_t* first_pos, int64_t chunks, const PrefillAttentionShape& s, float scale,
+                             int64_t window, float softcap) {
   struct Item { int64_t chunk, t0, rows, kv_head; };
   std::vector<Item> items;
   for (int64_t i = 0; i < chunks; ++i) {
@@ -297,7 +314,7 @@ void paged_prefill_attention(T* out, int64_t out_s0, int64_t out_s1, const T* q,
         const Item& it = items[n];
         prefill_item<T>(out + query_starts[it.chunk] * out_s0, out_s0, out_s1, q + query_starts[it.chunk] * q_s0,
                         q_s0, q_s1, k_cache, v_cache, page_stride, slot_stride, tables + it.chunk * table_stride,
-                        first_pos[it.chunk], it.t0, it.rows, it.kv_head, s, scale, w);
+                        first_pos[it.chunk], it.t0, it.rows, it.kv_head, s, scale, window, softcap, w);
       }
   });
 }
