@@ -8,12 +8,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-<<<<<<< HEAD
 from model_io_helpers import backend_vocab, sentencepiece_model, write_gguf, write_sentencepiece_gguf
-=======
-from model_io_helpers import backend_vocab, write_gguf
 from quant_helpers import dequantized, quantize
->>>>>>> s34n
 from reference import make_tiny_tokenizer, save_random_adapter, save_tiny_model
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
