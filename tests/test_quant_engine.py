@@ -207,3 +207,31 @@ def test_kept_blocks_are_the_dequantized_weights(tmp_path):
     assert quantized_names == {name for name in dense if name.endswith("proj.weight")} | {"lm_head.weight"}
     for name, tensor in kept.items():
         assert torch.equal(tensor.dequantize() if name in quantized_names else tensor, dense[name]), name
+
+
+@pytest.mark.parametrize("qtype, offset, value", [
+    (Q.Q8_0, 0, np.nan), (Q.Q4_K, 2, np.inf), (Q.Q6_K, 208, np.nan), (Q.Q4_1, 2, -np.inf), (Q.Q4_0, 0, np.inf),
+    (Q.Q5_K, 0, np.nan), (Q.Q4_K, 0, -np.inf)], ids=lambda v: v.name if isinstance(v, Q) else str(v))
+def test_nonfinite_block_scales_are_refused(tmp_path, qtype, offset, value):
+    """A file whose quantized tensor has a NaN or infinite fp16 scale (d, dmin, Q4_1's m) in one block is
+    refused naming the tensor, kept quantized or dequantized; a finite one (zero, subnormal) loads."""
+    from asyncserve.model.config import ModelLoadError
+    from asyncserve.model.loader import load_model
+
+    q_path, _, _ = write_pair(tmp_path, dict.fromkeys(Q4_K_M, qtype), seed=8)
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+
+    def set_scale(name: str, block: int, scale: float) -> None:
+        tensor = next(t for t in gguf.GGUFReader(q_path, "r+").tensors if t.name == name)
+        tensor.data.reshape(-1, size)[block, offset:offset + 2] = np.array([scale], np.float16).view(np.uint8)
+        tensor.data.flush()
+
+    set_scale("blk.1.ffn_down.weight", 3, 6e-8)          # fp16's smallest subnormal, and zero: fine
+    set_scale("blk.0.attn_k.weight", 0, 0.0)
+    assert load_model(str(q_path), keep_quantized=True).weights
+    set_scale("blk.1.ffn_down.weight", 5, value)
+    with pytest.raises(ModelLoadError, match=rf"tensor blk\.1\.ffn_down\.weight \({qtype.name}\) has a NaN or "
+                                             r"infinite block scale in 1 of its \d+ blocks"):
+        load_model(str(q_path), keep_quantized=True)
+    with pytest.raises(ModelLoadError, match=r"tensor model\.layers\.1\.mlp\.down_proj\.weight holds NaN or infinite"):
+        load_model(str(q_path))
