@@ -148,3 +148,37 @@ def test_fp32_strategy_is_exact_to_rounding(qtype):
     finally:
         cpu_kernels.set_quant_int8(previous)
     assert cpu_kernels.set_quant_int8(previous) == previous
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_rows_dequantized_by_index(qtype):
+    """quant_rows (an embedding table kept in blocks): the gathered rows as gguf.quants dequantizes them,
+    exactly for Q4_0, Q8_0 and Q6_K (one rounding either way), within one fp32 rounding for the
+    d q + m types; repeated and unordered indices; bf16 as the fp32 rows rounded."""
+    rng = np.random.default_rng(10 + int(qtype))
+    block = 256 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 32
+    rows, fan_in = 29, 2 * block
+    blocks = random_blocks((rows, fan_in), qtype, rng)
+    table = torch.from_numpy(dequantized(blocks, qtype))
+    exact = qtype in (Q.Q4_0, Q.Q8_0, Q.Q6_K)
+    for ids in ([0], [28, 3, 3, 0, 17], list(rng.integers(0, rows, 300)), []):
+        index = torch.tensor(ids, dtype=torch.int64)
+        got = cpu_kernels.quant_rows(torch.from_numpy(blocks), int(qtype), index, fan_in, torch.float32)
+        assert got.shape == (len(ids), fan_in)
+        want = table[index]
+        if exact:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=2.0 ** -23, atol=1e-30)
+        got16 = cpu_kernels.quant_rows(torch.from_numpy(blocks), int(qtype), index, fan_in, torch.bfloat16)
+        assert got16.dtype == torch.bfloat16 and torch.equal(got16, got.bfloat16())
+
+
+def test_rows_out_of_range_raise():
+    rng = np.random.default_rng(11)
+    blocks = torch.from_numpy(random_blocks((7, 64), Q.Q8_0, rng))
+    for ids in ([7], [-1], [0, 3, 2 ** 40], [6, -7]):
+        with pytest.raises(RuntimeError, match="out of range for 7 rows"):
+            cpu_kernels.quant_rows(blocks, int(Q.Q8_0), torch.tensor(ids), 64, torch.float32)
+    with pytest.raises(RuntimeError, match="blocks must be a contiguous uint8"):   # the wrong width for the type
+        cpu_kernels.quant_rows(blocks, int(Q.Q4_0), torch.tensor([0]), 64, torch.float32)

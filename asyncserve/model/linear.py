@@ -182,6 +182,31 @@ class QuantLinear(Linear):
         return self.weight.dequantize()
 
 
+class QuantEmbedding:
+    """A [vocab, hidden] embedding table kept in its GGUF blocks (one QuantizedWeight part): a lookup
+    dequantizes only the rows it gathers (kernels/cpu/quant.h), to ``dtype``. A tied head is a
+    QuantLinear over the same blocks."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype):
+        (self.blocks, self.qtype), = weight.parts
+        self.weight, self.dtype, self.device = weight, dtype, self.blocks.device
+        self.shape, self.nbytes = weight.shape, weight.nbytes
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.quant_rows(self.blocks, self.qtype, ids, self.weight.in_features, self.dtype)  # [T] -> [T, hidden]
+
+
+def make_embedding(weight: torch.Tensor | QuantizedWeight, dtype: torch.dtype,
+                   device: torch.device) -> torch.Tensor | QuantEmbedding:
+    """The token embedding table: GGUF blocks stay blocks where QuantLinear runs (rows dequantized at
+    lookup); elsewhere, and for a dense checkpoint, a [vocab, hidden] tensor in ``dtype``."""
+    if isinstance(weight, QuantizedWeight):
+        if quant_kernels_available(device):
+            return QuantEmbedding(weight, dtype)
+        weight = weight.dequantize()
+    return weight.to(device=device, dtype=dtype).contiguous()
+
+
 def quant_kernels_available(device: torch.device) -> bool:
     """Whether QuantLinear runs here: a CPU with the native kernels built (and not turned off)."""
     return device.type == "cpu" and not cpu_kernels.disabled() and cpu_kernels.library() is not None

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 import kernels.cpu as cpu_kernels
 from asyncserve.model.config import GROUPS, ModelConfig
-from asyncserve.model.linear import Linear, NativeLinear, QuantizedWeight, QuantLinear, make_linear, make_weight_linear
+from asyncserve.model.linear import (Linear, NativeLinear, QuantEmbedding, QuantizedWeight, QuantLinear, make_embedding,
+                                     make_linear, make_weight_linear)
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class LayerWeights:
 
 @dataclass
 class LlamaWeights:
-    embed: torch.Tensor        # [vocab, hidden]
+    embed: torch.Tensor | QuantEmbedding   # [vocab, hidden]; GGUF blocks kept: rows dequantized at lookup
     layers: list[LayerWeights]
     norm: torch.Tensor         # [hidden]
     lm_head: Linear            # hidden -> vocab (over the embedding itself when tied, unless reordered)
@@ -107,12 +108,14 @@ class LlamaWeights:
         return self._decoder or None
 
     def nbytes(self) -> int:
-        tensors = [self.embed, self.norm] + [t for lw in self.layers for t in (
+        tensors = [self.norm] + [t for lw in self.layers for t in (
             lw.input_norm, lw.post_norm, lw.qkv_bias, lw.q_norm, lw.k_norm, lw.attn_out_norm, lw.mlp_out_norm)
             if t is not None]
         linears = [self.lm_head] + [p for lw in self.layers for p in (lw.qkv, lw.o, lw.gate_up, lw.down)]
-        shared = self.lm_head.weight is self.embed
-        return (sum(t.numel() * t.element_size() for t in tensors)
+        quantized = isinstance(self.embed, QuantEmbedding)
+        embed = self.embed.nbytes if quantized else self.embed.numel() * self.embed.element_size()
+        shared = self.lm_head.weight is (self.embed.weight if quantized else self.embed)
+        return (embed + sum(t.numel() * t.element_size() for t in tensors)
                 + sum(p.nbytes for p in linears) - (self.lm_head.nbytes if shared else 0))
 
 
@@ -163,10 +166,12 @@ def build_weights(config: ModelConfig, weights: dict[str, torch.Tensor | Quantiz
             attn_out_norm=norm(p + "post_attention_layernorm.weight") if sandwich else None,
             mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if sandwich else None,
         ))
-    embed = put(take("model.embed_tokens.weight"))
+    embed = make_embedding(take("model.embed_tokens.weight"), dtype, device)
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
-        lm_head = make_linear(embed)
+        # one copy of a table kept in blocks: the head is a QuantLinear over them
+        lm_head = make_weight_linear(embed.weight, dtype, device) if isinstance(embed, QuantEmbedding) \
+            else make_linear(embed)
     else:
         lm_head = linear("lm_head.weight")
     _check_shapes(config, embed, layers[0], lm_head)
@@ -198,7 +203,7 @@ def native_loop_gap(config: ModelConfig) -> str | None:
     return native_ops_gap(config) or ("a non-default attention scale" if config.attn_scale is not None else None)
 
 
-def _check_shapes(config: ModelConfig, embed: torch.Tensor, layer: LayerWeights, lm_head: Linear) -> None:
+def _check_shapes(config: ModelConfig, embed: torch.Tensor | QuantEmbedding, layer: LayerWeights, lm_head: Linear) -> None:
     h = config.hidden_size
     expected = {
         "embed_tokens": (tuple(embed.shape), (config.vocab_size, h)),
@@ -355,8 +360,8 @@ def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, 
         # KV rows this step writes, per layer: K rows then V rows, [layers, 2T]
         layer_rows = inp.write_rows + block * torch.arange(num_layers, device=inp.write_rows.device)[:, None]
         layer_rows = torch.cat([layer_rows, layer_rows + num_layers * block], dim=1)
-    h = F.embedding(inp.input_ids, w.embed)                       # [T, hidden]
-    if w.embed_scale is not None:
+    h = w.embed(inp.input_ids) if isinstance(w.embed, QuantEmbedding) else F.embedding(inp.input_ids, w.embed)
+    if w.embed_scale is not None:                                 # h: [T, hidden]
         h = h * w.embed_scale
     h, x = _residual_norm(h, None, w.layers[0].input_norm, eps, native)
     for li, lw in enumerate(w.layers):

@@ -1,5 +1,5 @@
 """Loading a llama.cpp GGUF file: metadata, weights in HF naming (dequantized to float32, or with
-keep_quantized the projections of the types the CPU kernels run kept as their blocks), tokenizer.
+keep_quantized the projections and embeddings of the types the CPU kernels run kept as their blocks), tokenizer.
 
 Architectures llama, qwen2, qwen3, gemma2, gemma3 and phi3, with llama.cpp's conventions undone:
 Llama's Q/K rows interleaved per head (the other families rotate halves, as HF does), Gemma's norm
@@ -204,8 +204,9 @@ def _dequantize(tensor: gguf.ReaderTensor, config: ModelConfig, path: Path) -> t
 
 
 def _keeps(tensor: gguf.ReaderTensor) -> bool:
-    """Projections and the output head of a kernel type; the embeddings are looked up, not multiplied."""
-    return tensor.tensor_type in KEPT_QUANTIZED and len(tensor.shape) == 2 and tensor.name != "token_embd.weight"
+    """Projections, the output head and the embeddings (rows dequantized at lookup; a tied model's head
+    too) of a kernel type."""
+    return tensor.tensor_type in KEPT_QUANTIZED and len(tensor.shape) == 2
 
 
 def _quantized(tensor: gguf.ReaderTensor, config: ModelConfig, path: Path) -> QuantizedWeight:

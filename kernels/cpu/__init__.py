@@ -244,6 +244,15 @@ def quant_linear(x: torch.Tensor, parts: list[torch.Tensor], types: list[int]) -
     return _lib().quant_linear(x, parts, types)
 
 
+def quant_rows(blocks: torch.Tensor, qtype: int, ids: torch.Tensor, in_features: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """Rows ids [n] (int64) of a weight kept as blocks [rows, bytes per row] uint8 of ggml type qtype,
+    dequantized: [n, in_features] in dtype (fp32 or bf16); an index out of range raises."""
+    out = torch.empty(ids.numel(), in_features, dtype=dtype)
+    _lib().quant_rows(out, blocks, qtype, ids.long().contiguous())
+    return out
+
+
 def set_quant_int8(on: bool) -> bool:
     """Let quant_linear quantize the activations to int8 (on at start), or run them in fp32 against each
     weight column dequantized to fp32 (exact activations; to compare); returns the previous setting."""

@@ -472,4 +472,31 @@ inline void quant_linear(const T* x, int64_t ldx, int64_t M, int64_t K, const st
   });
 }
 
+// Rows ids of one weight's blocks, dequantized: out [n, K] (an embedding table kept in blocks: a lookup
+// decodes only the rows it gathers). w = scale q + offset with one fp32 FMA: gguf's dequantization
+// exactly for Q4_0, Q8_0 and Q6_K; for Q4_1, Q4_K and Q5_K within the one rounding gguf's two-step
+// d q + m adds.
+template <typename T>
+inline void quant_rows(const uint8_t* blocks, int64_t type, int64_t row_bytes, int64_t K, const int64_t* ids,
+                       int64_t n, T* out) {
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    thread_local DecodedColumn c;
+    c.q.resize(K);
+    c.scale.resize(K / 16);
+    c.offset.resize(K / 16);
+    c.w.resize(K);
+    for (int64_t i = begin; i < end; ++i) {
+      const uint8_t* row = blocks + ids[i] * row_bytes;
+      switch (type) {
+#define ASYNCSERVE_QUANT_CASE(TYPE) \
+  case TYPE: decode_column<TYPE>(row, K, c); dequantize_column<TYPE == kQ8_0>(c, K); break;
+        ASYNCSERVE_QUANT_CASE(kQ4_0) ASYNCSERVE_QUANT_CASE(kQ4_1) ASYNCSERVE_QUANT_CASE(kQ8_0)
+        ASYNCSERVE_QUANT_CASE(kQ4_K) ASYNCSERVE_QUANT_CASE(kQ5_K) ASYNCSERVE_QUANT_CASE(kQ6_K)
+#undef ASYNCSERVE_QUANT_CASE
+      }
+      for (int64_t k = 0; k < K; ++k) out[i * K + k] = from_float<T>(c.w[k]);
+    }
+  });
+}
+
 }  // namespace asyncserve
