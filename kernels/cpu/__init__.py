@@ -240,7 +240,7 @@ QUANT_TYPES = (2, 3, 8, 12, 13, 14)
 def quant_linear(x: torch.Tensor, parts: list[torch.Tensor], types: list[int]) -> torch.Tensor:
     """x: [rows, in] fp32 or bf16 -> x W^T: [rows, sum of out_i] in x's dtype, for W stacked from parts,
     each [out_i, bytes per row] uint8: a GGUF tensor's rows of blocks of ggml type types[i] (quant.h).
-    The activations are quantized to int8 per 32 (as llama.cpp does)."""
+    The activations are quantized to int8 per 32, per 256 against Q4_K and Q5_K (as llama.cpp does)."""
     return _lib().quant_linear(x, parts, types)
 
 
