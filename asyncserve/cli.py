@@ -43,6 +43,10 @@ def _engine_args(p: argparse.ArgumentParser, step_profile: str = "off") -> None:
                    help="on CPU, keep a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K tensors in their blocks (the "
                         "file's size in memory, int8 dot products; merged mode refuses them; the native layer "
                         "loop does not take them yet) (default: off, dequantized to --dtype at load)")
+    p.add_argument("--quantize", default=None, choices=["q8_0", "q4_0"],
+                   help="on CPU, quantize an HF folder's projections at load into GGUF blocks of this type (the "
+                        "embeddings and head Q8_0), bit for bit as llama.cpp's converter would: their size in "
+                        "memory, int8 dot products as --keep-quantized; merged mode refuses them (default: off)")
     p.add_argument("--lora-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: triton on CUDA, torch (native kernels where built) on CPU. On CUDA the torch "
                         "backend restacks weights whenever a step's adapters change: with 1,000 adapters it "
@@ -148,7 +152,7 @@ def _config(args):
 
     return Config(model=args.model, revision=args.revision, adapters=_adapter_pairs(args.adapter),
                   device=args.device, dtype=args.dtype, keep_quantized=args.keep_quantized,
-                  lora_backend=args.lora_backend, max_running=args.max_running,
+                  quantize=args.quantize, lora_backend=args.lora_backend, max_running=args.max_running,
                   max_step_tokens=args.max_step_tokens, max_model_len=args.max_model_len, pool_mem=args.pool_mem,
                   block_size=args.block_size, host_adapter_mem=args.host_adapter_mem,
                   pinned_adapters=args.pin_adapter, threads=args.threads, policy=args.policy,

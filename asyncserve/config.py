@@ -34,6 +34,9 @@ class Config:
     # GGUF files' Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K tensors kept in their blocks on CPU (model/linear.py,
     # QuantLinear); off: dense dtype weights, which merged mode and the native layer loop need
     keep_quantized: bool = False
+    # q8_0 | q4_0: an HF folder's projections (q4_0: Q4_0; the embeddings and head Q8_0) quantized at load
+    # into GGUF blocks for QuantLinear, on CPU (model/quantize.py); merged mode refuses them as it does GGUF's
+    quantize: str | None = None
     device: str = "auto"                     # auto | cpu | cuda[:N]
     lora_backend: str = "auto"               # auto | torch | triton
     max_running: int = 64
@@ -116,6 +119,8 @@ class Config:
                 torch.device(self.device)
             except RuntimeError:
                 raise ValueError(f"unknown device {self.device!r}; use auto, cpu or cuda[:N]") from None
+        if self.quantize is not None:
+            self.validate_quantize()
         if self.pool_mem is not None and not parse_size(self.pool_mem) > 0:
             raise ValueError(f"pool_mem must be positive, got {self.pool_mem!r}")
         if self.host_adapter_mem is not None:
@@ -141,6 +146,19 @@ class Config:
             raise ValueError(f"shutdown_grace_s must not be negative, got {self.shutdown_grace_s}")
         if self.peers is not None:
             self.validate_cluster()
+
+    def validate_quantize(self) -> None:
+        if self.quantize not in ("q8_0", "q4_0"):
+            raise ValueError(f"quantize must be q8_0 or q4_0 (the types the CPU kernels run that asyncserve "
+                             f"quantizes to), got {self.quantize!r}")
+        if self.model is not None and Path(self.model).expanduser().suffix == ".gguf":
+            raise ValueError(f"quantize applies to HF model folders; {self.model} is a GGUF file, whose quantized "
+                             "tensors stay in their blocks with --keep-quantized")
+        if self.resolved_device().type != "cpu":
+            raise ValueError("quantize runs on CPU (the quantized kernels are CPU ones); use --device cpu")
+        if self.policy == "merged-only":
+            raise ValueError("policy merged-only merges each adapter into the base weights, which quantize keeps "
+                             "in blocks that cannot take one exactly; use another policy")
 
     def validate_cluster(self) -> None:
         from asyncserve.cluster.membership import parse_peer_spec

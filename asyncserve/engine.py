@@ -115,7 +115,8 @@ class Engine:
         loading = Progress(f"loading {config.model or 'the default model'}", "tensors")
         try:
             # GGUF blocks stay blocks on CPU (build_weights dequantizes them where the quantized kernels don't run)
-            loaded = load_model(model_path, loading, keep_quantized=self.device.type == "cpu" and config.keep_quantized)
+            loaded = load_model(model_path, loading, keep_quantized=self.device.type == "cpu" and config.keep_quantized,
+                                quantize=config.quantize)
         finally:
             loading.close()
         if model_path != config.model:        # a Hub id names the model, not its snapshot's commit folder

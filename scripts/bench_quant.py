@@ -8,6 +8,9 @@ average is printed before and after, since boxes are shared. Weights are random 
 random, the fp16 scales set to keep entries ~0.05): the kernels' speed does not depend on the values.
 
     PYTHONPATH=. python scripts/bench_quant.py [--shapes 2048x2048,8192x2048] [--rows 1,16,64] [--rounds 7] [--threads N]
+        [--types Q4_K,Q5_K]
+
+PYTHONPATH picks the kernels: another checkout's (PYTHONPATH=../main) times its quant.h with the same script.
 """
 from __future__ import annotations
 
@@ -62,6 +65,7 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=0.2, help="per variant per round")
+    ap.add_argument("--types", default=",".join(t.name for t in TYPES), help="ggml types to time")
     ap.add_argument("--strategies", default="int8", help="int8 and/or fp32 (kernels.cpu.set_quant_int8)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
@@ -74,7 +78,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     for shape in args.shapes.split(","):
         out, fan_in = (int(v) for v in shape.split("x"))
-        blocks = {t: random_blocks(out, fan_in, t, rng) for t in TYPES}
+        blocks = {Q[t]: random_blocks(out, fan_in, Q[t], rng) for t in args.types.split(",")}
         for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
             dense = make_linear(torch.randn(out, fan_in).mul_(0.05).to(dtype))
             for rows in (int(r) for r in args.rows.split(",")):

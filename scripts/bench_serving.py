@@ -58,8 +58,9 @@ class RequestResult:
     error: str | None = None
 
 
-def build_payload(request: Request, endpoint: str, extra_body: dict | None = None) -> dict:
-    """The request's JSON; extra_body's fields are added to it (e.g. a response_format)."""
+def build_payload(request: Request, endpoint: str, extra_body: dict | Callable[[Request], dict] | None = None) -> dict:
+    """The request's JSON; extra_body's fields are added to it (e.g. a response_format), or those it gives for
+    the request where it is a function (llama-server's per-request lora, scripts/bench_llamacpp.py)."""
     payload = {
         "model": request.model,
         "max_tokens": request.max_tokens,
@@ -74,7 +75,7 @@ def build_payload(request: Request, endpoint: str, extra_body: dict | None = Non
         payload["messages"] = [{"role": "user", "content": request.prompt}]
     else:
         payload["prompt"] = request.prompt if request.prompt is not None else request.prompt_token_ids
-    return {**payload, **(extra_body or {})}
+    return {**payload, **((extra_body(request) if callable(extra_body) else extra_body) or {})}
 
 
 def chunk_text(event: dict, endpoint: str) -> str:
@@ -129,7 +130,7 @@ async def receive_stream(
 
 async def send_request(
     session: aiohttp.ClientSession, url: str, headers: dict, request: Request, endpoint: str, run_start: float,
-    extra_body: dict | None = None,
+    extra_body: dict | Callable[[Request], dict] | None = None,
 ) -> RequestResult:
     result = RequestResult(request.index, request.model, request.prompt_len, request.max_tokens)
     payload = build_payload(request, endpoint, extra_body)
@@ -162,7 +163,7 @@ async def run_requests(
     max_in_flight: int,
     request_timeout_s: float,
     show_progress: bool = True,
-    extra_body: dict | None = None,
+    extra_body: dict | Callable[[Request], dict] | None = None,
 ) -> list[RequestResult]:
     """Closed loop: max_in_flight workers take requests in index order, a new one when one ends.
     Open loop: each request is sent at its arrival time (relative to the first), however many are in flight."""

@@ -352,3 +352,17 @@ def test_list_adapters_prints_vllm_lora_modules(capsys) -> None:
     argv = ["--workload", "punica-skewed", "--num-requests", "64", "--list-adapters", "--adapter-sources", "A", "B"]
     assert bench_serving.main(argv) == 0
     assert capsys.readouterr().out.split() == [f"lora{k}={'AB'[k % 2]}" for k in range(9)]
+
+
+def test_extra_body_per_request() -> None:
+    """A function as extra_body adds its fields for each request (bench_llamacpp.py's llama-server lora)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_llamacpp
+
+    requests = [workloads.Request(index=i, arrival_time_s=0.0, model=f"a{i % 4}", max_tokens=4, prompt="hi")
+                for i in range(6)]
+    payloads = [bench_serving.build_payload(r, "completions", bench_llamacpp.llama_lora) for r in requests]
+    assert [p["lora"] for p in payloads] == [[{"id": i % 4, "scale": 1.0}] for i in range(6)]
+    assert all(p["model"] == r.model and p["prompt"] == "hi" for p, r in zip(payloads, requests))
+    fixed = bench_serving.build_payload(requests[0], "completions", {"seed": 3})
+    assert fixed["seed"] == 3 and "lora" not in fixed

@@ -35,8 +35,10 @@ def native():
     require_native_kernels()
 
 
-def write_pair(folder, types: dict[str, Q], seed: int):
-    """(quantized file, its twin with every tensor dequantized to F32, bytes of the kept blocks)."""
+def write_pair(folder, types: dict[str, Q], seed: int, embed_std: float = 1.0):
+    """(quantized file, its twin with every tensor dequantized to F32, bytes of the kept blocks). types may
+    name token_embd's (else F32); without "output", the model ties its head to the embeddings (the twin
+    has an output tensor equal to them)."""
     rng = np.random.default_rng(seed)
     tokens, merges, special = backend_vocab(make_tiny_tokenizer().backend_tokenizer)
     vocab = len(tokens)
@@ -50,10 +52,13 @@ def write_pair(folder, types: dict[str, Q], seed: int):
         quant[name] = (blocks, qtype)
         dense[name] = (dequantized(blocks, qtype), None)
 
-    add("token_embd.weight", (vocab, HIDDEN), None, 1.0)
+    add("token_embd.weight", (vocab, HIDDEN), types.get("token_embd"), embed_std)
     quant["output_norm.weight"] = dense["output_norm.weight"] = ((1 + 0.1 * rng.standard_normal(HIDDEN)).astype(
         np.float32), None)
-    add("output.weight", (vocab, HIDDEN), types["output"])
+    if "output" in types:
+        add("output.weight", (vocab, HIDDEN), types["output"])
+    else:
+        dense["output.weight"] = dense["token_embd.weight"]
     for i in range(LAYERS):
         for norm in ("attn_norm", "ffn_norm"):
             quant[f"blk.{i}.{norm}.weight"] = dense[f"blk.{i}.{norm}.weight"] = (
@@ -177,7 +182,7 @@ def test_blocks_are_dequantized_where_the_kernels_do_not_run(monkeypatch, caplog
     """ASYNCSERVE_NATIVE=0 (or no compiler, or a GPU): the blocks become a dense projection of the same
     values in --dtype, and the log says so once."""
     from asyncserve.model import linear as linear_module
-    from asyncserve.model.linear import QuantizedWeight, make_weight_linear
+    from asyncserve.model.linear import QuantizedWeight, make_embedding, make_weight_linear
 
     rng = np.random.default_rng(6)
     parts = [(random_blocks((8, 256), Q.Q4_K, rng), Q.Q4_K), (random_blocks((4, 256), Q.Q8_0, rng), Q.Q8_0)]
@@ -192,6 +197,8 @@ def test_blocks_are_dequantized_where_the_kernels_do_not_run(monkeypatch, caplog
     assert not any(isinstance(p, QuantLinear) for p in linears)
     assert all(torch.equal(p.dense_weight(), dense.bfloat16()) for p in linears)
     assert len([r for r in caplog.records if "dequantized" in r.getMessage()]) == 1
+    table = QuantizedWeight(weight.parts[:1], 256)                 # an embedding table: a plain tensor
+    assert torch.equal(make_embedding(table, torch.bfloat16, torch.device("cpu")), dense[:8].bfloat16())
 
 
 def test_kept_blocks_are_the_dequantized_weights(tmp_path):
@@ -207,3 +214,65 @@ def test_kept_blocks_are_the_dequantized_weights(tmp_path):
     assert quantized_names == {name for name in dense if name.endswith("proj.weight")} | {"lm_head.weight"}
     for name, tensor in kept.items():
         assert torch.equal(tensor.dequantize() if name in quantized_names else tensor, dense[name]), name
+
+
+@pytest.mark.parametrize("qtype, offset, value", [
+    (Q.Q8_0, 0, np.nan), (Q.Q4_K, 2, np.inf), (Q.Q6_K, 208, np.nan), (Q.Q4_1, 2, -np.inf), (Q.Q4_0, 0, np.inf),
+    (Q.Q5_K, 0, np.nan), (Q.Q4_K, 0, -np.inf)], ids=lambda v: v.name if isinstance(v, Q) else str(v))
+def test_nonfinite_block_scales_are_refused(tmp_path, qtype, offset, value):
+    """A file whose quantized tensor has a NaN or infinite fp16 scale (d, dmin, Q4_1's m) in one block is
+    refused naming the tensor, kept quantized or dequantized; a finite one (zero, subnormal) loads."""
+    from asyncserve.model.config import ModelLoadError
+    from asyncserve.model.loader import load_model
+
+    q_path, _, _ = write_pair(tmp_path, dict.fromkeys(Q4_K_M, qtype), seed=8)
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+
+    def set_scale(name: str, block: int, scale: float) -> None:
+        tensor = next(t for t in gguf.GGUFReader(q_path, "r+").tensors if t.name == name)
+        tensor.data.reshape(-1, size)[block, offset:offset + 2] = np.array([scale], np.float16).view(np.uint8)
+        tensor.data.flush()
+
+    set_scale("blk.1.ffn_down.weight", 3, 6e-8)          # fp16's smallest subnormal, and zero: fine
+    set_scale("blk.0.attn_k.weight", 0, 0.0)
+    assert load_model(str(q_path), keep_quantized=True).weights
+    set_scale("blk.1.ffn_down.weight", 5, value)
+    with pytest.raises(ModelLoadError, match=rf"tensor blk\.1\.ffn_down\.weight \({qtype.name}\) has a NaN or "
+                                             r"infinite block scale in 1 of its \d+ blocks"):
+        load_model(str(q_path), keep_quantized=True)
+    with pytest.raises(ModelLoadError, match=r"tensor model\.layers\.1\.mlp\.down_proj\.weight holds NaN or infinite"):
+        load_model(str(q_path))
+
+
+@pytest.mark.parametrize("embed_type", [Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q4_1], ids=lambda t: t.name)
+def test_tied_head_keeps_one_quantized_copy(tmp_path, embed_type):
+    """A file without output.weight (SmolLM2's Q4_1 ties its head to a Q8_0 token_embd): one copy of the
+    table's blocks, the lookup dequantizing the rows it gathers and the head a QuantLinear over the same
+    blocks; greedy tokens as transformers' on the dequantized twin (the head as an explicit copy)."""
+    from transformers import AutoModelForCausalLM
+
+    from asyncserve.model.linear import QuantEmbedding
+
+    types = {**{k: v for k, v in LEGACY.items() if k != "output"}, "token_embd": embed_type}
+    # a head's scale (as SmolLM2's table is): logits spread as the untied files' heads make them
+    q_path, d_path, kept = write_pair(tmp_path, types, seed=20 + int(embed_type), embed_std=0.08)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=d_path.name, dtype=torch.float32).eval()
+    adapter = tmp_path / "r8"
+    save_random_adapter(reference, adapter, r=8, seed=3, targets=["q_proj", "v_proj", "down_proj"])
+    llm = LLM(model=str(q_path), adapters={"r8": str(adapter)}, dtype="float32", device="cpu", max_step_tokens=32,
+              pool_mem="64MiB", keep_quantized=True)
+    weights = llm.engine.runner.weights
+    assert isinstance(weights.embed, QuantEmbedding) and isinstance(weights.lm_head, QuantLinear)
+    assert weights.lm_head.weight is weights.embed.weight            # the same blocks, not a copy
+    assert weights.nbytes() == kept + 4 * HIDDEN * (2 * LAYERS + 1)  # counted once; the norms in float32
+
+    prompts = [llm.tokenizer.encode(p) for p in ["The quick brown fox", "def add(a, b):", "Serving adapters"]]
+    cases = [(ids, a) for ids in prompts for a in [None, "r8"]]
+    refs = peft_references(reference, {"r8": adapter}, cases, NEW_TOKENS)
+    outs = llm.generate([ids for ids, _ in cases], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
+                                                                  ignore_eos=True), adapters=[a for _, a in cases])
+    equal = [assert_greedy_matches(o.token_ids, ref, TIE_TOL, f"case {i} ({cases[i][1]})")
+             for i, (o, ref) in enumerate(zip(outs, refs))]
+    # every difference is at a near-tie (asserted above; these were within 0.03 of one); the head's logits
+    # spread ~1.3 over a vocabulary of a few hundred tokens has many
+    assert sum(equal) >= len(cases) // 2, equal

@@ -1,7 +1,8 @@
 """kernels.cpu.quant_linear (kernels/cpu/quant.h) against float64 references built from gguf.quants'
 dequantization of the same blocks, for every type, odd shapes and 1..256 rows.
 
-The kernel quantizes the activations to int8 per block of 32 (scale d = max |x| / 127, q = round(x / d)).
+The kernel quantizes the activations to int8 per block of 32 (scale d = max |x| / 127, q = round(x / d)),
+or of 256 for Q4_K and Q5_K (llama.cpp's q8_K, whose integer sums fold to float once per super-block).
 Two checks per output element: against x @ W^T with the activations quantized the same way (replicated
 here in float32), to fp32 accumulation's error (and bf16 rounding of the result): the integer dot
 products and the block scales are exact; and against the exact x @ W^T within the rigorous bound of
@@ -23,20 +24,25 @@ def native():
     require_native_kernels()
 
 
-def activation_bound(x: torch.Tensor, w: np.ndarray) -> np.ndarray:
-    """[rows, out]: the most the int8 activations (per block of 32) can move x @ w.T."""
+def activation_block(qtype: Q) -> int:
+    """The activations' quantization block against weights of qtype."""
+    return 256 if qtype in (Q.Q4_K, Q.Q5_K) else 32
+
+
+def activation_bound(x: torch.Tensor, w: np.ndarray, block: int) -> np.ndarray:
+    """[rows, out]: the most the int8 activations (per block) can move x @ w.T."""
     x64 = x.double().numpy()
     rows, fan_in = x64.shape
-    d = np.abs(x64).reshape(rows, fan_in // 32, 32).max(-1) / 127                      # [rows, blocks]
-    wsum = np.abs(w.astype(np.float64)).reshape(w.shape[0], fan_in // 32, 32).sum(-1)  # [out, blocks]
+    d = np.abs(x64).reshape(rows, fan_in // block, block).max(-1) / 127                      # [rows, blocks]
+    wsum = np.abs(w.astype(np.float64)).reshape(w.shape[0], fan_in // block, block).sum(-1)  # [out, blocks]
     return d / 2 @ wsum.T
 
 
-def int8_activations(x: torch.Tensor) -> np.ndarray:
-    """x as the kernel multiplies it: per block of 32, d * round(x / d) with d = max |x| / 127 (float32)."""
+def int8_activations(x: torch.Tensor, block: int) -> np.ndarray:
+    """x as the kernel multiplies it: per block, d * round(x / d) with d = max |x| / 127 (float32)."""
     x32 = x.float().numpy()
     rows, fan_in = x32.shape
-    blocks = x32.reshape(rows, fan_in // 32, 32)
+    blocks = x32.reshape(rows, fan_in // block, block)
     d = np.abs(blocks).max(-1, keepdims=True) / np.float32(127)
     inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
     return (np.rint(blocks * inv).astype(np.float64) * d).reshape(rows, fan_in)
@@ -50,13 +56,17 @@ def assert_within(y: torch.Tensor, ref: np.ndarray, tol: np.ndarray, what: str) 
 
 def check(x: torch.Tensor, parts: list[tuple[np.ndarray, Q]]) -> None:
     y = cpu_kernels.quant_linear(x, [torch.from_numpy(b) for b, _ in parts], [int(t) for _, t in parts])
-    w = np.concatenate([dequantized(b, t) for b, t in parts]).astype(np.float64)
-    assert y.dtype == x.dtype and tuple(y.shape) == (x.shape[0], w.shape[0])
-    rounding = np.abs(x.double().numpy()) @ np.abs(w).T * 1e-5 + 1e-6   # fp32 accumulation
-    exact = x.double().numpy() @ w.T
-    output = np.abs(exact) * 2.0 ** -8 if x.dtype == torch.bfloat16 else 0.0
-    assert_within(y, int8_activations(x) @ w.T, rounding + output, "against the same int8 activations")
-    assert_within(y, exact, activation_bound(x, w) + rounding + output, "against the exact activations")
+    assert y.dtype == x.dtype and tuple(y.shape) == (x.shape[0], sum(len(b) for b, _ in parts))
+    for part, (blocks, qtype) in zip(y.split([len(b) for b, _ in parts], dim=1), parts):
+        w = dequantized(blocks, qtype).astype(np.float64)
+        block = activation_block(qtype)
+        rounding = np.abs(x.double().numpy()) @ np.abs(w).T * 1e-5 + 1e-6   # fp32 accumulation
+        exact = x.double().numpy() @ w.T
+        output = np.abs(exact) * 2.0 ** -8 if x.dtype == torch.bfloat16 else 0.0
+        assert_within(part, int8_activations(x, block) @ w.T, rounding + output,
+                      f"{qtype.name} against the same int8 activations")
+        assert_within(part, exact, activation_bound(x, w, block) + rounding + output,
+                      f"{qtype.name} against the exact activations")
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
@@ -148,3 +158,37 @@ def test_fp32_strategy_is_exact_to_rounding(qtype):
     finally:
         cpu_kernels.set_quant_int8(previous)
     assert cpu_kernels.set_quant_int8(previous) == previous
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_rows_dequantized_by_index(qtype):
+    """quant_rows (an embedding table kept in blocks): the gathered rows as gguf.quants dequantizes them,
+    exactly for Q4_0, Q8_0 and Q6_K (one rounding either way), within one fp32 rounding for the
+    d q + m types; repeated and unordered indices; bf16 as the fp32 rows rounded."""
+    rng = np.random.default_rng(10 + int(qtype))
+    block = 256 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 32
+    rows, fan_in = 29, 2 * block
+    blocks = random_blocks((rows, fan_in), qtype, rng)
+    table = torch.from_numpy(dequantized(blocks, qtype))
+    exact = qtype in (Q.Q4_0, Q.Q8_0, Q.Q6_K)
+    for ids in ([0], [28, 3, 3, 0, 17], list(rng.integers(0, rows, 300)), []):
+        index = torch.tensor(ids, dtype=torch.int64)
+        got = cpu_kernels.quant_rows(torch.from_numpy(blocks), int(qtype), index, fan_in, torch.float32)
+        assert got.shape == (len(ids), fan_in)
+        want = table[index]
+        if exact:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=2.0 ** -23, atol=1e-30)
+        got16 = cpu_kernels.quant_rows(torch.from_numpy(blocks), int(qtype), index, fan_in, torch.bfloat16)
+        assert got16.dtype == torch.bfloat16 and torch.equal(got16, got.bfloat16())
+
+
+def test_rows_out_of_range_raise():
+    rng = np.random.default_rng(11)
+    blocks = torch.from_numpy(random_blocks((7, 64), Q.Q8_0, rng))
+    for ids in ([7], [-1], [0, 3, 2 ** 40], [6, -7]):
+        with pytest.raises(RuntimeError, match="out of range for 7 rows"):
+            cpu_kernels.quant_rows(blocks, int(Q.Q8_0), torch.tensor(ids), 64, torch.float32)
+    with pytest.raises(RuntimeError, match="blocks must be a contiguous uint8"):   # the wrong width for the type
+        cpu_kernels.quant_rows(blocks, int(Q.Q4_0), torch.tensor([0]), 64, torch.float32)

@@ -110,6 +110,11 @@ def make_linear(weight: torch.Tensor) -> Linear:
     return Linear(weight.contiguous())
 
 
+# the ggml types quant.h runs: bytes per block, and the byte offsets of each block's fp16 scales
+# (Q4_0, Q8_0: d; Q4_1: d, m; Q4_K, Q5_K: d, dmin; Q6_K: d at the end)
+QUANT_BLOCKS = {2: (18, (0,)), 3: (20, (0, 2)), 8: (34, (0,)), 12: (144, (0, 2)), 13: (176, (0, 2)), 14: (210, (208,))}
+
+
 @dataclass
 class QuantizedWeight:
     """A [out, in] weight kept in GGUF blocks: parts stacked by output rows, each a [out_i, bytes per row]
@@ -139,6 +144,17 @@ class QuantizedWeight:
         takes a list of parts)."""
         return QuantizedWeight([p for w in weights for p in w.parts], weights[0].in_features)
 
+    def nonfinite_scales(self) -> int:
+        """How many blocks have a NaN or infinite fp16 scale (d, Q4_1's m, the K-quants' dmin); the
+        K-quants' sub-block scales are integers."""
+        count = 0
+        for blocks, qtype in self.parts:
+            size, offsets = QUANT_BLOCKS[qtype]
+            scale_bytes = [o + i for o in offsets for i in (0, 1)]
+            bits = blocks.reshape(-1, size)[:, scale_bytes].view(torch.int16)   # [blocks, scales] fp16 bits
+            count += int(((bits & 0x7C00) == 0x7C00).any(1).sum())            # exponent all ones: NaN or inf
+        return count
+
     def dequantize(self) -> torch.Tensor:
         """[out, in] float32 by gguf.quants' reference dequantization."""
         import gguf
@@ -164,6 +180,31 @@ class QuantLinear(Linear):
     def dense_weight(self) -> torch.Tensor:
         """W dequantized, [out, in] float32 (the blocks' exact values)."""
         return self.weight.dequantize()
+
+
+class QuantEmbedding:
+    """A [vocab, hidden] embedding table kept in its GGUF blocks (one QuantizedWeight part): a lookup
+    dequantizes only the rows it gathers (kernels/cpu/quant.h), to ``dtype``. A tied head is a
+    QuantLinear over the same blocks."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype):
+        (self.blocks, self.qtype), = weight.parts
+        self.weight, self.dtype, self.device = weight, dtype, self.blocks.device
+        self.shape, self.nbytes = weight.shape, weight.nbytes
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.quant_rows(self.blocks, self.qtype, ids, self.weight.in_features, self.dtype)  # [T] -> [T, hidden]
+
+
+def make_embedding(weight: torch.Tensor | QuantizedWeight, dtype: torch.dtype,
+                   device: torch.device) -> torch.Tensor | QuantEmbedding:
+    """The token embedding table: GGUF blocks stay blocks where QuantLinear runs (rows dequantized at
+    lookup); elsewhere, and for a dense checkpoint, a [vocab, hidden] tensor in ``dtype``."""
+    if isinstance(weight, QuantizedWeight):
+        if quant_kernels_available(device):
+            return QuantEmbedding(weight, dtype)
+        weight = weight.dequantize()
+    return weight.to(device=device, dtype=dtype).contiguous()
 
 
 def quant_kernels_available(device: torch.device) -> bool:

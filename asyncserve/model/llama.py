@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 import kernels.cpu as cpu_kernels
 from asyncserve.model.config import GROUPS, ModelConfig
-from asyncserve.model.linear import Linear, QuantizedWeight, QuantLinear, make_linear, make_weight_linear
+from asyncserve.model.linear import (Linear, QuantEmbedding, QuantizedWeight, QuantLinear, make_embedding,
+                                     make_linear, make_weight_linear)
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class LayerWeights:
 
 @dataclass
 class LlamaWeights:
-    embed: torch.Tensor        # [vocab, hidden]
+    embed: torch.Tensor | QuantEmbedding   # [vocab, hidden]; GGUF blocks kept: rows dequantized at lookup
     layers: list[LayerWeights]
     norm: torch.Tensor         # [hidden]
     lm_head: Linear            # hidden -> vocab (over the embedding itself when tied, unless reordered)
@@ -113,11 +114,13 @@ class LlamaWeights:
         return self._decoder or None
 
     def nbytes(self) -> int:
-        tensors = [self.embed, self.norm] + [t for lw in self.layers for t in (
+        tensors = [self.norm] + [t for lw in self.layers for t in (
             lw.input_norm, lw.post_norm, lw.qkv_bias, lw.q_norm, lw.k_norm, lw.attn_out_norm, lw.mlp_out_norm)
             if t is not None]
-        shared = self.lm_head.weight is self.embed
-        return (sum(t.numel() * t.element_size() for t in tensors)
+        quantized = isinstance(self.embed, QuantEmbedding)
+        embed = self.embed.nbytes if quantized else self.embed.numel() * self.embed.element_size()
+        shared = self.lm_head.weight is (self.embed.weight if quantized else self.embed)
+        return (embed + sum(t.numel() * t.element_size() for t in tensors)
                 + sum(p.nbytes for p in self.linears()) - (self.lm_head.nbytes if shared else 0))
 
 
@@ -168,10 +171,12 @@ def build_weights(config: ModelConfig, weights: dict[str, torch.Tensor | Quantiz
             attn_out_norm=norm(p + "post_attention_layernorm.weight") if sandwich else None,
             mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if sandwich else None,
         ))
-    embed = put(take("model.embed_tokens.weight"))
+    embed = make_embedding(take("model.embed_tokens.weight"), dtype, device)
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
-        lm_head = make_linear(embed)
+        # one copy of a table kept in blocks: the head is a QuantLinear over them
+        lm_head = make_weight_linear(embed.weight, dtype, device) if isinstance(embed, QuantEmbedding) \
+            else make_linear(embed)
     else:
         lm_head = linear("lm_head.weight")
     _check_shapes(config, embed, layers[0], lm_head)
@@ -188,7 +193,7 @@ def native_loop_gap(w: LlamaWeights) -> str | None:
     return None
 
 
-def _check_shapes(config: ModelConfig, embed: torch.Tensor, layer: LayerWeights, lm_head: Linear) -> None:
+def _check_shapes(config: ModelConfig, embed: torch.Tensor | QuantEmbedding, layer: LayerWeights, lm_head: Linear) -> None:
     h = config.hidden_size
     expected = {
         "embed_tokens": (tuple(embed.shape), (config.vocab_size, h)),
@@ -327,7 +332,7 @@ def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, 
                                              w.embed.dtype, native, scale=config.scale, softcap=config.attn_softcap,
                                              window=window)
                       for window in dict.fromkeys(config.layer_windows or [None])}
-    h = F.embedding(inp.input_ids, w.embed)                       # [T, hidden]
+    h = w.embed(inp.input_ids) if isinstance(w.embed, QuantEmbedding) else F.embedding(inp.input_ids, w.embed)
     if w.embed_scale is not None:
         h = h * w.embed_scale
     # a step on fixed buffers (StepInputs.decode_tables: the CUDA graphs' decodes) plans no native attention

@@ -1,5 +1,5 @@
 """Loading a llama.cpp GGUF file: metadata, weights in HF naming (dequantized to float32, or with
-keep_quantized the projections of the types the CPU kernels run kept as their blocks), tokenizer.
+keep_quantized the projections and embeddings of the types the CPU kernels run kept as their blocks), tokenizer.
 
 Architectures llama, qwen2, qwen3, gemma2, gemma3 and phi3, with llama.cpp's conventions undone:
 Llama's Q/K rows interleaved per head (the other families rotate halves, as HF does), Gemma's norm
@@ -15,7 +15,7 @@ import torch
 
 from asyncserve.model.checkpoint import LoadedModel, ProgressCallback, select_weights, split_fused
 from asyncserve.model.config import FAMILIES, Family, ModelConfig, ModelLoadError
-from asyncserve.model.linear import QuantizedWeight
+from asyncserve.model.linear import QUANT_BLOCKS, QuantizedWeight
 from asyncserve.model.tokenizer import Tokenizer
 
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -46,7 +46,7 @@ _ARCHITECTURES = {family.gguf_architecture: family for family in FAMILIES}
 _ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")     # Phi-3's longrope, per frequency
 _REQUIRED = object()
 # what kernels/cpu/quant.h runs: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K (everything a Q4_K_M, Q5_K_M or Q8_0 file holds)
-KEPT_QUANTIZED = {gguf.GGMLQuantizationType(t) for t in (2, 3, 8, 12, 13, 14)}
+KEPT_QUANTIZED = {gguf.GGMLQuantizationType(t) for t in QUANT_BLOCKS}
 
 
 def load_gguf_file(path: Path, progress: ProgressCallback | None = None, keep_quantized: bool = False) -> LoadedModel:
@@ -80,7 +80,7 @@ def load_gguf_file(path: Path, progress: ProgressCallback | None = None, keep_qu
     tensors = {}
     for name, tensor in by_name.items():
         keep = keep_quantized and _keeps(tensor)
-        tensors[hf_names[name]] = _quantized(tensor, config) if keep else _dequantize(tensor, config, path)
+        tensors[hf_names[name]] = _quantized(tensor, config, path) if keep else _dequantize(tensor, config, path)
         if progress is not None:
             progress(len(tensors), len(by_name))
     if family.unit_offset_norms:       # llama.cpp's converter stores Gemma's norm weights as 1 + w
@@ -204,11 +204,12 @@ def _dequantize(tensor: gguf.ReaderTensor, config: ModelConfig, path: Path) -> t
 
 
 def _keeps(tensor: gguf.ReaderTensor) -> bool:
-    """Projections and the output head of a kernel type; the embeddings are looked up, not multiplied."""
-    return tensor.tensor_type in KEPT_QUANTIZED and len(tensor.shape) == 2 and tensor.name != "token_embd.weight"
+    """Projections, the output head and the embeddings (rows dequantized at lookup; a tied model's head
+    too) of a kernel type."""
+    return tensor.tensor_type in KEPT_QUANTIZED and len(tensor.shape) == 2
 
 
-def _quantized(tensor: gguf.ReaderTensor, config: ModelConfig) -> QuantizedWeight:
+def _quantized(tensor: gguf.ReaderTensor, config: ModelConfig, path: Path) -> QuantizedWeight:
     """The tensor's blocks copied out of the mapped file, one row of blocks per output: [out, bytes per row]."""
     fan_in, out = (int(d) for d in tensor.shape)
     blocks = tensor.data.reshape(out, -1)          # a view of the mapped file
@@ -219,7 +220,12 @@ def _quantized(tensor: gguf.ReaderTensor, config: ModelConfig) -> QuantizedWeigh
     elif interleaved and tensor.name.endswith("attn_k.weight"):
         blocks = _unpermute(blocks, config.num_kv_heads)
     # copied out of the mapping (which closes with the reader)
-    return QuantizedWeight([(torch.from_numpy(np.array(blocks, dtype=np.uint8)), int(tensor.tensor_type))], fan_in)
+    weight = QuantizedWeight([(torch.from_numpy(np.array(blocks, dtype=np.uint8)), int(tensor.tensor_type))], fan_in)
+    if bad := weight.nonfinite_scales():      # the kernels would spread NaN through every row of x
+        raise ModelLoadError(f"{path}: tensor {tensor.name} ({tensor.tensor_type.name}) has a NaN or infinite "
+                             f"block scale in {bad} of its {weight.nbytes // QUANT_BLOCKS[tensor.tensor_type][0]} "
+                             "blocks; the file is corrupt")
+    return weight
 
 
 def _unpermute(weight: torch.Tensor, n_head: int) -> torch.Tensor:

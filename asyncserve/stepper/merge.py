@@ -65,7 +65,8 @@ def unmergeable_reason(weights: LlamaWeights) -> str | None:
             linear = getattr(lw, group)
             if isinstance(linear, QuantLinear):
                 return (f"layer {li}'s {group} projection is kept in GGUF blocks, which cannot take an adapter "
-                        "merged in exactly; adapters run unmerged only (serve without --keep-quantized to merge)")
+                        "merged in exactly; adapters run unmerged only (serve without --keep-quantized and "
+                        "--quantize to merge)")
             if type(linear) not in MERGEABLE or not linear.weight.dtype.is_floating_point:
                 return (f"layer {li}'s {group} projection is a {type(linear).__name__} over {linear.weight.dtype} "
                         "weights, which cannot take an adapter merged in exactly; adapters run unmerged only")

@@ -262,8 +262,17 @@ QUANT_TYPES = (2, 3, 8, 12, 13, 14)
 def quant_linear(x: torch.Tensor, parts: list[torch.Tensor], types: list[int]) -> torch.Tensor:
     """x: [rows, in] fp32 or bf16 -> x W^T: [rows, sum of out_i] in x's dtype, for W stacked from parts,
     each [out_i, bytes per row] uint8: a GGUF tensor's rows of blocks of ggml type types[i] (quant.h).
-    The activations are quantized to int8 per 32 (as llama.cpp does)."""
+    The activations are quantized to int8 per 32, per 256 against Q4_K and Q5_K (as llama.cpp does)."""
     return _lib().quant_linear(x, parts, types)
+
+
+def quant_rows(blocks: torch.Tensor, qtype: int, ids: torch.Tensor, in_features: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """Rows ids [n] (int64) of a weight kept as blocks [rows, bytes per row] uint8 of ggml type qtype,
+    dequantized: [n, in_features] in dtype (fp32 or bf16); an index out of range raises."""
+    out = torch.empty(ids.numel(), in_features, dtype=dtype)
+    _lib().quant_rows(out, blocks, qtype, ids.long().contiguous())
+    return out
 
 
 def set_quant_int8(on: bool) -> bool:

@@ -402,6 +402,29 @@ at::Tensor quant_linear_op(at::Tensor x, std::vector<at::Tensor> parts, std::vec
   return y;
 }
 
+// out: [n, K] float32 or bf16, rows ids [n] (int64) of blocks, one weight's [rows, K / block * bytes] uint8
+// GGUF blocks of ggml type `type`, dequantized (quant_rows).
+void quant_rows_op(at::Tensor out, at::Tensor blocks, int64_t type, at::Tensor ids) {
+  check_like(out, out, "out");
+  check_index(ids, "ids");
+  const QuantFormat f = quant_format(type);
+  TORCH_CHECK(f.block > 0, "ggml type ", type, " has no quantized kernel (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == ids.numel() && out.size(1) % f.block == 0,
+              "out must be a contiguous [ids, a multiple of ", f.block, "] tensor");
+  const int64_t n = ids.numel(), K = out.size(1), rows = blocks.size(0);
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
+                  blocks.dim() == 2 && blocks.size(1) == K / f.block * f.bytes,
+              "blocks must be a contiguous uint8 [rows, ", K / f.block * f.bytes, "] tensor");
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < rows, "index ", id[i], " is out of range for ", rows, " rows");
+  if (n == 0) return;
+  dispatch_dtype(out, [&](auto zero) {
+    using T = decltype(zero);
+    quant_rows<T>(blocks.data_ptr<uint8_t>(), type, blocks.size(1), K, id, n, out.data_ptr<T>());
+  });
+}
+
 }  // namespace
 }  // namespace asyncserve
 
@@ -431,6 +454,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_amx_gemm", [](bool on) { return amx_gemm_on.exchange(on); },
         "whether packed_linear may run AMX tiles (on at start); returns the previous setting");
   m.def("quant_linear", &quant_linear_op, no_gil, "x W^T over weights in GGUF blocks (quant.h)");
+  m.def("quant_rows", &quant_rows_op, no_gil, "rows of a weight in GGUF blocks, dequantized (quant.h)");
   m.def("set_quant_int8", [](bool on) { return quant_int8_on.exchange(on); },
         "whether quant_linear quantizes x to int8 (on at start) or runs fp32 x against fp32-dequantized columns");
   m.def("quant_path", [] { return std::string(quant_path()); }, "the integer dot products quant_linear runs here");

@@ -16,6 +16,11 @@
 // vpmaddubsw + vpmaddwd, or one vpdpbusd where the CPU has AVX512-VNNI (+VL) or AVX-VNNI; a scalar
 // loop runs where the build has no AVX2.
 //
+// Q4_K and Q5_K run as llama.cpp's ggml_vec_dot_q4_K_q8_K does: their activations quantized per
+// super-block of 256 instead (one scale each, as its q8_K), so that the 8 chunks' integer dot products,
+// each times its 6-bit scale (vpmaddwd by the scale where the others multiply by ones), add up in int32
+// and fold to float once per super-block, the mins likewise from the activations' per-32 sums.
+//
 // The other strategy, for comparison (set_quant_int8(false), scripts/bench_quant.py): the column
 // dequantized to fp32 once and the rows' fp32 activations multiplied with FMAs, exact activations.
 #pragma once
@@ -95,17 +100,34 @@ inline float half_to_float(const uint8_t* p) {
 // x quantized per block of 32: q [M][K] int8, d [M][K/32] scales, s16 [M][K/16] = d * sum of q over
 // each 16 (what the offsets m multiply).
 // Or, for the fp32 strategy, x as fp32 rows xf [M][K] alone.
+// For Q4_K and Q5_K, x quantized per super-block of 256 too: q256 [M][K] int8, d256 [M][K/256] scales,
+// sum32 [M][K/32] the sums of q256 over each 32.
 struct QuantizedRows {
-  std::vector<int8_t> q;
-  std::vector<float> d, s16, xf;
+  std::vector<int8_t> q, q256;
+  std::vector<float> d, s16, xf, d256;
+  std::vector<int32_t> sum32;
   int64_t K = 0;
 };
 
 // One decoded column: q [K] bytes, scale and offset per 16 weights [K/16]; for the fp32 strategy
-// also w [K], the weights themselves.
+// also w [K], the weights themselves. Q4_K and Q5_K also keep their integer scales and mins per 32
+// (sub_scale, sub_min [K/32]) and the fp16 d and dmin per 256 (super_d, super_dmin [K/256]).
 struct DecodedColumn {
   std::vector<uint8_t> q;
-  std::vector<float> scale, offset, w;
+  std::vector<float> scale, offset, w, super_d, super_dmin;
+  std::vector<int16_t> sub_scale;
+  std::vector<int32_t> sub_min;
+
+  void resize(int64_t K, bool fp32) {
+    q.resize(K);
+    scale.resize(K / 16);
+    offset.resize(K / 16);
+    if (fp32) w.resize(K);
+    sub_scale.resize(K / 32);
+    sub_min.resize(K / 32);
+    super_d.resize(K / 256);
+    super_dmin.resize(K / 256);
+  }
 };
 
 template <typename T>
@@ -139,31 +161,36 @@ inline void dequantize_column(DecodedColumn& c, int64_t K) {
 #endif
 }
 
+// x quantized per `block` (32 or 256) to q [M][K] with d [M][K/block]; sums [M][K/32], the sums of q per
+// 32 (int32), for block 256; for block 32 s16 [M][K/16] = d * the sums of q per 16 instead.
 template <typename T>
-inline void quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K, QuantizedRows& out) {
-  out.K = K;
-  out.q.resize(M * K);
-  out.d.resize(M * K / 32);
-  out.s16.resize(M * K / 16);
+inline void quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K, int64_t block, std::vector<int8_t>& qs,
+                          std::vector<float>& ds, std::vector<float>& s16, std::vector<int32_t>& sums) {
+  qs.resize(M * K);
+  ds.resize(M * K / block);
+  if (block == 32) s16.resize(M * K / 16);
+  else sums.resize(M * K / 32);
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> v(block);
     for (int64_t m = begin; m < end; ++m) {
       const T* xr = x + m * ldx;
-      for (int64_t b = 0; b < K / 32; ++b) {
-        float v[32], amax = 0.0f;
-        for (int i = 0; i < 32; ++i) {
-          v[i] = to_float(xr[b * 32 + i]);
+      for (int64_t b = 0; b < K / block; ++b) {
+        float amax = 0.0f;
+        for (int i = 0; i < block; ++i) {
+          v[i] = to_float(xr[b * block + i]);
           amax = std::max(amax, std::fabs(v[i]));
         }
         const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
-        int8_t* q = out.q.data() + m * K + b * 32;
-        int sum[2] = {0, 0};
-        for (int i = 0; i < 32; ++i) {
-          q[i] = int8_t(std::nearbyint(v[i] * inv));   // |q| <= 127: the signed trick below needs it
-          sum[i / 16] += q[i];
+        int8_t* q = qs.data() + m * K + b * block;
+        for (int i = 0; i < block; ++i) q[i] = int8_t(std::nearbyint(v[i] * inv));   // |q| <= 127: see dot_bytes
+        ds[m * (K / block) + b] = d;
+        const int part = block == 32 ? 16 : 32;   // the sums' span
+        for (int h = 0; h < block / part; ++h) {
+          int sum = 0;
+          for (int i = 0; i < part; ++i) sum += q[part * h + i];
+          if (block == 32) s16[m * (K / 16) + 2 * b + h] = d * float(sum);
+          else sums[m * (K / 32) + 8 * b + h] = sum;
         }
-        out.d[m * (K / 32) + b] = d;
-        out.s16[m * (K / 16) + 2 * b] = d * float(sum[0]);
-        out.s16[m * (K / 16) + 2 * b + 1] = d * float(sum[1]);
       }
     }
   });
@@ -250,7 +277,11 @@ inline void decode_column(const uint8_t* row, int64_t K, DecodedColumn& c) {
       for (int j = 0; j < 8; ++j) {
         scale[2 * j] = scale[2 * j + 1] = d * float(sc[j]);
         offset[2 * j] = offset[2 * j + 1] = -dmin * float(mn[j]);
+        c.sub_scale[8 * b + j] = int16_t(sc[j]);
+        c.sub_min[8 * b + j] = mn[j];
       }
+      c.super_d[b] = d;
+      c.super_dmin[b] = dmin;
     } else {   // Q6_K: ql [128], qh [64], scales [16] int8, d
       const uint8_t* ql = row;
       const uint8_t* qh = row + 128;
@@ -332,6 +363,40 @@ inline void dot_tile(const DecodedColumn& c, const QuantizedRows& a, int64_t m, 
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
 }
 
+// R rows of x quantized per 256 (from row m) against a Q4_K/Q5_K column, the offsets included: per
+// super-block the chunks' byte products summed in pairs (vpmaddubsw: <= 2 * 31 * 127, no int16
+// saturation), then in fours times the chunk's 6-bit scale (vpmaddwd by the scale), in int32 over
+// the 8 chunks (<= 2^26), folded to float with d and the row's scale once.
+template <int R>
+inline void super_tile(const DecodedColumn& c, const QuantizedRows& a, int64_t m, float* out) {
+  const int64_t K = a.K, supers = K / 256;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < supers; ++s) {
+    // the 8 chunks' mins, one per lane, times the rows' sums of the chunk (<= 63 * 32 * 127)
+    const __m256i mins = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.sub_min.data() + 8 * s));
+    __m256i sums[R];
+    for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
+    for (int64_t k = 8 * s; k < 8 * s + 8; ++k) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.q.data() + 32 * k));
+      const __m256i scale = _mm256_set1_epi16(c.sub_scale[k]);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q256.data() + (m + r) * K + 32 * k));
+        sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), scale));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float dx = a.d256[(m + r) * supers + s];
+      const __m256i xsum = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sum32.data() + (m + r) * (K / 32) + 8 * s));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_set1_ps(c.super_d[s] * dx), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(mins, xsum)),
+                               _mm256_set1_ps(-c.super_dmin[s] * dx), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+}
+
 // R fp32 rows of x (from row m) against the column's fp32 weights.
 template <int R>
 inline void float_tile(const DecodedColumn& c, const QuantizedRows& a, int64_t m, float* out) {
@@ -369,6 +434,28 @@ inline float dot_floats(const float* a, const float* b, int64_t n) {
   float acc = 0.0f;
   for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
   return acc;
+}
+
+template <int R>
+inline void super_tile(const DecodedColumn& c, const QuantizedRows& a, int64_t m, float* out) {
+  const int64_t K = a.K, supers = K / 256;
+  for (int r = 0; r < R; ++r) {
+    const int8_t* x = a.q256.data() + (m + r) * K;
+    const int32_t* xsum = a.sum32.data() + (m + r) * (K / 32);
+    float acc = 0.0f;
+    for (int64_t s = 0; s < supers; ++s) {
+      int32_t sum = 0, offsets = 0;
+      for (int64_t k = 8 * s; k < 8 * s + 8; ++k) {
+        int32_t p = 0;
+        for (int i = 0; i < 32; ++i) p += int32_t(c.q[32 * k + i]) * x[32 * k + i];
+        sum += c.sub_scale[k] * p;
+        offsets += c.sub_min[k] * xsum[k];
+      }
+      const float dx = a.d256[(m + r) * supers + s];
+      acc += c.super_d[s] * dx * float(sum) - c.super_dmin[s] * dx * float(offsets);
+    }
+    out[r] = acc;
+  }
 }
 
 template <int R, bool Signed>
@@ -412,6 +499,20 @@ inline void quant_columns(const uint8_t* blocks, int64_t row_bytes, int64_t n0, 
       }
       continue;
     }
+    if constexpr (Type == kQ4_K || Type == kQ5_K) {
+      for (int64_t m = 0; m < M; m += kQuantTile) {
+        float dots[kQuantTile];
+        const int64_t rows = std::min<int64_t>(kQuantTile, M - m);
+        switch (rows) {
+          case 4: super_tile<4>(c, a, m, dots); break;
+          case 3: super_tile<3>(c, a, m, dots); break;
+          case 2: super_tile<2>(c, a, m, dots); break;
+          default: super_tile<1>(c, a, m, dots); break;
+        }
+        for (int64_t r = 0; r < rows; ++r) y[(m + r) * ldy + col0 + n] = from_float<T>(dots[r]);
+      }
+      continue;
+    }
     for (int64_t m = 0; m < M; m += kQuantTile) {
       float dots[kQuantTile];
       const int64_t rows = std::min<int64_t>(kQuantTile, M - m);
@@ -445,17 +546,18 @@ inline void quant_linear(const T* x, int64_t ldx, int64_t M, int64_t K, const st
                          int64_t ldy) {
   thread_local QuantizedRows a;   // kept between calls, like gemm.h's row tiles
   const bool int8 = quant_int8_on.load(std::memory_order_relaxed);
-  if (int8) quantize_rows(x, ldx, M, K, a);
-  else float_rows(x, ldx, M, K, a);
+  bool per32 = false, per256 = false;   // which quantizations of x the parts take
+  for (const QuantPart& p : parts) (p.type == kQ4_K || p.type == kQ5_K ? per256 : per32) = true;
+  a.K = K;
+  if (!int8) float_rows(x, ldx, M, K, a);
+  if (int8 && per32) quantize_rows(x, ldx, M, K, 32, a.q, a.d, a.s16, a.sum32);
+  if (int8 && per256) quantize_rows(x, ldx, M, K, 256, a.q256, a.d256, a.s16, a.sum32);
   const QuantizedRows& rows = a;  // the calling thread's buffer, not the pool threads' own
   int64_t total = 0;
   for (const QuantPart& p : parts) total += p.out;
   at::parallel_for(0, total, 8, [&](int64_t begin, int64_t end) {
     thread_local DecodedColumn c;
-    c.q.resize(K);
-    c.scale.resize(K / 16);
-    c.offset.resize(K / 16);
-    if (!int8) c.w.resize(K);
+    c.resize(K, !int8);
     int64_t first = 0;
     for (const QuantPart& p : parts) {
       const int64_t n0 = std::max<int64_t>(begin - first, 0), n1 = std::min<int64_t>(end - first, p.out);
@@ -468,6 +570,30 @@ inline void quant_linear(const T* x, int64_t ldx, int64_t M, int64_t K, const st
         ASYNCSERVE_QUANT_CASE(kQ4_K) ASYNCSERVE_QUANT_CASE(kQ5_K) ASYNCSERVE_QUANT_CASE(kQ6_K)
 #undef ASYNCSERVE_QUANT_CASE
       }
+    }
+  });
+}
+
+// Rows ids of one weight's blocks, dequantized: out [n, K] (an embedding table kept in blocks: a lookup
+// decodes only the rows it gathers). w = scale q + offset with one fp32 FMA: gguf's dequantization
+// exactly for Q4_0, Q8_0 and Q6_K; for Q4_1, Q4_K and Q5_K within the one rounding gguf's two-step
+// d q + m adds.
+template <typename T>
+inline void quant_rows(const uint8_t* blocks, int64_t type, int64_t row_bytes, int64_t K, const int64_t* ids,
+                       int64_t n, T* out) {
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    thread_local DecodedColumn c;
+    c.resize(K, true);
+    for (int64_t i = begin; i < end; ++i) {
+      const uint8_t* row = blocks + ids[i] * row_bytes;
+      switch (type) {
+#define ASYNCSERVE_QUANT_CASE(TYPE) \
+  case TYPE: decode_column<TYPE>(row, K, c); dequantize_column<TYPE == kQ8_0>(c, K); break;
+        ASYNCSERVE_QUANT_CASE(kQ4_0) ASYNCSERVE_QUANT_CASE(kQ4_1) ASYNCSERVE_QUANT_CASE(kQ8_0)
+        ASYNCSERVE_QUANT_CASE(kQ4_K) ASYNCSERVE_QUANT_CASE(kQ5_K) ASYNCSERVE_QUANT_CASE(kQ6_K)
+#undef ASYNCSERVE_QUANT_CASE
+      }
+      for (int64_t k = 0; k < K; ++k) out[i * K + k] = from_float<T>(c.w[k]);
     }
   });
 }
