@@ -695,6 +695,12 @@ class Engine:
     def has_adapter(self, name: str) -> bool:
         return name in self.pager.registry
 
+    @property
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding window under max_model_len (empty: every layer global): what the
+        step-time model prices attention over."""
+        return self.model_config.layer_windows
+
     def adapter_rank(self, name: str) -> int:
         """A registered adapter's largest rank: what the step-time model prices its tokens by."""
         return max(self.pager.registry[name].ranks)

@@ -319,7 +319,7 @@ def measure_profile(engine: ProfiledEngine, adapters: list[str], steps: int = PR
             timed.append(timed_step(engine, kind, random_step(rng, kind, active, **shape), repeats))
             progress(len(timed), planned)
     progress.close()
-    samples = [step_sample(s.chunks, s.seconds, windows=engine.model_config.layer_windows) for s in timed]
+    samples = [step_sample(s.chunks, s.seconds, windows=engine.layer_windows) for s in timed]
     coefficients = fit(samples, source="step profile")
     ranks = [engine.adapter_rank(name) for name in profiled]
     return StepProfile(
