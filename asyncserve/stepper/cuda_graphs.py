@@ -6,7 +6,9 @@ Everything such a step reads lives in one fixed device buffer, written by one ho
 from one pinned host buffer per step (StepBuffers): token ids, positions, KV write rows, block tables,
 each token's LoRA slot (TritonLoraBackend's SlotTables) and the plain sampler's inputs. Padding rows
 are token 0 at position 0 writing its KV to a page of its own (``scratch_page``), attending to it,
-with no adapter: they touch nothing of a real sequence.
+with no adapter: they touch nothing of a real sequence. The host buffer keeps its block tables from
+step to step: a row is written again only where its sequence changed or grew a page; the other
+columns are a handful of numpy writes per step.
 
 Steps the graphs do not cover run eagerly: steps with prefill chunks, more decodes than the largest
 bucket, CPU-assisted rows, merged mode, and LoRA steps when the backend has no fixed-buffer step
@@ -23,6 +25,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+import numpy as np
 import torch
 
 
@@ -116,13 +119,15 @@ class StepBuffers:
 
 
 @dataclass
-class DecodeRow:
-    """One decode of a graph step, as the host knows it."""
-    token: int
-    position: int
-    write_row: int
-    block_table: list[int]
-    slot: int                 # LoRA slot (SlotTables), -1: none
+class DecodeBatch:
+    """The decodes of a graph step as columns, one entry per row, as the host knows them."""
+    tokens: list[int]
+    positions: list[int]
+    block_tables: list[list[int]]     # each sequence's own list (fill tells a row's sequence by it)
+    slots: list[int]                  # LoRA slot (SlotTables), -1: none
+
+
+SCRATCH = object()        # DecodeGraphs' mark of a table row holding only the scratch page
 
 
 class _NoLora:
@@ -143,7 +148,7 @@ class DecodeGraphs:
     and ``lora_version()`` a value that changes when its tables move."""
 
     def __init__(self, seam: GraphSeam, device: torch.device, max_batch: int, max_pages: int, scratch_page: int,
-                 row_stride: int, forward: Callable, make_inputs: Callable,
+                 block_size: int, row_stride: int, forward: Callable, make_inputs: Callable,
                  lora_step: Callable | None, lora_width: Callable[[], int] | None,
                  lora_version: Callable[[], object] | None):
         self.seam = seam
@@ -152,10 +157,15 @@ class DecodeGraphs:
         self.max_pages = max_pages
         self.scratch_page = scratch_page
         self.scratch_row = scratch_page * row_stride        # layer 0's K row of the scratch page, slot 0
+        self.block_size, self.row_stride = block_size, row_stride
         self.forward = forward
         self.make_inputs = make_inputs
         self.lora_step, self.lora_width, self.lora_version = lora_step, lora_width, lora_version
         self.buffers = StepBuffers(self.buckets[-1], max_pages, device, seam)
+        # per host table row: (the block table list written there, its length then), SCRATCH (padding) or
+        # None (unknown); a list held here is never freed, so ``is`` tells it from a new one
+        self._table_rows: list[tuple[list[int], int] | object | None] = [None] * self.buckets[-1]
+        self._row_index = np.arange(self.buckets[-1])
         # (bucket, lora) -> (graph, its output, the captured function); a graph reads its inputs by address,
         # so the function's closure (the step's sample index, the LoRA hook's tensors) lives as long as it
         self._graphs: dict[tuple[int, bool], tuple[object, torch.Tensor, Callable]] = {}
@@ -174,36 +184,56 @@ class DecodeGraphs:
         self._graphs.clear()
         self._scratch = None
 
-    def fill(self, rows: list[DecodeRow], sampling: tuple | None) -> int:
+    def fill(self, batch: DecodeBatch, sampling: tuple | None) -> int:
         """Write a step's rows into the host buffer, padded to its bucket; returns the bucket.
-        sampling: plain_sampling_values' columns, or None where the rows are not all plain."""
-        n, bucket = len(rows), self.bucket(len(rows))
+        sampling: plain_columns' columns, or None where the rows are not all plain."""
+        n, bucket = len(batch.tokens), self.bucket(len(batch.tokens))
         h = self.buffers.host
-        h["input_ids"][:bucket] = 0
-        h["positions"][:bucket] = 0
-        h["write_rows"][:bucket] = self.scratch_row
-        h["token_slots"][:bucket] = -1
-        tables = h["tables"]
-        tables[:bucket] = self.scratch_page
-        h["input_ids"][:n] = [r.token for r in rows]
-        h["positions"][:n] = [r.position for r in rows]
-        h["write_rows"][:n] = [r.write_row for r in rows]
-        h["token_slots"][:n] = [r.slot for r in rows]
-        for i, r in enumerate(rows):
-            tables[i, :len(r.block_table)] = r.block_table
+        for name, values, padding in (("input_ids", batch.tokens, 0), ("positions", batch.positions, 0),
+                                      ("token_slots", batch.slots, -1)):
+            h[name][:n] = values
+            h[name][n:bucket] = padding
+        tables = self._write_tables(batch.block_tables, bucket)
+        positions = h["positions"][:n]
+        # each token's KV row: its page's (layer 0, K) row plus its slot in the page
+        h["write_rows"][:n] = (tables[self._row_index[:n], positions // self.block_size] * self.row_stride
+                               + positions % self.block_size)
+        h["write_rows"][n:bucket] = self.scratch_row
         if sampling is not None:
             for name, values in zip(SAMPLING_FIELDS, sampling):
                 h[name][:n] = values
         return bucket
 
-    def replay(self, rows: list[DecodeRow], lora: bool, sampling: tuple | None) -> torch.Tensor:
+    def _write_tables(self, block_tables: list[list[int]], bucket: int) -> np.ndarray:
+        """The host tables with row i holding block_tables[i] (the scratch page past its end) and rows up to
+        the bucket the scratch page; writes only the rows that differ from what they hold: another
+        sequence's table (another list: a preempted sequence readmitted gets a new one too), or pages
+        appended to the same list."""
+        tables, held = self.buffers.host["tables"], self._table_rows
+        for i, table in enumerate(block_tables):
+            was = held[i]
+            if was is not None and was is not SCRATCH and was[0] is table and was[1] <= len(table):
+                if was[1] == len(table):
+                    continue
+                tables[i, was[1]:len(table)] = table[was[1]:]
+            else:
+                tables[i, len(table):] = self.scratch_page
+                tables[i, :len(table)] = table
+            held[i] = (table, len(table))
+        for i in range(len(block_tables), bucket):
+            if held[i] is not SCRATCH:
+                tables[i] = self.scratch_page
+                held[i] = SCRATCH
+        return tables
+
+    def replay(self, batch: DecodeBatch, lora: bool, sampling: tuple | None) -> torch.Tensor:
         """Run a covered step: fill, one upload, replay (capturing its graph first if need be).
         Returns the logits [n, vocab] (a view of the graph's fixed output)."""
         version = self.lora_version() if self.lora_version else None
         if version != self._version:
             self.invalidate()
             self._version = version
-        bucket = self.fill(rows, sampling)
+        bucket = self.fill(batch, sampling)
         self.buffers.upload()
         key = (bucket, lora)
         if key not in self._graphs:
@@ -212,7 +242,7 @@ class DecodeGraphs:
         graph, logits, _ = self._graphs[key]
         graph.replay()
         self.replays += 1
-        return logits[:len(rows)]
+        return logits[:len(batch.tokens)]
 
     def device_sampling(self, n: int) -> dict[str, torch.Tensor]:
         """The plain sampler's inputs of the step's n rows, on the device."""
