@@ -15,11 +15,13 @@ decode step must read (weights, and the KV of every context) over the bandwidth 
 
 --host-only (CPU, any shape; tiny is enough): the graph path's host side alone. Decode steps replay
 through a seam whose graphs run nothing (HostOnlySeam), so a step's time is what the host does around
-the kernels: schedule; fill (write_pending, the graph rows, the sampling rows, the fixed buffer's fill
-and upload); sample (the plain sampler's ops over HOST_ONLY_COLUMNS logits: their dispatch, not the
-vocabulary's arithmetic, which a GPU does); postprocess (tokens appended, stop checks, detokenizing,
-the updates). Medians in microseconds per step of the thread's CPU time (1 torch thread; other
-processes' use of the core does not count) and of the wall. --profile FILE: cProfile of the timed steps.
+the kernels: schedule; fill (write_pending, the graph's rows and sampling columns, the fixed buffer's
+fill and upload, the replay call, the copy of the tokens back); sample (the sampler's host work: the
+SampleOutput of the tokens the graph sampled, or for rows not all plain sample() over
+HOST_ONLY_COLUMNS logits); postprocess (tokens appended, stop checks, detokenizing, the updates, the
+step-time model's record). Medians in microseconds per step of the thread's CPU time (1 torch thread;
+other processes' use of the core does not count) and of the wall. --profile FILE: cProfile of as many
+steps again, after the timed ones.
 
     python scripts/bench_gpu_step.py --host-only --shape tiny --device cpu --running 32 64 --adapters 4 1000 \
         --steps 300 --work /tmp/b --out host.jsonl
@@ -213,17 +215,22 @@ def run_host_case(args, folder: Path, adapters: Path, running: int, n_adapters: 
     seqs = engine.scheduler.running
     while len(seqs) < running or any(s.num_computed < args.prompt_len for s in seqs):
         engine.step()                          # adapter loads and the prefills, eagerly
+    # the sampler's host work: sample() of a step whose rows are not all plain, else plain_output (the
+    # tokens the graph sampled, copied back, as the step's SampleOutput)
     sample_s = []
-    sample = runner_module.sample
+    samplers = {name: getattr(runner_module, name) for name in ("sample", "plain_output") if hasattr(runner_module, name)}
 
-    def timed_sample(*a):
-        t0 = time.thread_time_ns()
-        try:
-            return sample(*a)
-        finally:
-            sample_s.append(time.thread_time_ns() - t0)
+    def timed(fn):
+        def call(*a):
+            t0 = time.thread_time_ns()
+            try:
+                return fn(*a)
+            finally:
+                sample_s.append(time.thread_time_ns() - t0)
+        return call
 
-    runner_module.sample = timed_sample
+    for name, fn in samplers.items():
+        setattr(runner_module, name, timed(fn))
     phases = ("schedule", "fill", "sample", "postprocess", "step")
     cpu = {k: [] for k in phases}
     wall = {k: [] for k in ("schedule", "run", "postprocess", "step")}
@@ -245,7 +252,8 @@ def run_host_case(args, folder: Path, adapters: Path, running: int, n_adapters: 
             for key, value in zip(wall, (w1 - w0, w2 - w1, w3 - w2, w3 - w0)):
                 wall[key].append(value / 1e3)
     finally:
-        runner_module.sample = sample
+        for name, fn in samplers.items():
+            setattr(runner_module, name, fn)
     assert engine.runner.graphs.replays - replays == total, "every step replayed its graph"
     if args.profile:                           # more steps, apart from the timed ones (cProfile slows them)
         profiler = cProfile.Profile()

@@ -17,8 +17,7 @@ import torch
 
 import kernels  # noqa: F401  (the interpreter without CUDA)
 from asyncserve import LLM, SamplingParams
-from asyncserve.stepper.cuda_graphs import (SAMPLING_FIELDS, DecodeBatch, DecodeGraphs, StepBuffers, buffer_layout,
-                                           graph_buckets)
+from asyncserve.stepper.cuda_graphs import DecodeBatch, DecodeGraphs, StepBuffers, buffer_layout, graph_buckets
 from reference import TEST_DEVICE, assert_greedy_matches, peft_references
 
 NEW_TOKENS = 6
@@ -86,10 +85,9 @@ def test_fill_pads_rows_to_the_scratch_page_and_one_upload_carries_everything():
     assert d["write_rows"][:4].tolist() == [401, 700, 1208, 900]
     assert d["token_slots"][:4].tolist() == [2, -1, 0, -1]
     assert d["tables"][:4].tolist() == [[3, 4, 9], [7, 9, 9], [1, 2, 12], [9, 9, 9]]
-    s = g.device_sampling(3)
-    assert s["temperature"].tolist() == pytest.approx([1.0, 0.7, 1.0])
-    assert s["top_k"].tolist() == [0, 5, 0] and s["greedy"].tolist() == [1, 0, 0]
-    assert s["uniform"].tolist() == [0.25, 0.5, 0.75]
+    assert d["temperature"][:4].tolist() == pytest.approx([1.0, 0.7, 1.0, 1.0])     # the padding row: greedy
+    assert d["top_k"][:4].tolist() == [0, 5, 0, 0] and d["greedy"][:4].tolist() == [1, 0, 0, 1]
+    assert d["uniform"][:3].tolist() == [0.25, 0.5, 0.75]
     # a smaller step after a larger one leaves no stale rows in its bucket
     assert g.fill(DecodeBatch([5], [17], rows.block_tables[:1], [2]), None) == 1
     g.buffers.upload()
@@ -133,18 +131,15 @@ def test_tables_kept_across_steps_equal_a_fresh_fill():
         fresh = graphs()
         assert fresh.fill(batch, sampling) == bucket
         for name, view in g.buffers.host.items():
-            rows = len(order) if name in SAMPLING_FIELDS else bucket     # the sampler reads the real rows only
-            assert (view[:rows] == fresh.buffers.host[name][:rows]).all(), (step, name)
+            assert (view[:bucket] == fresh.buffers.host[name][:bucket]).all(), (step, name)
     assert len(set(map(id, (r[0] for r in running.values())))) == len(running)
 
 
-def test_graphs_capture_once_per_bucket_and_lora_and_recapture_when_invalidated():
-    calls = []
+def test_graphs_capture_once_per_bucket_lora_and_sampler_and_recapture_when_invalidated():
     version = [0]
 
     def forward(inputs, lora):
-        calls.append(len(inputs))
-        return inputs.float()[:, None] * 2
+        return torch.nn.functional.one_hot(inputs, 16).float() * 2      # logits [rows, 16]: argmax = the token
 
     g = DecodeGraphs(FakeSeam(), torch.device("cpu"), 16, 2, 0, 1, 1, forward, lambda ids, *_: ids,
                      lambda slots, s: "hook", lambda: 16, lambda: version[0])
@@ -152,15 +147,25 @@ def test_graphs_capture_once_per_bucket_and_lora_and_recapture_when_invalidated(
     def batch(tokens):
         return DecodeBatch(tokens, [0] * len(tokens), [[1]] * len(tokens), [-1] * len(tokens))
 
+    def tokens(logits):
+        return logits.argmax(-1).tolist()
+
     rows = batch([3, 4, 5])
-    assert g.replay(rows, False, None).flatten().tolist() == [6, 8, 10]
-    assert g.replay(batch([3, 4]), False, None).flatten().tolist() == [6, 8]       # bucket 2: a new graph
-    assert g.replay(rows, True, None).flatten().tolist() == [6, 8, 10]             # bucket 4 with LoRA
-    assert g.replay(batch([5, 4, 3]), False, None).flatten().tolist() == [10, 8, 6]
+    assert tokens(g.replay(rows, False, None)) == [3, 4, 5]
+    assert tokens(g.replay(batch([3, 4]), False, None)) == [3, 4]       # bucket 2: a new graph
+    assert tokens(g.replay(rows, True, None)) == [3, 4, 5]              # bucket 4 with LoRA
+    assert tokens(g.replay(batch([5, 4, 3]), False, None)) == [5, 4, 3]
     assert (g.captures, g.replays) == (3, 4)
+    # every row plain: the graph samples too and gives the tokens and their validity, one graph per sort or not
+    greedy = ([1.0] * 3, [0] * 3, [1.0] * 3, [0.0] * 3, [0.5] * 3, [True] * 3)
+    assert g.replay(rows, False, greedy).tolist() == [[3, 4, 5], [1, 1, 1]]
+    top_k_1 = ([1.0] * 3, [1] * 3, [1.0] * 3, [0.0] * 3, [0.5] * 3, [False] * 3)   # drawn, from one token each
+    assert g.replay(batch([5, 4, 3]), False, top_k_1, ranked=True).tolist() == [[5, 4, 3], [1, 1, 1]]
+    assert g.replay(rows, False, greedy).tolist() == [[3, 4, 5], [1, 1, 1]]
+    assert (g.captures, g.replays) == (5, 7)
     version[0] += 1                 # the LoRA tables moved (or the merged mode switched): capture again
     g.replay(rows, False, None)
-    assert g.captures == 4
+    assert g.captures == 6
 
 
 def _cases(tok, adapters, texts=("the fox jumps over", "many adapters serve a batch token", "rank step")):
@@ -172,7 +177,8 @@ def _cases(tok, adapters, texts=("the fox jumps over", "many adapters serve a ba
 def test_graph_steps_on_fixed_buffers_give_the_eager_tokens_and_peft(tiny_model):
     """The triton backend (interpreter) with DecodeGraphs over a fake seam: the same tokens as the eager
     engine and transformers+PEFT, base and mixed-rank adapters in the same decode steps; prefill steps
-    run eagerly, decode steps replay."""
+    run eagerly, decode steps replay and sample in the graph (greedy, and seeded top-k/top-p draws,
+    which the eager engine on CPU draws on its general path: the same tokens)."""
     adapters = ["r1_qv", "r16_patterns"]
     paths = {a: str(tiny_model.adapters[a]) for a in adapters}
     cases = _cases(tiny_model.tokenizer, adapters, ("the fox jumps over", "many adapters serve a batch token"))
@@ -191,8 +197,14 @@ def test_graph_steps_on_fixed_buffers_give_the_eager_tokens_and_peft(tiny_model)
         if graphs:
             # 6 sequences, at most 4 running: steps of 4 and of 2 decodes, with and without LoRA
             assert runner.graphs.replays >= NEW_TOKENS - 1 and seam.captured >= 2
-            assert llm.engine.pool.counts().kv == 0
+        seeded = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, top_p=0.9, top_k=20, seed=7, ignore_eos=True)
+        outs[graphs, "seeded"] = [o.token_ids for o in llm.generate([c[0] for c in cases], seeded,
+                                                                    adapters=[c[1] for c in cases])]
+        if graphs:
+            assert any(key[2] is True for key in runner.graphs._graphs)     # the sort's graphs replayed
+        assert llm.engine.pool.counts().kv == 0
     assert outs[True] == outs[False]
+    assert outs[True, "seeded"] == outs[False, "seeded"]
     for i, (tokens, (_, adapter)) in enumerate(zip(outs[True], cases)):
         assert_greedy_matches(tokens, refs[i], tie_tol=1e-3, label=f"case {i} adapter {adapter}")
 

@@ -2,6 +2,9 @@
 
 A decode-only step of n sequences is padded up to the smallest bucket >= n (1, 2, 4, 8, then every 8
 up to the largest) and replayed from the graph captured for that bucket (with or without LoRA).
+Where every row samples plainly (sampler.is_plain: the GPU's usual case), the graph samples too
+(sampler.plain_tokens, with or without the top-k/top-p sort) and its output is the tokens: the host
+launches one graph and copies the tokens back, instead of some 30 sampler kernels one by one.
 Everything such a step reads lives in one fixed device buffer, written by one host-to-device copy
 from one pinned host buffer per step (StepBuffers): token ids, positions, KV write rows, block tables,
 each token's LoRA slot (TritonLoraBackend's SlotTables) and the plain sampler's inputs. Padding rows
@@ -27,6 +30,8 @@ from typing import Callable, Protocol
 
 import numpy as np
 import torch
+
+from asyncserve.stepper.sampler import PlainSampling, plain_tokens
 
 
 class GraphSeam(Protocol):
@@ -74,7 +79,8 @@ def graph_buckets(max_batch: int) -> list[int]:
 # half a word per row (rounded up), bool ones a word
 INT_FIELDS = ("input_ids", "positions", "write_rows", "token_slots", "top_k", "greedy")
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "uniform")
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "uniform", "greedy")   # plain_sampling_values' order
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "uniform", "greedy")   # plain_columns' order
+SAMPLING_PADDING = (1.0, 0, 1.0, 0.0, 0.0, 1)     # a padding row samples greedily, with nothing undefined
 
 
 def buffer_layout(rows: int, max_pages: int) -> tuple[dict[str, tuple[int, int]], int]:
@@ -139,7 +145,7 @@ NO_LORA = _NoLora()
 
 
 class DecodeGraphs:
-    """Which decode steps replay, their padding and buffers, and the graphs per (bucket, lora).
+    """Which decode steps replay, their padding and buffers, and the graphs per (bucket, lora, sampler).
 
     ``forward(inputs, lora)`` runs the model on StepInputs that ``make_inputs(ids, positions, write_rows,
     tables)`` builds over the buffers (lora: a LoraHook);
@@ -166,9 +172,11 @@ class DecodeGraphs:
         # None (unknown); a list held here is never freed, so ``is`` tells it from a new one
         self._table_rows: list[tuple[list[int], int] | object | None] = [None] * self.buckets[-1]
         self._row_index = np.arange(self.buckets[-1])
-        # (bucket, lora) -> (graph, its output, the captured function); a graph reads its inputs by address,
-        # so the function's closure (the step's sample index, the LoRA hook's tensors) lives as long as it
-        self._graphs: dict[tuple[int, bool], tuple[object, torch.Tensor, Callable]] = {}
+        # (bucket, lora, sampler) -> (graph, its output, the captured function); sampler: None (the output is
+        # the logits), False / True (the plain sampler's tokens, with the top-k/top-p sort or not). A graph
+        # reads its inputs by address, so the function's closure (the step's sample index, the LoRA hook's
+        # tensors) lives as long as it
+        self._graphs: dict[tuple[int, bool, bool | None], tuple[object, torch.Tensor, Callable]] = {}
         self._version = None
         self._scratch: torch.Tensor | None = None
         self.replays = 0          # steps replayed, and graphs captured (for tests and benchmarks)
@@ -200,8 +208,9 @@ class DecodeGraphs:
                                + positions % self.block_size)
         h["write_rows"][n:bucket] = self.scratch_row
         if sampling is not None:
-            for name, values in zip(SAMPLING_FIELDS, sampling):
+            for name, values, padding in zip(SAMPLING_FIELDS, sampling, SAMPLING_PADDING):
                 h[name][:n] = values
+                h[name][n:bucket] = padding
         return bucket
 
     def _write_tables(self, block_tables: list[list[int]], bucket: int) -> np.ndarray:
@@ -226,30 +235,28 @@ class DecodeGraphs:
                 held[i] = SCRATCH
         return tables
 
-    def replay(self, batch: DecodeBatch, lora: bool, sampling: tuple | None) -> torch.Tensor:
+    def replay(self, batch: DecodeBatch, lora: bool, sampling: tuple | None, ranked: bool = False) -> torch.Tensor:
         """Run a covered step: fill, one upload, replay (capturing its graph first if need be).
-        Returns the logits [n, vocab] (a view of the graph's fixed output)."""
+        sampling: the rows' plain_columns where every row is plain, and ranked: whether one has top-k or
+        top-p. Returns (a view of the graph's fixed output) the tokens and whether each row has one
+        [2, n] (sampler.plain_tokens) where sampling is given, else the logits [n, vocab]."""
         version = self.lora_version() if self.lora_version else None
         if version != self._version:
             self.invalidate()
             self._version = version
         bucket = self.fill(batch, sampling)
         self.buffers.upload()
-        key = (bucket, lora)
+        key = (bucket, lora, None if sampling is None else ranked)
         if key not in self._graphs:
-            self._graphs[key] = self._capture(bucket, lora)
+            self._graphs[key] = self._capture(*key)
             self.captures += 1
-        graph, logits, _ = self._graphs[key]
+        graph, out, _ = self._graphs[key]
         graph.replay()
         self.replays += 1
-        return logits[:len(batch.tokens)]
+        n = len(batch.tokens)
+        return out[:n] if sampling is None else out[:, :n]
 
-    def device_sampling(self, n: int) -> dict[str, torch.Tensor]:
-        """The plain sampler's inputs of the step's n rows, on the device."""
-        d = self.buffers.device
-        return {name: d[name][:n] for name in SAMPLING_FIELDS}
-
-    def _capture(self, bucket: int, lora: bool) -> tuple[object, torch.Tensor, Callable]:
+    def _capture(self, bucket: int, lora: bool, ranked: bool | None) -> tuple[object, torch.Tensor, Callable]:
         d = self.buffers.device
         inputs = self.make_inputs(d["input_ids"][:bucket], d["positions"][:bucket], d["write_rows"][:bucket],
                                   d["tables"][:bucket])
@@ -260,6 +267,12 @@ class DecodeGraphs:
                 self._scratch = torch.zeros(self.buckets[-1], 3 * max(self.lora_width(), 1), dtype=torch.float32,
                                             device=self.device)
             hook = self.lora_step(d["token_slots"][:bucket], self._scratch[:bucket])
+        rows = {name: d[name][:bucket] for name in SAMPLING_FIELDS}
+
         def step() -> torch.Tensor:
-            return self.forward(inputs, hook)
+            logits = self.forward(inputs, hook)
+            if ranked is None:
+                return logits
+            return plain_tokens(logits, PlainSampling(rows["temperature"], rows["greedy"].bool(), rows["top_k"],
+                                                      rows["top_p"], rows["min_p"], rows["uniform"], ranked))
         return (*self.seam.capture(step), step)

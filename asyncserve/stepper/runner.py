@@ -16,12 +16,13 @@ from asyncserve.model.config import ModelConfig
 from asyncserve.model.llama import LlamaWeights, PrefillChunk, Rope, StepInputs, forward
 from asyncserve.pager.pager import AdapterPager
 from asyncserve.pager.pool import PagedPool
-from asyncserve.step import StepPlan, StepResult
+from asyncserve.step import SampleOutput, StepPlan, StepResult
 from asyncserve.stepper.merge import WeightMerger, merged_load
 from asyncserve.stepper.assist import AssistedLora, CpuAssist
 from asyncserve.sequence import Sequence
 from asyncserve.stepper.cuda_graphs import DecodeBatch, DecodeGraphs, GraphSeam
-from asyncserve.stepper.sampler import PlainRow, PlainSampling, SamplingRow, plain_columns, plain_row, sample, token_logprobs
+from asyncserve.stepper.sampler import (PlainRow, SamplingRow, plain_columns, plain_output, plain_row, sample,
+                                        token_logprobs)
 
 
 @dataclass
@@ -111,16 +112,12 @@ class ModelRunner:
         return SamplingRow(seq.params, seq.prompt_ids, seq.output_ids, self.eos_token_ids, seq.seed, seq.guide,
                            seq.bad_words_ids)
 
-    def _replay(self, plan: StepPlan, seqs: list[Sequence], batch: DecodeBatch, lora: bool):
-        """A decode step from its graph: the logits, and the sampling rows or (all rows plain) their
-        device inputs."""
+    def _replay(self, plan: StepPlan, seqs: list[Sequence], batch: DecodeBatch, lora: bool) -> SampleOutput:
+        """A decode step from its graph, sampled there where every row is plain (one copy of the tokens back)."""
         plain = self._plain_columns(seqs)
-        logits = self.graphs.replay(batch, lora, plain[0] if plain else None)
         if plain is None:
-            return logits, self._sampling_rows(plan), None
-        d = self.graphs.device_sampling(len(seqs))
-        return logits, [], PlainSampling(d["temperature"], d["greedy"].bool(), d["top_k"], d["top_p"], d["min_p"],
-                                         d["uniform"], plain[1])
+            return sample(self.graphs.replay(batch, lora, None), self._sampling_rows(plan))
+        return plain_output(self.graphs.replay(batch, lora, *plain).tolist())
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepResult:
@@ -130,8 +127,7 @@ class ModelRunner:
         switch_s = self.merger.switch(merged_load(plan), self.pager.resident)
         graph_step = self._graph_batch(plan)
         if graph_step is not None:
-            logits, rows, device_sampling = self._replay(plan, *graph_step)
-            sampled = sample(logits, rows, device_sampling)
+            sampled = self._replay(plan, *graph_step)
             return StepResult(sampled, time.perf_counter() - t0 - switch_s, plan.num_tokens, {})
         inputs, lora_batch, rows, prompt_rows, cold = self._prepare(plan)
         self.lora.begin_step(lora_batch)

@@ -112,12 +112,10 @@ def any_ranked(rows: list[SamplingRow]) -> bool:
     return any(not row.params.greedy and (row.params.top_k > 0 or row.params.top_p < 1) for row in rows)
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow], plain: PlainSampling | None = None) -> SampleOutput:
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
     """One token per row. logits: [rows, vocab] (float32; lower precision is upcast), not modified.
     On a GPU, a batch of plain rows (is_plain) is sampled there whole, with one copy of its tokens back
-    (``plain``: its inputs already on the device, else built here)."""
-    if plain is not None:            # the caller found every row plain
-        return sample_plain(logits, plain)
+    (in a CUDA graph's decode step, inside the graph: cuda_graphs.py)."""
     if logits.device.type != "cpu" and rows and all(is_plain(row) for row in rows):
         return sample_plain(logits, plain_sampling(rows, logits.device))
     if all(_is_plain_greedy(row) for row in rows):
@@ -164,14 +162,30 @@ def sample_plain(logits: torch.Tensor, p: PlainSampling) -> SampleOutput:
     """sample() of plain rows, greedy and drawn ones together, without a host read but the one copy of
     the tokens back: the same tokens as the general path (its thresholds read off a full sort rather
     than a growing prefix of it)."""
+    return plain_output(plain_tokens(logits, p).tolist())
+
+
+def plain_tokens(logits: torch.Tensor, p: PlainSampling) -> torch.Tensor:
+    """sample_plain's tokens and whether each row has one, [2, rows] int64 on the logits' device, with no
+    host read or allocation that depends on the values (so a CUDA graph can hold it)."""
     x = logits.float()                                           # [rows, vocab], a private copy
     greedy_tokens = x.argmax(-1)
     greedy_valid = _finite_at(x, greedy_tokens)
     drawn, drawn_valid = _draw_plain(x, p)
     tokens = torch.where(p.greedy, greedy_tokens, drawn)
     valid = torch.where(p.greedy, greedy_valid, drawn_valid)
-    token_ids, errors = _valid_ids(tokens, valid, logits)
-    return SampleOutput(token_ids, None, None, errors)
+    return torch.stack([tokens.long(), valid.long()])
+
+
+def plain_output(tokens_valid: list[list[int]]) -> SampleOutput:
+    """plain_tokens, copied back, as the step's SampleOutput. Nothing masks a plain row's logits, so a
+    row without a token has a non-finite logit (the all -inf row included)."""
+    ids, valid = tokens_valid
+    errors = {}
+    for i in [i for i, ok in enumerate(valid) if not ok]:
+        ids[i] = None
+        errors[i] = NON_FINITE
+    return SampleOutput(ids, None, None, errors)
 
 
 def _draw_plain(logits: torch.Tensor, p: PlainSampling) -> tuple[torch.Tensor, torch.Tensor]:
