@@ -218,7 +218,8 @@ def run_host_case(args, folder: Path, adapters: Path, running: int, n_adapters: 
     # the sampler's host work: sample() of a step whose rows are not all plain, else plain_output (the
     # tokens the graph sampled, copied back, as the step's SampleOutput)
     sample_s = []
-    samplers = {name: getattr(runner_module, name) for name in ("sample", "plain_output") if hasattr(runner_module, name)}
+    samplers = {name: getattr(runner_module, name) for name in ("sample", "plain_output")
+                if hasattr(runner_module, name)}
 
     def timed(fn):
         def call(*a):
