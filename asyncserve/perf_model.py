@@ -117,7 +117,7 @@ def step_sample(chunks: Iterable[tuple], seconds: float, rank_cost: str = "sum",
                 windows: Sequence[int | None] = ()) -> StepSample:
     """A step's terms (see the module's docstring) from its chunks: StepChunks or (tokens, rank) tuples;
     windows: the model's per-layer attention windows (None: global; empty: every layer global)."""
-    chunks = [StepChunk(*c) for c in chunks]
+    chunks = [c if type(c) is StepChunk else StepChunk(*c) for c in chunks]
     adapters = {c.adapter if c.adapter is not None else ("rank", c.rank) for c in chunks if c.rank > 0}
     return StepSample(sum(c.tokens for c in chunks), rank_work([(c.tokens, c.rank) for c in chunks], rank_cost),
                       seconds, len(chunks), len(adapters),
@@ -258,6 +258,7 @@ class StepLatencyModel:
         self.refit_every = refit_every
         self._skip = warmup
         self._samples: list[StepSample] = []
+        self._token_counts: Counter[int] = Counter()   # the window's samples by their tokens (is a fit due?)
         self._since_fit = 0
 
     def start_from(self, coefficients: PerfCoefficients) -> None:
@@ -278,10 +279,17 @@ class StepLatencyModel:
         if self._skip > 0:
             self._skip -= 1
             return
-        self._samples.append(step_sample(chunks, seconds, self.coefficients.rank_cost, self.attention_windows))
-        del self._samples[:-self.window]
+        sample = step_sample(chunks, seconds, self.coefficients.rank_cost, self.attention_windows)
+        self._samples.append(sample)
+        self._token_counts[sample.tokens] += 1
+        if len(self._samples) > self.window:
+            dropped = self._samples.pop(0).tokens
+            self._token_counts[dropped] -= 1
+            if not self._token_counts[dropped]:
+                del self._token_counts[dropped]
         self._since_fit += 1
-        if self._since_fit >= self.refit_every and len({s.tokens for s in self._samples}) >= 3:
+        # steps of 3 sizes at least (a decode-only stretch has one: this is not a set built every step)
+        if self._since_fit >= self.refit_every and len(self._token_counts) >= 3:
             self._since_fit = 0
             self.coefficients = self._fit(self._samples)
             typical = [s for s in self._samples if s.seconds <= 3 * sample_seconds(self.coefficients, s)]

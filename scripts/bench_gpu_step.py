@@ -12,10 +12,24 @@ decode step must read (weights, and the KV of every context) over the bandwidth 
 
     python scripts/bench_gpu_step.py --shape 7b --running 32 64 --adapters 4 1000 --out /tmp/out/step.json
     python scripts/bench_gpu_step.py --shape tiny --device cpu --steps 3   # the script's own check
+
+--host-only (CPU, any shape; tiny is enough): the graph path's host side alone. Decode steps replay
+through a seam whose graphs run nothing (HostOnlySeam), so a step's time is what the host does around
+the kernels: schedule; fill (write_pending, the graph's rows and sampling columns, the fixed buffer's
+fill and upload, the replay call, the copy of the tokens back); sample (the sampler's host work: the
+SampleOutput of the tokens the graph sampled, or for rows not all plain sample() over
+HOST_ONLY_COLUMNS logits); postprocess (tokens appended, stop checks, detokenizing, the updates, the
+step-time model's record). Medians in microseconds per step of the thread's CPU time (1 torch thread;
+other processes' use of the core does not count) and of the wall. --profile FILE: cProfile of as many
+steps again, after the timed ones.
+
+    python scripts/bench_gpu_step.py --host-only --shape tiny --device cpu --running 32 64 --adapters 4 1000 \
+        --steps 300 --work /tmp/b --out host.jsonl
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
 import shutil
@@ -37,7 +51,7 @@ SHAPES = {
     "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=32, tie_word_embeddings=False, max_position_embeddings=4096),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=512),
+                 num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=2048),
 }
 
 
@@ -162,6 +176,101 @@ def run_case(args, folder: Path, adapters: Path, running: int, n_adapters: int, 
     return out
 
 
+# logits the host-only sampler reads per row (token ids below it are plain text in SmolLM2's vocabulary)
+HOST_ONLY_COLUMNS = 256
+
+
+class _NoReplay:
+    def replay(self) -> None:
+        pass
+
+
+class HostOnlySeam:
+    """GraphSeam with the device out of the picture (--host-only): a capture runs the step once for its
+    output's shape and keeps its first HOST_ONLY_COLUMNS logits; a replay runs nothing."""
+
+    def capture(self, fn):
+        return _NoReplay(), fn()[:, :HOST_ONLY_COLUMNS].contiguous()
+
+    def pinned(self, numel: int) -> torch.Tensor:
+        return torch.zeros(numel, dtype=torch.int64)
+
+
+def run_host_case(args, folder: Path, adapters: Path, running: int, n_adapters: int) -> dict:
+    """The host side of graph-replayed decode steps, per phase (see --host-only)."""
+    from asyncserve import LLM, SamplingParams
+    from asyncserve.stepper import runner as runner_module
+
+    torch.set_num_threads(1)
+    llm = LLM(model=str(folder), adapter_dir=str(adapters), dtype="float32", device="cpu", lora_backend="triton",
+              max_running=running, pool_mem=args.pool_mem, cpu_workers=0, threads=1,
+              max_step_tokens=args.prompt_len * running)
+    engine = llm.engine
+    engine.runner.enable_graphs(HostOnlySeam(), running, -(-engine.max_model_len // engine.block_size))
+    total = args.warmup + args.steps
+    params = SamplingParams(max_tokens=engine.max_model_len - args.prompt_len, temperature=0.0, ignore_eos=True)
+    for i in range(running):
+        prompt = [(7 * i + j) % 1000 + 10 for j in range(args.prompt_len)]
+        engine.add(engine.make_sequence(prompt, params, f"a{i % n_adapters}" if n_adapters else None))
+    seqs = engine.scheduler.running
+    while len(seqs) < running or any(s.num_computed < args.prompt_len for s in seqs):
+        engine.step()                          # adapter loads and the prefills, eagerly
+    # the sampler's host work: sample() of a step whose rows are not all plain, else plain_output (the
+    # tokens the graph sampled, copied back, as the step's SampleOutput)
+    sample_s = []
+    samplers = {name: getattr(runner_module, name) for name in ("sample", "plain_output")
+                if hasattr(runner_module, name)}
+
+    def timed(fn):
+        def call(*a):
+            t0 = time.thread_time_ns()
+            try:
+                return fn(*a)
+            finally:
+                sample_s.append(time.thread_time_ns() - t0)
+        return call
+
+    for name, fn in samplers.items():
+        setattr(runner_module, name, timed(fn))
+    phases = ("schedule", "fill", "sample", "postprocess", "step")
+    cpu = {k: [] for k in phases}
+    wall = {k: [] for k in ("schedule", "run", "postprocess", "step")}
+    replays = engine.runner.graphs.replays
+    try:
+        for k in range(total):
+            c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
+            plan = engine.schedule()
+            c1, w1 = time.thread_time_ns(), time.perf_counter_ns()
+            result = engine.run(plan)
+            c2, w2 = time.thread_time_ns(), time.perf_counter_ns()
+            engine.postprocess(plan, result)
+            c3, w3 = time.thread_time_ns(), time.perf_counter_ns()
+            assert len(plan.decodes) == running, "every request decodes in every timed step"
+            if k < args.warmup:
+                continue
+            for key, value in zip(phases, (c1 - c0, c2 - c1 - sample_s[-1], sample_s[-1], c3 - c2, c3 - c0)):
+                cpu[key].append(value / 1e3)
+            for key, value in zip(wall, (w1 - w0, w2 - w1, w3 - w2, w3 - w0)):
+                wall[key].append(value / 1e3)
+    finally:
+        for name, fn in samplers.items():
+            setattr(runner_module, name, fn)
+    assert engine.runner.graphs.replays - replays == total, "every step replayed its graph"
+    if args.profile:                           # more steps, apart from the timed ones (cProfile slows them)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(args.steps):
+            plan = engine.schedule()
+            engine.postprocess(plan, engine.run(plan))
+        profiler.disable()
+        profiler.dump_stats(f"{args.profile}.{running}r{n_adapters}a")
+    out = {"running": running, "adapters": n_adapters, "mode": "host-only", "steps": args.steps,
+           "cpu_us": {k: round(statistics.median(v), 1) for k, v in cpu.items()},
+           "wall_us": {k: round(statistics.median(v), 1) for k, v in wall.items()}}
+    del llm, engine
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
@@ -169,7 +278,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--lora-backend", default="auto")
-    ap.add_argument("--pool-mem", default="16GiB")
+    ap.add_argument("--pool-mem", default=None, help="default: 16GiB, --host-only 256MiB")
     ap.add_argument("--running", type=int, nargs="+", default=[32, 64])
     ap.add_argument("--adapters", type=int, nargs="+", default=[4, 1000], help="adapters the requests cycle over "
                     "(0: base model)")
@@ -179,9 +288,14 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--host-only", action="store_true", help="the graph path's host work alone, on CPU (above)")
+    ap.add_argument("--profile", default=None, help="--host-only: cProfile stats of the timed steps, FILE.<case>")
     ap.add_argument("--out", type=Path, required=True, help="JSON lines, one per case, appended as each ends")
     args = ap.parse_args()
     device = torch.device(args.device)
+    if args.host_only and device.type != "cpu":
+        ap.error("--host-only runs on CPU (--device cpu)")
+    args.pool_mem = args.pool_mem or ("256MiB" if args.host_only else "16GiB")
     folder, sources = make_model(args.shape, args.work, device if device.type == "cuda" else torch.device("cpu"),
                                  args.distinct, args.rank)
     bandwidth = hbm_bandwidth(device)
@@ -189,9 +303,12 @@ def main() -> None:
     for n_adapters in args.adapters:
         adapters = link_adapters(sources, args.work / f"{args.shape}-names{n_adapters}", max(n_adapters, 1))
         for running in args.running:
-            for mode in args.modes:
+            for mode in ["host-only"] if args.host_only else args.modes:
                 t0 = time.perf_counter()
-                result = run_case(args, folder, adapters, running, n_adapters, mode == "eager", bandwidth)
+                if args.host_only:
+                    result = run_host_case(args, folder, adapters, running, n_adapters)
+                else:
+                    result = run_case(args, folder, adapters, running, n_adapters, mode == "eager", bandwidth)
                 result.update(shape=args.shape, device=torch.cuda.get_device_name(device) if device.type == "cuda"
                               else "cpu", case_s=round(time.perf_counter() - t0, 1))
                 print(json.dumps(result), flush=True)

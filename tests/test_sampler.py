@@ -11,6 +11,7 @@ import torch
 from asyncserve.sampling_params import SamplingParams
 from asyncserve.stepper.sampler import (
     SamplingRow,
+    any_ranked,
     apply_penalties_,
     sample,
     sampling_uniform,
@@ -397,3 +398,37 @@ def test_device_sampler_gives_the_general_paths_tokens(seed):
     # non-plain rows (logprobs, penalties, min_tokens) are not the device path's
     assert not is_plain(make_row(logprobs=2)) and not is_plain(make_row(repetition_penalty=1.2))
     assert not is_plain(make_row(min_tokens=3, max_tokens=9))
+
+
+def test_plain_row_says_what_is_plain_says_at_every_output_count():
+    """plain_row, kept per request by the graph path, against is_plain of each row it stands for: which
+    rows are plain (min_tokens with stop ids or EOS makes the first ones not), with the same columns."""
+    from asyncserve.stepper.sampler import is_plain, plain_row, plain_sampling_values
+
+    cases = [dict(), dict(temperature=0.0), dict(top_k=1), dict(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05),
+             dict(min_tokens=3, max_tokens=9), dict(min_tokens=3, max_tokens=9, ignore_eos=True),
+             dict(min_tokens=2, max_tokens=9, ignore_eos=True, stop_token_ids=[5]), dict(logprobs=0),
+             dict(presence_penalty=0.5), dict(logit_bias={3: 1.0}), dict(allowed_token_ids=[1, 2]),
+             dict(bad_words=["x"]), dict(temperature=1e-6, top_p=0.5)]
+    for params in cases:
+        for outputs in range(5):
+            row = make_row(seed=-3 + outputs, output=[1] * outputs, **params)
+            plain = plain_row(row.params, row.guide, row.eos_token_ids, row.seed)
+            assert (plain is not None and outputs >= plain.plain_from) == is_plain(row), (params, outputs)
+            if is_plain(row):
+                assert plain.ranked == any_ranked([row])
+                columns = plain_sampling_values([row])
+                assert [c[0] for c in columns] == [plain.temperature, plain.top_k, plain.top_p, plain.min_p,
+                                                   sampling_uniform(row.seed, outputs), plain.greedy]
+
+
+def test_sampling_uniforms_equal_the_scalar_stream():
+    """The vectorized SplitMix64 draws of the graph path: bit for bit sampling_uniform's, over negative,
+    huge and edge seeds and positions."""
+    from asyncserve.stepper.sampler import sampling_uniforms
+
+    rng = random.Random(5)
+    seeds = [0, 1, -1, -5, 2**63, 2**64 - 1, 2**70 + 3] + [rng.randrange(-2**64, 2**64) for _ in range(500)]
+    positions = [0, 1, 2**31, 10**9, 7, 3, 2] + [rng.randrange(100_000) for _ in range(500)]
+    got = sampling_uniforms([s & (2**64 - 1) for s in seeds], positions).tolist()
+    assert got == [sampling_uniform(s, p) for s, p in zip(seeds, positions)]

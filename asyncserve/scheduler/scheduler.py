@@ -100,18 +100,20 @@ class Scheduler:
             if seq.cold and not self._warm_up(seq):
                 self._assisted.add(seq.adapter_load)
         # 1. decodes of running sequences the rule allows, preempting the newest when pages run out
+        prefilling = []
         for seq in list(self.running):
-            if seq.status is not SeqStatus.RUNNING or seq.in_prefill or not rule.allows(seq.adapter):
+            if seq.status is not SeqStatus.RUNNING or not rule.allows(seq.adapter):
                 continue
-            if not self._grow(seq, seq.num_computed + 1):
-                continue                               # seq itself was preempted
-            plan.decodes.append(ScheduledChunk(seq, 1))
-            budget -= 1
-        # 2. running sequences mid-prefill continue their chunks
-        for seq in self.running:
+            if seq.in_prefill:
+                prefilling.append(seq)
+            elif self._grow(seq, seq.num_computed + 1):   # else seq itself was preempted
+                plan.decodes.append(ScheduledChunk(seq, 1))
+                budget -= 1
+        # 2. running sequences mid-prefill continue their chunks (unless preempted by a decode above)
+        for seq in prefilling:
             if budget <= 0:
                 break
-            if seq.status is SeqStatus.RUNNING and seq.in_prefill and rule.allows(seq.adapter):
+            if seq.status is SeqStatus.RUNNING:
                 n = min(seq.num_tokens - seq.num_computed, budget)
                 if self.blocks.reserve(seq, seq.num_computed + n):
                     plan.prefills.append(ScheduledChunk(seq, n))

@@ -2,11 +2,16 @@
 
 A decode-only step of n sequences is padded up to the smallest bucket >= n (1, 2, 4, 8, then every 8
 up to the largest) and replayed from the graph captured for that bucket (with or without LoRA).
+Where every row samples plainly (sampler.is_plain: the GPU's usual case), the graph samples too
+(sampler.plain_tokens, with or without the top-k/top-p sort) and its output is the tokens: the host
+launches one graph and copies the tokens back, instead of some 30 sampler kernels one by one.
 Everything such a step reads lives in one fixed device buffer, written by one host-to-device copy
 from one pinned host buffer per step (StepBuffers): token ids, positions, KV write rows, block tables,
 each token's LoRA slot (TritonLoraBackend's SlotTables) and the plain sampler's inputs. Padding rows
 are token 0 at position 0 writing its KV to a page of its own (``scratch_page``), attending to it,
-with no adapter: they touch nothing of a real sequence.
+with no adapter: they touch nothing of a real sequence. The host buffer keeps its block tables from
+step to step: a row is written again only where its sequence changed or grew a page; the other
+columns are a handful of numpy writes per step.
 
 Steps the graphs do not cover run eagerly: steps with prefill chunks, more decodes than the largest
 bucket, CPU-assisted rows, merged mode, and LoRA steps when the backend has no fixed-buffer step
@@ -23,7 +28,10 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+import numpy as np
 import torch
+
+from asyncserve.stepper.sampler import PlainSampling, plain_tokens
 
 
 class GraphSeam(Protocol):
@@ -71,7 +79,8 @@ def graph_buckets(max_batch: int) -> list[int]:
 # half a word per row (rounded up), bool ones a word
 INT_FIELDS = ("input_ids", "positions", "write_rows", "token_slots", "top_k", "greedy")
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "uniform")
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "uniform", "greedy")   # plain_sampling_values' order
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "uniform", "greedy")   # plain_columns' order
+SAMPLING_PADDING = (1.0, 0, 1.0, 0.0, 0.0, 1)     # a padding row samples greedily, with nothing undefined
 
 
 def buffer_layout(rows: int, max_pages: int) -> tuple[dict[str, tuple[int, int]], int]:
@@ -116,13 +125,15 @@ class StepBuffers:
 
 
 @dataclass
-class DecodeRow:
-    """One decode of a graph step, as the host knows it."""
-    token: int
-    position: int
-    write_row: int
-    block_table: list[int]
-    slot: int                 # LoRA slot (SlotTables), -1: none
+class DecodeBatch:
+    """The decodes of a graph step as columns, one entry per row, as the host knows them."""
+    tokens: list[int]
+    positions: list[int]
+    block_tables: list[list[int]]     # each sequence's own list (fill tells a row's sequence by it)
+    slots: list[int]                  # LoRA slot (SlotTables), -1: none
+
+
+SCRATCH = object()        # DecodeGraphs' mark of a table row holding only the scratch page
 
 
 class _NoLora:
@@ -134,7 +145,7 @@ NO_LORA = _NoLora()
 
 
 class DecodeGraphs:
-    """Which decode steps replay, their padding and buffers, and the graphs per (bucket, lora).
+    """Which decode steps replay, their padding and buffers, and the graphs per (bucket, lora, sampler).
 
     ``forward(inputs, lora)`` runs the model on StepInputs that ``make_inputs(ids, positions, write_rows,
     tables)`` builds over the buffers (lora: a LoraHook);
@@ -143,7 +154,7 @@ class DecodeGraphs:
     and ``lora_version()`` a value that changes when its tables move."""
 
     def __init__(self, seam: GraphSeam, device: torch.device, max_batch: int, max_pages: int, scratch_page: int,
-                 row_stride: int, forward: Callable, make_inputs: Callable,
+                 block_size: int, row_stride: int, forward: Callable, make_inputs: Callable,
                  lora_step: Callable | None, lora_width: Callable[[], int] | None,
                  lora_version: Callable[[], object] | None):
         self.seam = seam
@@ -152,13 +163,20 @@ class DecodeGraphs:
         self.max_pages = max_pages
         self.scratch_page = scratch_page
         self.scratch_row = scratch_page * row_stride        # layer 0's K row of the scratch page, slot 0
+        self.block_size, self.row_stride = block_size, row_stride
         self.forward = forward
         self.make_inputs = make_inputs
         self.lora_step, self.lora_width, self.lora_version = lora_step, lora_width, lora_version
         self.buffers = StepBuffers(self.buckets[-1], max_pages, device, seam)
-        # (bucket, lora) -> (graph, its output, the captured function); a graph reads its inputs by address,
-        # so the function's closure (the step's sample index, the LoRA hook's tensors) lives as long as it
-        self._graphs: dict[tuple[int, bool], tuple[object, torch.Tensor, Callable]] = {}
+        # per host table row: (the block table list written there, its length then), SCRATCH (padding) or
+        # None (unknown); a list held here is never freed, so ``is`` tells it from a new one
+        self._table_rows: list[tuple[list[int], int] | object | None] = [None] * self.buckets[-1]
+        self._row_index = np.arange(self.buckets[-1])
+        # (bucket, lora, sampler) -> (graph, its output, the captured function); sampler: None (the output is
+        # the logits), False / True (the plain sampler's tokens, with the top-k/top-p sort or not). A graph
+        # reads its inputs by address, so the function's closure (the step's sample index, the LoRA hook's
+        # tensors) lives as long as it
+        self._graphs: dict[tuple[int, bool, bool | None], tuple[object, torch.Tensor, Callable]] = {}
         self._version = None
         self._scratch: torch.Tensor | None = None
         self.replays = 0          # steps replayed, and graphs captured (for tests and benchmarks)
@@ -174,52 +192,71 @@ class DecodeGraphs:
         self._graphs.clear()
         self._scratch = None
 
-    def fill(self, rows: list[DecodeRow], sampling: tuple | None) -> int:
+    def fill(self, batch: DecodeBatch, sampling: tuple | None) -> int:
         """Write a step's rows into the host buffer, padded to its bucket; returns the bucket.
-        sampling: plain_sampling_values' columns, or None where the rows are not all plain."""
-        n, bucket = len(rows), self.bucket(len(rows))
+        sampling: plain_columns' columns, or None where the rows are not all plain."""
+        n, bucket = len(batch.tokens), self.bucket(len(batch.tokens))
         h = self.buffers.host
-        h["input_ids"][:bucket] = 0
-        h["positions"][:bucket] = 0
-        h["write_rows"][:bucket] = self.scratch_row
-        h["token_slots"][:bucket] = -1
-        tables = h["tables"]
-        tables[:bucket] = self.scratch_page
-        h["input_ids"][:n] = [r.token for r in rows]
-        h["positions"][:n] = [r.position for r in rows]
-        h["write_rows"][:n] = [r.write_row for r in rows]
-        h["token_slots"][:n] = [r.slot for r in rows]
-        for i, r in enumerate(rows):
-            tables[i, :len(r.block_table)] = r.block_table
+        for name, values, padding in (("input_ids", batch.tokens, 0), ("positions", batch.positions, 0),
+                                      ("token_slots", batch.slots, -1)):
+            h[name][:n] = values
+            h[name][n:bucket] = padding
+        tables = self._write_tables(batch.block_tables, bucket)
+        positions = h["positions"][:n]
+        # each token's KV row: its page's (layer 0, K) row plus its slot in the page
+        h["write_rows"][:n] = (tables[self._row_index[:n], positions // self.block_size] * self.row_stride
+                               + positions % self.block_size)
+        h["write_rows"][n:bucket] = self.scratch_row
         if sampling is not None:
-            for name, values in zip(SAMPLING_FIELDS, sampling):
+            for name, values, padding in zip(SAMPLING_FIELDS, sampling, SAMPLING_PADDING):
                 h[name][:n] = values
+                h[name][n:bucket] = padding
         return bucket
 
-    def replay(self, rows: list[DecodeRow], lora: bool, sampling: tuple | None) -> torch.Tensor:
+    def _write_tables(self, block_tables: list[list[int]], bucket: int) -> np.ndarray:
+        """The host tables with row i holding block_tables[i] (the scratch page past its end) and rows up to
+        the bucket the scratch page; writes only the rows that differ from what they hold: another
+        sequence's table (another list: a preempted sequence readmitted gets a new one too), or pages
+        appended to the same list."""
+        tables, held = self.buffers.host["tables"], self._table_rows
+        for i, table in enumerate(block_tables):
+            was = held[i]
+            if was is not None and was is not SCRATCH and was[0] is table and was[1] <= len(table):
+                if was[1] == len(table):
+                    continue
+                tables[i, was[1]:len(table)] = table[was[1]:]
+            else:
+                tables[i, len(table):] = self.scratch_page
+                tables[i, :len(table)] = table
+            held[i] = (table, len(table))
+        for i in range(len(block_tables), bucket):
+            if held[i] is not SCRATCH:
+                tables[i] = self.scratch_page
+                held[i] = SCRATCH
+        return tables
+
+    def replay(self, batch: DecodeBatch, lora: bool, sampling: tuple | None, ranked: bool = False) -> torch.Tensor:
         """Run a covered step: fill, one upload, replay (capturing its graph first if need be).
-        Returns the logits [n, vocab] (a view of the graph's fixed output)."""
+        sampling: the rows' plain_columns where every row is plain, and ranked: whether one has top-k or
+        top-p. Returns (a view of the graph's fixed output) the tokens and whether each row has one
+        [2, n] (sampler.plain_tokens) where sampling is given, else the logits [n, vocab]."""
         version = self.lora_version() if self.lora_version else None
         if version != self._version:
             self.invalidate()
             self._version = version
-        bucket = self.fill(rows, sampling)
+        bucket = self.fill(batch, sampling)
         self.buffers.upload()
-        key = (bucket, lora)
+        key = (bucket, lora, None if sampling is None else ranked)
         if key not in self._graphs:
-            self._graphs[key] = self._capture(bucket, lora)
+            self._graphs[key] = self._capture(*key)
             self.captures += 1
-        graph, logits, _ = self._graphs[key]
+        graph, out, _ = self._graphs[key]
         graph.replay()
         self.replays += 1
-        return logits[:len(rows)]
+        n = len(batch.tokens)
+        return out[:n] if sampling is None else out[:, :n]
 
-    def device_sampling(self, n: int) -> dict[str, torch.Tensor]:
-        """The plain sampler's inputs of the step's n rows, on the device."""
-        d = self.buffers.device
-        return {name: d[name][:n] for name in SAMPLING_FIELDS}
-
-    def _capture(self, bucket: int, lora: bool) -> tuple[object, torch.Tensor, Callable]:
+    def _capture(self, bucket: int, lora: bool, ranked: bool | None) -> tuple[object, torch.Tensor, Callable]:
         d = self.buffers.device
         inputs = self.make_inputs(d["input_ids"][:bucket], d["positions"][:bucket], d["write_rows"][:bucket],
                                   d["tables"][:bucket])
@@ -230,6 +267,12 @@ class DecodeGraphs:
                 self._scratch = torch.zeros(self.buckets[-1], 3 * max(self.lora_width(), 1), dtype=torch.float32,
                                             device=self.device)
             hook = self.lora_step(d["token_slots"][:bucket], self._scratch[:bucket])
+        rows = {name: d[name][:bucket] for name in SAMPLING_FIELDS}
+
         def step() -> torch.Tensor:
-            return self.forward(inputs, hook)
+            logits = self.forward(inputs, hook)
+            if ranked is None:
+                return logits
+            return plain_tokens(logits, PlainSampling(rows["temperature"], rows["greedy"].bool(), rows["top_k"],
+                                                      rows["top_p"], rows["min_p"], rows["uniform"], ranked))
         return (*self.seam.capture(step), step)

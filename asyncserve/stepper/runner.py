@@ -16,12 +16,13 @@ from asyncserve.model.config import ModelConfig
 from asyncserve.model.llama import LlamaWeights, PrefillChunk, Rope, StepInputs, forward
 from asyncserve.pager.pager import AdapterPager
 from asyncserve.pager.pool import PagedPool
-from asyncserve.step import StepPlan, StepResult
+from asyncserve.step import SampleOutput, StepPlan, StepResult
 from asyncserve.stepper.merge import WeightMerger, merged_load
 from asyncserve.stepper.assist import AssistedLora, CpuAssist
-from asyncserve.stepper.cuda_graphs import DecodeGraphs, DecodeRow, GraphSeam
-from asyncserve.stepper.sampler import (PlainSampling, SamplingRow, any_ranked, is_plain, plain_sampling_values,
-                                        sample, token_logprobs)
+from asyncserve.sequence import Sequence
+from asyncserve.stepper.cuda_graphs import DecodeBatch, DecodeGraphs, GraphSeam
+from asyncserve.stepper.sampler import (PlainRow, SamplingRow, plain_columns, plain_output, plain_row, sample,
+                                        token_logprobs)
 
 
 @dataclass
@@ -55,6 +56,7 @@ class ModelRunner:
         # decodes read their KV through kernels.paged_attention on CUDA (ASYNCSERVE_TRITON_ATTENTION=0: SDPA)
         self.paged_attention = self.device.type == "cuda" and os.environ.get("ASYNCSERVE_TRITON_ATTENTION") != "0"
         self.graphs: DecodeGraphs | None = None                    # enable_graphs
+        self._plain_rows: dict[Sequence, PlainRow | None] = {}     # the last graph step's sequences' PlainRow
 
     def enable_graphs(self, seam: GraphSeam, max_batch: int, max_pages: int) -> None:
         """Replay decode steps of up to max_batch sequences (block tables up to max_pages) from graphs;
@@ -67,32 +69,41 @@ class ModelRunner:
         fixed = getattr(self.lora, "fixed_step", None)
         tables = getattr(self.lora, "slot_tables", None)
         self.graphs = DecodeGraphs(
-            seam, self.device, max_batch, max_pages, self.pool.reserve(), self._row_stride,
+            seam, self.device, max_batch, max_pages, self.pool.reserve(), self.pool.block_size, self._row_stride,
             lambda inputs, lora: forward(self.weights, self.config, self.rope, self.pool.kv_view(), inputs, lora),
             make_inputs, fixed, (lambda: tables.tensors[1].shape[-1]) if tables else None,
             (lambda: (tables.version, self.merger.switches)) if tables else (lambda: self.merger.switches))
 
-    def _graph_rows(self, plan: StepPlan) -> tuple[list[DecodeRow], bool] | None:
-        """The step's rows for DecodeGraphs and whether it has LoRA, or None where it runs eagerly."""
-        g = self.graphs
-        if (g is None or not plan.decodes or len(plan.chunks) != len(plan.decodes) or plan.assisted
-                or plan.merged is not None or g.bucket(len(plan.decodes)) is None
-                or not all(c.samples for c in plan.decodes)):
+    def _graph_batch(self, plan: StepPlan) -> tuple[list[Sequence], DecodeBatch, bool] | None:
+        """The step's sequences and rows for DecodeGraphs and whether it has LoRA, or None where it runs eagerly."""
+        g, decodes = self.graphs, plan.decodes
+        if (g is None or not decodes or plan.prefills or plan.assisted or plan.merged is not None
+                or g.bucket(len(decodes)) is None or not all(c.samples for c in decodes)):
             return None
-        adapters = [c.seq.adapter_load for c in plan.decodes if c.seq.adapter is not None]
-        if adapters and g.lora_step is None:
+        seqs = [c.seq for c in decodes]
+        loads = [s.adapter_load if s.adapter is not None else None for s in seqs]
+        distinct = [load for load in dict.fromkeys(loads) if load is not None]
+        if distinct and g.lora_step is None:
             return None
-        slot_of = {}
-        if adapters:
-            loads = list(dict.fromkeys(adapters))
-            slot_of = dict(zip(loads, self.lora.slot_tables.slots([self.pager.resident[a] for a in loads])))
-        bs = self.pool.block_size
-        rows = []
-        for c in plan.decodes:
-            seq, pos = c.seq, c.seq.num_computed
-            rows.append(DecodeRow(seq.token_at(pos), pos, seq.block_table[pos // bs] * self._row_stride + pos % bs,
-                                  seq.block_table, slot_of.get(seq.adapter_load, -1) if seq.adapter is not None else -1))
-        return rows, bool(adapters)
+        slot_of = {None: -1}
+        if distinct:
+            slot_of.update(zip(distinct, self.lora.slot_tables.slots([self.pager.resident[a] for a in distinct])))
+        positions = [s.num_computed for s in seqs]
+        batch = DecodeBatch([s.token_at(p) for s, p in zip(seqs, positions)], positions,
+                            [s.block_table for s in seqs], [slot_of[load] for load in loads])
+        return seqs, batch, bool(distinct)
+
+    def _plain_columns(self, seqs: list[Sequence]) -> tuple[tuple, bool] | None:
+        """plain_columns of a graph step's rows and whether one is ranked; None unless every row is plain.
+        Each sequence's PlainRow is kept from the step before (the mapping is rebuilt over this step's)."""
+        known = self._plain_rows
+        self._plain_rows = rows = {s: known.get(s) or plain_row(s.params, s.guide, self.eos_token_ids, s.seed)
+                                   for s in seqs}
+        outputs = [len(s.output_ids) for s in seqs]
+        plain = list(rows.values())
+        if not all(p is not None and n >= p.plain_from for p, n in zip(plain, outputs)):
+            return None
+        return plain_columns(plain, outputs), any(p.ranked for p in plain)
 
     def _sampling_rows(self, plan: StepPlan) -> list[SamplingRow]:
         return [self._sampling_row(c.seq) for c in plan.chunks if c.samples]
@@ -101,17 +112,12 @@ class ModelRunner:
         return SamplingRow(seq.params, seq.prompt_ids, seq.output_ids, self.eos_token_ids, seq.seed, seq.guide,
                            seq.bad_words_ids)
 
-    def _replay(self, plan: StepPlan, graph_rows: list[DecodeRow], lora: bool):
-        """A decode step from its graph: the logits, and the sampling rows with their device inputs."""
-        rows = self._sampling_rows(plan)
-        plain = all(is_plain(r) for r in rows)
-        logits = self.graphs.replay(graph_rows, lora, plain_sampling_values(rows) if plain else None)
-        device_sampling = None
-        if plain:
-            d = self.graphs.device_sampling(len(rows))
-            device_sampling = PlainSampling(d["temperature"], d["greedy"].bool(), d["top_k"], d["top_p"], d["min_p"],
-                                            d["uniform"], any_ranked(rows))
-        return logits, rows, device_sampling
+    def _replay(self, plan: StepPlan, seqs: list[Sequence], batch: DecodeBatch, lora: bool) -> SampleOutput:
+        """A decode step from its graph, sampled there where every row is plain (one copy of the tokens back)."""
+        plain = self._plain_columns(seqs)
+        if plain is None:
+            return sample(self.graphs.replay(batch, lora, None), self._sampling_rows(plan))
+        return plain_output(self.graphs.replay(batch, lora, *plain).tolist())
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepResult:
@@ -119,10 +125,9 @@ class ModelRunner:
         self.pager.write_pending(hold=plan.assisted)
         # after the page-ins: a merge reads the adapter's rows; the switch is timed apart from the step
         switch_s = self.merger.switch(merged_load(plan), self.pager.resident)
-        graph_step = self._graph_rows(plan)
+        graph_step = self._graph_batch(plan)
         if graph_step is not None:
-            logits, rows, device_sampling = self._replay(plan, *graph_step)
-            sampled = sample(logits, rows, device_sampling)
+            sampled = self._replay(plan, *graph_step)
             return StepResult(sampled, time.perf_counter() - t0 - switch_s, plan.num_tokens, {})
         inputs, lora_batch, rows, prompt_rows, cold = self._prepare(plan)
         self.lora.begin_step(lora_batch)

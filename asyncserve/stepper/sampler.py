@@ -13,7 +13,9 @@ identical on any device, so it can migrate between servers.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -61,14 +63,41 @@ class PlainSampling:
     ranked: bool
 
 
-def plain_sampling_values(rows: list[SamplingRow]) -> tuple[list[float], list[int], list[float], list[float],
-                                                            list[float], list[bool]]:
-    """PlainSampling's columns as host lists: (temperature, top_k, top_p, min_p, uniform, greedy)."""
-    greedy = [row.params.greedy for row in rows]
-    return ([1.0 if g else row.params.temperature for g, row in zip(greedy, rows)],
-            [row.params.top_k for row in rows], [row.params.top_p for row in rows],
-            [row.params.min_p for row in rows],
-            [sampling_uniform(row.seed, len(row.output_ids)) for row in rows], greedy)
+class PlainRow(NamedTuple):
+    """A request's constant inputs to sample_plain, and from which output count its rows are plain."""
+    temperature: float          # 1 for greedy rows
+    top_k: int
+    top_p: float
+    min_p: float
+    greedy: bool
+    seed: int                   # the request's seed as SplitMix64 takes it (64 bits)
+    ranked: bool                # top-k or top-p truncate its draws
+    plain_from: int             # rows with at least this many output tokens are plain (min_tokens bans none then)
+
+
+def plain_row(params: SamplingParams, guide: SequenceGuide | None, eos_token_ids: list[int], seed: int
+              ) -> PlainRow | None:
+    """A request's PlainRow; None where none of its rows is plain (logprobs, penalties, a guide)."""
+    if params.logprobs is not None or params.has_penalties or guide is not None:
+        return None
+    greedy = params.greedy
+    bans = bool(params.stop_token_ids) or (not params.ignore_eos and bool(eos_token_ids))    # _min_tokens_banned
+    return PlainRow(1.0 if greedy else params.temperature, params.top_k, params.top_p, params.min_p, greedy,
+                    seed & _MASK64, not greedy and (params.top_k > 0 or params.top_p < 1),
+                    params.min_tokens if bans else 0)
+
+
+def plain_columns(plain: list[PlainRow], positions: list[int]) -> tuple:
+    """PlainSampling's columns of plain rows, host side: (temperature, top_k, top_p, min_p, uniform,
+    greedy); positions: each row's output count so far."""
+    temperature, top_k, top_p, min_p, greedy, seed, _, _ = zip(*plain)
+    return temperature, top_k, top_p, min_p, sampling_uniforms(seed, positions), greedy
+
+
+def plain_sampling_values(rows: list[SamplingRow]) -> tuple:
+    """plain_columns of rows that are all plain (is_plain)."""
+    return plain_columns([plain_row(r.params, r.guide, r.eos_token_ids, r.seed) for r in rows],
+                         [len(r.output_ids) for r in rows])
 
 
 def plain_sampling(rows: list[SamplingRow], device: torch.device) -> PlainSampling:
@@ -83,12 +112,10 @@ def any_ranked(rows: list[SamplingRow]) -> bool:
     return any(not row.params.greedy and (row.params.top_k > 0 or row.params.top_p < 1) for row in rows)
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow], plain: PlainSampling | None = None) -> SampleOutput:
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
     """One token per row. logits: [rows, vocab] (float32; lower precision is upcast), not modified.
     On a GPU, a batch of plain rows (is_plain) is sampled there whole, with one copy of its tokens back
-    (``plain``: its inputs already on the device, else built here)."""
-    if plain is not None:            # the caller found every row plain
-        return sample_plain(logits, plain)
+    (in a CUDA graph's decode step, inside the graph: cuda_graphs.py)."""
     if logits.device.type != "cpu" and rows and all(is_plain(row) for row in rows):
         return sample_plain(logits, plain_sampling(rows, logits.device))
     if all(_is_plain_greedy(row) for row in rows):
@@ -135,14 +162,30 @@ def sample_plain(logits: torch.Tensor, p: PlainSampling) -> SampleOutput:
     """sample() of plain rows, greedy and drawn ones together, without a host read but the one copy of
     the tokens back: the same tokens as the general path (its thresholds read off a full sort rather
     than a growing prefix of it)."""
+    return plain_output(plain_tokens(logits, p).tolist())
+
+
+def plain_tokens(logits: torch.Tensor, p: PlainSampling) -> torch.Tensor:
+    """sample_plain's tokens and whether each row has one, [2, rows] int64 on the logits' device, with no
+    host read or allocation that depends on the values (so a CUDA graph can hold it)."""
     x = logits.float()                                           # [rows, vocab], a private copy
     greedy_tokens = x.argmax(-1)
     greedy_valid = _finite_at(x, greedy_tokens)
     drawn, drawn_valid = _draw_plain(x, p)
     tokens = torch.where(p.greedy, greedy_tokens, drawn)
     valid = torch.where(p.greedy, greedy_valid, drawn_valid)
-    token_ids, errors = _valid_ids(tokens, valid, logits)
-    return SampleOutput(token_ids, None, None, errors)
+    return torch.stack([tokens.long(), valid.long()])
+
+
+def plain_output(tokens_valid: list[list[int]]) -> SampleOutput:
+    """plain_tokens, copied back, as the step's SampleOutput. Nothing masks a plain row's logits, so a
+    row without a token has a non-finite logit (the all -inf row included)."""
+    ids, valid = tokens_valid
+    errors = {}
+    for i in [i for i, ok in enumerate(valid) if not ok]:
+        ids[i] = None
+        errors[i] = NON_FINITE
+    return SampleOutput(ids, None, None, errors)
 
 
 def _draw_plain(logits: torch.Tensor, p: PlainSampling) -> tuple[torch.Tensor, torch.Tensor]:
@@ -303,6 +346,20 @@ def sampling_uniform(seed: int, position: int) -> float:
     the SplitMix64 stream started from `seed`."""
     state = (_mix64(seed & _MASK64) + (position + 1) * _GOLDEN_GAMMA) & _MASK64
     return (_mix64(state) >> 11) * 2.0**-53
+
+
+def sampling_uniforms(seeds, positions) -> np.ndarray:
+    """sampling_uniform over columns, float64 [rows]: the same values, without a Python loop per row.
+    seeds: 64-bit (seed & 2**64-1); numpy's uint64 arithmetic wraps as the masked scalar one does."""
+    state = _mix64_array(np.asarray(seeds, dtype=np.uint64))
+    state += (np.asarray(positions, dtype=np.uint64) + np.uint64(1)) * np.uint64(_GOLDEN_GAMMA)
+    return (_mix64_array(state) >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+def _mix64_array(z: np.ndarray) -> np.ndarray:
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
 
 
 def is_plain(row: SamplingRow) -> bool:
