@@ -32,7 +32,7 @@ class Config:
     adapters: dict[str, str] = field(default_factory=dict)   # name -> PEFT folder or Hub id
     dtype: str = "auto"                      # auto | bfloat16 | float16 | float32
     # GGUF files' Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K tensors kept in their blocks on CPU (model/linear.py,
-    # QuantLinear); off: dense dtype weights, which merged mode and the native layer loop need
+    # QuantLinear); off: dense dtype weights, which merged mode needs
     keep_quantized: bool = False
     device: str = "auto"                     # auto | cpu | cuda[:N]
     lora_backend: str = "auto"               # auto | torch | triton
