@@ -41,8 +41,8 @@ def _engine_args(p: argparse.ArgumentParser, step_profile: str = "off") -> None:
                         "AVX512-BF16, float32 on other CPUs (default: auto)")
     p.add_argument("--keep-quantized", action="store_true", default=False,
                    help="on CPU, keep a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K tensors in their blocks (the "
-                        "file's size in memory, int8 dot products; merged mode refuses them; the native layer "
-                        "loop does not take them yet) (default: off, dequantized to --dtype at load)")
+                        "file's size in memory, int8 dot products; merged mode refuses them) (default: off, "
+                        "dequantized to --dtype at load)")
     p.add_argument("--quantize", default=None, choices=["q8_0", "q4_0"],
                    help="on CPU, quantize an HF folder's projections at load into GGUF blocks of this type (the "
                         "embeddings and head Q8_0), bit for bit as llama.cpp's converter would: their size in "

@@ -32,7 +32,7 @@ class Config:
     adapters: dict[str, str] = field(default_factory=dict)   # name -> PEFT folder or Hub id
     dtype: str = "auto"                      # auto | bfloat16 | float16 | float32
     # GGUF files' Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K tensors kept in their blocks on CPU (model/linear.py,
-    # QuantLinear); off: dense dtype weights, which merged mode and the native layer loop need
+    # QuantLinear); off: dense dtype weights, which merged mode needs
     keep_quantized: bool = False
     # q8_0 | q4_0: an HF folder's projections (q4_0: Q4_0; the embeddings and head Q8_0) quantized at load
     # into GGUF blocks for QuantLinear, on CPU (model/quantize.py); merged mode refuses them as it does GGUF's

@@ -50,7 +50,7 @@ def build_ours(adapters, args):
     # prefix cache would otherwise serve from the first round's blocks
     return LLM(model=args.model, adapters=adapters, dtype=args.dtype, device=args.device,
                lora_backend=args.lora_backend, max_running=args.in_flight, max_step_tokens=args.step_tokens,
-               threads=args.threads, prefix_caching=False)
+               threads=args.threads, prefix_caching=False, keep_quantized=args.keep_quantized)
 
 
 def time_loading(adapters, args) -> tuple[object, dict]:
@@ -72,7 +72,9 @@ def time_loading(adapters, args) -> tuple[object, dict]:
     llm = build_ours(adapters, args)
     times["engine_s"] = time.perf_counter() - t0
     parts = ", ".join(f"{k[:-2].replace('_', ' ')} {v:.2f} s" for k, v in times.items())
-    print(f"load: {parts}", flush=True)
+    rss = {line.split(":")[0]: int(line.split()[1]) / 1024 for line in Path("/proc/self/status").read_text().splitlines()
+           if line.startswith(("VmRSS", "RssAnon"))}
+    print(f"load: {parts}; RSS {rss.get('VmRSS', 0):.0f} MiB (anonymous {rss.get('RssAnon', 0):.0f})", flush=True)
     return llm, times
 
 
@@ -287,6 +289,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--step-tokens", type=int, default=None, help="default: the engine's per-device default")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--keep-quantized", action="store_true",
+                    help="ours with a GGUF file's blocks kept quantized (Config.keep_quantized)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                     help="W1 prescribes bfloat16; CPUs without AMX/AVX512-BF16 run float32 faster")
     ap.add_argument("--rounds", type=int, default=1,

@@ -8,7 +8,6 @@ different adapters share steps: with the native CPU kernels in the native layer 
 the Python loop (ASYNCSERVE_NATIVE_DECODER=0) and with the eager ops (ASYNCSERVE_NATIVE=0).
 """
 import json
-import logging
 import random
 import shutil
 
@@ -18,6 +17,7 @@ import torch
 import kernels.cpu as cpu_kernels
 from asyncserve import LLM, SamplingParams
 from asyncserve.model import llama
+from asyncserve.model.config import GROUPS
 from asyncserve.pager.adapters import AdapterError
 from family_models import ALL, FAMILIES, FamilyModel, build_family_model, write_family_gguf
 from reference import (TEST_DEVICE, assert_greedy_matches, make_tiny_tokenizer, peft_references, record_calls,
@@ -76,10 +76,10 @@ def test_mistral_whose_every_layer_slides(tmp_path):
 
 
 @pytest.mark.parametrize("path", ["loop", "ops", "eager"])
-def test_base_and_two_adapters_in_one_generate_call(family_model, path, monkeypatch, caplog):
+def test_base_and_two_adapters_in_one_generate_call(family_model, path, monkeypatch):
     """loop: every step in the native layer loop (kernels/cpu/decoder.h: Qwen's biases, q/k norms,
     Gemma's (1 + w) and sandwich norms, GeGLU, windows, local RoPE, scale and soft caps as per-layer
-    options); ops: the Python loop over the same native kernels; eager: torch ops. No fallback line."""
+    options); ops: the Python loop over the same native kernels; eager: torch ops."""
     model, cases, refs = family_model
     monkeypatch.setenv("ASYNCSERVE_NATIVE", "0" if path == "eager" else "1")
     monkeypatch.setenv("ASYNCSERVE_NATIVE_DECODER", "0" if path == "ops" else "1")
@@ -89,13 +89,11 @@ def test_base_and_two_adapters_in_one_generate_call(family_model, path, monkeypa
     record_calls(monkeypatch, llama, "_forward_native", lambda *a: loop_steps.append(1))
     record_calls(monkeypatch, llama, "_forward_layers", lambda *a: python_steps.append(1))
     record_calls(monkeypatch, cpu_kernels, "rope_write_kv", lambda *a: native_ops.append(1))
-    with caplog.at_level(logging.INFO, logger="asyncserve.model.llama"):
-        llm, tokens = generate(model, cases)
+    llm, tokens = generate(model, cases)
     check(tokens, cases, refs, f"{model.family} {path}")
     assert llm.engine.pool.counts().kv == 0
     assert bool(loop_steps) == (path == "loop") and bool(python_steps) == (path != "loop")
     assert bool(native_ops) == (path == "ops")
-    assert not [r for r in caplog.records if "does not cover" in r.getMessage()]
 
 
 def test_native_layer_loop_gives_the_python_loops_logits(family_model, monkeypatch):
@@ -235,12 +233,11 @@ def test_longrope_greedy_tokens_equal_transformers(tmp_path):
             assert_greedy_matches(out.token_ids, ref, tie_tol=1e-3, label=f"max_model_len {max_model_len} case {i}")
 
 
-def test_quantized_projections_fall_back_to_the_python_loop(tmp_path, monkeypatch, caplog):
-    """Gemma 2 with GGUF blocks (Q8_0) for every layer's projections, kept quantized: the native layer
-    loop takes dense weights only, so one log line says so and every step runs the Python loop over
-    the native kernels and the quantized GEMM; its tokens are transformers+PEFT's on the blocks'
-    values (int8 activations: a token may differ where the top two logits are within 0.2, as in
-    test_quant_engine)."""
+def test_quantized_projections_run_in_the_native_layer_loop(tmp_path, monkeypatch):
+    """Gemma 2 with GGUF blocks (Q8_0) for every layer's projections, kept quantized: every step, base
+    and adapters, runs the native layer loop over the blocks (quant.h's GEMM, as QuantLinear calls
+    it); its tokens are transformers+PEFT's on the blocks' values (int8 activations: a token may
+    differ where the top two logits are within 0.2, as in test_quant_engine)."""
     from asyncserve.model.linear import QuantLinear
     from quant_helpers import Q
 
@@ -255,13 +252,11 @@ def test_quantized_projections_fall_back_to_the_python_loop(tmp_path, monkeypatc
     loop_steps, python_steps = [], []
     record_calls(monkeypatch, llama, "_forward_native", lambda *a: loop_steps.append(1))
     record_calls(monkeypatch, llama, "_forward_layers", lambda *a: python_steps.append(1))
-    with caplog.at_level(logging.INFO, logger="asyncserve.model.llama"):
-        llm, tokens = generate(type(model)(model.family, path, model.tokenizer, model.base, model.adapters), cases,
-                               keep_quantized=True)
-    assert isinstance(llm.engine.runner.weights.layers[0].qkv, QuantLinear)
-    assert [r.getMessage() for r in caplog.records if "does not cover" in r.getMessage()] == [
-        "the native layer loop does not cover quantized projections; its layers run in Python"]
-    assert python_steps and not loop_steps
+    llm, tokens = generate(type(model)(model.family, path, model.tokenizer, model.base, model.adapters), cases,
+                           keep_quantized=True)
+    weights = llm.engine.runner.weights
+    assert all(isinstance(getattr(lw, g), QuantLinear) for lw in weights.layers for g in GROUPS)
+    assert loop_steps and not python_steps
     equal = [assert_greedy_matches(ours, ref, tie_tol=0.2, label=f"{name} Q8_0 case {i}")
              for i, (ours, ref) in enumerate(zip(tokens, refs))]
     assert sum(equal) >= len(cases) - 1, equal

@@ -119,6 +119,50 @@ def test_quantized_engine_matches_dequantized_reference(tmp_path, types):
     engine.postprocess(plan, engine.run(plan))
 
 
+@pytest.mark.parametrize("types", [Q4_K_M, LEGACY], ids=["q4_k_m", "q8_0-q4_0-q4_1"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_layer_loop_gives_the_python_loops_logits(tmp_path, monkeypatch, types, dtype):
+    """The native layer loop (kernels/cpu/decoder.h) over the blocks runs QuantLinear's op (quant.h) in
+    the Python loop's order: every step's logits are the same bits, base and two adapters in one
+    generate call, prompts chunked beside decodes. The fused q/k/v mixes types (Q4_K, Q4_K, Q6_K;
+    Q8_0, Q4_0, Q4_1) and the head is in blocks too."""
+    from transformers import AutoModelForCausalLM
+
+    from asyncserve.model import llama
+
+    q_path, d_path, _ = write_pair(tmp_path, types, seed=11)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=d_path.name, dtype=torch.float32)
+    adapters = {"r8_all": tmp_path / "r8_all", "r4_qv": tmp_path / "r4_qv"}
+    save_random_adapter(hf, adapters["r8_all"], r=8, seed=3,
+                        targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    save_random_adapter(hf, adapters["r4_qv"], r=4, targets=["q_proj", "v_proj"], seed=4)
+    logits = {"native": [], "python": []}     # per step: (the layer loop that ran, its logits)
+    for name in ("_forward_native", "_forward_layers"):
+        def kept(*args, original=getattr(llama, name), name=name):
+            out = original(*args)
+            logits[loop].append((name, out.clone()))
+            return out
+        monkeypatch.setattr(llama, name, kept)
+    for loop in logits:
+        monkeypatch.setenv("ASYNCSERVE_NATIVE_DECODER", "1" if loop == "native" else "0")
+        llm = LLM(model=str(q_path), adapters={k: str(v) for k, v in adapters.items()}, dtype=dtype, device="cpu",
+                  max_step_tokens=8, pool_mem="16MiB", keep_quantized=True)
+        weights = llm.engine.runner.weights
+        assert isinstance(weights.lm_head, QuantLinear)
+        assert [t for _, t in weights.layers[0].qkv.weight.parts] == [types["attn_q"], types["attn_k"], types["attn_v"]]
+        prompts = [llm.tokenizer.encode(p) for p in ["The quick brown fox", "def add(a, b):"]]
+        cases = [(ids, a) for ids in prompts for a in [None, *adapters]]
+        outs = llm.generate([ids for ids, _ in cases], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
+                                                                      ignore_eos=True), adapters=[a for _, a in cases])
+        # the adapters change the tokens: LoRA runs on top of the blocks in both loops
+        assert any(outs[i].token_ids != outs[i + 1].token_ids for i in range(0, len(cases), 3))
+    assert {name for name, _ in logits["native"]} == {"_forward_native"}
+    assert {name for name, _ in logits["python"]} == {"_forward_layers"}
+    assert len(logits["native"]) == len(logits["python"]) > NEW_TOKENS
+    for step, ((_, ours), (_, theirs)) in enumerate(zip(logits["native"], logits["python"])):
+        assert ours.dtype == getattr(torch, dtype) and torch.equal(ours, theirs), f"step {step}"
+
+
 def test_keep_quantized_off_gives_dense_mergeable_weights(tmp_path):
     q_path, _, _ = write_pair(tmp_path, LEGACY, seed=5)
     dense = LLM(model=str(q_path), dtype="float32", device="cpu", pool_mem="16MiB")

@@ -8,14 +8,13 @@ branch on data the weights or the config carry.
 A step's tokens from many sequences are concatenated: decode tokens first (one per sequence), then
 prefill chunks. Base projections run once for all tokens; when a step has LoRA tokens, the
 batched-LoRA backend runs each projection group (base and LoRA, which it may fuse). KV lives in
-the unified pool's pages (pager/pool.py). On CPU with the native kernels, where no projection is in
-GGUF blocks and the step's LoRA is lora_segments' (LoraHook.native_step), the same layer loop runs
-in one native call (kernels/cpu/decoder.h), for every family: the same kernels in the same order,
-the same logits.
+the unified pool's pages (pager/pool.py). On CPU with the native kernels, where the step's LoRA is
+lora_segments' (LoraHook.native_step), the same layer loop runs in one native call
+(kernels/cpu/decoder.h), for every family and every projection (dense or GGUF blocks): the same
+kernels in the same order, the same logits.
 """
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -27,8 +26,6 @@ import kernels.cpu as cpu_kernels
 from asyncserve.model.config import GROUPS, ModelConfig
 from asyncserve.model.linear import (Linear, QuantEmbedding, QuantizedWeight, QuantLinear, make_embedding,
                                      make_linear, make_weight_linear)
-
-log = logging.getLogger(__name__)
 
 
 class LoraHook(Protocol):
@@ -83,8 +80,7 @@ class LlamaWeights:
     norm: torch.Tensor         # [hidden]
     lm_head: Linear            # hidden -> vocab (over the embedding itself when tied, unless reordered)
     embed_scale: float | None = None   # Gemma: sqrt(hidden) as the weights' dtype rounds it
-    # the native layer loop over these weights (kernels.cpu.native_decoder), built on first use;
-    # False where native_loop_gap says it cannot run them
+    # the native layer loop over these weights (kernels.cpu.native_decoder), built on first use
     _decoder: object = field(default=None, repr=False, compare=False)
 
     def set_projection(self, layer: int, group: str, linear: Linear) -> None:
@@ -97,21 +93,20 @@ class LlamaWeights:
         return [getattr(lw, g) for lw in self.layers for g in GROUPS] + [self.lm_head]
 
     def native_decoder(self, config: ModelConfig):
-        """The native layer loop over these weights, or None where it cannot run them."""
+        """The native layer loop over these weights: each projection as its Linear holds it, a QuantLinear
+        as its GGUF parts, which the loop applies with QuantLinear's op."""
         if self._decoder is None:
-            if (why := native_loop_gap(self)) is not None:
-                log.info("the native layer loop does not cover %s; its layers run in Python", why)
-                self._decoder = False
-                return None
             linears = self.linears()
             self._decoder = cpu_kernels.native_decoder(
                 [t for lw in self.layers for t in (lw.input_norm, lw.post_norm, lw.qkv_bias, lw.q_norm, lw.k_norm,
                                                    lw.attn_out_norm, lw.mlp_out_norm)],
-                [p.weight for p in linears], [p.out_features for p in linears],
+                [[b for b, _ in p.weight.parts] if isinstance(p, QuantLinear) else [p.weight] for p in linears],
+                [[t for _, t in p.weight.parts] if isinstance(p, QuantLinear) else [] for p in linears],
+                [p.out_features for p in linears],
                 [config.window(i) or 0 for i in range(config.num_layers)], self.norm, config.num_heads,
                 config.num_kv_heads, config.head_dim, config.rms_norm_eps, config.scale, config.attn_softcap,
                 config.family.activation == "gelu_tanh")
-        return self._decoder or None
+        return self._decoder
 
     def nbytes(self) -> int:
         tensors = [self.norm] + [t for lw in self.layers for t in (
@@ -183,14 +178,6 @@ def build_weights(config: ModelConfig, weights: dict[str, torch.Tensor | Quantiz
     embed_scale = float(torch.tensor(config.hidden_size ** 0.5, dtype=dtype)) if family.scaled_embeddings else None
     return LlamaWeights(embed=embed, layers=layers, norm=norm("model.norm.weight"), lm_head=lm_head,
                         embed_scale=embed_scale)
-
-
-def native_loop_gap(w: LlamaWeights) -> str | None:
-    """What keeps the native layer loop (kernels/cpu/decoder.h) off these weights, None if nothing: it
-    takes every family's layer over dense projections, not GGUF blocks (QuantLinear)."""
-    if any(isinstance(p, QuantLinear) for p in w.linears()):
-        return "quantized projections"
-    return None
 
 
 def _check_shapes(config: ModelConfig, embed: torch.Tensor | QuantEmbedding, layer: LayerWeights, lm_head: Linear) -> None:

@@ -5,11 +5,11 @@
 // 20 ms W1 decode step and 1.9 of 7.8 ms at one decode on the Zen 4 of BENCHMARKS.md); here that
 // is gone and the GIL is released for the whole step. One loop for every family: a layer's
 // optional pieces (q/k/v biases, per-head q/k norms, Gemma's (1 + w) and sandwich norms, GeGLU,
-// sliding windows with their own RoPE tables, the attention's scale and soft cap) are data. It runs
-// where every projection is a dense weight (packed for gemm.h on AVX512-BF16 CPUs, oneDNN's or
-// torch's otherwise; not GGUF blocks) and the step's LoRA, if any, is lora_segments' (the torch
-// backend's native plans; no CPU-assisted rows). Included by ops.cpp after the ops (one
-// translation unit).
+// sliding windows with their own RoPE tables, the attention's scale and soft cap) are data, and so is
+// each projection's form, as its Linear holds it: packed for gemm.h on AVX512-BF16 CPUs, oneDNN's or
+// torch's otherwise, or GGUF blocks for quant.h. It runs where the step's LoRA, if any, is
+// lora_segments' (the torch backend's native plans; no CPU-assisted rows). Included by ops.cpp after
+// the ops (one translation unit).
 #pragma once
 
 #include <atomic>
@@ -27,25 +27,30 @@ enum Group { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3, kGroups = 4 };
 
 // A projection's weight as model/linear.py holds it, applied by the op its Linear calls: packed for
 // gemm.h (NativeLinear: [ceil(out / 16), in / 2, 16, 2] bf16), reordered for oneDNN (OneDnnLinear:
-// an mkldnn tensor) or as given (Linear: [out, in], F.linear).
+// an mkldnn tensor), as given (Linear: [out, in], F.linear) or kept in GGUF blocks (QuantLinear: its
+// parts, each [out_i, bytes per row] uint8 of one ggml type, stacked as output columns; quant.h).
 struct Projection {
-  at::Tensor weight;
+  std::vector<at::Tensor> parts;   // one dense weight, or the GGUF parts
+  std::vector<int64_t> types;      // the parts' ggml types; empty: dense
   int64_t out_features;
 
-  bool packed() const { return !weight.is_mkldnn() && weight.dim() == 4; }
+  bool quantized() const { return !types.empty(); }
+  const at::Tensor& weight() const { return parts.front(); }
+  bool packed() const { return !quantized() && !weight().is_mkldnn() && weight().dim() == 4; }
 
   // x: [rows, in] -> [rows, out_features]; side: what a packed GEMM asks for as it goes (gemm.h)
   at::Tensor operator()(const at::Tensor& x, const std::vector<PrefetchSpan>* side = nullptr) const {
-    if (packed()) return packed_linear_op(x, weight, out_features, side);
-    if (weight.is_mkldnn()) {   // torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    if (quantized()) return quant_linear_op(x, parts, types);
+    if (packed()) return packed_linear_op(x, weight(), out_features, side);
+    if (weight().is_mkldnn()) {   // torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
       static const c10::OperatorHandle op =
           c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-      std::vector<c10::IValue> stack{x, weight, c10::IValue(), std::string("none"),
+      std::vector<c10::IValue> stack{x, weight(), c10::IValue(), std::string("none"),
                                      c10::List<c10::optional<at::Scalar>>(), std::string("")};
       op.callBoxed(&stack);
       return stack[0].toTensor();
     }
-    return at::linear(x, weight);
+    return at::linear(x, weight());
   }
 };
 
@@ -77,30 +82,37 @@ constexpr size_t kLayerTensors = 7;
 class NativeDecoder {
  public:
   // layer_tensors: per layer input_norm, post_norm, qkv_bias, q_norm, k_norm, attn_out_norm,
-  // mlp_out_norm (None where the family has none); weights, out_features: qkv, o, gate_up, down per
-  // layer (kGroups order), then the lm_head's, each as its Linear holds it (Projection); windows:
-  // per layer, 0 for global attention; final_norm: [hidden]. scale, softcap (0: none): the
-  // attention scores'; gelu: GeGLU, else SwiGLU.
-  NativeDecoder(std::vector<c10::optional<at::Tensor>> layer_tensors, std::vector<at::Tensor> weights,
-                std::vector<int64_t> out_features, std::vector<int64_t> windows, at::Tensor final_norm,
-                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                double softcap, bool gelu)
+  // mlp_out_norm (None where the family has none); weights, types, out_features: qkv, o, gate_up,
+  // down per layer (kGroups order), then the lm_head's, each as its Linear holds it (Projection: one
+  // dense weight and no types, or GGUF parts and their types); windows: per layer, 0 for global
+  // attention; final_norm: [hidden]. scale, softcap (0: none): the attention scores'; gelu: GeGLU,
+  // else SwiGLU.
+  NativeDecoder(std::vector<c10::optional<at::Tensor>> layer_tensors, std::vector<std::vector<at::Tensor>> weights,
+                std::vector<std::vector<int64_t>> types, std::vector<int64_t> out_features,
+                std::vector<int64_t> windows, at::Tensor final_norm, int64_t num_heads, int64_t num_kv_heads,
+                int64_t head_dim, double eps, double scale, double softcap, bool gelu)
       : final_norm_(std::move(final_norm)), nh_(num_heads), nkv_(num_kv_heads), hd_(head_dim), eps_(eps),
         scale_(scale), softcap_(softcap), gelu_(gelu) {
     const size_t layers = windows.size();
     TORCH_CHECK(layer_tensors.size() == kLayerTensors * layers && weights.size() == kGroups * layers + 1 &&
-                    out_features.size() == weights.size(),
+                    types.size() == weights.size() && out_features.size() == weights.size(),
                 "seven norm and bias tensors per layer, four projections per layer and the lm_head");
+    std::vector<Projection> projections;
+    for (size_t i = 0; i < weights.size(); ++i) {
+      TORCH_CHECK(types[i].empty() ? weights[i].size() == 1 : weights[i].size() == types[i].size(),
+                  "projection ", i, ": one dense weight, or one ggml type per GGUF part");
+      projections.push_back({std::move(weights[i]), std::move(types[i]), out_features[i]});
+    }
     for (size_t l = 0; l < layers; ++l) {
       const auto* t = layer_tensors.data() + kLayerTensors * l;
       TORCH_CHECK(t[0] && t[1] && t[3].has_value() == t[4].has_value() && t[5].has_value() == t[6].has_value(),
                   "layer ", l, ": both input norms, q and k norms both or neither, output norms both or neither");
       TORCH_CHECK(windows[l] >= 0, "windows must be 0 (global) or positive");
       DecoderLayer layer{*t[0], *t[1], {}, t[2], t[3], t[4], t[5], t[6], windows[l]};
-      for (int g = 0; g < kGroups; ++g) layer.groups[g] = {weights[kGroups * l + g], out_features[kGroups * l + g]};
+      for (int g = 0; g < kGroups; ++g) layer.groups[g] = projections[kGroups * l + g];
       layers_.push_back(std::move(layer));
     }
-    lm_head_ = {weights.back(), out_features.back()};
+    lm_head_ = projections.back();
   }
 
   // h: [T, hidden] embedded tokens (scaled where the family scales them; updated in place: the
@@ -192,7 +204,7 @@ class NativeDecoder {
     const LoraTables tables{lora.ranks.data_ptr<int32_t>(), lora.a_ptr.data_ptr<int64_t>(), lora.b_ptr.data_ptr<int64_t>(),
                             lora.scaling.data_ptr<float>(), lora.a_ptr.size(1), lora.a_ptr.size(2), lora.a_ptr.size(3),
                             next_layer};
-    const int64_t fan_in = 2 * layers_[next_layer].groups[next].weight.size(1);   // [blocks, in / 2, 16, 2]
+    const int64_t fan_in = 2 * layers_[next_layer].groups[next].weight().size(1);   // [blocks, in / 2, 16, 2]
     return lora_spans(lora.flat->data_ptr<bf16>(), tables, reinterpret_cast<const LoraRun*>(runs.data_ptr<int64_t>()),
                       runs.size(0), reinterpret_cast<const LoraProjection*>(projs.data_ptr<int64_t>()), projs.size(0),
                       fan_in);
