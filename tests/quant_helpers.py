@@ -87,3 +87,22 @@ def random_blocks(shape: tuple[int, int], qtype: Q, rng: np.random.Generator, st
 def dequantized(blocks: np.ndarray, qtype: Q) -> np.ndarray:
     """The gguf package's reference dequantization: [out, in] float32."""
     return gguf.quants.dequantize(blocks, qtype)
+
+
+def assert_quantized_generate_matches(llm, reference, adapters: dict, new_tokens: int, tie_tol: float) -> None:
+    """Base and each adapter on two prompts in one generate call: greedy tokens equal reference's
+    (transformers+PEFT on the blocks' values) but for at most one near-tie, and the adapters' LoRA
+    changes the tokens (it runs on top of the quantized base)."""
+    from asyncserve import SamplingParams
+    from reference import assert_greedy_matches, peft_references
+
+    prompts = [llm.tokenizer.encode(p) for p in ["The quick brown fox", "def add(a, b):"]]
+    cases = [(ids, a) for ids in prompts for a in [None, *adapters]]
+    refs = peft_references(reference, adapters, cases, new_tokens)
+    outs = llm.generate([ids for ids, _ in cases], SamplingParams(max_tokens=new_tokens, temperature=0.0,
+                                                                  ignore_eos=True), adapters=[a for _, a in cases])
+    equal = [assert_greedy_matches(o.token_ids, ref, tie_tol, f"case {i} ({cases[i][1]})")
+             for i, (o, ref) in enumerate(zip(outs, refs))]
+    assert sum(equal) >= len(cases) - 1, equal
+    step = 1 + len(adapters)
+    assert any(outs[i].token_ids != outs[i + 1].token_ids for i in range(0, len(cases), step))

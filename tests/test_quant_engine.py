@@ -11,7 +11,7 @@ from asyncserve import LLM, SamplingParams
 from asyncserve.model.linear import QuantLinear
 from asyncserve.stepper.merge import MergeError, unmergeable_reason
 from model_io_helpers import backend_vocab, write_gguf
-from quant_helpers import Q, dequantized, quantize, random_blocks
+from quant_helpers import Q, assert_quantized_generate_matches, dequantized, quantize, random_blocks
 from reference import (assert_greedy_matches, make_tiny_tokenizer, peft_references, require_native_kernels,
                        save_random_adapter)
 
@@ -96,21 +96,13 @@ def test_quantized_engine_matches_dequantized_reference(tmp_path, types):
     assert weights.nbytes() == kept + dense_bytes
     assert "GGUF blocks" in unmergeable_reason(weights)
 
-    prompts = [llm.tokenizer.encode(p) for p in ["The quick brown fox", "def add(a, b):"]]
-    cases = [(ids, a) for ids in prompts for a in [None, *adapters]]
-    refs = peft_references(reference, adapters, cases, NEW_TOKENS)
-    outs = llm.generate([ids for ids, _ in cases], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
-                                                                  ignore_eos=True), adapters=[a for _, a in cases])
-    equal = [assert_greedy_matches(o.token_ids, ref, TIE_TOL, f"case {i} ({cases[i][1]})")
-             for i, (o, ref) in enumerate(zip(outs, refs))]
-    assert sum(equal) >= len(cases) - 1, equal
-    # the adapters change the tokens: their LoRA runs on top of the quantized base
-    assert any(outs[i].token_ids != outs[i + 1].token_ids for i in range(0, len(cases), 3))
+    assert_quantized_generate_matches(llm, reference, adapters, NEW_TOKENS, TIE_TOL)
 
     # merged mode refuses the blocks; unmerged the same plan runs
     engine = llm.engine
     assert "GGUF blocks" in engine.merge_refusal("r8_all")
-    engine.add(engine.make_sequence(prompts[0], SamplingParams(max_tokens=2, temperature=0.0), "r8_all"))
+    engine.add(engine.make_sequence(llm.tokenizer.encode("The quick brown fox"), SamplingParams(max_tokens=2, temperature=0.0),
+                                    "r8_all"))
     plan = engine.schedule()
     plan.merged = "r8_all"
     with pytest.raises(MergeError, match="layer 0's qkv projection is kept in GGUF blocks"):

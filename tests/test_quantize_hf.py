@@ -15,6 +15,7 @@ from asyncserve.model.config import ModelLoadError
 from asyncserve.model.linear import QuantEmbedding, QuantizedWeight, QuantLinear
 from asyncserve.model.loader import load_model
 from asyncserve.model.quantize import quantize_weights
+from quant_helpers import assert_quantized_generate_matches
 from reference import assert_greedy_matches, peft_references, require_native_kernels, save_tiny_llama
 
 Q = gguf.GGMLQuantizationType
@@ -66,15 +67,7 @@ def test_quantized_engine_matches_dequantized_reference(tiny_model, kind):
     assert "--quantize" in llm.engine.merge_refusal("r64_all")
 
     reference = dequantized_reference(tiny_model.base, load_model(str(tiny_model.root), quantize=kind))
-    prompts = [llm.tokenizer.encode(p) for p in ["The quick brown fox", "def add(a, b):"]]
-    cases = [(ids, a) for ids in prompts for a in [None, *adapters]]
-    refs = peft_references(reference, adapters, cases, NEW_TOKENS)
-    outs = llm.generate([ids for ids, _ in cases], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
-                                                                  ignore_eos=True), adapters=[a for _, a in cases])
-    equal = [assert_greedy_matches(o.token_ids, ref, TIE_TOL, f"case {i} ({cases[i][1]})")
-             for i, (o, ref) in enumerate(zip(outs, refs))]
-    assert sum(equal) >= len(cases) - 1, equal
-    assert any(outs[i].token_ids != outs[i + 1].token_ids for i in range(0, len(cases), 3))   # the LoRA runs
+    assert_quantized_generate_matches(llm, reference, adapters, NEW_TOKENS, TIE_TOL)
 
 
 def test_tied_checkpoint_keeps_one_copy(tmp_path, tiny_model):

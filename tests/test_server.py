@@ -598,20 +598,24 @@ def _wait_pool_empty(srv) -> None:
     assert srv.metric("asyncserve_waiting_requests") == 0
 
 
+async def _leave_after_three_chunks(srv, session, body: dict) -> None:
+    async with session.post(srv.base + "/v1/completions", json=body) as resp:
+        assert resp.status == 200
+        got = 0
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                got += 1
+                if got >= 3:
+                    return            # leaving the context manager drops the connection
+
+
 def test_disconnecting_stream_clients_leave_no_kv_pages(srv):
     async def one(session, i):
         body = {"model": ["tiny", "r1_qv", "r2_mlp"][i % 3], "prompt": PROMPTS[i % 3], "max_tokens": 400,
                 "temperature": 0, "ignore_eos": True, "stream": True}
         if i % 4 == 0:              # four sequences in one stream: two prompts, two samples each
             body.update(prompt=PROMPTS[:2], n=2)
-        async with session.post(srv.base + "/v1/completions", json=body) as resp:
-            assert resp.status == 200
-            got = 0
-            async for line in resp.content:
-                if line.startswith(b"data: {"):
-                    got += 1
-                    if got >= 3:
-                        return            # leaving the context manager drops the connection
+        await _leave_after_three_chunks(srv, session, body)
 
     async def main():
         async with aiohttp.ClientSession() as session:
@@ -656,16 +660,6 @@ def test_a_client_leaving_its_stream_is_no_server_error(srv, monkeypatch, caplog
 
         monkeypatch.setattr(web.StreamResponse, "write", write)
 
-    async def leave_after_three_chunks(session, body):
-        async with session.post(srv.base + "/v1/completions", json=body) as resp:
-            assert resp.status == 200
-            got = 0
-            async for line in resp.content:
-                if line.startswith(b"data: {"):
-                    got += 1
-                    if got >= 3:
-                        return            # leaving the context manager drops the connection
-
     async def read_until_closed(session, body):
         async with session.post(srv.base + "/v1/completions", json=body) as resp:
             assert resp.status == 200
@@ -677,9 +671,11 @@ def test_a_client_leaving_its_stream_is_no_server_error(srv, monkeypatch, caplog
             assert any(b'"finish_reason": "length"' in line for line in lines) == (when == "at_done")
 
     async def main():
-        client = leave_after_three_chunks if when == "mid_stream" else read_until_closed
         async with aiohttp.ClientSession() as session:
-            await asyncio.gather(*(client(session, body) for body in bodies))
+            if when == "mid_stream":
+                await asyncio.gather(*(_leave_after_three_chunks(srv, session, body) for body in bodies))
+            else:
+                await asyncio.gather(*(read_until_closed(session, body) for body in bodies))
 
     aborted_before = _aborted(srv)
     with caplog.at_level(logging.DEBUG):
