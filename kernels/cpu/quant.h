@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include <ATen/Parallel.h>
@@ -476,6 +477,23 @@ inline void dot_tile(const DecodedColumn& c, const QuantizedRows& a, int64_t m, 
 
 #endif
 
+// Rows [0, M) in tiles of up to kQuantTile: tile(std::integral_constant<int, R>, m, dots) fills dots[0, R)
+// for rows m.., then store(row, dot) takes each.
+template <typename Tile, typename Store>
+inline void over_row_tiles(int64_t M, Tile tile, Store store) {
+  for (int64_t m = 0; m < M; m += kQuantTile) {
+    float dots[kQuantTile];
+    const int64_t rows = std::min<int64_t>(kQuantTile, M - m);
+    switch (rows) {
+      case 4: tile(std::integral_constant<int, 4>{}, m, dots); break;
+      case 3: tile(std::integral_constant<int, 3>{}, m, dots); break;
+      case 2: tile(std::integral_constant<int, 2>{}, m, dots); break;
+      default: tile(std::integral_constant<int, 1>{}, m, dots); break;
+    }
+    for (int64_t r = 0; r < rows; ++r) store(m + r, dots[r]);
+  }
+}
+
 // Columns [n0, n1) of one part: y[m][col0 + n] for every row m of a.
 template <int64_t Type, typename T>
 inline void quant_columns(const uint8_t* blocks, int64_t row_bytes, int64_t n0, int64_t n1, const QuantizedRows& a,
@@ -484,54 +502,27 @@ inline void quant_columns(const uint8_t* blocks, int64_t row_bytes, int64_t n0, 
   const int64_t K = a.K, groups = K / 16;
   for (int64_t n = n0; n < n1; ++n) {
     decode_column<Type>(blocks + n * row_bytes, K, c);
+    const auto store = [&](int64_t row, float dot) { y[row * ldy + col0 + n] = from_float<T>(dot); };
     if (!int8) {
       dequantize_column<kSigned>(c, K);
-      for (int64_t m = 0; m < M; m += kQuantTile) {
-        float dots[kQuantTile];
-        const int64_t rows = std::min<int64_t>(kQuantTile, M - m);
-        switch (rows) {
-          case 4: float_tile<4>(c, a, m, dots); break;
-          case 3: float_tile<3>(c, a, m, dots); break;
-          case 2: float_tile<2>(c, a, m, dots); break;
-          default: float_tile<1>(c, a, m, dots); break;
-        }
-        for (int64_t r = 0; r < rows; ++r) y[(m + r) * ldy + col0 + n] = from_float<T>(dots[r]);
-      }
+      over_row_tiles(M, [&](auto R, int64_t m, float* dots) { float_tile<decltype(R)::value>(c, a, m, dots); }, store);
       continue;
     }
     if constexpr (Type == kQ4_K || Type == kQ5_K) {
-      for (int64_t m = 0; m < M; m += kQuantTile) {
-        float dots[kQuantTile];
-        const int64_t rows = std::min<int64_t>(kQuantTile, M - m);
-        switch (rows) {
-          case 4: super_tile<4>(c, a, m, dots); break;
-          case 3: super_tile<3>(c, a, m, dots); break;
-          case 2: super_tile<2>(c, a, m, dots); break;
-          default: super_tile<1>(c, a, m, dots); break;
-        }
-        for (int64_t r = 0; r < rows; ++r) y[(m + r) * ldy + col0 + n] = from_float<T>(dots[r]);
-      }
+      over_row_tiles(M, [&](auto R, int64_t m, float* dots) { super_tile<decltype(R)::value>(c, a, m, dots); }, store);
       continue;
     }
-    for (int64_t m = 0; m < M; m += kQuantTile) {
-      float dots[kQuantTile];
-      const int64_t rows = std::min<int64_t>(kQuantTile, M - m);
-      switch (rows) {
-        case 4: dot_tile<4, kSigned>(c, a, m, dots); break;
-        case 3: dot_tile<3, kSigned>(c, a, m, dots); break;
-        case 2: dot_tile<2, kSigned>(c, a, m, dots); break;
-        default: dot_tile<1, kSigned>(c, a, m, dots); break;
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        // Q8_0 has no offsets; K is a multiple of 32, so there are 2, 4, 6, ... groups: the tail of 8 runs here
-        const float* s16 = a.s16.data() + (m + r) * groups;
-        const int64_t body = groups / 8 * 8;
-        float off = kSigned ? 0.0f : dot_floats(c.offset.data(), s16, body);
-        if constexpr (!kSigned)
-          for (int64_t g = body; g < groups; ++g) off += c.offset[g] * s16[g];
-        y[(m + r) * ldy + col0 + n] = from_float<T>(dots[r] + off);
-      }
-    }
+    over_row_tiles(
+        M, [&](auto R, int64_t m, float* dots) { dot_tile<decltype(R)::value, kSigned>(c, a, m, dots); },
+        [&](int64_t row, float dot) {
+          // Q8_0 has no offsets; K is a multiple of 32, so there are 2, 4, 6, ... groups: the tail of 8 runs here
+          const float* s16 = a.s16.data() + row * groups;
+          const int64_t body = groups / 8 * 8;
+          float off = kSigned ? 0.0f : dot_floats(c.offset.data(), s16, body);
+          if constexpr (!kSigned)
+            for (int64_t g = body; g < groups; ++g) off += c.offset[g] * s16[g];
+          store(row, dot + off);
+        });
   }
 }
 
