@@ -136,11 +136,13 @@ def main() -> None:
                     stop_nodes([proc])
                 row = {"round": round_, "system": system, "load": load, "loadavg_before": loadavg,
                        "tok_s": summary["output_tokens_per_s"], "ttft_mean_s": summary["ttft_s"].get("mean"),
-                       "ttft_p50_s": summary["ttft_s"].get("p50"), "errors": summary["errors"]}
+                       "ttft_p50_s": summary["ttft_s"].get("p50"), "tpot_mean_s": summary["tpot_s"].get("mean"),
+                       "errors": summary["errors"]}
                 rows.append(row)
                 nan = float("nan")      # no request completed
                 print(f"round {round_} {system:12s} {load:8s}: {row['tok_s'] or nan:.1f} tok/s, TTFT mean "
-                      f"{row['ttft_mean_s'] or nan:.2f} s p50 {row['ttft_p50_s'] or nan:.2f} s, {row['errors']} "
+                      f"{row['ttft_mean_s'] or nan:.2f} s p50 {row['ttft_p50_s'] or nan:.2f} s, TPOT mean "
+                      f"{1000 * (row['tpot_mean_s'] or nan):.1f} ms, {row['errors']} "
                       f"errors (load average {loadavg:.2f})", flush=True)
     print("medians over rounds:")
     for load in loads:

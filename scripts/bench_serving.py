@@ -172,7 +172,10 @@ async def run_requests(
     progress = tqdm(total=len(requests), unit="req", desc="bench", disable=not show_progress)
     timeout = aiohttp.ClientTimeout(total=request_timeout_s)
     # limit=0: the client never queues requests itself; the loop discipline alone sets concurrency
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+    # a connection per request: llama-server closes a kept-alive connection after a stream, and a
+    # request written to it fails ("Can not write request body"); every system is measured alike
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         run_start = time.perf_counter()
 
         async def send_and_record(request: Request) -> None:

@@ -89,14 +89,42 @@ def random_weights(folder: Path, dtype: torch.dtype, device: torch.device, seed:
 
     config = model_config(json.loads((folder / "config.json").read_text()), name=folder.name)
     g = torch.Generator(device=device).manual_seed(seed)
-    tensors = {}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_bytes: list[int] = [0]
+    written: list[tuple[Path, list[str]]] = []      # each shard's file, under a temporary name, and its tensors
     for name, shape in expected_weight_shapes(config).items():
         if len(shape) == 1:
-            tensors[name] = torch.ones(shape, dtype=dtype)
+            tensor = torch.ones(shape, dtype=dtype)
         else:
-            tensors[name] = (torch.randn(shape, generator=g, device=device) * 0.02).to(dtype).cpu()
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+            tensor = (torch.randn(shape, generator=g, device=device) * 0.02).to(dtype).cpu()
+        nbytes = tensor.numel() * tensor.element_size()
+        if shard_bytes[-1] and shard_bytes[-1] + nbytes > SHARD_BYTES:   # written as it fills: an 8B model
+            written.append(write_shard(folder, shards[-1], len(written) + 1))   # never sits in memory whole
+            shards[-1] = {}
+            shard_bytes.append(0)
+        shards[-1][name] = tensor
+        shard_bytes[-1] += nbytes
+    if not written:
+        save_file(shards[-1], str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return shard_bytes[-1]
+    written.append(write_shard(folder, shards[-1], len(written) + 1))
+    weight_map = {}
+    for index, (path, names) in enumerate(written, 1):     # HF's sharded layout, now that the count is known
+        final = f"model-{index:05d}-of-{len(written):05d}.safetensors"
+        path.rename(folder / final)
+        weight_map.update(dict.fromkeys(names, final))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": sum(shard_bytes)}, "weight_map": weight_map}, indent=1) + "\n")
+    return sum(shard_bytes)
+
+
+SHARD_BYTES = 2 << 30
+
+
+def write_shard(folder: Path, tensors: dict[str, torch.Tensor], index: int) -> tuple[Path, list[str]]:
+    path = folder / f"shard-{index}.safetensors.part"
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return path, list(tensors)
 
 
 def random_adapters(folder: Path, count: int, ranks: list[int], targets: list[str], seed: int) -> None:

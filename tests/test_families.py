@@ -400,3 +400,21 @@ def test_random_checkpoint_shapes_are_the_real_models(tmp_path):
     outs = llm.generate(["Story 1: the quick brown fox jumps"] * 4, SamplingParams(max_tokens=12, ignore_eos=True),
                         adapters=["a0", "a1", "a2", "a3"])
     assert [len(o.token_ids) for o in outs] == [12] * 4
+    # an 8B model's weights are written in shards as they fill (HF's index layout): same tensors, same tokens
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    for path in small.iterdir():        # the skeleton: config and tokenizer files
+        if path.is_file() and path.suffix != ".safetensors":
+            (sharded / path.name).write_bytes(path.read_bytes())
+    random_checkpoint.SHARD_BYTES = 40_000
+    random_checkpoint.random_weights(sharded, torch.float32, torch.device("cpu"), seed=0)
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and all((sharded / f).is_file() for f in files)
+    assert not list(sharded.glob("*.part")) and not (sharded / "model.safetensors").exists()
+    llm2 = LLM(model=str(sharded), adapters={f"a{i}": str(small / "adapters" / f"a{i}") for i in range(4)},
+               dtype="float32", device="cpu", max_model_len=64)
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts, adapters = ["Story 1: the quick brown fox jumps"] * 4, ["a0", "a1", "a2", "a3"]
+    assert ([o.token_ids for o in llm2.generate(prompts, greedy, adapters=adapters)]
+            == [o.token_ids for o in llm.generate(prompts, greedy, adapters=adapters)])
