@@ -89,7 +89,7 @@ def random_weights(folder: Path, dtype: torch.dtype, device: torch.device, seed:
 
     config = model_config(json.loads((folder / "config.json").read_text()), name=folder.name)
     g = torch.Generator(device=device).manual_seed(seed)
-    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard: dict[str, torch.Tensor] = {}
     shard_bytes: list[int] = [0]
     written: list[tuple[Path, list[str]]] = []      # each shard's file, under a temporary name, and its tensors
     for name, shape in expected_weight_shapes(config).items():
@@ -99,15 +99,15 @@ def random_weights(folder: Path, dtype: torch.dtype, device: torch.device, seed:
             tensor = (torch.randn(shape, generator=g, device=device) * 0.02).to(dtype).cpu()
         nbytes = tensor.numel() * tensor.element_size()
         if shard_bytes[-1] and shard_bytes[-1] + nbytes > SHARD_BYTES:   # written as it fills: an 8B model
-            written.append(write_shard(folder, shards[-1], len(written) + 1))   # never sits in memory whole
-            shards[-1] = {}
+            written.append(write_shard(folder, shard, len(written) + 1))   # never sits in memory whole
+            shard = {}
             shard_bytes.append(0)
-        shards[-1][name] = tensor
+        shard[name] = tensor
         shard_bytes[-1] += nbytes
     if not written:
-        save_file(shards[-1], str(folder / "model.safetensors"), metadata={"format": "pt"})
+        save_file(shard, str(folder / "model.safetensors"), metadata={"format": "pt"})
         return shard_bytes[-1]
-    written.append(write_shard(folder, shards[-1], len(written) + 1))
+    written.append(write_shard(folder, shard, len(written) + 1))
     weight_map = {}
     for index, (path, names) in enumerate(written, 1):     # HF's sharded layout, now that the count is known
         final = f"model-{index:05d}-of-{len(written):05d}.safetensors"
