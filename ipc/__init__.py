@@ -68,7 +68,6 @@ Tensor-parallel collectives (ipc/collective.py, ipc/ranks.py)
     # Ranks >= 1 wait for rank 0 without a deadline (an idle server sends no plan); they leave when it dies.
     # Small tensors: every rank sums all slots (one phase); from split_bytes up, reduce-scatter then
     # all-gather (two phases). A wait spins spin_us on the peer's counter, then sleeps on a semaphore.
-    # group.reduce_calls / reduce_bytes / reduce_seconds count all_reduce_ (the step's communication).
     ``python scripts/bench_allreduce.py`` measures the sync and all-reduce latency on this host.
 
 Workers compute in float32 (bf16 storage widened per job) and round the delta once; one torch

@@ -23,7 +23,9 @@ failed nor closed.
 all_reduce_ sums in a fixed rank order in float32 and rounds once, so every rank's result is the same
 bit for bit. Below ``split_bytes`` every rank sums the whole tensor from all slots (one phase); above,
 rank r sums only its share and writes it back into its own slot (reduce-scatter), then every rank
-copies the shares (all-gather): two phases, but the summing is spread over the ranks.
+copies the shares (all-gather): two phases, but each rank reads about 2x the tensor instead of world x.
+Two ranks read as much either way, so they always take one phase; from three ranks, tensors of
+SPLIT_BYTES and more are split.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ from ipc import names
 
 WAIT_SLICE_S = 0.05        # how often a sleeping wait looks at its peers, the flags and its deadline
 SPIN_US = 50.0             # default spin on the peer's counter before sleeping (scripts/bench_allreduce.py)
-SPLIT_BYTES = 256 << 10    # all-reduces from this size reduce-scatter then all-gather (bench_allreduce.py)
+SPLIT_BYTES = 256 << 10    # from this size, 3+ ranks reduce-scatter then all-gather (see split_bytes)
 PAGE = 4096
 CHUNK_ALIGN = 64           # reduce-scatter shares start on cache lines
 MAGIC = 0x41535450         # "ASTP"
@@ -72,7 +74,9 @@ class ShmGroup:
         self.prefix, self.world, self.rank = prefix, world, rank
         self.max_bytes, self.timeout_s = max_bytes, timeout_s
         self.spin_s = spin_us * 1e-6
-        self.split_bytes = SPLIT_BYTES
+        # two ranks read as much either way and the split adds a phase: one phase always won for world 2
+        # (scripts/bench_allreduce.py); from three ranks up the one-phase sum reads world x the tensor
+        self.split_bytes = SPLIT_BYTES if world > 2 else 1 << 62
         self.spec = f"{prefix},{world},{max_bytes},{timeout_s!r},{spin_us!r}"
         self._owner = create
         self._seg_name = prefix + "-tp"
@@ -121,12 +125,9 @@ class ShmGroup:
                                        offset=self._slot_offset(data_set, r))
                 row.append({dtype: raw.view(dtype) for dtype in DTYPE_CODE})
             self._slots.append(row)
+        self._slot_views: dict[tuple[int, torch.dtype, int], list[torch.Tensor]] = {}
         self._acc: torch.Tensor | None = None     # float32 scratch for 16-bit sums over 3+ ranks
         self._shares: dict[tuple[int, int], list[tuple[int, int]]] = {}
-        # all_reduce_ counters (the step's communication, for benchmarks)
-        self.reduce_calls = 0
-        self.reduce_bytes = 0
-        self.reduce_seconds = 0.0
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -273,17 +274,16 @@ class ShmGroup:
         self._check_tensor(t, "all_reduce_")
         if self.world == 1:
             return t
-        start = time.perf_counter()
         n = t.numel()
         flat = t.view(-1)                 # [n]
         data_set = self._begin(writes=True)
-        slots = [row[t.dtype] for row in self._slots[data_set]]
-        slots[self.rank][:n].copy_(flat)
+        slots = self._views(data_set, t.dtype, n)
+        slots[self.rank].copy_(flat)
         self._publish(data_set, t.nbytes, DTYPE_CODE[t.dtype])
         self._wait_all(self._arrive())
         self._check_same(data_set, t.nbytes, DTYPE_CODE[t.dtype], "all_reduce_")
         if t.nbytes < self.split_bytes:
-            self._sum_into(flat, [s[:n] for s in slots])
+            self._sum_into(flat, slots)
         else:
             shares = self._share_bounds(n, t.element_size())
             lo, hi = shares[self.rank]
@@ -294,9 +294,6 @@ class ShmGroup:
             for r, (lo, hi) in enumerate(shares):
                 if r != self.rank:
                     flat[lo:hi].copy_(slots[r][lo:hi])
-        self.reduce_calls += 1
-        self.reduce_bytes += t.nbytes
-        self.reduce_seconds += time.perf_counter() - start
         return t
 
     def broadcast(self, payload: bytes | None) -> bytes:
@@ -326,17 +323,16 @@ class ShmGroup:
     def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
         """Rank 0 gets every rank's tensor (same shape on each; copies), others get None. Small tensors."""
         self._check_tensor(t, "gather")
-        n = t.numel()
         data_set = self._begin(writes=True)
-        self._slots[data_set][self.rank][t.dtype][:n].copy_(t.view(-1))
+        slots = self._views(data_set, t.dtype, t.numel())
+        slots[self.rank].copy_(t.view(-1))
         self._publish(data_set, t.nbytes, DTYPE_CODE[t.dtype])
         phase = self._arrive()
         if self.rank != 0:
             return None
         self._wait_all(phase)
         self._check_same(data_set, t.nbytes, DTYPE_CODE[t.dtype], "gather")
-        return [t.clone() if r == 0 else row[t.dtype][:n].view(t.shape).clone()
-                for r, row in enumerate(self._slots[data_set])]
+        return [t.clone() if r == 0 else slot.view(t.shape).clone() for r, slot in enumerate(slots)]
 
     def barrier(self, timeout_s: float | None = None) -> None:
         """Until every rank is here. ``timeout_s`` overrides rank 0's deadline (e.g. while ranks load)."""
@@ -364,6 +360,16 @@ class ShmGroup:
         if any(s != (nbytes, code) for s in seen):
             sizes = ", ".join(f"rank {r}: {b} B {CODE_DTYPE[c]}" for r, (b, c) in enumerate(seen))
             raise ValueError(f"{op} needs the same size and dtype on every rank ({sizes})")
+
+    def _views(self, data_set: int, dtype: torch.dtype, n: int) -> list[torch.Tensor]:
+        """[n]-element views of every rank's slot in a data set (kept: a step repeats a few sizes)."""
+        key = (data_set, dtype, n)
+        views = self._slot_views.get(key)
+        if views is None:
+            if len(self._slot_views) >= 256:
+                self._slot_views.clear()
+            views = self._slot_views[key] = [row[dtype][:n] for row in self._slots[data_set]]
+        return views
 
     def _sum_into(self, out: torch.Tensor, parts: list[torch.Tensor]) -> None:
         """out = parts[0] + parts[1] + ... in that order, in float32, rounded once into out's dtype."""
@@ -413,7 +419,7 @@ class ShmGroup:
             self._unlink_all()
 
     def _release_maps(self) -> None:
-        self._slots, self._acc = [], None
+        self._slots, self._slot_views, self._acc = [], {}, None
         for view in ("_ctl", "_mem"):
             if hasattr(self, view):
                 getattr(self, view).release()
