@@ -108,7 +108,8 @@ class RankProcesses:
                 return
             self._closing = True
         self._stop.set()
-        self._watchdog.join()
+        if threading.current_thread() is not self._watchdog:     # on_death may close from the watchdog
+            self._watchdog.join()
         self._stop_all()
         self.group.close()
 
