@@ -1,5 +1,6 @@
-"""Times kernels.cpu.quant_linear (GGUF blocks; int8 activations, and with --strategies int8,fp32 also its fp32
-strategy: each column dequantized to fp32, fp32 activations) against the dense projection this CPU
+"""Times kernels.cpu.quant_linear (GGUF blocks; int8 activations, and with --strategies int8,columns,fp32 also
+the int8 path a column at a time at every row count (no panels) and the fp32 strategy: each column
+dequantized to fp32, fp32 activations) against the dense projection this CPU
 runs for the same shape (model/linear.py's make_linear: the native bf16 GEMM on AVX512-BF16 CPUs, oneDNN's
 reordered GEMM elsewhere), in fp32 and bf16 activations, at a step's row counts.
 
@@ -8,7 +9,7 @@ average is printed before and after, since boxes are shared. Weights are random 
 random, the fp16 scales set to keep entries ~0.05): the kernels' speed does not depend on the values.
 
     PYTHONPATH=. python scripts/bench_quant.py [--shapes 2048x2048,8192x2048] [--rows 1,16,64] [--rounds 7] [--threads N]
-        [--types Q4_K,Q5_K]
+        [--types Q4_K,Q5_K] [--strategies int8,columns,fp32]
 
 PYTHONPATH picks the kernels: another checkout's (PYTHONPATH=../main) times its quant.h with the same script.
 """
@@ -66,7 +67,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=0.2, help="per variant per round")
     ap.add_argument("--types", default=",".join(t.name for t in TYPES), help="ggml types to time")
-    ap.add_argument("--strategies", default="int8", help="int8 and/or fp32 (kernels.cpu.set_quant_int8)")
+    ap.add_argument("--strategies", default="int8",
+                    help="int8 (as served), columns (int8 without panels: set_quant_panel_rows) and/or fp32 "
+                         "(kernels.cpu.set_quant_int8)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
     if args.threads:
@@ -74,7 +77,9 @@ def main() -> None:
     if cpu_kernels.library() is None:
         raise SystemExit(f"native kernels unavailable: {cpu_kernels.error()}")
     print(f"CPU: {cpu_name()}; threads {torch.get_num_threads()}; quant path {cpu_kernels.quant_path()}; "
-          f"bf16 GEMM {cpu_kernels.bf16_gemm_available()}; load average {os.getloadavg()}")
+          f"panels {cpu_kernels.quant_panels()}; bf16 GEMM {cpu_kernels.bf16_gemm_available()}; load average {os.getloadavg()}")
+    panel_rows = cpu_kernels.set_quant_panel_rows(8)   # reads the setting, restored below
+    cpu_kernels.set_quant_panel_rows(panel_rows)
     rng = np.random.default_rng(0)
     for shape in args.shapes.split(","):
         out, fan_in = (int(v) for v in shape.split("x"))
@@ -83,23 +88,25 @@ def main() -> None:
             dense = make_linear(torch.randn(out, fan_in).mul_(0.05).to(dtype))
             for rows in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(rows, fan_in).to(dtype)
-                # name -> (int8 strategy, call)
-                variants = {f"dense {type(dense).__name__}": (True, lambda: dense(x))}
+                # name -> (strategy, call)
+                variants = {f"dense {type(dense).__name__}": ("int8", lambda: dense(x))}
                 for strategy in args.strategies.split(","):
-                    variants.update({f"{t.name}{'' if strategy == 'int8' else '/fp32'}":
-                                     (strategy == "int8", lambda b=b, t=t: cpu_kernels.quant_linear(x, [b], [int(t)]))
+                    variants.update({f"{t.name}{'' if strategy == 'int8' else '/' + strategy}":
+                                     (strategy, lambda b=b, t=t: cpu_kernels.quant_linear(x, [b], [int(t)]))
                                      for t, b in blocks.items()})
                 times = {name: [] for name in variants}
                 for _ in range(args.rounds):
-                    for name, (int8, fn) in variants.items():
-                        cpu_kernels.set_quant_int8(int8)
+                    for name, (strategy, fn) in variants.items():
+                        cpu_kernels.set_quant_int8(strategy != "fp32")
+                        cpu_kernels.set_quant_panel_rows(2 ** 62 if strategy == "columns" else panel_rows)
                         times[name].append(timed(fn, args.seconds))
                 cpu_kernels.set_quant_int8(True)
+                cpu_kernels.set_quant_panel_rows(panel_rows)
                 base = statistics.median(times[next(iter(variants))])
                 cells = []
                 for name, ts in times.items():
                     t = statistics.median(ts)
-                    cells.append(f"{name} {t * 1e3:.3f} ms ({base / t:.2f}x)")
+                    cells.append(f"{name} {t * 1e3:.3f} ms {2 * rows * out * fan_in / t / 1e9:.1f} GFLOP/s ({base / t:.2f}x)")
                 print(f"{out}x{fan_in} {str(dtype).split('.')[1]} rows {rows}: " + "; ".join(cells), flush=True)
     print(f"load average {os.getloadavg()}")
 

@@ -81,6 +81,55 @@ def test_each_type_rows_and_odd_shapes(qtype):
             check(x.to(dtype), [(blocks, qtype)])
 
 
+PANEL_ROWS = [1, 3, 4, 5, 7, 8, 9, 63, 64, 65, 255, 256]   # around the row tiles (4) and the panel threshold (8)
+
+
+@pytest.fixture
+def panel_rows():
+    """Sets quant_linear's panel threshold for a test (kernels.cpu.set_quant_panel_rows), restored after."""
+    previous = cpu_kernels.set_quant_panel_rows(8)
+    yield cpu_kernels.set_quant_panel_rows
+    cpu_kernels.set_quant_panel_rows(previous)
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_panels_and_columns_at_tile_boundaries(qtype, panel_rows):
+    """Both int8 paths, panels of 8 columns (from any row count, forced) and a column at a time (at any,
+    forced), at row counts around their tiles, against the references; a last panel of 5 columns."""
+    rng = np.random.default_rng(30 + int(qtype))
+    block = 256 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 32
+    blocks = random_blocks((21, 2 * block), qtype, rng)
+    x = torch.from_numpy(rng.standard_normal((max(PANEL_ROWS), 2 * block)).astype(np.float32))
+    for threshold in (1, 2 ** 62):
+        panel_rows(threshold)
+        for rows in PANEL_ROWS:
+            for dtype in (torch.float32, torch.bfloat16):
+                check(x[:rows].to(dtype), [(blocks, qtype)])
+
+
+def test_panels_give_the_columns_results_to_rounding(panel_rows):
+    """Panels and columns multiply the same int8 activations: their results differ by fp32 rounding alone,
+    across the mixed parts of a Q4_K_M qkv at a prefill's rows, with 1 and 2 threads."""
+    rng = np.random.default_rng(5)
+    parts = [torch.from_numpy(random_blocks((out, 1024), t, rng))
+             for out, t in [(64, Q.Q4_K), (16, Q.Q5_K), (16, Q.Q6_K), (13, Q.Q8_0), (8, Q.Q4_0), (3, Q.Q4_1)]]
+    types = [int(t) for t in (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q4_1)]
+    x = torch.randn(70, 1024)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for threshold in (1, 2 ** 62):
+                panel_rows(threshold)
+                results.append(cpu_kernels.quant_linear(x, parts, types))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[2]) and torch.equal(results[1], results[3])   # threads split columns
+    scale = (x.abs() @ torch.cat([torch.from_numpy(dequantized(p.numpy(), Q(t))) for p, t in zip(parts, types)]).abs().T)
+    assert ((results[0] - results[1]).abs() <= scale * 1e-5 + 1e-6).all()
+
+
 def test_parts_of_mixed_types_stack_as_columns():
     """qkv of a Q4_K_M file: q and k Q4_K, v Q6_K, one call, columns in order."""
     rng = np.random.default_rng(1)

@@ -282,6 +282,18 @@ def set_quant_int8(on: bool) -> bool:
     return _lib().set_quant_int8(on)
 
 
+def set_quant_panel_rows(rows: int) -> int:
+    """Rows from which quant_linear's int8 strategy runs the panel GEMM (8 columns decoded once, tiles of
+    rows x 8 columns) instead of a column at a time (default 8; AVX2 builds without VNNI, see
+    quant_panels); returns the previous setting."""
+    return _lib().set_quant_panel_rows(rows)
+
+
+def quant_panels() -> bool:
+    """Whether quant_linear runs panels on this build (AVX2 without VNNI)."""
+    return _lib().quant_panels()
+
+
 def quant_path() -> str:
     """The integer dot products quant_linear runs on this build: avx2+vnni, avx2 or scalar."""
     return _lib().quant_path()

@@ -457,6 +457,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_rows", &quant_rows_op, no_gil, "rows of a weight in GGUF blocks, dequantized (quant.h)");
   m.def("set_quant_int8", [](bool on) { return quant_int8_on.exchange(on); },
         "whether quant_linear quantizes x to int8 (on at start) or runs fp32 x against fp32-dequantized columns");
+  m.def("set_quant_panel_rows", [](int64_t rows) { return quant_panel_rows.exchange(rows); },
+        "rows from which quant_linear's int8 strategy runs panels of 8 columns (quant.h); returns the previous setting");
+  m.def("quant_panels", [] { return bool(ASYNCSERVE_QUANT_PANEL); }, "whether quant_linear runs panels on this build");
   m.def("quant_path", [] { return std::string(quant_path()); }, "the integer dot products quant_linear runs here");
   m.def("lora_segments", &lora_segments_op, no_gil, "y += each run's LoRA, read from the pool rows");
   m.def("lora_prefetch_lines", &lora_prefetch_lines_op, "the lines a GEMM asks for ahead of lora_segments, by thread");

@@ -14,7 +14,9 @@
 // every row of x over it in tiles of kQuantTile rows whose fp32 accumulators stay in registers:
 // the decoding is paid once per column, not once per row. The integer dot products are AVX2's
 // vpmaddubsw + vpmaddwd, or one vpdpbusd where the CPU has AVX512-VNNI (+VL) or AVX-VNNI; a scalar
-// loop runs where the build has no AVX2.
+// loop runs where the build has no AVX2. From quant_panel_rows rows (a prefill's) an AVX2 build without
+// VNNI runs a GEMM over panels of 8 columns instead (see "Many rows" below): the per-column tiles
+// there cost a float conversion, two multiplies and a broadcast per 32 products of each row.
 //
 // Q4_K and Q5_K run as llama.cpp's ggml_vec_dot_q4_K_q8_K does: their activations quantized per
 // super-block of 256 instead (one scale each, as its q8_K), so that the 8 chunks' integer dot products,
@@ -91,6 +93,12 @@ constexpr int kQuantTile = 4;   // rows of x per pass over a decoded column
 // int8 activations and integer dot products (on at start), or fp32 activations against the column
 // dequantized to fp32 (see the top); returns nothing, read per call.
 inline std::atomic<bool> quant_int8_on{true};
+
+// Rows from which quant_linear's int8 strategy runs the panel GEMM below (fewer: a column at a time),
+// read per call; set_quant_panel_rows changes it to compare the two. Where panels are not built (no
+// AVX2, or VNNI) it changes nothing. 8: on a Zen 3 core panels won from 4 rows (Q4_1, Q8_0) or 6 (Q4_K,
+// Q6_K), at 8 rows by 1.1-1.9x; at 2 rows columns mostly won.
+inline std::atomic<int64_t> quant_panel_rows{8};
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t bits;
@@ -526,6 +534,235 @@ inline void quant_columns(const uint8_t* blocks, int64_t row_bytes, int64_t n0, 
   }
 }
 
+// Many rows (a prefill's, M >= quant_panel_rows): a GEMM over panels of 8 columns. A thread decodes a
+// panel's 8 columns once and interleaves their bytes, 4 consecutive weights of column n in bytes
+// 4n..4n+3 of each 32-byte vector, so that one vpmaddubsw against 4 bytes of a row of x broadcast to
+// all lanes gives, in int32 lane n after vpmaddwd, column n's dot over those 4 weights: the lanes are
+// the columns, the column scales are one vector, and a tile of kPanelRows rows x 8 columns keeps its
+// accumulators in registers, each weight vector loaded once for the tile's rows. The products add up
+// in int16 for as many steps as cannot saturate (the bytes' maximum: 15 for Q4_0 / Q4_1 / Q4_K, 31 for
+// Q5_K, 63 for Q6_K, |w| <= 128 for Q8_0, whose sign moves to x), then in int32 per group, folded to
+// float per group of 32 (16 for Q6_K) with the column scales and offsets, or for Q4_K and Q5_K per
+// super-block of 256 after the 6-bit scales multiply in int32 (vpmaddwd by the scale) and the mins
+// likewise multiply the activations' per-32 sums. The activations are quantized as for the few-row
+// path. AVX2 without VNNI only (this build's dispatch): VNNI CPUs keep the per-column path, unmeasured.
+#if ASYNCSERVE_QUANT_AVX2 && !ASYNCSERVE_QUANT_VNNI
+#define ASYNCSERVE_QUANT_PANEL 1
+
+constexpr int kPanel = 8;              // columns per panel: the int32 lanes of a vector
+constexpr int kPanelRows = 4;          // rows per tile: each weight vector loaded once for them
+
+// One panel's 8 decoded columns (a short last panel repeats its last column), interleaved.
+struct Panel {
+  DecodedColumn cols[kPanel];
+  std::vector<uint8_t> q;               // [K/4][8 columns][4 weights]
+  std::vector<float> scale, offset;     // [K/G][8]: per group of G = 32 (16 for Q6_K) weights
+  std::vector<int16_t> sub_scale;       // [K/32][16]: Q4_K/Q5_K's 6-bit scale of column n in int16 lanes 2n, 2n+1
+  std::vector<int16_t> sub_min;         // [K/64][16]: mins of chunks 2i (lane 2n) and 2i + 1 (lane 2n + 1)
+  std::vector<float> super_d, super_dmin;   // [K/256][8]
+
+  void resize(int64_t K) {
+    for (DecodedColumn& c : cols) c.resize(K, false);
+    q.resize(K * kPanel);
+    scale.resize(K / 16 * kPanel);
+    offset.resize(K / 16 * kPanel);
+    sub_scale.resize(K / 32 * 16);
+    sub_min.resize(K / 64 * 16);
+    super_d.resize(K / 256 * kPanel);
+    super_dmin.resize(K / 256 * kPanel);
+  }
+};
+
+// Interleaves 8 columns' bytes: out[32 t + 4 n + i] = cols[n].q[4 t + i] (an 8x8 transpose of 32-bit words).
+inline void interleave_panel(const DecodedColumn* cols, int64_t K, uint8_t* out) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    __m256i r[8], t[8], u[8];
+    for (int n = 0; n < 8; ++n) r[n] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cols[n].q.data() + 32 * b));
+    for (int n = 0; n < 8; n += 2) {
+      t[n] = _mm256_unpacklo_epi32(r[n], r[n + 1]);       // words 0, 1 | 4, 5 of columns n, n + 1
+      t[n + 1] = _mm256_unpackhi_epi32(r[n], r[n + 1]);   // words 2, 3 | 6, 7
+    }
+    for (int n = 0; n < 8; n += 4)
+      for (int h = 0; h < 2; ++h) {
+        u[n + 2 * h] = _mm256_unpacklo_epi64(t[n + h], t[n + 2 + h]);       // word 2h | 2h + 4 of columns n..n+3
+        u[n + 2 * h + 1] = _mm256_unpackhi_epi64(t[n + h], t[n + 2 + h]);   // word 2h + 1 | 2h + 5
+      }
+    __m256i* o = reinterpret_cast<__m256i*>(out + 256 * b);
+    for (int w = 0; w < 4; ++w) {
+      _mm256_storeu_si256(o + w, _mm256_permute2x128_si256(u[w], u[4 + w], 0x20));
+      _mm256_storeu_si256(o + 4 + w, _mm256_permute2x128_si256(u[w], u[4 + w], 0x31));
+    }
+  }
+}
+
+// Decodes columns [n0, n0 + valid) of the blocks into the panel.
+template <int64_t Type>
+inline void build_panel(const uint8_t* blocks, int64_t row_bytes, int64_t n0, int valid, int64_t K, Panel& p) {
+  for (int n = 0; n < kPanel; ++n) {
+    if (n < valid) decode_column<Type>(blocks + (n0 + n) * row_bytes, K, p.cols[n]);
+    else p.cols[n] = p.cols[valid - 1];
+  }
+  interleave_panel(p.cols, K, p.q.data());
+  if constexpr (Type == kQ4_K || Type == kQ5_K) {
+    for (int64_t k = 0; k < K / 32; ++k)
+      for (int n = 0; n < kPanel; ++n) {
+        p.sub_scale[16 * k + 2 * n] = p.sub_scale[16 * k + 2 * n + 1] = p.cols[n].sub_scale[k];
+        p.sub_min[16 * (k / 2) + 2 * n + k % 2] = int16_t(p.cols[n].sub_min[k]);
+      }
+    for (int64_t s = 0; s < K / 256; ++s)
+      for (int n = 0; n < kPanel; ++n) {
+        p.super_d[kPanel * s + n] = p.cols[n].super_d[s];
+        p.super_dmin[kPanel * s + n] = p.cols[n].super_dmin[s];
+      }
+  } else {
+    constexpr int64_t per = Type == kQ6_K ? 1 : 2;   // groups of 16 per group of the panel
+    for (int64_t g = 0; g < K / 16 / per; ++g)
+      for (int n = 0; n < kPanel; ++n) {
+        p.scale[kPanel * g + n] = p.cols[n].scale[per * g];
+        p.offset[kPanel * g + n] = p.cols[n].offset[per * g];
+      }
+  }
+}
+
+// The rows' 4 bytes at k, in every 32-bit lane.
+inline __m256i broadcast4(const int8_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Steps of 4 weights whose byte products can add up in int16 (2 products of <= max * 127 per step each).
+template <int64_t Type>
+constexpr int int16_steps() {
+  return Type == kQ8_0 ? 1 : Type == kQ6_K ? 2 : Type == kQ5_K ? 4 : 8;
+}
+
+// R rows of x (from row m) against a panel of Q4_0 / Q4_1 / Q8_0 / Q6_K: acc[r] lane n = row r . column n.
+template <int R, int64_t Type>
+inline void panel_group_tile(const Panel& p, const QuantizedRows& a, int64_t m, __m256 acc[R]) {
+  constexpr bool kSigned = Type == kQ8_0;
+  constexpr int G = Type == kQ6_K ? 16 : 32, S = int16_steps<Type>();
+  const int64_t K = a.K;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* x[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    x[r] = a.q.data() + (m + r) * K;
+  }
+  for (int64_t g = 0; g < K / G; ++g) {
+    __m256i sum[R];
+    for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
+    for (int h = 0; h < G / 4; h += S) {
+      __m256i part[R];
+      for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_si256();
+      for (int t = h; t < h + S; ++t) {
+        const int64_t k = G * g + 4 * t;
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.q.data() + 8 * k));
+        const __m256i wu = kSigned ? _mm256_abs_epi8(w) : w;   // |w| <= 128 as unsigned; x takes w's sign
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          __m256i xb = broadcast4(x[r] + k);
+          if constexpr (kSigned) xb = _mm256_sign_epi8(xb, w);
+          part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(wu, xb));
+        }
+      }
+      for (int r = 0; r < R; ++r) sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(part[r], ones));
+    }
+    const __m256 scale = _mm256_loadu_ps(p.scale.data() + kPanel * g);
+    const __m256 offset = _mm256_loadu_ps(p.offset.data() + kPanel * g);
+    for (int r = 0; r < R; ++r) {
+      const float dx = a.d[(m + r) * (K / 32) + G * g / 32];
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(scale, _mm256_set1_ps(dx)), acc[r]);
+      if constexpr (!kSigned) {
+        const float* s16 = a.s16.data() + (m + r) * (K / 16) + G / 16 * g;
+        acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(G == 32 ? s16[0] + s16[1] : s16[0]), acc[r]);
+      }
+    }
+  }
+}
+
+// R rows of x quantized per 256 (from row m) against a panel of Q4_K / Q5_K, the mins included.
+template <int R, int64_t Type>
+inline void panel_super_tile(const Panel& p, const QuantizedRows& a, int64_t m, __m256 acc[R]) {
+  constexpr int S = int16_steps<Type>();
+  const int64_t K = a.K, supers = K / 256;
+  const int8_t* x[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    x[r] = a.q256.data() + (m + r) * K;
+  }
+  for (int64_t s = 0; s < supers; ++s) {
+    __m256i sum[R], mins[R];
+    for (int r = 0; r < R; ++r) sum[r] = mins[r] = _mm256_setzero_si256();
+    for (int64_t j = 8 * s; j < 8 * s + 8; ++j) {   // chunks of 32: <= 2 * 8 * 15 * 127 * 63 per lane (Q4_K)
+      const __m256i scale = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.sub_scale.data() + 16 * j));
+      for (int h = 0; h < 8; h += S) {
+        __m256i part[R];
+        for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_si256();
+        for (int t = h; t < h + S; ++t) {
+          const int64_t k = 32 * j + 4 * t;
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.q.data() + 8 * k));
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(w, broadcast4(x[r] + k)));
+        }
+        for (int r = 0; r < R; ++r) sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(part[r], scale));
+      }
+    }
+    for (int i = 0; i < 4; ++i) {   // the mins of chunk pairs times the rows' sums of them (|sum| <= 32 * 127: int16)
+      const __m256i mn = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.sub_min.data() + 16 * (4 * s + i)));
+      for (int r = 0; r < R; ++r) {
+        const int32_t* xs = a.sum32.data() + (m + r) * (K / 32) + 8 * s + 2 * i;
+        const int32_t pair = int32_t(uint32_t(uint16_t(xs[0])) | uint32_t(uint16_t(xs[1])) << 16);
+        mins[r] = _mm256_add_epi32(mins[r], _mm256_madd_epi16(_mm256_set1_epi32(pair), mn));
+      }
+    }
+    const __m256 d = _mm256_loadu_ps(p.super_d.data() + kPanel * s);
+    const __m256 dmin = _mm256_loadu_ps(p.super_dmin.data() + kPanel * s);
+    for (int r = 0; r < R; ++r) {
+      const __m256 dx = _mm256_set1_ps(a.d256[(m + r) * supers + s]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(d, dx), acc[r]);
+      acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins[r]), _mm256_mul_ps(dmin, dx), acc[r]);
+    }
+  }
+}
+
+// f(std::integral_constant<int, rows>) for rows in [1, R].
+template <int R, typename F>
+inline void with_rows(int rows, F f) {
+  if constexpr (R > 1)
+    if (rows < R) return with_rows<R - 1>(rows, f);
+  f(std::integral_constant<int, R>{});
+}
+
+// Columns [n0, n0 + valid) of one part for every row of a, through the panel (built here).
+template <int64_t Type, typename T>
+inline void quant_panel(const uint8_t* blocks, int64_t row_bytes, int64_t n0, int valid, const QuantizedRows& a,
+                        int64_t M, T* y, int64_t ldy, int64_t col0, Panel& p) {
+  build_panel<Type>(blocks, row_bytes, n0, valid, a.K, p);
+  for (int64_t m = 0; m < M; m += kPanelRows) {
+    __m256 acc[kPanelRows];
+    const int64_t rows = std::min<int64_t>(kPanelRows, M - m);
+    with_rows<kPanelRows>(int(rows), [&](auto R) {
+      if constexpr (Type == kQ4_K || Type == kQ5_K) panel_super_tile<decltype(R)::value, Type>(p, a, m, acc);
+      else panel_group_tile<decltype(R)::value, Type>(p, a, m, acc);
+    });
+    for (int64_t r = 0; r < rows; ++r) {
+      T* out = y + (m + r) * ldy + col0 + n0;
+      if (std::is_same_v<T, float> && valid == kPanel) {
+        _mm256_storeu_ps(reinterpret_cast<float*>(out), acc[r]);
+        continue;
+      }
+      float v[kPanel];
+      _mm256_storeu_ps(v, acc[r]);
+      for (int n = 0; n < valid; ++n) out[n] = from_float<T>(v[n]);
+    }
+  }
+}
+
+#else
+#define ASYNCSERVE_QUANT_PANEL 0
+#endif
+
 struct QuantPart {
   const uint8_t* blocks;   // [out, row_bytes]
   int64_t type, out, row_bytes, col0;
@@ -544,6 +781,33 @@ inline void quant_linear(const T* x, int64_t ldx, int64_t M, int64_t K, const st
   if (int8 && per32) quantize_rows(x, ldx, M, K, 32, a.q, a.d, a.s16, a.sum32);
   if (int8 && per256) quantize_rows(x, ldx, M, K, 256, a.q256, a.d256, a.s16, a.sum32);
   const QuantizedRows& rows = a;  // the calling thread's buffer, not the pool threads' own
+#if ASYNCSERVE_QUANT_PANEL
+  if (int8 && M >= quant_panel_rows.load(std::memory_order_relaxed)) {
+    int64_t panels = 0;
+    for (const QuantPart& p : parts) panels += (p.out + kPanel - 1) / kPanel;
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      thread_local Panel panel;
+      panel.resize(K);
+      int64_t first = 0;
+      for (const QuantPart& p : parts) {
+        const int64_t count = (p.out + kPanel - 1) / kPanel;
+        for (int64_t i = std::max<int64_t>(begin - first, 0); i < std::min<int64_t>(end - first, count); ++i) {
+          const int64_t n0 = kPanel * i;
+          const int valid = int(std::min<int64_t>(kPanel, p.out - n0));
+          switch (p.type) {
+#define ASYNCSERVE_QUANT_CASE(TYPE) \
+  case TYPE: quant_panel<TYPE, T>(p.blocks, p.row_bytes, n0, valid, rows, M, y, ldy, p.col0, panel); break;
+            ASYNCSERVE_QUANT_CASE(kQ4_0) ASYNCSERVE_QUANT_CASE(kQ4_1) ASYNCSERVE_QUANT_CASE(kQ8_0)
+            ASYNCSERVE_QUANT_CASE(kQ4_K) ASYNCSERVE_QUANT_CASE(kQ5_K) ASYNCSERVE_QUANT_CASE(kQ6_K)
+#undef ASYNCSERVE_QUANT_CASE
+          }
+        }
+        first += count;
+      }
+    });
+    return;
+  }
+#endif
   int64_t total = 0;
   for (const QuantPart& p : parts) total += p.out;
   at::parallel_for(0, total, 8, [&](int64_t begin, int64_t end) {
