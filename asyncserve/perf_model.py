@@ -22,8 +22,9 @@ short decode steps weigh as much as long prefill steps.
 The pending time of a queue is the sum of each request's additive share of the steps it will be in
 (dLoRA's "estimated queuing time"): each of its tokens costs alpha_token + alpha_rank * r, each
 decode token also alpha_seq and its share beta / batch of the step's fixed cost, and its attention
-pairs alpha_attn each (an adapter's cost per step is shared by requests the queue does not name
-together, so it is left out). Adapter loads are priced
+pairs alpha_attn each, counted by the step model's own rule (attention_pairs: after the context it
+has computed already, over the layers' windows) (an adapter's cost per step is shared by requests the
+queue does not name together, so it is left out). Adapter loads are priced
 by tier: host memory -> pool per unit of rank, disk -> pool with a fixed cost on top.
 """
 from __future__ import annotations
@@ -81,6 +82,7 @@ class QueuedWork(NamedTuple):
     prefill_tokens: int                # tokens still to prefill (the prompt, or prompt + output after a migration)
     decode_tokens: int                 # expected output tokens still to generate
     rank: int                          # its adapter's rank (0: base model)
+    context: int = 0                   # tokens whose KV is computed already (the remaining tokens attend to them)
 
 
 def rank_work(chunks: Iterable[tuple[int, int]], rank_cost: str = "sum") -> float:
@@ -205,18 +207,22 @@ def expected_remaining_tokens(generated: int, mean_output: float, max_tokens: in
     return int(min(left, max(max_tokens - generated, 1)))
 
 
-def request_work_seconds(c: PerfCoefficients, work: QueuedWork, batch: int, batch_max_rank: int = 0) -> float:
-    """A request's additive share of the steps that will run its remaining tokens."""
+def request_work_seconds(c: PerfCoefficients, work: QueuedWork, batch: int, batch_max_rank: int = 0,
+                         windows: Sequence[int | None] = ()) -> float:
+    """A request's additive share of the steps that will run its remaining tokens (windows: the
+    model's per-layer attention windows, as step_sample's)."""
     r = work.rank if c.rank_cost == "sum" else max(work.rank, batch_max_rank)
     per_token = c.alpha_token + c.alpha_rank * r
     p, d = work.prefill_tokens, work.decode_tokens
-    # attention: the prompt's pairs, then each decode token reads the prompt and the tokens before it
-    attention = p * (p + 1) / 2 + d * p + d * (d + 1) / 2
+    # attention: the prefill's and then each decode token's pairs, after the context computed already;
+    # pairs add up over chunks, so all remaining tokens as one chunk count what their steps will
+    attention = attention_pairs(p + d, work.context, windows)
     return (p * per_token + d * (per_token + c.alpha_seq + c.beta / max(batch, 1))
             + c.alpha_attn * attention)
 
 
-def pending_seconds(c: PerfCoefficients, queue: Iterable[QueuedWork], max_running: int) -> float:
+def pending_seconds(c: PerfCoefficients, queue: Iterable[QueuedWork], max_running: int,
+                    windows: Sequence[int | None] = ()) -> float:
     """Predicted time to drain a node's running and waiting requests (sum of their work shares,
     with the batch as full as the queue allows)."""
     queue = list(queue)
@@ -224,17 +230,17 @@ def pending_seconds(c: PerfCoefficients, queue: Iterable[QueuedWork], max_runnin
         return 0.0
     batch = min(len(queue), max_running)
     max_rank = max(w.rank for w in queue)
-    return sum(request_work_seconds(c, w, batch, max_rank) for w in queue)
+    return sum(request_work_seconds(c, w, batch, max_rank, windows) for w in queue)
 
 
 def drain_seconds(c: PerfCoefficients, runnable: list[QueuedWork], parked: list[QueuedWork], fetch_s: float,
-                  max_running: int) -> float:
+                  max_running: int, windows: Sequence[int | None] = ()) -> float:
     """Predicted time to drain a node whose `parked` requests wait `fetch_s` for their adapters to be
     read from disk: no sooner than all its work, nor than the reads plus the parked requests' work.
     The reads overlap the runnable work (adding them on top would show a busy node's reads as an
     imbalance that moving requests cannot remove: migration thrash in the simulator)."""
-    everything = pending_seconds(c, runnable + parked, max_running)
-    return max(everything, fetch_s + pending_seconds(c, parked, max_running)) if parked else everything
+    everything = pending_seconds(c, runnable + parked, max_running, windows)
+    return max(everything, fetch_s + pending_seconds(c, parked, max_running, windows)) if parked else everything
 
 
 class StepLatencyModel:

@@ -25,6 +25,7 @@ import outlines_core
 import torch
 from outlines_core.json_schema import build_regex_from_schema
 
+from asyncserve.model.tokenizer import gpt2_byte_chars
 from asyncserve.sampling_params import StructuredOutputs
 
 # Indexes kept (the one for any JSON object is ~26 MB on a 49k vocabulary; a schema's far smaller).
@@ -66,7 +67,7 @@ def token_bytes(tokenizer) -> dict[bytes, list[int]]:
     decoder = json.dumps(json.loads(backend.to_str()).get("decoder"))
     added = backend.get_added_tokens_decoder()
     if '"ByteLevel"' in decoder:
-        unicode_to_byte = {c: b for b, c in _gpt2_byte_chars().items()}
+        unicode_to_byte = {c: b for b, c in gpt2_byte_chars().items()}
 
         def spell(token: str) -> bytes:
             return bytes(unicode_to_byte[c] for c in token)
@@ -88,17 +89,6 @@ def token_bytes(tokenizer) -> dict[bytes, list[int]]:
             continue
         out.setdefault(spelled, []).append(i)
     return out
-
-
-def _gpt2_byte_chars() -> dict[int, str]:
-    """GPT-2's byte -> printable character table (bytes_to_unicode)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table, extra = {b: chr(b) for b in printable}, 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
 
 
 class GuideCompiler:

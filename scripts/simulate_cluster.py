@@ -299,7 +299,8 @@ class SimNode:
         """(runnable, parked): the queue's work, those waiting for an adapter read apart."""
         mean = self.sim.mean_output
         cap = self.sim.args.max_tokens
-        runnable = [QueuedWork(r.prefill_left, expected_remaining_tokens(r.generated, mean, cap), r.rank)
+        runnable = [QueuedWork(r.prefill_left, expected_remaining_tokens(r.generated, mean, cap), r.rank,
+                               r.prompt + r.generated - r.prefill_left)
                     for r in self.running]
         parked = []
         for r in self.waiting:
@@ -320,14 +321,15 @@ class SimNode:
                       # its adapter reads (in parallel here) overlap the work of the requests not waiting for one
                       pending_seconds=drain_seconds(c, *self._queue(),
                                                     max((done - now for done in self.loading.values()), default=0.0),
-                                                    args.max_running),
+                                                    args.max_running, args.windows),
                       free_pages=(args.pool_tokens - self.used_tokens) // args.page_tokens,
                       page_tokens=args.page_tokens, max_running=args.max_running,
                       running_rank_sum=sum(r.rank for r in self.running),
                       running_rank_max=max((r.rank for r in self.running), default=0),
                       adapters=AdapterTiers(device=list(self.device), host=list(self.host)),
                       coefficients=c, measured=measured,
-                      routed_per_s=router.arrivals.rate(now) if (router := self.sim.routers.get(self.id)) else 0.0)
+                      routed_per_s=router.arrivals.rate(now) if (router := self.sim.routers.get(self.id)) else 0.0,
+                      layer_windows=args.windows)
 
     def candidates(self, k: int) -> list[Candidate]:
         """Its newest requests, waiting ones first (Punica evicts the newest)."""
@@ -500,6 +502,10 @@ def simulate(args, policy: str, trace: list[SimRequest], coeffs: PerfCoefficient
 DEFAULT_POLICIES = "random,consolidate,least-pending,round-robin,rank-aware,rank-aware+migrate"
 
 
+def layer_windows(text: str) -> list[int | None]:
+    return [None if w.strip() == "global" else int(w) for w in text.split(",") if w.strip()]
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, default=60)
@@ -533,6 +539,10 @@ def parser() -> argparse.ArgumentParser:
                    help="steps a node runs before its digests carry its fitted step model, not the engine's prior "
                         "(the engine: 8 skipped + 64 to the first fit)")
     p.add_argument("--coefficients", help="JSON PerfCoefficients (default: fitted to box B's measured steps)")
+    p.add_argument("--windows", type=layer_windows, default=[],
+                   help="the model's per-layer attention windows the queue estimates price, comma-separated: a "
+                        "number of tokens or 'global' per layer (Gemma 3's: five of 512, then one global, ...); "
+                        "default: every layer global")
     p.add_argument("--policies", default=DEFAULT_POLICIES,
                    help="comma-separated routing policies; POLICY+migrate adds co-migration")
     p.add_argument("--seed", type=int, default=0)

@@ -564,12 +564,23 @@ def test_a_peer_dead_mid_stream_loses_no_request(nodes, offline, reset):
 
 
 # ---- the digest (no servers) --------------------------------------------------------------------------------
+def digest_of(engine) -> Digest:
+    """The digest a cluster actor makes of an engine (a namespace of the Engine API the digest reads)."""
+    from types import SimpleNamespace
+
+    from asyncserve.actors.cluster import ClusterActor
+
+    config = SimpleNamespace(node_id="n0", host="127.0.0.1", advertise_url=None, gossip_interval_s=0.2, peers="",
+                             cluster_key=KEY, dispatch="least-pending", migration_threshold_s=0.0)
+    server = SimpleNamespace(config=config, metrics=None, engine=engine, scheduler=SimpleNamespace(mean_output=64.0))
+    return ClusterActor(server, port=1).digest()
+
+
 def test_a_digest_counts_parked_requests_and_their_adapter_fetches():
     """Requests parked while their adapter is read from disk are work like any other, and wait for the
     fetch first: a node full of them used to report nothing pending and drew every request (#16)."""
     from types import SimpleNamespace
 
-    from asyncserve.actors.cluster import ClusterActor
     from asyncserve.actors.pager import FETCHERS
     from asyncserve.perf_model import STEP_TIME_PRIOR, QueuedWork, fetch_backlog_seconds, pending_seconds
     from asyncserve.sequence import Sequence
@@ -584,12 +595,8 @@ def test_a_digest_counts_parked_requests_and_their_adapter_fetches():
         unfinished=lambda: [],
         parked_requests=lambda: [[parked("p0", "x", 100), parked("p1", "x", 40)], [parked("p2", "y", 60)]],
         step_coefficients=STEP_TIME_PRIOR, step_model_measured=False, mean_disk_load_seconds=fetch_s,
-        max_running=8, block_size=16, adapter_tiers=lambda: {}, model_name="tiny")
-    config = SimpleNamespace(node_id="n0", host="127.0.0.1", advertise_url=None, gossip_interval_s=0.2, peers="",
-                             cluster_key=KEY, dispatch="least-pending", migration_threshold_s=0.0)
-    server = SimpleNamespace(config=config, metrics=None, engine=engine, scheduler=SimpleNamespace(mean_output=64.0))
-    actor = ClusterActor(server, port=1)
-    digest = actor.digest()
+        max_running=8, block_size=16, adapter_tiers=lambda: {}, model_name="tiny", layer_windows=[])
+    digest = digest_of(engine)
     assert (digest.waiting, digest.measured) == (3, False)
     c = digest.coefficients
     assert c.load_disk_fixed_s == fetch_s                       # the fetch time it measured, not the prior's 0
@@ -597,3 +604,41 @@ def test_a_digest_counts_parked_requests_and_their_adapter_fetches():
     assert work > 0
     assert digest.pending_seconds == pytest.approx(work + fetch_backlog_seconds(c, [8, 8], FETCHERS))
     assert digest.pending_seconds > fetch_s
+
+
+def test_a_digest_of_a_windowed_model_prices_its_windows_and_computed_context():
+    """A Gemma-like node's pending time counts its requests' remaining tokens over the keys they will
+    read: min(position + 1, window) in its sliding-window layers, after the context they have computed;
+    the digest carries the windows for its peers' routers."""
+    from types import SimpleNamespace
+
+    from asyncserve.perf_model import QueuedWork, drain_seconds
+    from asyncserve.sequence import Sequence
+
+    windows = [512] * 5 + [None]
+    c = PerfCoefficients(beta=0.02, alpha_token=4e-4, alpha_rank=2e-6, alpha_seq=1e-4, alpha_attn=3e-9)
+
+    def running(rid: str, prompt: int, computed: int, generated: int) -> Sequence:
+        seq = Sequence(rid, list(range(prompt)), SamplingParams(max_tokens=4096), None, seed=0, arrival=0.0)
+        seq.output_ids = [7] * generated
+        seq.num_computed = computed
+        return seq
+
+    # decoding after 6,029 computed tokens; prefilling in chunks (1,024 of 3,000 done); decoding a short one
+    seqs = [running("long", 6000, 6029, 30), running("chunked", 3000, 1024, 0), running("short", 100, 110, 11)]
+
+    def engine(layer_windows: list) -> SimpleNamespace:
+        return SimpleNamespace(
+            load_snapshot=lambda: SimpleNamespace(waiting=0, running=len(seqs), pool=SimpleNamespace(free=1000)),
+            unfinished=lambda: seqs, parked_requests=lambda: [], step_coefficients=c, step_model_measured=True,
+            mean_disk_load_seconds=None, max_running=8, block_size=16, adapter_tiers=lambda: {}, model_name="tiny",
+            layer_windows=layer_windows)
+
+    digest, all_global = digest_of(engine(windows)), digest_of(engine([]))
+    assert (digest.layer_windows, all_global.layer_windows) == (windows, [])
+    # remaining output: the mean (64) less what each generated, floored at a quarter of it
+    queue = [QueuedWork(0, 34, 0, context=6029), QueuedWork(1976, 64, 0, context=1024),
+             QueuedWork(0, 53, 0, context=110)]
+    assert digest.pending_seconds == pytest.approx(drain_seconds(digest.coefficients, queue, [], 0.0, 8, windows))
+    assert all_global.pending_seconds == pytest.approx(drain_seconds(all_global.coefficients, queue, [], 0.0, 8))
+    assert digest.pending_seconds < all_global.pending_seconds

@@ -20,9 +20,9 @@ from asyncserve.cluster.migration import MAX_MIGRATIONS, MOVE_PRICE, Candidate, 
 from asyncserve.cluster.routing import (AdapterPlacement, ClusterView, Consolidate, LeastPending, Local, NodeLoad,
                                         Random, RankAware, RoundRobin, RouteRequest, Router, cluster_coefficients,
                                         rendezvous_weight)
-from asyncserve.perf_model import (STEP_TIME_PRIOR, PerfCoefficients, QueuedWork, StepLatencyModel, StepSample,
-                                   adapter_load_seconds, drain_seconds, fetch_backlog_seconds, fit, pending_seconds,
-                                   predict_step_seconds, request_work_seconds)
+from asyncserve.perf_model import (STEP_TIME_PRIOR, PerfCoefficients, QueuedWork, StepChunk, StepLatencyModel,
+                                   StepSample, adapter_load_seconds, drain_seconds, fetch_backlog_seconds, fit,
+                                   pending_seconds, predict_step_seconds, request_work_seconds)
 
 COEFFS = PerfCoefficients(beta=0.02, alpha_token=4e-4, alpha_rank=2e-6, load_host_s_per_rank=1e-4,
                           load_disk_s_per_rank=2e-3, load_disk_fixed_s=0.05)
@@ -89,6 +89,74 @@ def test_pending_seconds_is_the_sum_of_work_shares():
     assert pending_seconds(COEFFS, queue, max_running=32) == pytest.approx(expected)
     one = QueuedWork(0, 10, 8)      # alone: ten decode steps of a batch of one
     assert pending_seconds(COEFFS, [one], 32) == pytest.approx(10 * predict_step_seconds(COEFFS, [(1, 8)]))
+
+
+GEMMA_WINDOWS = [512] * 5 + [None]     # Gemma 3's layout: five sliding-window layers of 512 keys, then a global one
+ATTN = PerfCoefficients(beta=0.02, alpha_token=4e-4, alpha_rank=2e-6, alpha_seq=1e-4, alpha_attn=3e-9)
+
+
+def pairs_by_position(context: int, tokens: int, windows: list) -> float:
+    """Reference: each position's keys, min(position + 1, window) in a window layer, averaged over the layers."""
+    return sum(sum(q + 1 if w is None else min(q + 1, w) for w in windows) / len(windows)
+               for q in range(context, context + tokens))
+
+
+@pytest.mark.parametrize("work", [QueuedWork(3000, 200, 8), QueuedWork(0, 300, 16, context=4000),
+                                  QueuedWork(700, 100, 0, context=900), QueuedWork(400, 200, 8, context=100)])
+def test_queue_estimate_prices_sliding_windows_over_the_computed_context(work):
+    """A long request on a Gemma-like model costs less than on an all-global one, by alpha_attn times the
+    pairs its window layers do not read: counted from the context it has computed already."""
+    everything = work.prefill_tokens + work.decode_tokens
+    global_only = request_work_seconds(ATTN, work, 8)
+    windowed = request_work_seconds(ATTN, work, 8, windows=GEMMA_WINDOWS)
+    unread = pairs_by_position(work.context, everything, [None]) - pairs_by_position(work.context, everything,
+                                                                                        GEMMA_WINDOWS)
+    assert unread > 0
+    assert global_only - windowed == pytest.approx(ATTN.alpha_attn * unread, rel=1e-9)
+    # the context already computed is read by every remaining token
+    fresh = request_work_seconds(ATTN, work._replace(context=0), 8)
+    assert global_only - fresh == pytest.approx(ATTN.alpha_attn * everything * work.context, rel=1e-9)
+
+
+@pytest.mark.parametrize("work", [QueuedWork(300, 200, 8), QueuedWork(0, 100, 16, context=400),
+                                  QueuedWork(12, 0, 0, context=500), QueuedWork(0, 1, 8, context=511)])
+def test_queue_estimate_under_the_window_is_the_global_price(work):
+    assert work.context + work.prefill_tokens + work.decode_tokens <= 512
+    assert request_work_seconds(ATTN, work, 4, windows=GEMMA_WINDOWS) == \
+        pytest.approx(request_work_seconds(ATTN, work, 4), rel=1e-12)
+
+
+@pytest.mark.parametrize("windows", [[], GEMMA_WINDOWS, [64, None]])
+def test_queue_estimate_is_the_step_model_summed_over_the_requests_steps(windows):
+    """One formula: a request alone (batch of one) costs what the step model predicts for its decode
+    steps, each one token after the context grown so far."""
+    c = ATTN
+    for context, decodes in [(0, 50), (700, 40), (3000, 30)]:
+        steps = sum(predict_step_seconds(c, [StepChunk(1, 8, context + k)], windows) for k in range(decodes))
+        assert pending_seconds(c, [QueuedWork(0, decodes, 8, context)], 32, windows) == pytest.approx(steps, rel=1e-9)
+
+
+def test_routing_and_migration_price_a_nodes_windows():
+    """A digest carries its model's windows: a router's and the migration program's price of a request on
+    that node use them (a long prompt costs less there than on an all-global node of the same coefficients)."""
+    def digest(node_id: str, windows: list) -> Digest:
+        return Digest(node_id=node_id, url=f"http://{node_id}", seq=1, timestamp=0.0, waiting=0, running=2,
+                      pending_seconds=1.0, free_pages=10_000, page_tokens=16, max_running=32, running_rank_sum=16,
+                      running_rank_max=8, adapters=AdapterTiers(device=["a"]), coefficients=ATTN,
+                      layer_windows=windows)
+
+    windowed, plain = NodeLoad.from_digest(digest("w", GEMMA_WINDOWS)), NodeLoad.from_digest(digest("g", []))
+    assert windowed.windows == GEMMA_WINDOWS
+    req = RouteRequest("a", 8, 6000, 200)
+    unread = pairs_by_position(0, 6200, [None]) - pairs_by_position(0, 6200, GEMMA_WINDOWS)
+    assert plain.work_seconds(req) - windowed.work_seconds(req) == pytest.approx(ATTN.alpha_attn * unread, rel=1e-9)
+    # a running candidate on the windowed node: staying costs its remaining work after its computed context,
+    # moving recomputes it all (priced with the target's windows)
+    candidate = Candidate("r", "w", "a", 8, prefill_tokens=0, context_tokens=5000, decode_tokens=100)
+    problem = build_problem([windowed, plain], [candidate], budget_tokens=10_000)
+    stay = request_work_seconds(ATTN, QueuedWork(0, 100, 8, 5000), 3, 8, GEMMA_WINDOWS)
+    move = request_work_seconds(ATTN, QueuedWork(5000, 100, 8), 3, 8)
+    assert problem.work[0].tolist() == pytest.approx([stay, move], rel=1e-12)
 
 
 # ---- auth -----------------------------------------------------------------------------------------

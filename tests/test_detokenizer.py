@@ -8,6 +8,7 @@ import pytest
 from model_io_helpers import TEXT_BATTERY, smollm2_tokenizer
 
 from asyncserve.model.detokenizer import IncrementalDetokenizer
+from asyncserve.model.tokenizer import gpt2_byte_chars
 
 MULTILINGUAL = [
     "🙂🚀👍🏽 👨‍👩‍👧‍👦 🇫🇷 — emoji made of several code points",
@@ -20,13 +21,6 @@ PROMPT = "<|im_start|>user\nSay something.<|im_end|>\n<|im_start|>assistant\n"
 @pytest.fixture(scope="module")
 def tok(smollm2_gguf):
     return smollm2_tokenizer(smollm2_gguf)
-
-
-def gpt2_byte_chars() -> dict[int, str]:
-    """GPT-2's byte-level alphabet: the character that spells each byte in a byte-level BPE vocabulary."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
 
 
 def byte_token(tok, byte: int) -> int:
@@ -198,6 +192,9 @@ def test_cost_per_token_is_a_small_window(tok):
             self.longest = max(self.longest, len(ids))
             self.calls += 1
             return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+        def text_after(self, ids, skip_special_tokens=True):
+            return None         # every token through decode (test_detokenizer_tables.py: the lookups)
 
     ids = tok.encode(" ".join(TEXT_BATTERY + MULTILINGUAL) * 5, add_special_tokens=False)
     assert len(ids) > 3000

@@ -157,21 +157,23 @@ class ClusterActor:
         def work(seq: Sequence) -> QueuedWork:
             return QueuedWork(seq.num_tokens - seq.num_computed if seq.in_prefill else 0,
                               expected_remaining_tokens(len(seq.output_ids), mean, seq.params.max_tokens),
-                              seq.adapter_rank)
+                              seq.adapter_rank, seq.num_computed)
+        windows = engine.layer_windows
         cold = [waiting[0].adapter_rank for waiting in parked_by_adapter if waiting]
         tiers = engine.adapter_tiers()
         self._seq += 1
         return Digest(node_id=self.node_id, url=self.url, seq=self._seq, timestamp=time.time(),
                       waiting=load.waiting, running=load.running,
                       pending_seconds=drain_seconds(c, [work(s) for s in seqs], [work(s) for s in parked],
-                                                    fetch_backlog_seconds(c, cold, FETCHERS), engine.max_running),
+                                                    fetch_backlog_seconds(c, cold, FETCHERS), engine.max_running,
+                                                    windows),
                       free_pages=load.pool.free, page_tokens=engine.block_size, max_running=engine.max_running,
                       running_rank_sum=sum(s.adapter_rank for s in running),
                       running_rank_max=max((s.adapter_rank for s in running), default=0),
                       adapters=AdapterTiers(device=sorted(n for n, (t, _) in tiers.items() if t == "device"),
                                             host=sorted(n for n, (t, _) in tiers.items() if t == "host")),
                       coefficients=c, measured=engine.step_model_measured,
-                      routed_per_s=self.router.arrivals.rate(time.monotonic()))
+                      routed_per_s=self.router.arrivals.rate(time.monotonic()), layer_windows=windows)
 
     async def _push(self, digest: Digest) -> None:
         """The digest to every peer (dead ones too, so they can rejoin); a peer that does not answer

@@ -31,6 +31,8 @@ class Digest(msgspec.Struct):
     coefficients: PerfCoefficients
     measured: bool = False             # coefficients fitted to this node's own steps (not a prior or borrowed)
     routed_per_s: float = 0.0          # arrivals this node routed (as a client's entry point), per second
+    layer_windows: list[int | None] = []   # its model's per-layer attention windows (None: global; empty: all
+                                           # global): what its queue estimates price attention over
 
 
 class ForwardedRequest(msgspec.Struct):

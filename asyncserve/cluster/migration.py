@@ -101,10 +101,13 @@ def build_problem(nodes: list[NodeLoad], candidates: list[Candidate], budget_tok
             load[k, j] = adapter_load_seconds(n.coefficients, rank_of[a], n.tier(a))
     for i, c in enumerate(candidates):
         for j, n in enumerate(nodes):
-            prefill = c.prefill_tokens if n.node_id == c.source else c.context_tokens
+            # where it is, it goes on after what it has computed; elsewhere it recomputes all of it first
+            stays = n.node_id == c.source
+            prefill = c.prefill_tokens if stays else c.context_tokens
+            computed = c.context_tokens - c.prefill_tokens if stays else 0
             batch = min(n.in_flight + 1, n.max_running)
-            work[i, j] = request_work_seconds(n.coefficients, QueuedWork(prefill, c.decode_tokens, c.rank),
-                                              batch, n.rank_max)
+            work[i, j] = request_work_seconds(n.coefficients, QueuedWork(prefill, c.decode_tokens, c.rank, computed),
+                                              batch, n.rank_max, n.windows)
         base[col[c.source]] -= work[i, col[c.source]]
     base = np.maximum(base, 0.0)
     page_tokens = {n.node_id: n.page_tokens for n in nodes}

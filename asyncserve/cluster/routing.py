@@ -24,7 +24,7 @@ import dataclasses
 import hashlib
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -56,12 +56,13 @@ class NodeLoad:
     device: set[str]
     host: set[str]
     coefficients: PerfCoefficients
+    windows: list[int | None] = field(default_factory=list)    # its model's per-layer attention windows
 
     @classmethod
     def from_digest(cls, d: Digest) -> NodeLoad:
         return cls(d.node_id, d.waiting, d.running, d.pending_seconds, d.free_pages, d.page_tokens,
                    d.max_running, d.running_rank_sum, d.running_rank_max, set(d.adapters.device),
-                   set(d.adapters.host), d.coefficients)
+                   set(d.adapters.host), d.coefficients, list(d.layer_windows))
 
     def tier(self, adapter: str | None) -> str | None:
         if adapter is None or adapter in self.device:
@@ -80,7 +81,7 @@ class NodeLoad:
     def work_seconds(self, req: RouteRequest) -> float:
         batch = min(self.in_flight + 1, self.max_running)
         return request_work_seconds(self.coefficients, QueuedWork(req.prompt_tokens, req.expected_output, req.rank),
-                                    batch, self.rank_max)
+                                    batch, self.rank_max, self.windows)
 
     def add(self, req: RouteRequest) -> None:
         """Account for a request this router has just sent here."""

@@ -5,7 +5,9 @@ tokens, whose text was already released, and the new ones. The new text is the w
 the context's text; decoding the context along with the new tokens keeps decoder effects that
 depend on neighbours (SentencePiece's leading-space strip, bytes of one character split across
 byte-level tokens) out of the delta. A window whose text ends in U+FFFD ends mid-character, so
-its tokens wait for the rest of the character.
+its tokens wait for the rest of the character. Where the one new token's text is known to be that
+difference (Tokenizer.text_after: whole characters, after context that has text), it is looked up
+instead of decoding the window twice.
 
 Released text never contains any part of a stop string: text that could still grow into one is held
 back until it cannot, and a stop string is searched for in the held text plus the new text, so it
@@ -29,6 +31,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True,
                  stop: Sequence[str] = (), include_stop_str_in_output: bool = False):
         self.tokenizer = tokenizer
+        self._text_after = tokenizer.text_after
         self.skip_special_tokens = skip_special_tokens
         self.stop = [s for s in stop if s]
         self.include_stop_str_in_output = include_stop_str_in_output
@@ -69,6 +72,13 @@ class IncrementalDetokenizer:
         """Text of the not-yet-decoded tokens, or "" while they end mid-character (unless flushing)."""
         if self._read == len(self._window):
             return ""
+        if self._read == len(self._window) - 1:
+            # what decoding the window and its context would give, when the tokenizer knows it at once
+            new_text = self._text_after(self._window, self.skip_special_tokens)
+            if new_text and not new_text.endswith(_REPLACEMENT):
+                del self._window[:self._read]
+                self._read = 1
+                return new_text
         context_text = self._decode(self._window[:self._read])
         window_text = self._decode(self._window)
         if not flush and window_text.endswith(_REPLACEMENT) and len(self._window) - self._read < _MAX_WINDOW_TOKENS:

@@ -5,6 +5,7 @@ where llama.cpp stores the vocabulary, merges and token types instead of a token
 """
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -59,6 +60,7 @@ class Tokenizer:
         added = {i for i, token in backend.get_added_tokens_decoder().items() if token.special}
         self.all_special_ids: set[int] = named | added
         self._template: jinja2.Template | None = None
+        self._token_texts = TokenTexts.of(backend)
 
     # ---- constructors ----------------------------------------------------------------------
     @classmethod
@@ -148,6 +150,13 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def text_after(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str | None:
+        """decode(ids) less decode(ids[:-1]) where the last token's own text is that (see TokenTexts),
+        else None: a stream's next text, most often, without a call into the tokenizer."""
+        if self._token_texts is None:
+            return None
+        return self._token_texts.text_after(ids, skip_special_tokens)
+
     def decode_long(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """decode for a worker thread: the same text, the GIL released while it is made (a thread hop
         more than decode's few microseconds for a handful of tokens, as a stream's are)."""
@@ -179,6 +188,118 @@ class Tokenizer:
         if token_id is None:
             raise ModelLoadError(f"the tokenizer's {name} {token!r} is not in its vocabulary")
         return token_id
+
+
+# ---- decoding from a table of the tokens' text --------------------------------------------------
+
+class TokenTexts:
+    """Each token's text where its bytes are whole characters by themselves, read once per vocabulary,
+    for the decoders of byte-level BPE (ByteLevel) and SentencePiece (Replace "▁" by " ", ByteFallback,
+    Fuse, Strip) vocabularies. Such a token adds its own text to the decoded text of the tokens before
+    it, whatever they are: ByteLevel decodes all the tokens' bytes together, invalid UTF-8 as U+FFFD,
+    and a token of whole characters starts on a character boundary, ending an unfinished character
+    before it as the end of the text would; ByteFallback decodes runs of <0xNN> tokens, which any other
+    token ends; Strip cuts the start of the whole text, which is the earlier tokens' once `start` of
+    them have text of their own. A streaming detokenizer's next token is most often one of these: its
+    text is a lookup, not two calls of decode."""
+
+    def __init__(self, texts: dict[int, str | None], special: set[int], strip_start: int):
+        """texts: id -> the token's text as the decoder makes it (None: not whole characters alone, as
+        SentencePiece's <0xNN> tokens); special: the special tokens' ids; strip_start: the characters
+        Strip may take off the text's start."""
+        # skipping special tokens, they give no text: their ids too have None (decode() tells what they do)
+        self._texts = {False: texts, True: {i: (None if i in special else text) for i, text in texts.items()}}
+        self._strip_start = strip_start
+
+    @classmethod
+    def of(cls, backend: BackendTokenizer) -> TokenTexts | None:
+        """The texts of a backend whose decoder is one of those above, else None."""
+        if backend.decoder is None:
+            return None
+        decoder = json.loads(backend.decoder.__getstate__())
+        steps = decoder["decoders"] if decoder.get("type") == "Sequence" else [decoder]
+        kinds = [step.get("type") for step in steps]
+        tokens = {i: t for t, i in backend.get_vocab(with_added_tokens=False).items()}
+        added = backend.get_added_tokens_decoder()
+        tokens.update((i, token.content) for i, token in added.items())     # the backend reads these first
+        special_contents = {token.content for token in added.values() if token.special}
+        special = {i for i, token in tokens.items() if token in special_contents}
+        if kinds == ["ByteLevel"]:
+            texts = {i: _whole_characters(_byte_level_bytes(token)) for i, token in tokens.items()}
+            return cls(texts, special, 0)
+        # Replace (of strings) steps, ByteFallback, Fuse, and Strip of the fused text's start alone
+        replacing = 0
+        while replacing < len(kinds) and kinds[replacing] == "Replace" and "String" in steps[replacing]["pattern"]:
+            replacing += 1
+        strip = steps[-1] if kinds[-1:] == ["Strip"] else None
+        middle = kinds[replacing:len(kinds) - (strip is not None)]
+        if middle not in (["ByteFallback", "Fuse"], ["ByteFallback"]) or \
+                (strip is not None and (middle[-1] != "Fuse" or strip["stop"] != 0)):
+            return None
+        texts = {}
+        for i, token in tokens.items():
+            for step in steps[:replacing]:
+                token = token.replace(step["pattern"]["String"], step["content"])
+            texts[i] = None if _is_fallback_byte(token) else token
+        return cls(texts, special, strip["start"] if strip else 0)
+
+    def text_after(self, ids: Sequence[int], skip_special_tokens: bool) -> str | None:
+        """decode(ids) less decode(ids[:-1]) when it is the last token's own text, else None."""
+        texts = self._texts[skip_special_tokens]
+        text = texts.get(ids[-1])
+        if not text:
+            return None
+        if self._strip_start:       # the tokens before must give the characters Strip looks at
+            given = 0
+            for i in itertools.islice(ids, len(ids) - 1):
+                if texts.get(i):
+                    given += 1
+                    if given >= self._strip_start:
+                        break
+            else:
+                return None
+        return text
+
+
+def _byte_level_bytes(token: str) -> bytes:
+    """ByteLevel's bytes of a token: GPT-2's byte alphabet read back, or the token's UTF-8 where a
+    character is outside it."""
+    try:
+        return token.translate(_BYTE_OF_CHAR).encode("latin-1")
+    except UnicodeEncodeError:
+        return token.encode()
+
+
+def _whole_characters(spelled: bytes) -> str | None:
+    try:
+        return spelled.decode()
+    except UnicodeDecodeError:
+        return None
+
+
+def _is_fallback_byte(token: str) -> bool:
+    """Whether ByteFallback reads the token as a byte: 6 bytes, "<0x", a base-16 u8 as Rust parses one, ">"."""
+    spelled = token.encode()
+    if len(spelled) != 6 or not (spelled.startswith(b"<0x") and spelled.endswith(b">")):
+        return False
+    digits = spelled[4:5] if spelled[3:4] == b"+" else spelled[3:5]
+    return bool(digits) and all(c in b"0123456789abcdefABCDEF" for c in digits)
+
+
+def gpt2_byte_chars() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (bytes_to_unicode): how byte-level BPE spells bytes."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+# GPT-2's characters -> the bytes they spell, as latin-1 characters; every other character below 256
+# -> one latin-1 cannot encode (a token holding one is its own UTF-8 to ByteLevel)
+_BYTE_OF_CHAR = {**{c: "\uffff" for c in range(256)}, **{ord(c): chr(b) for b, c in gpt2_byte_chars().items()}}
 
 
 # ---- HF folder helpers ---------------------------------------------------------------------
