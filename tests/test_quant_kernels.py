@@ -209,8 +209,9 @@ def fused_rows():
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
 def test_fused_kernels_against_references_and_columns(qtype, fused_rows):
-    """The few-row kernels (each block decoded in registers), forced at 1..8 rows and odd output counts,
-    K/32 = 5 for the 32-weight blocks (one block past the offsets' 8 lanes): against the float64 references,
+    """The few-row kernels (each block decoded in registers), forced at 1..8 rows (Q4_0 / Q4_1 run them up to
+    4) and odd output counts, K/32 = 5 for the 32-weight blocks (one block past the offsets' 8 lanes): against
+    the float64 references,
     and the same bits as the decode-once columns (same products, same order of fp32 sums) at a decode
     step's rows (below 8, where other paths may take over); on 1 and 2 threads alike."""
     set_fused, default = fused_rows

@@ -90,7 +90,10 @@ constexpr int kQuantTile = 4;   // rows of x per pass over a decoded column
 
 // The most rows for which quant_linear's int8 strategy runs the fused kernels (fused_tile: each block
 // decoded in registers, no column buffer; AVX2 builds) instead of decoding each column once; read per
-// call, set_quant_fused_rows changes it to compare the two. CROSSOVER
+// call, set_quant_fused_rows changes it to compare the two. Measured on a 2-core Zen 3 (AVX2, scripts/
+// bench_quant.py's shapes, 1 thread): fused 0.4-0.6x the columns' time at 1-4 rows for Q4_K / Q5_K / Q6_K,
+// 0.65-0.85x at 5-8, Q8_0 0.75x throughout; Q4_0 / Q4_1 about even (their per-block float work is the same
+// on both paths) to 1.1-1.3x slower at 8 rows. A decode step's rows, up to 8, run fused (Q4_0 / Q4_1 up to 4).
 inline std::atomic<int64_t> quant_fused_rows{8};
 
 // int8 activations and integer dot products (on at start), or fp32 activations against the column
@@ -677,7 +680,10 @@ inline void quant_columns(const uint8_t* blocks, int64_t row_bytes, int64_t n0, 
   constexpr bool kSigned = Type == kQ8_0;
   const int64_t K = a.K, groups = K / 16;
 #if ASYNCSERVE_QUANT_AVX2
-  if (int8 && M <= quant_fused_rows.load(std::memory_order_relaxed)) {
+  // Q4_0 / Q4_1 fused within one tile of rows only: each further tile would redo the per-block scale and
+  // offset work that a decoded column holds once (measured 1.1-1.3x slower at 8 rows, even at 1-4)
+  const int64_t fused_rows = quant_fused_rows.load(std::memory_order_relaxed);
+  if (int8 && M <= (Type == kQ4_0 || Type == kQ4_1 ? std::min<int64_t>(fused_rows, kQuantTile) : fused_rows)) {
     for (int64_t n = n0; n < n1; ++n)
       over_row_tiles(
           M, [&](auto R, int64_t m, float* dots) { fused_tile<decltype(R)::value, Type>(blocks + n * row_bytes, a, m, dots); },
