@@ -241,3 +241,50 @@ def test_rows_out_of_range_raise():
             cpu_kernels.quant_rows(blocks, int(Q.Q8_0), torch.tensor(ids), 64, torch.float32)
     with pytest.raises(RuntimeError, match="blocks must be a contiguous uint8"):   # the wrong width for the type
         cpu_kernels.quant_rows(blocks, int(Q.Q4_0), torch.tensor([0]), 64, torch.float32)
+
+
+FUSED_ROWS = [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+@pytest.fixture
+def fused_rows():
+    """Sets quant_linear's fused-kernel threshold for a test (kernels.cpu.set_quant_fused_rows), restored after;
+    yields the setter and the default."""
+    default = cpu_kernels.set_quant_fused_rows(0)
+    cpu_kernels.set_quant_fused_rows(default)
+    yield cpu_kernels.set_quant_fused_rows, default
+    cpu_kernels.set_quant_fused_rows(default)
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_fused_kernels_against_references_and_columns(qtype, fused_rows):
+    """The few-row kernels (each block decoded in registers), forced at 1..8 rows (Q4_0 / Q4_1 run them up to
+    4) and odd output counts, K/32 = 5 for the 32-weight blocks (one block past the offsets' 8 lanes): against
+    the float64 references,
+    and the same bits as the decode-once columns (same products, same order of fp32 sums) at a decode
+    step's rows (below 8, where other paths may take over); on 1 and 2 threads alike."""
+    set_fused, default = fused_rows
+    rng = np.random.default_rng(40 + int(qtype))
+    block = 256 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 32
+    threads = torch.get_num_threads()
+    try:
+        for fan_in, out in ((5 * block, 37), (2 * block, 1), (block, 9)):
+            blocks = [torch.from_numpy(random_blocks((out, fan_in), qtype, rng))]
+            x = torch.from_numpy(rng.standard_normal((max(FUSED_ROWS + [default]) + 1, fan_in)).astype(np.float32))
+            for rows in FUSED_ROWS:
+                for dtype in (torch.float32, torch.bfloat16):
+                    xd = x[:rows].to(dtype)
+                    set_fused(max(FUSED_ROWS))
+                    check(xd, [(blocks[0].numpy(), qtype)])
+                    fused = cpu_kernels.quant_linear(xd, blocks, [int(qtype)])
+                    torch.set_num_threads(1)
+                    assert torch.equal(cpu_kernels.quant_linear(xd, blocks, [int(qtype)]), fused)
+                    torch.set_num_threads(2)
+                    set_fused(0)
+                    if rows < 8:
+                        assert torch.equal(cpu_kernels.quant_linear(xd, blocks, [int(qtype)]), fused), (rows, dtype)
+            set_fused(default)   # either side of the default switch
+            for rows in (default, default + 1):
+                check(x[:rows], [(blocks[0].numpy(), qtype)])
+    finally:
+        torch.set_num_threads(threads)

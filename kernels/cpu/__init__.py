@@ -276,6 +276,13 @@ def quant_rows(blocks: torch.Tensor, qtype: int, ids: torch.Tensor, in_features:
     return out
 
 
+def set_quant_fused_rows(rows: int) -> int:
+    """The most rows for which quant_linear's int8 strategy runs its fused kernels, each block decoded in
+    registers straight into the dot products (AVX2 builds; default 8; Q4_0 / Q4_1 at most 4), instead of decoding each
+    column once for all rows (0: never fused); returns the previous setting. Both give the same bits."""
+    return _lib().set_quant_fused_rows(rows)
+
+
 def set_quant_int8(on: bool) -> bool:
     """Let quant_linear quantize the activations to int8 (on at start), or run them in fp32 against each
     weight column dequantized to fp32 (exact activations; to compare); returns the previous setting."""

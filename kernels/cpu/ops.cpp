@@ -455,6 +455,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether packed_linear may run AMX tiles (on at start); returns the previous setting");
   m.def("quant_linear", &quant_linear_op, no_gil, "x W^T over weights in GGUF blocks (quant.h)");
   m.def("quant_rows", &quant_rows_op, no_gil, "rows of a weight in GGUF blocks, dequantized (quant.h)");
+  m.def("set_quant_fused_rows", [](int64_t rows) { return quant_fused_rows.exchange(rows); },
+        "the most rows quant_linear's int8 strategy runs its fused kernels for (quant.h); returns the previous setting");
   m.def("set_quant_int8", [](bool on) { return quant_int8_on.exchange(on); },
         "whether quant_linear quantizes x to int8 (on at start) or runs fp32 x against fp32-dequantized columns");
   m.def("set_quant_panel_rows", [](int64_t rows) { return quant_panel_rows.exchange(rows); },

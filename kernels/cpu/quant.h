@@ -66,7 +66,7 @@ struct QuantFormat {
 };
 
 // The formats this file runs, by ggml type id (gguf's GGML_QUANT_SIZES); block 0 for others.
-inline QuantFormat quant_format(int64_t type) {
+constexpr QuantFormat quant_format(int64_t type) {
   switch (type) {
     case kQ4_0: return {32, 18};
     case kQ4_1: return {32, 20};
@@ -89,6 +89,14 @@ inline const char* quant_path() {
 }
 
 constexpr int kQuantTile = 4;   // rows of x per pass over a decoded column
+
+// The most rows for which quant_linear's int8 strategy runs the fused kernels (fused_tile: each block
+// decoded in registers, no column buffer; AVX2 builds) instead of decoding each column once; read per
+// call, set_quant_fused_rows changes it to compare the two. Measured on a 2-core Zen 3 (AVX2, scripts/
+// bench_quant.py's shapes, 1 thread): fused 0.4-0.6x the columns' time at 1-4 rows for Q4_K / Q5_K / Q6_K,
+// 0.65-0.85x at 5-8, Q8_0 0.75x throughout; Q4_0 / Q4_1 about even (their per-block float work is the same
+// on both paths) to 1.1-1.3x slower at 8 rows. A decode step's rows, up to 8, run fused (Q4_0 / Q4_1 up to 4).
+inline std::atomic<int64_t> quant_fused_rows{8};
 
 // int8 activations and integer dot products (on at start), or fp32 activations against the column
 // dequantized to fp32 (see the top); returns nothing, read per call.
@@ -485,6 +493,177 @@ inline void dot_tile(const DecodedColumn& c, const QuantizedRows& a, int64_t m, 
 
 #endif
 
+#if ASYNCSERVE_QUANT_AVX2
+
+// Few rows (a decode step's, M <= quant_fused_rows): there decoding a column into DecodedColumn costs
+// more than reading its blocks from memory, so each block is decoded in registers and goes straight into
+// the integer dot products of a tile of R rows, as llama.cpp's ggml_vec_dot_*_q8 do (nothing stored;
+// the next blocks of the thread's contiguous columns stream in behind the hardware prefetcher). The
+// products, scales and the order of every fp32 sum are those of dot_tile / super_tile and the offsets'
+// dot_floats, so a row's results are the same bits on either path. At 5..8 rows the tile runs twice
+// over the column's blocks, still in L1.
+
+// Q4_0 / Q4_1 / Q8_0: one block's 32 weights as bytes (Q8_0's signed), in order.
+template <int64_t Type>
+inline __m256i block32_bytes(const uint8_t* block) {
+  if constexpr (Type == kQ8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (Type == kQ4_0 ? 2 : 4)));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+}
+
+// R rows of x (from row m) against one column's Q4_0 / Q4_1 / Q8_0 blocks (at `column`), the offsets included
+// (dot_tile and the offsets' dot_floats: 8 lanes of 4 blocks' two groups each, the last K/32 % 4 blocks after).
+template <int R, int64_t Type>
+inline void fused_block32_tile(const uint8_t* column, const QuantizedRows& a, int64_t m, float* out) {
+  constexpr bool kSigned = Type == kQ8_0;
+  constexpr int64_t kBytes = quant_format(Type).bytes;
+  const int64_t K = a.K, chunks = K / 32, groups = K / 16;
+  __m256 acc[R], off[R];
+  for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm256_setzero_ps();
+  float offsets[8];   // the groups' offsets of the last 4 blocks
+  for (int64_t k = 0; k < chunks; ++k) {
+    const uint8_t* block = column + k * kBytes;
+    const float d = half_to_float(block);
+    const __m256i sign = block32_bytes<Type>(block);
+    const __m256i w = kSigned ? _mm256_sign_epi8(sign, sign) : sign;   // |w|; x takes w's sign
+    const __m256 s = _mm256_set1_ps(d);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (m + r) * K + 32 * k));
+      if constexpr (kSigned) x = _mm256_sign_epi8(x, sign);
+      const __m256 p = _mm256_cvtepi32_ps(dot_bytes(w, x));
+      acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(s, _mm256_set1_ps(a.d[(m + r) * chunks + k])), acc[r]);
+    }
+    if constexpr (!kSigned) {
+      offsets[2 * (k % 4)] = offsets[2 * (k % 4) + 1] = Type == kQ4_0 ? -8.0f * d : half_to_float(block + 2);
+      if (k % 4 == 3) {
+        const __m256 o = _mm256_loadu_ps(offsets);
+        for (int r = 0; r < R; ++r)
+          off[r] = _mm256_fmadd_ps(o, _mm256_loadu_ps(a.s16.data() + (m + r) * groups + 2 * (k - 3)), off[r]);
+      }
+    }
+  }
+  const int64_t body = groups / 8 * 8;
+  for (int r = 0; r < R; ++r) {
+    float offset = kSigned ? 0.0f : hsum(off[r]);
+    if constexpr (!kSigned)
+      for (int64_t g = body; g < groups; ++g) offset += offsets[g - body] * a.s16[(m + r) * groups + g];
+    out[r] = hsum(acc[r]) + offset;
+  }
+}
+
+// R rows of x quantized per 256 (from row m) against one column's Q4_K / Q5_K blocks: super_tile's sums.
+template <int R, int64_t Type>
+inline void fused_super_tile(const uint8_t* column, const QuantizedRows& a, int64_t m, float* out) {
+  constexpr int64_t kBytes = quant_format(Type).bytes;
+  const int64_t K = a.K, supers = K / 256;
+  const __m256i mask = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(0x10);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < supers; ++s) {
+    const uint8_t* block = column + s * kBytes;
+    const float d = half_to_float(block), dmin = half_to_float(block + 2);
+    // k_scales on 4 words: bytes 0-7 the 8 chunks' scales, 8-15 their mins
+    uint32_t u[4];
+    std::memcpy(u, block + 4, 12);
+    u[3] = ((u[2] >> 4) & 0x0F0F0F0F) | (((u[1] >> 6) & 0x03030303) << 4);
+    const uint32_t mins_low = u[1] & 0x3F3F3F3F;
+    u[1] = (u[2] & 0x0F0F0F0F) | (((u[0] >> 6) & 0x03030303) << 4);
+    u[2] = mins_low;
+    u[0] &= 0x3F3F3F3F;
+    const __m128i scales_mins = _mm_set_epi32(int(u[3]), int(u[2]), int(u[1]), int(u[0]));
+    const __m256i mins = _mm256_cvtepu8_epi32(_mm_srli_si128(scales_mins, 8));
+    const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scales_mins));   // int16 lane j: chunk j's
+    const uint8_t* qs = block + (Type == kQ5_K ? 48 : 16);
+    const __m256i qh = Type == kQ5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16))
+                                     : _mm256_setzero_si256();
+    __m256i sums[R];
+    for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {   // 32 bytes: chunk 2j in the low nibbles, 2j + 1 in the high ones
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+      __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      if constexpr (Type == kQ5_K) {   // bit 2j (2j + 1) of qh to bit 4 of each byte
+        const __m256i bit_lo = j < 2 ? _mm256_slli_epi16(qh, 4 - 2 * j) : _mm256_srli_epi16(qh, 2 * j - 4);
+        const __m256i bit_hi = j < 2 ? _mm256_slli_epi16(qh, 3 - 2 * j) : _mm256_srli_epi16(qh, 2 * j - 3);
+        lo = _mm256_or_si256(lo, _mm256_and_si256(bit_lo, sixteen));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(bit_hi, sixteen));
+      }
+      const __m256i scale_lo = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(int16_t(0x0100 + 0x0202 * (2 * j))));
+      const __m256i scale_hi = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(int16_t(0x0100 + 0x0202 * (2 * j + 1))));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = a.q256.data() + (m + r) * K + 256 * s + 64 * j;
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
+        sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), scale_lo));
+        sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), scale_hi));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float dx = a.d256[(m + r) * supers + s];
+      const __m256i xsum = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sum32.data() + (m + r) * (K / 32) + 8 * s));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_set1_ps(d * dx), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(mins, xsum)), _mm256_set1_ps(-dmin * dx), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+}
+
+// R rows of x (from row m) against one column's Q6_K blocks, the offsets included (dot_tile, dot_floats).
+template <int R>
+inline void fused_q6k_tile(const uint8_t* column, const QuantizedRows& a, int64_t m, float* out) {
+  const int64_t K = a.K, chunks = K / 32, groups = K / 16;
+  const __m256i mask = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(0x03);
+  __m256 acc[R], off[R];
+  for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < K / 256; ++s) {
+    const uint8_t* block = column + s * 210;   // ql [128], qh [64], scales [16] int8, d
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192));
+    const __m256 d = _mm256_set1_ps(half_to_float(block + 208));
+    // the 16 groups' scales d sc and offsets -32 d sc
+    const __m256 scale[2] = {_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d),
+                             _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), d)};
+    for (int h = 0; h < 2; ++h) {
+      const __m256 o = _mm256_mul_ps(scale[h], _mm256_set1_ps(-32.0f));
+      for (int r = 0; r < R; ++r)
+        off[r] = _mm256_fmadd_ps(o, _mm256_loadu_ps(a.s16.data() + (m + r) * groups + 16 * s + 8 * h), off[r]);
+    }
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {   // decode_column's halves: chunk j of 4 from ql's nibbles and qh's bits 2j
+      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * h));
+      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * h + 32));
+      const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * h));
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m256i low = _mm256_and_si256(j < 2 ? (j == 0 ? l0 : l1) : _mm256_srli_epi16(j == 2 ? l0 : l1, 4), mask);
+        const __m256i w = _mm256_or_si256(low, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 2 * j), three), 4));
+        const int64_t k = 8 * s + 4 * h + j;   // the chunk; its groups' scales in lanes 0-3 and 4-7
+        const __m256 sk = _mm256_permutevar8x32_ps(scale[h], _mm256_set_epi32(2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1,
+                                                                                2 * j, 2 * j, 2 * j, 2 * j));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (m + r) * K + 32 * k));
+          const __m256 p = _mm256_cvtepi32_ps(dot_bytes(w, x));
+          acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(sk, _mm256_set1_ps(a.d[(m + r) * chunks + k])), acc[r]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + hsum(off[r]);
+}
+
+// R rows of x (from row m) against one column's blocks of Type: its finished dot products.
+template <int R, int64_t Type>
+inline void fused_tile(const uint8_t* column, const QuantizedRows& a, int64_t m, float* out) {
+  if constexpr (Type == kQ4_K || Type == kQ5_K) fused_super_tile<R, Type>(column, a, m, out);
+  else if constexpr (Type == kQ6_K) fused_q6k_tile<R>(column, a, m, out);
+  else fused_block32_tile<R, Type>(column, a, m, out);
+}
+
+#endif
+
 // Rows [0, M) in tiles of up to kQuantTile: tile(std::integral_constant<int, R>, m, dots) fills dots[0, R)
 // for rows m.., then store(row, dot) takes each.
 template <typename Tile, typename Store>
@@ -508,6 +687,18 @@ inline void quant_columns(const uint8_t* blocks, int64_t row_bytes, int64_t n0, 
                           int64_t M, T* y, int64_t ldy, int64_t col0, DecodedColumn& c, bool int8) {
   constexpr bool kSigned = Type == kQ8_0;
   const int64_t K = a.K, groups = K / 16;
+#if ASYNCSERVE_QUANT_AVX2
+  // Q4_0 / Q4_1 fused within one tile of rows only: each further tile would redo the per-block scale and
+  // offset work that a decoded column holds once (measured 1.1-1.3x slower at 8 rows, even at 1-4)
+  const int64_t fused_rows = quant_fused_rows.load(std::memory_order_relaxed);
+  if (int8 && M <= (Type == kQ4_0 || Type == kQ4_1 ? std::min<int64_t>(fused_rows, kQuantTile) : fused_rows)) {
+    for (int64_t n = n0; n < n1; ++n)
+      over_row_tiles(
+          M, [&](auto R, int64_t m, float* dots) { fused_tile<decltype(R)::value, Type>(blocks + n * row_bytes, a, m, dots); },
+          [&](int64_t row, float dot) { y[row * ldy + col0 + n] = from_float<T>(dot); });
+    return;
+  }
+#endif
   for (int64_t n = n0; n < n1; ++n) {
     decode_column<Type>(blocks + n * row_bytes, K, c);
     const auto store = [&](int64_t row, float dot) { y[row * ldy + col0 + n] = from_float<T>(dot); };
