@@ -68,7 +68,7 @@ class RankModel:
         self.full = loaded.config
         self.config = shard_config(self.full, shard.world)
         self.weights = build_weights(self.config, loaded.weights, torch.float32, torch.device("cpu"), head=shard.head)
-        self.pool = PagedPool(64, self.config.num_layers, BLOCK, self.config.num_kv_heads, self.config.head_dim,
+        self.pool = PagedPool(256, self.config.num_layers, BLOCK, self.config.num_kv_heads, self.config.head_dim,
                               torch.float32, "cpu")
         self.pager = AdapterPager(self.pool, self.full, torch.float32, 32 * 2**20, shard)
         for name, path in adapters.items():
@@ -89,16 +89,19 @@ class RankModel:
             return forward(self.weights, self.config, self.rope, self.pool.kv_view(), inputs, self.lora, reduce)
 
 
+KV_PAGE = 200      # prompt i's KV page: KV_PAGE + i, past the adapters' pages (taken from page 0 up)
+
+
 def prefill_inputs(prompts: list[list[int]]):
-    """Each prompt a prefill chunk from position 0 into its own page (prompt i: page i): ids, positions,
-    (page, position) per token, the chunks."""
+    """Each prompt a prefill chunk from position 0 into its own page (prompt i: page KV_PAGE + i): ids,
+    positions, (page, position) per token, the chunks."""
     ids, positions, rows, chunks = [], [], [], []
     for i, prompt in enumerate(prompts):
         start = len(ids)
         ids += prompt
         positions += range(len(prompt))
-        rows += [(i, p) for p in range(len(prompt))]
-        chunks.append(PrefillChunk(start, len(ids), 0, torch.tensor([i])))
+        rows += [(KV_PAGE + i, p) for p in range(len(prompt))]
+        chunks.append(PrefillChunk(start, len(ids), 0, torch.tensor([KV_PAGE + i])))
     return ids, positions, rows, chunks
 
 
@@ -149,6 +152,7 @@ def test_shards_sum_to_the_whole_model(tmp_path, family):
     assert ranks[0].config.num_kv_heads * world == whole.config.num_kv_heads
     assert ranks[0].pool.page_numel * world == whole.pool.page_numel
     for r in ranks:       # an adapter takes the same pages on every rank (rank 0's pager decides for all)
+        assert max(p for a in r.pager.resident.values() for p in a.pages) < KV_PAGE
         assert [a.pages for a in r.pager.resident.values()] == [a.pages for a in ranks[0].pager.resident.values()]
 
     prompts = [[(7 * i + 3 * j) % 200 + 5 for j in range(n)] for i, n in enumerate((9, 5, 12))]
@@ -164,7 +168,8 @@ def test_shards_sum_to_the_whole_model(tmp_path, family):
     # one decode each, reading the KV the prefill wrote into every rank's pages
     nxt = expected[[c.end - 1 for c in chunks]].argmax(-1).tolist()
     pos = [len(p) for p in prompts]
-    decode = step_inputs(nxt, pos, [(i, p) for i, p in enumerate(pos)], [], 3, [[0], [1], [2]], stride)
+    decode = step_inputs(nxt, pos, [(KV_PAGE + i, p) for i, p in enumerate(pos)], [], 3,
+                         [[KV_PAGE], [KV_PAGE + 1], [KV_PAGE + 2]], stride)
     sharded = run_lockstep(ranks, decode, segments, ThreadGroup(world))
     expected = whole.step(decode, segments, None)
     torch.testing.assert_close(sharded, expected, rtol=1e-4, atol=1e-4)
@@ -173,7 +178,7 @@ def test_shards_sum_to_the_whole_model(tmp_path, family):
 
 
 def test_splits_that_cut_a_head_are_refused(tiny_model):
-    config = load_model(str(tiny_model.folder)).config     # 4 heads, 2 KV heads, intermediate 128
+    config = load_model(str(tiny_model.root)).config     # 4 heads, 2 KV heads, intermediate 128
     for world, what in ((3, "attention heads"), (4, "key/value heads"), (8, "attention heads")):
         with pytest.raises(ModelLoadError, match=what):
             shard_config(config, world)
