@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from typing import Callable
 
@@ -33,7 +32,7 @@ from ipc.ranks import RankProcesses
 log = logging.getLogger("asyncserve.tp")
 
 # seconds rank 0 waits for the ranks to load their shards before it gives up
-READY_TIMEOUT_S = float(os.environ.get("ASYNCSERVE_TP_READY_TIMEOUT", "600"))
+READY_TIMEOUT_S = 600.0
 # StepInputs' tensors a step carries (int64), then each prefill chunk's block table; the decodes'
 # masks are rebuilt from their context lengths
 _ARRAYS = ("input_ids", "positions", "write_rows", "decode_pages", "decode_lens", "sample_index")
