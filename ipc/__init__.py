@@ -1,5 +1,6 @@
 """CPU LoRA workers over POSIX shared memory (CaraServe §4): the host tier's shared arena, the
-layer-wise job protocol, the worker process and the profile that decides when to use them.
+layer-wise job protocol, the worker process and the profile that decides when to use them; and the
+tensor-parallel ranks' collectives over the same kind of shared memory (S-LoRA §6 on CPU sockets).
 
 Imports nothing from asyncserve, so a worker (``python -m ipc.worker``) starts with torch and numpy
 only. The server process owns every shared object; workers only attach.
@@ -47,14 +48,38 @@ Profile and decision (ipc/profile.py)
     choose_workers(profile, tokens, m, available, budget_s)
     ``python -m ipc.profile --out DIR`` records DIR/<cpu model>.json with its command.
 
+Tensor-parallel collectives (ipc/collective.py, ipc/ranks.py)
+    group = ShmGroup.create(world, max_bytes, timeout_s=30.0)     # rank 0 (the server's stepper)
+    cores = cores_for_ranks(world, tp_cores)   # "0-3;4-7", else whole NUMA nodes, else the CPUs split evenly
+    ranks = RankProcesses(group, "asyncserve.stepper.tp_rank", [...], cores=cores, on_death=fn)
+                                    # ranks 1.. run `python -m <module> <group.spec> <rank> ...`, pinned,
+                                    # OMP/MKL threads = their CPUs; on_death(rank, returncode) once, from
+                                    # the watchdog thread, for the first rank that exits for any reason
+    ranks.wait_ready(timeout_s)     # each rank: group = ShmGroup.attach(spec, rank); load; group.barrier()
+    # per step, every rank in the same order:
+    plan = group.broadcast(payload if rank 0 else None)   # bytes, <= max_bytes
+    group.all_reduce_(t)            # in place, float32/bf16/fp16 CPU, contiguous, <= max_bytes: summed in
+                                    # rank order in float32, rounded once: bit-identical on every rank
+    parts = group.gather(t)         # rank 0: every rank's tensor; the others: None
+    group.barrier()
+    ranks.close()                   # SIGTERM (then SIGKILL), reap, close the group: /dev/shm clean
+    # RankDied: a rank died (pid checks every WAIT_SLICE_S), rank 0 waited past timeout_s, or the group was
+    # marked failed by another rank; GroupClosed (a RankDied) on ranks >= 1 when rank 0 closed the group.
+    # Ranks >= 1 wait for rank 0 without a deadline (an idle server sends no plan); they leave when it dies.
+    # Small tensors: every rank sums all slots (one phase); from split_bytes up, reduce-scatter then
+    # all-gather (two phases). A wait spins spin_us on the peer's counter, then sleeps on a semaphore.
+    ``python scripts/bench_allreduce.py`` measures the sync and all-reduce latency on this host.
+
 Workers compute in float32 (bf16 storage widened per job) and round the delta once; one torch
 thread each. On CUDA, ``submit``'s copy of x into shared memory is a synchronous device-to-host copy
 (CaraServe's fused async copy-and-signal is not done here).
 """
 from ipc.arena import AdapterHandle, AdapterView, ArenaFull, HostArena, block_bytes
+from ipc.collective import GroupClosed, RankDied, ShmGroup, cores_for_ranks
 from ipc.names import cleanup_stale, leftovers
 from ipc.pool import (CpuAssistError, JobFailed, NoWorkers, ProjectionGroup, WorkerDied, WorkerPool,
                       WorkerTimeout)
+from ipc.ranks import RankProcesses
 
 _PROFILE = {"AssistDecision", "WorkerProfile", "choose_workers", "fit", "macs_per_token", "measure", "profile_path",
             "should_assist"}
@@ -70,6 +95,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "AdapterHandle", "AdapterView", "ArenaFull", "HostArena", "block_bytes", "cleanup_stale", "leftovers",
+    "GroupClosed", "RankDied", "RankProcesses", "ShmGroup", "cores_for_ranks",
     "CpuAssistError", "JobFailed", "NoWorkers", "ProjectionGroup", "WorkerDied", "WorkerPool", "WorkerTimeout",
     *sorted(_PROFILE),
 ]
