@@ -66,6 +66,12 @@ def _engine_args(p: argparse.ArgumentParser, step_profile: str = "off") -> None:
     p.add_argument("--pin-adapter", action="append", default=[], metavar="NAME",
                    help="keep this adapter (an --adapter or a folder of --adapter-dir) on the device for good; "
                         "repeat for several (default: none)")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="shard the model over N rank processes on this machine's CPUs (Megatron-style, with each "
+                        "adapter's A and B split as S-LoRA does), communicating over shared memory (default: 1)")
+    p.add_argument("--tp-cores", default=None, metavar="SPEC",
+                   help="each --tensor-parallel rank's cores, ranks separated by ';', e.g. 0-3;4-7 (default: one "
+                        "NUMA node per rank where there are N nodes, else the usable CPUs split evenly)")
     p.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads (default: $ASYNCSERVE_THREADS, else the CPUs the process may use - the lesser "
                         "of its affinity mask and its cgroup CPU quota, e.g. a Kubernetes limits.cpu - less "
                         "--cpu-workers; logged at start)")
@@ -159,7 +165,8 @@ def _config(args):
                   max_step_adapters=args.max_step_adapters, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
                   prefix_caching=args.prefix_caching, cpu_workers=args.cpu_workers, cpu_assist=args.cpu_assist,
                   cpu_profile_dir=args.cpu_profile_dir, step_profile=args.step_profile,
-                  step_profile_dir=args.step_profile_dir, enforce_eager=args.enforce_eager)
+                  step_profile_dir=args.step_profile_dir, enforce_eager=args.enforce_eager,
+                  tensor_parallel=args.tensor_parallel, tp_cores=args.tp_cores)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -52,6 +52,9 @@ class Config:
     prefix_caching: bool = True              # reuse the KV of full blocks of earlier prompts (per adapter)
     seed: int | None = None                  # seeds drawn for requests without one
     enforce_eager: bool = False              # CUDA: no decode steps replayed from CUDA graphs (stepper/cuda_graphs.py)
+    # tensor parallelism (docs/tensor-parallel.md): the model sharded over this many rank processes (CPU)
+    tensor_parallel: int = 1
+    tp_cores: str | None = None              # each rank's cores, "0-3;4-7"; None: NUMA nodes, else an even split
     # CPU-assisted LoRA (CaraServe §4): worker processes compute cold adapters' LoRA from the host tier
     cpu_workers: int | None = None           # None: cores the device's threads leave free (default_workers); 0: none
     cpu_assist: str = "auto"                 # auto (when the profile says it pays) | on | off
@@ -142,10 +145,29 @@ class Config:
             raise ValueError(f"cpu_assist must be auto, on or off, got {self.cpu_assist!r}")
         if self.step_profile not in ("auto", "off"):
             raise ValueError(f"step_profile must be auto or off, got {self.step_profile!r}")
+        if self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be at least 1, got {self.tensor_parallel}")
+        if self.tensor_parallel > 1:
+            self.validate_tensor_parallel()
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must not be negative, got {self.shutdown_grace_s}")
         if self.peers is not None:
             self.validate_cluster()
+
+    def validate_tensor_parallel(self) -> None:
+        """What tensor parallelism does not do yet is refused before the model loads."""
+        n = self.tensor_parallel
+        if self.device not in ("auto", "cpu"):
+            raise ValueError(f"tensor_parallel {n} runs on CPU ranks over shared memory; on {self.device} it would "
+                             "need torch.distributed with NCCL, which is not implemented (serve with --device cpu)")
+        if self.cpu_assist == "on" or self.cpu_workers:
+            raise ValueError(f"CPU assist (cpu_assist on, cpu_workers) does not run under tensor_parallel {n}: "
+                             "its workers compute whole adapters' LoRA, the ranks a shard of each")
+        if n > usable_cpus():
+            raise ValueError(f"tensor_parallel {n} needs a core per rank; this process may use {usable_cpus()} CPUs")
+        if self.threads is not None:
+            raise ValueError("under tensor_parallel each rank runs one torch thread per core of its own (tp_cores); "
+                             "threads does not apply")
 
     def validate_quantize(self) -> None:
         if self.quantize not in ("q8_0", "q4_0"):
@@ -176,8 +198,8 @@ class Config:
             raise ValueError(f"migration_threshold_s must not be negative, got {self.migration_threshold_s}")
 
     def resolved_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device == "auto":      # tensor parallelism's ranks run on CPU cores (validate_tensor_parallel)
+            return torch.device("cuda" if torch.cuda.is_available() and self.tensor_parallel == 1 else "cpu")
         return torch.device(self.device)
 
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
@@ -221,7 +243,7 @@ class Config:
         """CPU LoRA worker processes to start: 0 with cpu_assist off; at least 1 with it on."""
         from asyncserve.stepper.assist import default_workers
 
-        if self.cpu_assist == "off":
+        if self.cpu_assist == "off" or self.tensor_parallel > 1:
             return 0
         if self.cpu_workers is not None:
             return self.cpu_workers

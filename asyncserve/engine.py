@@ -18,6 +18,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -27,6 +28,7 @@ from asyncserve.model import hub
 from asyncserve.model.config import ModelLoadError
 from asyncserve.model.llama import build_weights
 from asyncserve.model.loader import load_model
+from asyncserve.model.shard import Shard, shard_config
 from asyncserve.pager.adapters import (AdapterError, PeftFolder, build_host_adapter, check_adapter_name,
                                       inspect_peft_folder, printable, read_peft_folder)
 from asyncserve.pager.pager import AdapterPager, Registration
@@ -107,8 +109,14 @@ class Engine:
         config.validate()                    # before the seconds of loading
         self.config = config
         self.device = config.resolved_device()
+        tp = config.tensor_parallel
+        # tensor parallelism: this process is rank 0 and loads its shard; one torch thread per core of its own
+        self.tp_cores = None
+        if tp > 1:
+            from ipc.collective import cores_for_ranks
+            self.tp_cores = cores_for_ranks(tp, config.tp_cores)
         if self.device.type == "cpu":
-            torch.set_num_threads(config.resolved_threads())
+            torch.set_num_threads(len(self.tp_cores[0]) if tp > 1 else config.resolved_threads())
             log.info("%d torch threads (%s)", torch.get_num_threads(), describe_cpus())
         self.dtype = config.resolved_dtype(self.device)
         model_path = None if config.model is None else hub.resolve(config.model, config.revision)
@@ -116,7 +124,7 @@ class Engine:
         try:
             # GGUF blocks stay blocks on CPU (build_weights dequantizes them where the quantized kernels don't run)
             loaded = load_model(model_path, loading, keep_quantized=self.device.type == "cpu" and config.keep_quantized,
-                                quantize=config.quantize)
+                                quantize=config.quantize, shard=Shard(0, tp) if tp > 1 else None)
         finally:
             loading.close()
         if model_path != config.model:        # a Hub id names the model, not its snapshot's commit folder
@@ -139,28 +147,37 @@ class Engine:
         # a window no sequence outgrows hides nothing: those layers attend globally (and natively)
         windows = [w if w is not None and w < self.max_model_len else None for w in mc.layer_windows]
         mc.layer_windows = windows if any(windows) else []
-        weights = build_weights(mc, loaded.weights, self.dtype, self.device)
+        # the decoder this process runs: the whole model, or rank 0's shard of it (model/shard.py)
+        self.shard_config = sc = shard_config(mc, tp)
+        weights = build_weights(sc, loaded.weights, self.dtype, self.device)
         weight_bytes = weights.nbytes()
 
-        page_bytes = PagedPool.page_bytes(mc.num_layers, config.block_size, mc.kv_size, self.dtype)
+        # a page holds the KV of the rank's KV heads: every rank's pool has the same pages (pool_mem each)
+        page_bytes = PagedPool.page_bytes(mc.num_layers, config.block_size, sc.kv_size, self.dtype)
         num_pages = config.pool_bytes(self.device, weight_bytes) // page_bytes
         if num_pages < 1:
             raise ValueError(f"the pool ({config.pool_bytes(self.device, weight_bytes)} bytes) is smaller than one "
                              f"page of {page_bytes} bytes ({config.block_size} tokens of KV); raise pool_mem")
-        self.pool = PagedPool(num_pages, mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim,
+        self.pool = PagedPool(num_pages, mc.num_layers, config.block_size, sc.num_kv_heads, mc.head_dim,
                               self.dtype, self.device)
         removed = cleanup_stale()          # shared memory of asyncserve processes killed before their exit
         if removed:
             log.info("removed %d shared-memory objects of dead asyncserve processes", len(removed))
-        self.pager = AdapterPager(self.pool, mc, self.dtype, config.host_adapter_bytes())
+        self.pager = AdapterPager(self.pool, mc, self.dtype, config.host_adapter_bytes(), Shard(0, tp))
+        self.tp = None                   # stepper/tp.py's TensorParallel
+        self.on_fatal: Callable[[str], None] | None = None   # the server's: a rank died, stop (exit 1)
+        if tp > 1:                       # the ranks load their shards while this process goes on
+            self.tp = self._start_ranks(model_path, num_pages)
         self.parked: dict[str, list[Sequence]] = {}    # adapter on disk -> requests waiting for its load
         self._loading: dict[str, float] = {}            # parked adapter whose load has started (server) -> when
         self._preload: deque[str] = deque()             # registered adapters still to read into the host tier
         self.preloading = False                         # until take_preload finds no more
         self.lora_backend_name = config.resolved_lora_backend(self.device)
-        lora = make_lora_backend(self.lora_backend_name, self.pool, mc)
+        lora = make_lora_backend(self.lora_backend_name, self.pool, sc)
         eos = self.tokenizer.eos_token_ids
-        self.runner = ModelRunner(mc, weights, self.pool, self.pager, lora, eos)
+        self.runner = ModelRunner(sc, weights, self.pool, self.pager, lora, eos)
+        if self.tp is not None:
+            self._wait_ranks()
         # ASYNCSERVE_ENFORCE_EAGER=1: --enforce-eager for every engine of the process (the GPU test runs)
         graphs = self.device.type == "cuda" and not (config.enforce_eager or os.environ.get("ASYNCSERVE_ENFORCE_EAGER") == "1")
         if graphs and (mc.layer_windows or mc.attn_softcap):
@@ -727,10 +744,51 @@ class Engine:
         return self.pager.device_hits
 
     def close(self) -> None:
-        """Free what outlives the process otherwise: the CPU workers, the host tier's shared memory."""
+        """Free what outlives the process otherwise: the CPU workers, the tensor-parallel ranks, the host
+        tier's shared memory."""
         if self.assist is not None:
             self.assist.close()
+        if self.tp is not None:
+            self.tp.close()
         self.pager.close()
+
+    # ---- tensor parallelism ------------------------------------------------------------------
+    def _start_ranks(self, model_path: str | None, num_pages: int):
+        """Ranks 1..N-1, loading their shards (stepper/tp_rank.py); the pager's arena is their host tier."""
+        from asyncserve.stepper.tp import TensorParallel, step_bytes
+
+        config, mc = self.config, self.model_config
+        settings = {"model": model_path, "dtype": str(self.dtype).removeprefix("torch."),
+                    "keep_quantized": config.keep_quantized, "quantize": config.quantize,
+                    "layer_windows": mc.layer_windows, "rope_scaling": mc.rope_scaling,
+                    "block_size": config.block_size, "num_pages": num_pages, "arena": self.pager.arena.name,
+                    "arena_slots": len(self.pager.arena.directory)}
+        max_tokens = config.resolved_max_step_tokens(self.device)
+        max_bytes = max(max_tokens * mc.hidden_size * self.dtype.itemsize,
+                        step_bytes(max_tokens, config.max_running, -(-self.max_model_len // config.block_size),
+                                   num_pages))
+        try:
+            return TensorParallel(config.tensor_parallel, config.tp_cores, settings, max_bytes, self._rank_died)
+        except BaseException:
+            self.pager.close()
+            raise
+
+    def _wait_ranks(self) -> None:
+        self.runner.tp = self.tp
+        try:
+            self.tp.wait_ready()
+        except BaseException:
+            self.tp.close()
+            self.pager.close()
+            raise
+
+    def tp_stats(self) -> dict[str, float] | None:
+        """Tensor parallelism's per-step communication so far (TensorParallel.stats), None without it."""
+        return self.tp.stats() if self.tp is not None else None
+
+    def _rank_died(self, reason: str) -> None:
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
 
     @property
     def vocab_size(self) -> int:

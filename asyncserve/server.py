@@ -4,7 +4,8 @@ The HTTP server answers at once (/health is 503 while loading); the model loads 
 torch thread, then the actors start. A load that fails (bad model, adapter, pool size, ...) stops the
 server and exits 1 with the reason logged, so a supervisor sees it and can restart it. SIGINT/SIGTERM:
 stop accepting, let in-flight requests finish for ``shutdown_grace_s``, end the rest with a 503
-error, stop the actors, exit 0.
+error, stop the actors, exit 0. An engine that can no longer step (a tensor-parallel rank died) ends
+every open request with a 503 at once, stops the actors and exits 1.
 """
 from __future__ import annotations
 
@@ -51,6 +52,8 @@ class Server:
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
         self.loading: asyncio.Task | None = None    # done once the server is ready or has failed
+        self.fatal = asyncio.Event()                # the engine cannot step any more (a tensor-parallel rank died)
+        self.fatal_reason: str | None = None
 
     async def start(self) -> None:
         """Serve HTTP now; load the model in a thread and start the actors when it is ready."""
@@ -82,6 +85,9 @@ class Server:
             return
         self.scheduler = SchedulerActor(self.engine, self.metrics)
         self.stepper.attach(self.engine.run, self.scheduler.mailbox)
+        loop = asyncio.get_running_loop()
+        self.stepper.on_fatal = self._fail
+        self.engine.on_fatal = lambda reason: loop.call_soon_threadsafe(self._fail, reason)   # a watchdog thread's
         self.pager = PagerActor(self.engine, self.engine.pager, self.scheduler.mailbox, self.stepper)
         self.scheduler.stepper_mailbox = self.stepper.mailbox
         self.scheduler.pager_mailbox = self.pager.mailbox
@@ -94,8 +100,14 @@ class Server:
         log.info("ready: model %s, %d adapters%s", self.engine.model_name, len(names),
                  f" ({', '.join(names)})" if 0 < len(names) <= 10 else "")
 
-    async def stop(self) -> None:
-        """Graceful: no new connections, in-flight requests finish (up to the grace period)."""
+    def _fail(self, reason: str) -> None:
+        if self.fatal_reason is None:
+            self.fatal_reason = reason
+            self.fatal.set()
+
+    async def stop(self, failure: Failure | None = None) -> None:
+        """Graceful: no new connections, in-flight requests finish (up to the grace period). failure: the
+        engine failed: no grace, every request still open gets it."""
         if self.stopping:
             return
         self.stopping = True
@@ -106,14 +118,14 @@ class Server:
                 await site.stop()          # stop accepting; open connections keep streaming
         if self.ready:
             self.scheduler.mailbox.put_nowait(Shutdown())
-            deadline = time.monotonic() + self.config.shutdown_grace_s
+            deadline = time.monotonic() + (0 if failure else self.config.shutdown_grace_s)
             while not (self.scheduler.idle and (self.cluster is None or self.cluster.idle)) \
                     and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             if self.cluster is not None:
                 self.cluster.cut()
-            cut = Failure(f"the server shut down before this request finished (grace period "
-                          f"{self.config.shutdown_grace_s:g} s)", 503, "server_shutting_down")
+            cut = failure or Failure(f"the server shut down before this request finished (grace period "
+                                     f"{self.config.shutdown_grace_s:g} s)", 503, "server_shutting_down")
             for rid in list(self.scheduler.streams):
                 self.scheduler.mailbox.put_nowait(Abort(rid, failure=cut))
             self.scheduler.mailbox.put_nowait(Shutdown())
@@ -154,7 +166,14 @@ async def serve(config: Config) -> int:
         stopping.cancel()
         await server.stop()
         return 1
-    await stopping
+    fatal = asyncio.create_task(server.fatal.wait())
+    await asyncio.wait([stopping, fatal], return_when=asyncio.FIRST_COMPLETED)
+    if server.fatal_reason is not None:
+        log.error("stopping: %s", server.fatal_reason)
+        stopping.cancel()
+        await server.stop(Failure(f"the server stopped: {server.fatal_reason}", 503, "engine_failed"))
+        return 1
+    fatal.cancel()
     await server.stop()
     return 0
 

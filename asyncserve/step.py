@@ -18,6 +18,11 @@ class Failure(msgspec.Struct):
     code: str = "internal_error"
 
 
+class EngineFailed(RuntimeError):
+    """The engine cannot run another step (a tensor-parallel rank died): its requests get 503 and the
+    server exits."""
+
+
 @dataclass
 class ScheduledChunk:
     seq: Sequence

@@ -48,9 +48,11 @@ def build_ours(adapters, args):
 
     # W1 measures computing every prompt: rounds and --repeat send its prompts again, which the
     # prefix cache would otherwise serve from the first round's blocks
+    tp = args.tensor_parallel
     return LLM(model=args.model, adapters=adapters, dtype=args.dtype, device=args.device,
                lora_backend=args.lora_backend, max_running=args.in_flight, max_step_tokens=args.step_tokens,
-               threads=args.threads, prefix_caching=False, keep_quantized=args.keep_quantized)
+               threads=args.threads if tp == 1 else None, prefix_caching=False, keep_quantized=args.keep_quantized,
+               tensor_parallel=tp, tp_cores=args.tp_cores)
 
 
 def time_loading(adapters, args) -> tuple[object, dict]:
@@ -300,6 +302,9 @@ def main() -> None:
     ap.add_argument("--merge", action="store_true", help="time dLoRA's merged mode instead (see bench_merge)")
     ap.add_argument("--lora-steps", action="store_true", help="decode steps, native LoRA against eager, alternated")
     ap.add_argument("--ab-steps", type=int, default=120, help="steps --lora-steps alternates")
+    ap.add_argument("--tensor-parallel", type=int, default=1, help="ranks (each one core's threads of --tp-cores); "
+                    "prints each step's broadcast and all-reduce time and bytes")
+    ap.add_argument("--tp-cores", default=None, help="the ranks' cores, e.g. 0;1 (default: an even split)")
     ap.add_argument("--json-out", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -344,9 +349,15 @@ def main() -> None:
             rounds = f" (median of rounds: {', '.join(f'{100 * o:.1f}%' for o in per_round)})" if args.rounds > 1 else ""
             print(f"{name} LoRA overhead vs base: {100 * overheads[name]:.1f}%{rounds}")
     overhead = overheads.get("ours")
+    tp = llm.engine.tp_stats() if llm is not None else None
+    if tp:
+        print(f"tensor parallel {args.tensor_parallel}: {tp['steps']} steps; per step broadcast "
+              f"{tp['broadcast_bytes']:.0f} B in {1e3 * tp['broadcast_s']:.3f} ms, all-reduces "
+              f"{tp['reduce_bytes'] / 1024:.1f} KiB in {1e3 * tp['reduce_s']:.3f} ms")
     if args.json_out:
         args.json_out.write_text(json.dumps({"load_before": os.getloadavg(), "load_times": load_times,
-                                              "results": results, "lora_overhead": overhead}, indent=2))
+                                              "results": results, "lora_overhead": overhead, "tensor_parallel": tp},
+                                             indent=2))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from asyncserve.messages import (Abort, AdapterReady, Export, FetchAdapters, Pre
                                  Submit, TokenEvent, adapter_unloaded)
 from asyncserve.metrics import Metrics
 from asyncserve.sequence import Sequence
-from asyncserve.step import Failure, SeqUpdate
+from asyncserve.step import EngineFailed, Failure, SeqUpdate
 
 log = logging.getLogger("asyncserve.scheduler")
 
@@ -116,11 +116,14 @@ class SchedulerActor:
                 error = e
         if error is not None:
             log.error("step %d failed: %r; failing its requests", done.step_id, error)
+            # an engine that cannot step (a tensor-parallel rank died) is unavailable, not a bug
+            failure = Failure(f"the server cannot compute any more: {error}", 503, "engine_failed") \
+                if isinstance(error, EngineFailed) else f"internal error: {error!r}"
             for chunk in done.plan.chunks:
                 seq = chunk.seq
-                self._abort(Abort(seq.request_id, reason="error"), error=f"internal error: {error!r}")
+                self._abort(Abort(seq.request_id, reason="error"), error=failure)
                 if (stream := self.streams.pop(seq.request_id, None)) is not None:   # finished, unpublished
-                    self._emit_error(seq, stream, f"internal error: {error!r}")
+                    self._emit_error(seq, stream, failure)
         for msg in self._deferred:
             self._abort(msg) if isinstance(msg, Abort) else self._export(msg)
         self._deferred = []
@@ -176,8 +179,8 @@ class SchedulerActor:
         if not export.reply.done():
             export.reply.set_result((seq, stream) if stream is not None else None)
 
-    def _abort(self, abort: Abort, error: str | None = None) -> None:
-        """End the request; ``error``: an internal error's message (500), else the Abort's failure."""
+    def _abort(self, abort: Abort, error: Failure | str | None = None) -> None:
+        """End the request; ``error``: its failure, or an internal error's message (500); else the Abort's."""
         seq = self.engine.abort(abort.request_id)
         if seq is None:          # unknown, or finished by the last step: its stream gets that update
             return
@@ -186,7 +189,8 @@ class SchedulerActor:
         if stream is not None:
             # a stream still read means the client is there: it gets an error, never a finish_reason
             # "abort" (a client that went away reads nothing)
-            failure = Failure(error) if error is not None else abort.failure or Failure("the request was aborted")
+            failure = (Failure(error) if isinstance(error, str) else error) if error is not None \
+                else abort.failure or Failure("the request was aborted")
             stream.put_nowait(TokenEvent(request_id=seq.request_id, token_ids=[], text="", finished=True,
                                          finish_reason=abort.reason, num_prompt_tokens=len(seq.prompt_ids),
                                          num_output_tokens=len(seq.output_ids), error=failure))

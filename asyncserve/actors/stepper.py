@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from asyncserve.messages import RunStep, Shutdown, StepDone
-from asyncserve.step import StepPlan, StepResult
+from asyncserve.step import EngineFailed, StepPlan, StepResult
 
 log = logging.getLogger("asyncserve.stepper")
 
@@ -23,6 +23,7 @@ class StepperActor:
     def __init__(self):
         self.run_step: Callable[[StepPlan], StepResult] | None = None     # Engine.run, once loaded
         self.scheduler_mailbox: asyncio.Queue | None = None
+        self.on_fatal: Callable[[str], None] | None = None                # the server's: stop, exit 1
         self.mailbox: asyncio.Queue = asyncio.Queue()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncserve-torch")
 
@@ -43,6 +44,11 @@ class StepperActor:
                 assert isinstance(msg, RunStep)
                 try:
                     done = StepDone(msg.step_id, msg.plan, result=await self.call(self.run_step, msg.plan))
+                except EngineFailed as e:       # no step can run any more: the server stops
+                    log.error("step %d: %s", msg.step_id, e)
+                    done = StepDone(msg.step_id, msg.plan, error=e)
+                    if self.on_fatal is not None:
+                        self.on_fatal(str(e))
                 except Exception as e:          # a failed step fails its requests, not the server
                     log.exception("step %d raised", msg.step_id)
                     done = StepDone(msg.step_id, msg.plan, error=e)

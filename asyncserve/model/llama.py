@@ -15,9 +15,10 @@ kernels in the same order, the same logits.
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,8 @@ import kernels.cpu as cpu_kernels
 from asyncserve.model.config import GROUPS, ModelConfig
 from asyncserve.model.linear import (Linear, QuantEmbedding, QuantizedWeight, QuantLinear, make_embedding,
                                      make_linear, make_weight_linear)
+
+log = logging.getLogger(__name__)
 
 
 class LoraHook(Protocol):
@@ -78,7 +81,8 @@ class LlamaWeights:
     embed: torch.Tensor | QuantEmbedding   # [vocab, hidden]; GGUF blocks kept: rows dequantized at lookup
     layers: list[LayerWeights]
     norm: torch.Tensor         # [hidden]
-    lm_head: Linear            # hidden -> vocab (over the embedding itself when tied, unless reordered)
+    lm_head: Linear | None     # hidden -> vocab (over the embedding itself when tied, unless reordered);
+                               # None on a tensor-parallel rank that computes no logits (model/shard.py)
     embed_scale: float | None = None   # Gemma: sqrt(hidden) as the weights' dtype rounds it
     # the native layer loop over these weights (kernels.cpu.native_decoder), built on first use
     _decoder: object = field(default=None, repr=False, compare=False)
@@ -90,7 +94,7 @@ class LlamaWeights:
 
     def linears(self) -> list[Linear]:
         """Every projection, qkv, o, gate_up, down per layer (GROUPS order), then the lm_head."""
-        return [getattr(lw, g) for lw in self.layers for g in GROUPS] + [self.lm_head]
+        return [getattr(lw, g) for lw in self.layers for g in GROUPS] + [self.lm_head] * (self.lm_head is not None)
 
     def native_decoder(self, config: ModelConfig):
         """The native layer loop over these weights: each projection as its Linear holds it, a QuantLinear
@@ -114,15 +118,17 @@ class LlamaWeights:
             if t is not None]
         quantized = isinstance(self.embed, QuantEmbedding)
         embed = self.embed.nbytes if quantized else self.embed.numel() * self.embed.element_size()
-        shared = self.lm_head.weight is (self.embed.weight if quantized else self.embed)
+        shared = self.lm_head is not None and self.lm_head.weight is (self.embed.weight if quantized else self.embed)
         return (embed + sum(t.numel() * t.element_size() for t in tensors)
                 + sum(p.nbytes for p in self.linears()) - (self.lm_head.nbytes if shared else 0))
 
 
 def build_weights(config: ModelConfig, weights: dict[str, torch.Tensor | QuantizedWeight], dtype: torch.dtype,
-                  device: torch.device) -> LlamaWeights:
+                  device: torch.device, head: bool = True) -> LlamaWeights:
     """Fuse q/k/v and gate/up, cast and move; consumes ``weights`` to keep peak memory low. Projections
-    given as GGUF blocks (QuantizedWeight) stay blocks where the CPU's quantized kernels run."""
+    given as GGUF blocks (QuantizedWeight) stay blocks where the CPU's quantized kernels run. config and
+    weights may be a tensor-parallel rank's shard (model/shard.py); head False: no lm_head (a rank that
+    computes no logits)."""
     def take(name: str) -> torch.Tensor | QuantizedWeight:
         try:
             return weights.pop(name)
@@ -167,7 +173,10 @@ def build_weights(config: ModelConfig, weights: dict[str, torch.Tensor | Quantiz
             mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if sandwich else None,
         ))
     embed = make_embedding(take("model.embed_tokens.weight"), dtype, device)
-    if config.tie_word_embeddings:
+    if not head:
+        weights.pop("lm_head.weight", None)
+        lm_head = None
+    elif config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
         # one copy of a table kept in blocks: the head is a QuantLinear over them
         lm_head = make_weight_linear(embed.weight, dtype, device) if isinstance(embed, QuantEmbedding) \
@@ -180,7 +189,8 @@ def build_weights(config: ModelConfig, weights: dict[str, torch.Tensor | Quantiz
                         embed_scale=embed_scale)
 
 
-def _check_shapes(config: ModelConfig, embed: torch.Tensor | QuantEmbedding, layer: LayerWeights, lm_head: Linear) -> None:
+def _check_shapes(config: ModelConfig, embed: torch.Tensor | QuantEmbedding, layer: LayerWeights,
+                  lm_head: Linear | None) -> None:
     h = config.hidden_size
     expected = {
         "embed_tokens": (tuple(embed.shape), (config.vocab_size, h)),
@@ -188,8 +198,9 @@ def _check_shapes(config: ModelConfig, embed: torch.Tensor | QuantEmbedding, lay
         "o_proj": (layer.o.shape, (h, config.q_size)),
         "gate/up_proj": (layer.gate_up.shape, (2 * config.intermediate_size, h)),
         "down_proj": (layer.down.shape, (h, config.intermediate_size)),
-        "lm_head": (lm_head.shape, (config.vocab_size, h)),
     }
+    if lm_head is not None:
+        expected["lm_head"] = (lm_head.shape, (config.vocab_size, h))
     for name, (shape, want) in expected.items():
         if shape != want:
             raise ValueError(f"{name} has shape {shape}, the config implies {want}")
@@ -302,14 +313,24 @@ class StepInputs:
                                                 # each context's rows; None: the gather paths above
 
 
+def decode_masks(ctx: torch.Tensor, max_pages: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decodes' attention mask [n, max_pages * block] bool (True: within the context) and its padding
+    rows (StepInputs.decode_padding), from their context lengths ctx [n] int64."""
+    if not len(ctx):
+        return torch.zeros(0, block, dtype=torch.bool), torch.zeros(0, dtype=torch.int64)
+    mask = torch.arange(max_pages * block)[None, :] < ctx[:, None]
+    return mask, (~mask).view(-1).nonzero().squeeze(1)
+
+
 # ---- forward -------------------------------------------------------------------------------------
 
 def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, inp: StepInputs,
-            lora: LoraHook) -> torch.Tensor:
+            lora: LoraHook, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor | None:
     """Run all layers for the step's tokens; returns logits [n_sample, vocab] in the weights' dtype
-    (the sampler upcasts them).
+    (the sampler upcasts them), None on a tensor-parallel rank without lm_head.
 
-    kv: the pool's KV view [pages, 2, layers, block, kv_size].
+    kv: the pool's KV view [pages, 2, layers, block, kv_size]. reduce: tensor parallelism's all-reduce
+    (in place, over the ranks) of the row-parallel o and down outputs, which are partial sums on a shard.
     """
     use_lora = lora.active
     # fused C++ norms, activations, RoPE + KV write and paged attention
@@ -324,20 +345,34 @@ def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, 
         h = h * w.embed_scale
     # a step on fixed buffers (StepInputs.decode_tables: the CUDA graphs' decodes) plans no native attention
     plan = next(iter(step_attention.values()))
-    decoder = plan.native and cpu_kernels.decoder_loop_enabled() and w.native_decoder(config)
+    decoder = plan.native and cpu_kernels.decoder_loop_enabled() and _loop_without(reduce) and w.native_decoder(config)
     step_lora = lora.native_step() if decoder and use_lora else None
     if decoder and (step_lora is not None or not use_lora):
         logits = _forward_native(decoder, h, rope, kv, inp, plan, step_lora)
     else:
-        logits = _forward_layers(w, config, rope, kv, inp, lora, h, step_attention, native)
-    if config.final_softcap:                # Gemma 2: tanh(logits / cap) * cap
+        logits = _forward_layers(w, config, rope, kv, inp, lora, h, step_attention, native, reduce)
+    if config.final_softcap and logits is not None:      # Gemma 2: tanh(logits / cap) * cap
         logits = torch.tanh(logits / config.final_softcap) * config.final_softcap
     return logits
 
 
+def _loop_without(reduce) -> bool:
+    """Whether the one-call native layer loop can run: not under tensor parallelism, whose all-reduces
+    come between its kernels (said once per process)."""
+    global _said_reduce
+    if reduce is not None and not _said_reduce:
+        log.info("tensor parallelism: the layers run in the Python loop over the native kernels, as the "
+                 "native layer loop cannot all-reduce mid-layer")
+        _said_reduce = True
+    return reduce is None
+
+
+_said_reduce = False
+
+
 def _forward_layers(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, inp: StepInputs,
                     lora: LoraHook, h: torch.Tensor, step_attention: dict[int | None, StepAttention],
-                    native: bool) -> torch.Tensor:
+                    native: bool, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor | None:
     """forward()'s layer loop in Python from the embedded tokens h [T, hidden]: the native kernels
     between the projections, or eager torch ops."""
     T = inp.input_ids.shape[0]
@@ -385,18 +420,24 @@ def _forward_layers(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.
             kv_rows.index_copy_(0, layer_rows[li], torch.cat([k.reshape(T, kv_size), v]))
         attn = attention(q, k, v.view(T, nkv, hd), kv[:, 0, li], kv[:, 1, li], inp, step_attention[window])  # [T, q]
         o = lora.project(li, "o", attn, lw.o) if use_lora else lw.o(attn)
+        if reduce is not None:              # row-parallel: the ranks' partial sums (their LoRA's too)
+            o = reduce(o)
         if lw.attn_out_norm is not None:    # Gemma: the attention's output normed before the residual add
             o = _norm(o, lw.attn_out_norm, eps, native)
         h, x = _residual_norm(h, o, lw.post_norm, eps, native)
         gu = lora.project(li, "gate_up", x, lw.gate_up) if use_lora else lw.gate_up(x)   # [T, 2 inter]
         act = gelu_tanh_mul(gu, native) if gelu else silu_mul(gu, native)                 # [T, inter]
         d = lora.project(li, "down", act, lw.down) if use_lora else lw.down(act)
+        if reduce is not None:
+            d = reduce(d)
         if lw.mlp_out_norm is not None:
             d = _norm(d, lw.mlp_out_norm, eps, native)
         if li + 1 < len(w.layers):
             h, x = _residual_norm(h, d, w.layers[li + 1].input_norm, eps, native)
         else:
             h = h + d
+    if w.lm_head is None:
+        return None
     _, hs = _residual_norm(h[inp.sample_index], None, w.norm, eps, native)
     return w.lm_head(hs)
 

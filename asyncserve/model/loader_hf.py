@@ -9,10 +9,13 @@ from safetensors import safe_open
 
 from asyncserve.model.checkpoint import LoadedModel, ProgressCallback, select_weights, split_fused
 from asyncserve.model.config import FAMILIES, Family, ModelConfig, ModelLoadError, read_json
+from asyncserve.model.shard import Shard, shard_config, shard_ranges
 from asyncserve.model.tokenizer import Tokenizer
 
 
-def load_hf_folder(folder: Path, progress: ProgressCallback | None = None) -> LoadedModel:
+def load_hf_folder(folder: Path, progress: ProgressCallback | None = None, shard: Shard | None = None) -> LoadedModel:
+    """shard: a tensor-parallel rank's slices only (model/shard.py), read as slices of the files; the
+    config stays the whole model's."""
     config_json = read_json(folder / "config.json")
     generation_file = folder / "generation_config.json"
     generation = read_json(generation_file) if generation_file.is_file() else {}
@@ -26,10 +29,14 @@ def load_hf_folder(folder: Path, progress: ProgressCallback | None = None) -> Lo
     config.bos_token_id = next((i for i in (config_json.get("bos_token_id"), generation.get("bos_token_id"),
                                             tokenizer.bos_token_id) if isinstance(i, int)), None)
 
-    tensors = _read_safetensors(weight_files, progress)
+    shard = shard or Shard(0, 1)
+    local = shard_config(config, shard.world)
+    tensors = _read_safetensors(weight_files, progress, lambda name: shard_ranges(name, config, shard))
     if config.family.fused_projections:
-        split_fused(config, tensors)
-    weights = select_weights(config, tensors, str(folder))
+        split_fused(local, tensors)
+    weights = select_weights(local, tensors, str(folder))
+    if not shard.head:
+        weights.pop("lm_head.weight", None)
     return LoadedModel(config, weights, tokenizer, str(folder))
 
 
@@ -189,16 +196,28 @@ def _safetensors_files(folder: Path) -> list[Path]:
     raise ModelLoadError(f"{folder} has no model.safetensors or model.safetensors.index.json")
 
 
-def _read_safetensors(files: list[Path], progress: ProgressCallback | None) -> dict[str, torch.Tensor]:
+def _read_safetensors(files: list[Path], progress: ProgressCallback | None,
+                      ranges: Callable[[str], tuple[int, list[tuple[int, int]]] | None]) -> dict[str, torch.Tensor]:
+    """Every tensor of the files, or where ranges(name) gives (dim, [(start, end), ...]) only those slices
+    of it, concatenated (read as slices: the rest of the tensor is never loaded)."""
     opened = {path: _safetensors_call(path, lambda: safe_open(path, "pt")) for path in files}
     total = sum(len(f.keys()) for f in opened.values())
     tensors: dict[str, torch.Tensor] = {}
     for path, f in opened.items():
         for name in f.keys():
-            tensors[name] = _safetensors_call(path, lambda: f.get_tensor(name))
+            tensors[name] = _safetensors_call(path, lambda: _read_tensor(f, name, ranges(name)))
             if progress is not None:
                 progress(len(tensors), total)
     return tensors
+
+
+def _read_tensor(f, name: str, ranges: tuple[int, list[tuple[int, int]]] | None) -> torch.Tensor:
+    if ranges is None:
+        return f.get_tensor(name)
+    dim, spans = ranges
+    sliced = f.get_slice(name)
+    parts = [sliced[a:b] if dim == 0 else sliced[:, a:b] for a, b in spans]
+    return torch.cat(parts, dim) if len(parts) > 1 else parts[0]
 
 
 def _safetensors_call(path: Path, read: Callable[[], Any]) -> Any:

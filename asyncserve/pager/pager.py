@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from asyncserve.model.config import PROJECTIONS, ModelConfig
+from asyncserve.model.shard import Shard, shard_config
 from asyncserve.pager.adapters import AdapterError, AdapterInfo, HostAdapter, row_lengths
 from asyncserve.pager.pool import PagedPool, PoolExhausted, page_spans, plan_row_packing
 from ipc import AdapterHandle, HostArena, block_bytes
@@ -108,10 +109,70 @@ class PageIn(NamedTuple):
     since: float                         # perf_counter() when paged in: the copy's end measures the load
 
 
+def row_plan(ranks: list[int], config: ModelConfig, page_numel: int) -> RowPlan:
+    """Where the rows of an adapter of these ranks go in the pages it is given (config: the pool's model,
+    a tensor-parallel rank's shard included, whose rows are that shard's)."""
+    lengths = row_lengths(ranks, config)
+    pages, placements = plan_row_packing(lengths, page_numel)
+    L, P, r_max = config.num_layers, len(PROJECTIONS), max(ranks)
+    used = np.zeros((2, L, P, r_max), dtype=bool)
+    for p, r in enumerate(ranks):
+        used[:, :, p, :r] = True
+    # packing order (row_lengths): layer, projection, A rows then B^T rows: the order of
+    # used.transpose(1, 2, 0, 3)'s True entries
+    order = used.transpose(1, 2, 0, 3)
+    page_index = np.zeros((L, P, 2, r_max), dtype=np.int64)
+    offset = np.zeros((L, P, 2, r_max), dtype=np.int64)
+    where = np.asarray(placements, dtype=np.int64).reshape(-1, 2)
+    page_index[order], offset[order] = where[:, 0], where[:, 1]
+    return RowPlan(pages, page_index.transpose(2, 0, 1, 3), offset.transpose(2, 0, 1, 3), used,
+                   page_spans(placements, lengths))
+
+
+def place(name: str, ranks: list[int], scaling: torch.Tensor, pages: list[int], plan: RowPlan, pool: PagedPool,
+          generation: int) -> DeviceAdapter:
+    """The DeviceAdapter of rows placed by ``plan`` in ``pages``: each row's offset in the pool (0 past a
+    projection's rank)."""
+    page_start = np.asarray(pages, dtype=np.int64) * pool.page_numel
+    ptr = np.where(plan.used, page_start[plan.page_index] + plan.offset, 0)     # [2, L, P, r_max]
+    dev = pool.device
+    return DeviceAdapter(name=name, ranks=list(ranks), a_ptr=torch.from_numpy(np.ascontiguousarray(ptr[0])).to(dev),
+                         b_ptr=torch.from_numpy(np.ascontiguousarray(ptr[1])).to(dev), scaling=scaling.to(dev),
+                         pages=pages, generation=generation, host_ptr=ptr, host_scaling=scaling)
+
+
+def shard_rows(a_rows: dict, b_rows: dict, ranks: list[int], config: ModelConfig, shard: Shard) -> torch.Tensor:
+    """A tensor-parallel rank's part of an adapter's rows, end to end in pool packing order (S-LoRA §6):
+    config is the rank's shard, whose projection shapes say how long its rows are. A column-parallel
+    projection keeps A whole and its B^T rows' slice of the outputs; a row-parallel one its A rows' slice
+    of the inputs and B^T whole."""
+    shapes = config.projection_shapes()
+    parts = []
+    for layer in range(config.num_layers):
+        for p, proj in enumerate(PROJECTIONS):
+            if not ranks[p]:
+                continue
+            fan_in, fan_out = shapes[proj]
+            for rows, width in ((a_rows[(layer, p)], fan_in), (b_rows[(layer, p)], fan_out)):
+                part = rows if rows.shape[1] == width else rows[:, shard.rank * width:(shard.rank + 1) * width]
+                parts.append(part.reshape(-1))
+    return torch.cat(parts)
+
+
+def copy_rows(pool: PagedPool, pages: list[int], spans: list[tuple[int, int, int, int]], packed: torch.Tensor) -> None:
+    """The rows end to end into their pages: one copy per page (RowPlan.page_spans)."""
+    for page, offset, first, numel in spans:
+        pool.data[pages[page], offset:offset + numel] = packed[first:first + numel]
+
+
 class AdapterPager:
-    def __init__(self, pool: PagedPool, config: ModelConfig, dtype: torch.dtype, host_bytes: int):
+    def __init__(self, pool: PagedPool, config: ModelConfig, dtype: torch.dtype, host_bytes: int,
+                 shard: Shard = Shard(0, 1)):
         self.pool = pool
         self.config = config
+        # tensor parallelism: the pool holds this rank's shard of each adapter (the host tier whole adapters)
+        self.shard = shard
+        self.pool_config = shard_config(config, shard.world)
         self.dtype = dtype
         self.registry: dict[str, Registration] = {}                    # the disk tier: every adapter
         self._loads_total = 0
@@ -201,22 +262,7 @@ class AdapterPager:
         if key in self._row_plans:
             self._row_plans.move_to_end(key)
             return self._row_plans[key]
-        lengths = row_lengths(ranks, self.config)
-        pages, placements = plan_row_packing(lengths, self.pool.page_numel)
-        L, P, r_max = self.config.num_layers, len(PROJECTIONS), max(ranks)
-        used = np.zeros((2, L, P, r_max), dtype=bool)
-        for p, r in enumerate(ranks):
-            used[:, :, p, :r] = True
-        # packing order (row_lengths): layer, projection, A rows then B^T rows: the order of
-        # used.transpose(1, 2, 0, 3)'s True entries
-        order = used.transpose(1, 2, 0, 3)
-        page_index = np.zeros((L, P, 2, r_max), dtype=np.int64)
-        offset = np.zeros((L, P, 2, r_max), dtype=np.int64)
-        where = np.asarray(placements, dtype=np.int64).reshape(-1, 2)
-        page_index[order], offset[order] = where[:, 0], where[:, 1]
-        plan = RowPlan(pages, page_index.transpose(2, 0, 1, 3), offset.transpose(2, 0, 1, 3), used,
-                       page_spans(placements, lengths))
-        self._row_plans[key] = plan
+        plan = self._row_plans[key] = row_plan(ranks, self.pool_config, self.pool.page_numel)
         if len(self._row_plans) > ROW_PLANS_KEPT:
             self._row_plans.popitem(last=False)
         return plan
@@ -417,24 +463,16 @@ class AdapterPager:
                     yield layer, p, 1, adapter.b_rows[(layer, p)]
 
     def _place(self, adapter: HostAdapter, pages: list[int], plan: RowPlan) -> DeviceAdapter:
-        """Each row's offset in the pool (0 past a projection's rank); the rows are copied later by
-        ``write_pending``."""
-        page_start = np.asarray(pages, dtype=np.int64) * self.pool.page_numel
-        ptr = np.where(plan.used, page_start[plan.page_index] + plan.offset, 0)     # [2, L, P, r_max]
+        """Each row's offset in the pool; the rows are copied later by ``write_pending``."""
         self._generation += 1
-        dev = self.pool.device
-        return DeviceAdapter(name=adapter.name, ranks=list(adapter.ranks),
-                             a_ptr=torch.from_numpy(np.ascontiguousarray(ptr[0])).to(dev),
-                             b_ptr=torch.from_numpy(np.ascontiguousarray(ptr[1])).to(dev),
-                             scaling=adapter.scaling.to(dev), pages=pages, generation=self._generation,
-                             host_ptr=ptr, host_scaling=adapter.scaling)
+        return place(adapter.name, adapter.ranks, adapter.scaling, pages, plan, self.pool, self._generation)
 
-    def write_pending(self, hold: frozenset[int] = frozenset()) -> None:
+    def write_pending(self, hold: frozenset[int] = frozenset()) -> list[PageIn]:
         """Copy the rows of adapters paged in since the last call. Runs in the stepper's thread before
         the step that first uses them; the event loop may append meanwhile. The copies of the loads in
-        ``hold`` (CPU-assisted this step) wait for the next call, off this step's path."""
-        pool = self.pool
-        held = []
+        ``hold`` (CPU-assisted this step) wait for the next call, off this step's path. Returns the
+        page-ins copied (tensor parallelism's other ranks copy their shards of the same)."""
+        held, written = [], []
         while True:
             try:
                 page_in = self.pending.popleft()
@@ -449,8 +487,14 @@ class AdapterPager:
             # the rows end to end (as the host tier holds them, else one copy out of it), then one copy
             # per page straight into it, on a GPU too: staging whole pages in a fresh host tensor first
             # cost ~3 ms per 7B adapter's page-in on an H100 (BENCHMARKS.md, "third lease")
-            packed = self._rows_end_to_end(load, adapter) if spans else None
-            for page, offset, first, numel in spans:
-                pool.data[device.pages[page], offset:offset + numel] = packed[first:first + numel]
+            if not spans:
+                packed = None
+            elif self.shard.world == 1:
+                packed = self._rows_end_to_end(load, adapter)
+            else:
+                packed = shard_rows(adapter.a_rows, adapter.b_rows, adapter.ranks, self.pool_config, self.shard)
+            copy_rows(self.pool, device.pages, spans, packed)
+            written.append(page_in)
             self.record_load("host", device.name, time.perf_counter() - since)
         self.pending.extendleft(reversed(held))
+        return written

@@ -7,13 +7,14 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from asyncserve.lora.backend import LoraBackend, TorchLoraBackend
 from asyncserve.lora.batch import LoraBatch
 from asyncserve.model.config import ModelConfig
-from asyncserve.model.llama import LlamaWeights, PrefillChunk, Rope, StepInputs, forward
+from asyncserve.model.llama import LlamaWeights, PrefillChunk, Rope, StepInputs, decode_masks, forward
 from asyncserve.pager.pager import AdapterPager
 from asyncserve.pager.pool import PagedPool
 from asyncserve.step import SampleOutput, StepPlan, StepResult
@@ -21,6 +22,8 @@ from asyncserve.stepper.merge import WeightMerger, merged_load
 from asyncserve.stepper.assist import AssistedLora, CpuAssist
 from asyncserve.sequence import Sequence
 from asyncserve.stepper.cuda_graphs import DecodeBatch, DecodeGraphs, GraphSeam
+if TYPE_CHECKING:
+    from asyncserve.stepper.tp import TensorParallel
 from asyncserve.stepper.sampler import (PlainRow, SamplingRow, plain_columns, plain_output, plain_row, sample,
                                         token_logprobs)
 
@@ -44,6 +47,7 @@ class ModelRunner:
                  lora: LoraBackend, eos_token_ids: list[int]):
         self.config = config
         self.assist: CpuAssist | None = None         # CPU LoRA workers for cold adapters (Engine sets them)
+        self.tp: TensorParallel | None = None        # the other tensor-parallel ranks (Engine sets them)
         self.weights = weights
         self.pool = pool
         self.pager = pager
@@ -122,7 +126,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
-        self.pager.write_pending(hold=plan.assisted)
+        written = self.pager.write_pending(hold=plan.assisted)
         # after the page-ins: a merge reads the adapter's rows; the switch is timed apart from the step
         switch_s = self.merger.switch(merged_load(plan), self.pager.resident)
         graph_step = self._graph_batch(plan)
@@ -136,7 +140,12 @@ class ModelRunner:
             self.assist.begin_step(*cold)
             if self.assist.active:
                 lora = AssistedLora(self.assist, self.lora)
-        logits = forward(self.weights, self.config, self.rope, self.pool.kv_view(), inputs, lora)
+        reduce = None
+        if self.tp is not None:          # the other ranks run the same step over their shards
+            merged = self.merger.merged.generation if self.merger.merged is not None else None
+            self.tp.send_step(inputs, lora_batch, written, merged, self.pager)
+            reduce = self.tp.all_reduce_
+        logits = forward(self.weights, self.config, self.rope, self.pool.kv_view(), inputs, lora, reduce)
         sampled = sample(logits[:len(rows)], rows)
         prompt_logprobs = self._prompt_logprobs(logits[len(rows):], prompt_rows) if prompt_rows.owners else {}
         if self.device.type == "cuda":
@@ -205,13 +214,11 @@ class ModelRunner:
         if nd:
             max_pages = max(len(c.seq.block_table) for c in plan.decodes)
             tables = [c.seq.block_table + [0] * (max_pages - len(c.seq.block_table)) for c in plan.decodes]
-            ctx = torch.tensor([c.seq.num_computed + 1 for c in plan.decodes])
-            mask = torch.arange(max_pages * bs)[None, :] < ctx[:, None]
             decode_pages = torch.tensor(tables, dtype=torch.int64).flatten()
         else:
             decode_pages = torch.zeros(0, dtype=torch.int64)
-            mask = torch.zeros(0, bs, dtype=torch.bool)
-        decode_padding = (~mask).view(-1).nonzero().squeeze(1)
+        mask, decode_padding = decode_masks(torch.tensor([c.seq.num_computed + 1 for c in plan.decodes],
+                                                         dtype=torch.int64), len(decode_pages) // max(nd, 1), bs)
         dev = self.device
         inputs = StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),

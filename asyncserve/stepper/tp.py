@@ -1,0 +1,180 @@
+"""Tensor parallelism's rank 0 side and its one message per step (docs/tensor-parallel.md).
+
+Rank 0 is the engine's ModelRunner: it schedules, prepares the step's inputs once, broadcasts them to
+ranks 1..N-1 (stepper/tp_rank.py) as one TpStep (a small msgspec header and the inputs' arrays as raw
+bytes), runs its own shard, all-reduces the row-parallel outputs with the others, and alone computes
+logits and samples: sampled tokens never leave it. Every rank's pool has the same pages and rank 0's
+block manager and pager decide for all: a step names the pages (block tables, KV write rows) and the
+adapters paged in since the last step (their pages and host-arena block, whose rows each rank
+copies its shard of), so no rank keeps any accounting of its own.
+
+A rank that dies takes the engine down: the watchdog calls ``on_death`` (the server stops, exit 1),
+and a step that waits on it raises EngineFailed (its requests get 503). Ranks run until they are
+stopped (RankProcesses.close), so any exit of theirs is a death.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Callable
+
+import msgspec
+import numpy as np
+import torch
+
+from asyncserve.lora.batch import LoraBatch
+from asyncserve.model.llama import PrefillChunk, StepInputs, decode_masks
+from asyncserve.step import EngineFailed
+from ipc.collective import RankDied, ShmGroup, cores_for_ranks
+from ipc.ranks import RankProcesses
+
+log = logging.getLogger("asyncserve.tp")
+
+# seconds rank 0 waits for the ranks to load their shards before it gives up
+READY_TIMEOUT_S = 600.0
+# StepInputs' tensors a step carries (int64), then each prefill chunk's block table; the decodes'
+# masks are rebuilt from their context lengths
+_ARRAYS = ("input_ids", "positions", "write_rows", "decode_pages", "decode_lens", "sample_index")
+
+
+class TpPageIn(msgspec.Struct, array_like=True):
+    """An adapter rank 0 copied into its pages before this step: each rank copies its shard of the
+    same rows (ipc host-arena block ``slot``/``arena_generation``) into the same pages."""
+    generation: int                      # DeviceAdapter.generation on rank 0: the step names it by this
+    slot: int
+    arena_generation: int
+    ranks: list[int]
+    pages: list[int]
+
+
+class TpStep(msgspec.Struct, array_like=True):
+    page_ins: list[TpPageIn] = []
+    merged: int | None = None            # generation of the adapter merged into the base weights
+    num_decode: int = 0
+    chunks: list[tuple[int, int, int]] = []    # prefill chunks' (start, end, first_pos)
+    adapters: list[int] = []             # generations of the step's LoRA adapters (LoraBatch.adapters)
+    seg_starts: list[int] = []
+    seg_adapter: list[int] = []
+    arrays: list[bytes] = []             # _ARRAYS, then the chunks' block tables, int64 native order
+
+
+def step_bytes(max_tokens: int, max_running: int, max_pages_per_seq: int, num_pages: int) -> int:
+    """A bound on an encoded TpStep: its arrays, a page-in list naming every page, and the header."""
+    arrays = 8 * (5 * max_tokens + 2 * max_running * (max_pages_per_seq + 1))
+    return arrays + 16 * num_pages + 64 * 2**10
+
+
+def encode_step(inputs: StepInputs, batch: LoraBatch | None, page_ins: list[TpPageIn], merged: int | None) -> bytes:
+    nd = inputs.num_decode
+    ctx = inputs.positions[:nd] + 1
+    arrays = [inputs.input_ids, inputs.positions, inputs.write_rows, inputs.decode_pages, ctx, inputs.sample_index]
+    arrays += [c.block_table for c in inputs.prefills]
+    return msgspec.msgpack.encode(TpStep(
+        page_ins=page_ins, merged=merged, num_decode=nd,
+        chunks=[(c.start, c.end, c.first_pos) for c in inputs.prefills],
+        adapters=[a.generation for a in batch.adapters] if batch is not None else [],
+        seg_starts=batch.seg_starts if batch is not None else [],
+        seg_adapter=batch.seg_adapter if batch is not None else [],
+        arrays=[t.numpy().tobytes() for t in arrays]))
+
+
+def decode_step(payload: bytes) -> TpStep:
+    return msgspec.msgpack.decode(payload, type=TpStep)
+
+
+def step_inputs(step: TpStep, block: int) -> StepInputs:
+    """The StepInputs rank 0 prepared, rebuilt from its message (CPU)."""
+    arrays = [torch.from_numpy(np.frombuffer(b, dtype=np.int64).copy()) for b in step.arrays]
+    ids, positions, write_rows, decode_pages, ctx, sample_index = arrays[:len(_ARRAYS)]
+    nd = step.num_decode
+    mask, padding = decode_masks(ctx, len(decode_pages) // max(nd, 1), block)
+    chunks = [PrefillChunk(start, end, first, table)
+              for (start, end, first), table in zip(step.chunks, arrays[len(_ARRAYS):])]
+    return StepInputs(ids, positions, write_rows, nd, decode_pages, mask[:, None, None, :], padding, chunks,
+                      sample_index)
+
+
+class TensorParallel:
+    """Ranks 1..N-1 as processes, the shared-memory group, and rank 0's half of each step."""
+
+    def __init__(self, world: int, cores_spec: str | None, settings: dict, max_bytes: int,
+                 on_death: Callable[[str], None] | None = None):
+        self.cores = cores_for_ranks(world, cores_spec)
+        self.on_death = on_death            # the engine's: the server stops (set after start, too)
+        self.dead: str | None = None
+        self.group = ShmGroup.create(world, max_bytes)
+        # per step: seconds and bytes of the broadcast and the all-reduces (scripts' --tp reports them)
+        self.steps = 0
+        self.broadcast_s = self.reduce_s = 0.0
+        self.broadcast_bytes = self.reduce_bytes = 0
+        try:
+            self.processes = RankProcesses(self.group, "asyncserve.stepper.tp_rank", [json.dumps(settings)],
+                                           cores=self.cores, on_death=self._died)
+        except BaseException:
+            self.group.close()
+            raise
+
+    @property
+    def world(self) -> int:
+        return self.group.world
+
+    def wait_ready(self) -> None:
+        """Until every rank has loaded its shard (each calls group.barrier() once, as rank 0 does here)."""
+        t0 = time.perf_counter()
+        try:
+            self.processes.wait_ready(READY_TIMEOUT_S)
+        except RankDied as e:
+            raise EngineFailed(f"a tensor-parallel rank failed while loading its shard: {e}") from None
+        log.info("tensor parallelism: %d ranks ready in %.1f s, cores %s", self.world, time.perf_counter() - t0,
+                 ";".join(",".join(map(str, c)) for c in self.cores))
+
+    def _died(self, rank: int, returncode: int) -> None:
+        self.dead = f"tensor-parallel rank {rank} exited with status {returncode}"
+        log.error("%s: the engine cannot step any more", self.dead)
+        if self.on_death is not None:
+            self.on_death(self.dead)
+
+    def send_step(self, inputs: StepInputs, batch: LoraBatch | None, written: list, merged: int | None,
+                  pager) -> None:
+        """Broadcast the step (written: the pager's page-ins copied for it)."""
+        page_ins = []
+        for page_in in written:
+            handle = pager.host_block(page_in.load)
+            if handle is None:          # the tiers are inclusive: a resident adapter keeps its host block
+                raise RuntimeError(f"adapter {page_in.device.name!r} was paged in without a host block")
+            page_ins.append(TpPageIn(page_in.device.generation, handle.slot, handle.generation,
+                                     list(page_in.device.ranks), list(page_in.device.pages)))
+        payload = encode_step(inputs, batch, page_ins, merged)
+        t0 = time.perf_counter()
+        self._call(self.group.broadcast, payload)
+        self.broadcast_s += time.perf_counter() - t0
+        self.broadcast_bytes += len(payload)
+        self.steps += 1
+
+    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        """The ranks' partial sums of a row-parallel output, summed in place."""
+        t0 = time.perf_counter()
+        self._call(self.group.all_reduce_, t)
+        self.reduce_s += time.perf_counter() - t0
+        self.reduce_bytes += t.numel() * t.element_size()
+        return t
+
+    def _call(self, fn, *args):
+        if self.dead is not None:
+            raise EngineFailed(self.dead)
+        try:
+            return fn(*args)
+        except RankDied as e:
+            raise EngineFailed(self.dead or f"a tensor-parallel rank stopped answering: {e}") from None
+
+    def stats(self) -> dict[str, float]:
+        """Per step so far: the broadcast's and the all-reduces' seconds and bytes."""
+        n = max(self.steps, 1)
+        return {"steps": self.steps, "broadcast_s": self.broadcast_s / n, "broadcast_bytes": self.broadcast_bytes / n,
+                "reduce_s": self.reduce_s / n, "reduce_bytes": self.reduce_bytes / n}
+
+    def close(self) -> None:
+        """Stop the ranks (RankProcesses: SIGTERM, then SIGKILL) and remove the group's shared memory."""
+        self.processes.close()
+
