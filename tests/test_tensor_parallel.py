@@ -221,12 +221,17 @@ def greedy(llm, cases):
     return [o.token_ids for o in outs]
 
 
-def closed(llm) -> list[str]:
-    """Close the engine (its ranks and shared memory); what it left in /dev/shm."""
+def shm_names() -> set[str]:
+    """This process's shared-memory names (earlier tests' engines may still hold theirs)."""
     from ipc import leftovers
 
+    return set(leftovers(f"/asyncserve-{os.getpid()}-"))
+
+
+def closed(llm, before: set[str]) -> list[str]:
+    """Close the engine (its ranks and shared memory); what it added to /dev/shm and left there."""
     llm.engine.close()
-    return leftovers(f"/asyncserve-{os.getpid()}-")
+    return sorted(shm_names() - before)
 
 
 def test_tp2_generates_tp1s_and_pefts_tokens(tiny_model):
@@ -248,6 +253,7 @@ def test_tp2_generates_tp1s_and_pefts_tokens(tiny_model):
     one = tp_llm(tiny_model.root, adapters)
     expected = greedy(one, first) + greedy(one, second)
     one.engine.close()
+    before = shm_names()
     two = tp_llm(tiny_model.root, adapters, tensor_parallel=2)
     try:
         assert two.engine.tp is not None and two.engine.tp.world == 2
@@ -256,7 +262,7 @@ def test_tp2_generates_tp1s_and_pefts_tokens(tiny_model):
         stats = two.engine.tp.stats()
         assert stats["reduce_bytes"] > 0 and stats["broadcast_bytes"] > 0
     finally:
-        left = closed(two)
+        left = closed(two, before)
     assert left == []
     exact = 0
     for i, (ours, case, ref, tp1) in enumerate(zip(got, first + second, refs, expected)):
@@ -277,12 +283,13 @@ def test_tp2_gemma2_merged(tmp_path):
                                                     "serve many models batch token step rank")]
     cases = [(p, a) for p in prompts for a in [None, *model.adapters]]
     refs = peft_references(model.base, model.adapters, cases, NEW_TOKENS)
+    before = shm_names()
     llm = tp_llm(model.folder, model.adapters, tensor_parallel=2, policy="merged-only")
     try:
         got = greedy(llm, cases)
         assert llm.engine.merge_stats().switches >= 2
     finally:
-        assert closed(llm) == []
+        assert closed(llm, before) == []
     for i, (ours, case, ref) in enumerate(zip(got, cases, refs)):
         assert_greedy_matches(ours, ref, tie_tol=1e-3, label=f"merged case {i} adapter {case[1]}")
 
