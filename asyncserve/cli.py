@@ -39,10 +39,11 @@ def _engine_args(p: argparse.ArgumentParser, step_profile: str = "off") -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="weights, KV cache and adapters: auto is bfloat16 on GPUs and on CPUs with AMX or "
                         "AVX512-BF16, float32 on other CPUs (default: auto)")
-    p.add_argument("--keep-quantized", action="store_true", default=False,
+    p.add_argument("--keep-quantized", action=argparse.BooleanOptionalAction, default=None,
                    help="on CPU, keep a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K tensors in their blocks (the "
-                        "file's size in memory, int8 dot products; merged mode refuses them) (default: off, "
-                        "dequantized to --dtype at load)")
+                        "file's size in memory, int8 dot products; merged mode refuses them); "
+                        "--no-keep-quantized dequantizes them to --dtype at load (default: auto: kept on a CPU "
+                        "running float32, one rank and a policy that never merges; dequantized otherwise)")
     p.add_argument("--quantize", default=None, choices=["q8_0", "q4_0"],
                    help="on CPU, quantize an HF folder's projections at load into GGUF blocks of this type (the "
                         "embeddings and head Q8_0), bit for bit as llama.cpp's converter would: their size in "

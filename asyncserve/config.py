@@ -32,8 +32,8 @@ class Config:
     adapters: dict[str, str] = field(default_factory=dict)   # name -> PEFT folder or Hub id
     dtype: str = "auto"                      # auto | bfloat16 | float16 | float32
     # GGUF files' Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K tensors kept in their blocks on CPU (model/linear.py,
-    # QuantLinear); off: dense dtype weights, which merged mode needs
-    keep_quantized: bool = False
+    # QuantLinear); off: dense dtype weights, which merged mode needs; None: auto (resolved_keep_quantized)
+    keep_quantized: bool | None = None
     # q8_0 | q4_0: an HF folder's projections (q4_0: Q4_0; the embeddings and head Q8_0) quantized at load
     # into GGUF blocks for QuantLinear, on CPU (model/quantize.py); merged mode refuses them as it does GGUF's
     quantize: str | None = None
@@ -216,6 +216,16 @@ class Config:
             return names[self.dtype]
         except KeyError:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose auto, bfloat16, float16 or float32") from None
+
+    def resolved_keep_quantized(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """auto keeps a GGUF file's blocks where that measured faster than dense weights: a CPU running
+        float32 (no fast bf16 GEMM: W1 1.4x, BENCHMARKS.md), one rank (a shard splits blocks only on
+        their boundaries) and a policy that never merges (merged mode needs dense weights)."""
+        if device.type != "cpu":
+            return False
+        if self.keep_quantized is not None:
+            return self.keep_quantized
+        return dtype == torch.float32 and self.tensor_parallel == 1 and self.policy not in ("dlora", "merged-only")
 
     def resolved_lora_backend(self, device: torch.device) -> str:
         if self.lora_backend == "auto":

@@ -123,7 +123,7 @@ class Engine:
         loading = Progress(f"loading {config.model or 'the default model'}", "tensors")
         try:
             # GGUF blocks stay blocks on CPU (build_weights dequantizes them where the quantized kernels don't run)
-            loaded = load_model(model_path, loading, keep_quantized=self.device.type == "cpu" and config.keep_quantized,
+            loaded = load_model(model_path, loading, keep_quantized=config.resolved_keep_quantized(self.device, self.dtype),
                                 quantize=config.quantize, shard=Shard(0, tp) if tp > 1 else None)
         finally:
             loading.close()
@@ -759,7 +759,7 @@ class Engine:
 
         config, mc = self.config, self.model_config
         settings = {"model": model_path, "dtype": str(self.dtype).removeprefix("torch."),
-                    "keep_quantized": config.keep_quantized, "quantize": config.quantize,
+                    "keep_quantized": config.resolved_keep_quantized(self.device, self.dtype), "quantize": config.quantize,
                     "layer_windows": mc.layer_windows, "rope_scaling": mc.rope_scaling,
                     "block_size": config.block_size, "num_pages": num_pages, "arena": self.pager.arena.name,
                     "arena_slots": len(self.pager.arena.directory)}

@@ -13,6 +13,7 @@ group's names are rank 0's (ipc/names.py unlinks them at close, at exit, or as s
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
@@ -59,6 +60,8 @@ class RankProcesses:
         self._stop = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="asyncserve-tp-watchdog", daemon=True)
         self._watchdog.start()
+        # a script that ends without close() (an offline LLM) stops its ranks now, not at their next pid check
+        atexit.register(self.close)
 
     def _spawn(self, rank: int, module: str, args: list[str], env: dict, cores: list[int] | None) -> subprocess.Popen:
         if cores is not None:
@@ -107,6 +110,7 @@ class RankProcesses:
             if self._closing:
                 return
             self._closing = True
+        atexit.unregister(self.close)
         self._stop.set()
         if threading.current_thread() is not self._watchdog:     # on_death may close from the watchdog
             self._watchdog.join()

@@ -291,8 +291,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--step-tokens", type=int, default=None, help="default: the engine's per-device default")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--keep-quantized", action="store_true",
-                    help="ours with a GGUF file's blocks kept quantized (Config.keep_quantized)")
+    ap.add_argument("--keep-quantized", action=argparse.BooleanOptionalAction, default=None,
+                    help="ours with a GGUF file's blocks kept quantized, or dequantized with --no-keep-quantized "
+                         "(Config.keep_quantized; default: the server's auto)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                     help="W1 prescribes bfloat16; CPUs without AMX/AVX512-BF16 run float32 faster")
     ap.add_argument("--rounds", type=int, default=1,

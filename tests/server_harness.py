@@ -1,9 +1,16 @@
-"""Runs an asyncserve Server on a uvloop event loop in a background thread, for HTTP tests."""
+"""HTTP test servers: ServerThread runs an asyncserve Server on a uvloop event loop in a background
+thread; ServedProcess runs `asyncserve serve` in a subprocess (for exits, signals and child processes)."""
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import queue
+import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -82,3 +89,49 @@ class ServerThread:
             if line.startswith(key + " "):
                 return float(line.split()[-1])
         raise KeyError(key)
+
+
+class ServedProcess:
+    """`python -m asyncserve.cli serve <args>` on 127.0.0.1 (pass --port 0): started, its output kept in
+    ``log`` by a thread, and waited for until it says ready (a start failure fails the test)."""
+
+    def __init__(self, *args: str, cwd=None, start_timeout_s: float = 120):
+        self.proc = subprocess.Popen([sys.executable, "-m", "asyncserve.cli", "serve", *args], cwd=cwd,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.log: list[str] = []
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.base = None
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+            if m := re.search(r"listening on (http://127\.0\.0\.1:\d+)", line):
+                self.base = m.group(1)
+            if "ready:" in line:
+                break
+            assert "could not start" not in line, line
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.log.append(line)
+            self.lines.put(line)
+
+    @property
+    def shm_prefix(self) -> str:
+        """The prefix of the server's names in /dev/shm (ipc/names.py)."""
+        return f"/asyncserve-{self.proc.pid}-"
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60) -> int:
+        """Send ``sig`` and wait for the exit code."""
+        self.proc.send_signal(sig)
+        return self.proc.wait(timeout_s)
+
+    def close(self) -> None:
+        """SIGTERM, then SIGKILL if it has not exited within 30 s; a no-op once it has exited."""
+        if self.proc.poll() is None:
+            try:
+                self.stop(signal.SIGTERM, 30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from asyncserve import LLM, SamplingParams
+from asyncserve.config import Config
 from asyncserve.model.linear import QuantLinear
 from asyncserve.stepper.merge import MergeError, unmergeable_reason
 from model_io_helpers import backend_vocab, write_gguf
@@ -155,18 +156,29 @@ def test_native_layer_loop_gives_the_python_loops_logits(tmp_path, monkeypatch, 
         assert ours.dtype == getattr(torch, dtype) and torch.equal(ours, theirs), f"step {step}"
 
 
-def test_keep_quantized_off_gives_dense_mergeable_weights(tmp_path):
+def test_keep_quantized_auto_keeps_blocks_on_float32_cpus_and_off_gives_dense_mergeable_weights(tmp_path):
     q_path, _, _ = write_pair(tmp_path, LEGACY, seed=5)
-    dense = LLM(model=str(q_path), dtype="float32", device="cpu", pool_mem="16MiB")
+    dense = LLM(model=str(q_path), dtype="float32", device="cpu", pool_mem="16MiB", keep_quantized=False)
     assert not any(isinstance(getattr(lw, g), QuantLinear) for lw in dense.engine.runner.weights.layers
                    for g in ("qkv", "o", "gate_up", "down"))
     assert unmergeable_reason(dense.engine.runner.weights) is None
-    kept = LLM(model=str(q_path), dtype="float32", device="cpu", pool_mem="16MiB", keep_quantized=True)
+    kept = LLM(model=str(q_path), dtype="float32", device="cpu", pool_mem="16MiB")      # auto
     assert "--keep-quantized" in unmergeable_reason(kept.engine.runner.weights)
     # both give the same first tokens on a prompt far from ties (the int8 activations aside, the same weights)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     ids = kept.tokenizer.encode("Serving many adapters")
     assert kept.generate([ids], params)[0].token_ids[:1] == dense.generate([ids], params)[0].token_ids[:1]
+    # auto is dense where bf16 runs, where a policy merges, across ranks and off the CPU; on and off are kept
+    cpu, f32 = torch.device("cpu"), torch.float32
+    auto = Config(model=str(q_path))
+    assert auto.resolved_keep_quantized(cpu, f32)
+    assert not auto.resolved_keep_quantized(cpu, torch.bfloat16)
+    assert not auto.resolved_keep_quantized(torch.device("cuda"), f32)
+    for merging in ("dlora", "merged-only"):
+        assert not Config(model=str(q_path), policy=merging).resolved_keep_quantized(cpu, f32)
+    assert not Config(model=str(q_path), tensor_parallel=2).resolved_keep_quantized(cpu, f32)
+    assert Config(model=str(q_path), keep_quantized=True).resolved_keep_quantized(cpu, torch.bfloat16)
+    assert not Config(model=str(q_path), keep_quantized=False).resolved_keep_quantized(cpu, f32)
 
 
 def test_resident_memory_after_loading_is_the_files_size(tmp_path):

@@ -11,11 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-import queue
-import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -36,6 +32,7 @@ from asyncserve.pager.adapters import build_host_adapter, read_peft_folder
 from asyncserve.pager.pager import AdapterPager
 from asyncserve.pager.pool import PagedPool
 from family_models import build_family_model
+from server_harness import ServedProcess
 
 BLOCK = 16
 
@@ -294,47 +291,16 @@ def test_tp2_gemma2_merged(tmp_path):
         assert_greedy_matches(ours, ref, tie_tol=1e-3, label=f"merged case {i} adapter {case[1]}")
 
 
-SERVE = [sys.executable, "-m", "asyncserve.cli", "serve", "--port", "0", "--device", "cpu", "--dtype", "float32",
-         "--step-profile", "off", "--tensor-parallel", "2", "--host-adapter-mem", "64MiB"]
+SERVE_ARGS = ("--port", "0", "--device", "cpu", "--dtype", "float32", "--step-profile", "off", "--tensor-parallel",
+              "2", "--host-adapter-mem", "64MiB")
 
 
-class Served:
-    """`asyncserve serve --tensor-parallel 2` in a subprocess on 127.0.0.1, its log read by a thread."""
-
-    def __init__(self, *args: str):
-        self.proc = subprocess.Popen([*SERVE, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True)
-        self.log: list[str] = []
-        self.lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-        deadline = time.monotonic() + 120
-        while True:
-            line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.01))
-            if m := re.search(r"listening on (http://127\.0\.0\.1:\d+)", line):
-                self.base = m.group(1)
-            if "ready:" in line:
-                break
-            assert "could not start" not in line, line
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.log.append(line)
-            self.lines.put(line)
-
-    def rank_pids(self) -> list[int]:
-        """The server's tp_rank children (of any of its threads: the stepper thread starts them)."""
-        children = [c for t in Path(f"/proc/{self.proc.pid}/task").iterdir() for c in (t / "children").read_text().split()]
-        return [int(c) for c in children if "asyncserve.stepper.tp_rank" in
-                Path(f"/proc/{c}/cmdline").read_bytes().decode(errors="replace")]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def rank_pids(server: ServedProcess) -> list[int]:
+    """The server's tp_rank children (of any of its threads: the stepper thread starts them)."""
+    pid = server.proc.pid
+    children = [c for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
+    return [int(c) for c in children if "asyncserve.stepper.tp_rank" in
+            Path(f"/proc/{c}/cmdline").read_bytes().decode(errors="replace")]
 
 
 def test_tp2_over_http_with_the_openai_client(tiny_model):
@@ -347,7 +313,7 @@ def test_tp2_over_http_with_the_openai_client(tiny_model):
     expected = [o.text for o in one.generate([prompt] * 2, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
                                                                           ignore_eos=True), adapters=[name, None])]
     one.engine.close()
-    server = Served("--model", str(tiny_model.root), "--adapter", f"{name}={tiny_model.adapters[name]}")
+    server = ServedProcess(*SERVE_ARGS, "--model", str(tiny_model.root), "--adapter", f"{name}={tiny_model.adapters[name]}")
     try:
         client = OpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0, timeout=60)
         for model, text in zip((name, "base"), expected):
@@ -370,7 +336,7 @@ def test_a_rank_killed_mid_generation_ends_the_server_with_503s(tiny_model):
     OpenAI's error shape, the server exits 1 within seconds and leaves nothing in /dev/shm."""
     from ipc import leftovers
 
-    server = Served("--model", str(tiny_model.root))
+    server = ServedProcess(*SERVE_ARGS, "--model", str(tiny_model.root))
     try:
         body = {"model": str(tiny_model.root.name), "prompt": "the fox", "max_tokens": 400, "ignore_eos": True}
         models = json.loads(urllib.request.urlopen(server.base + "/v1/models", timeout=30).read())
@@ -383,7 +349,7 @@ def test_a_rank_killed_mid_generation_ends_the_server_with_503s(tiny_model):
             headers={"Content-Type": "application/json"}), timeout=60)
         events = [stream.readline() for _ in range(6)]           # generating: a few chunks are out
         assert any(e.startswith(b"data: {") for e in events)
-        ranks = server.rank_pids()
+        ranks = rank_pids(server)
         assert len(ranks) == 1
         os.kill(ranks[0], signal.SIGKILL)
         killed = time.monotonic()

@@ -14,15 +14,10 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.util
 import json
-import os
-import queue
 import random
 import re
 import shutil
 import signal
-import subprocess
-import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -36,7 +31,7 @@ from asyncserve.config import Config
 from asyncserve.engine import Engine
 from asyncserve.pager.pager import AdapterPager
 from ipc import leftovers
-from server_harness import ServerThread
+from server_harness import ServedProcess, ServerThread
 
 REPO = Path(__file__).resolve().parent.parent
 NUM_ADAPTERS = 1000
@@ -211,7 +206,7 @@ def test_a_thousand_adapters_driven_by_a_trace(tiny_model, adapter_dir, monkeypa
         assert metric("asyncserve_adapter_device_hits_total", f'adapter="{top}"') >= 1
     finally:
         st.stop()
-    assert leftovers(pager.arena.prefix) == []
+    assert leftovers(pager.arena.shm_prefix) == []
 
 
 def _corrupt_copies(source: Path, folder: Path) -> tuple[Path, Path]:
@@ -410,40 +405,8 @@ def test_offline_preload(tiny_model, adapter_dir):
     llm.engine.close()
 
 
-SERVE = [sys.executable, "-m", "asyncserve.cli", "serve", "--port", "0", "--threads", "1", "--device", "cpu",
-         "--dtype", "float32", "--host-adapter-mem", HOST_MEM, "--step-profile", "off"]
-
-
-class Served:
-    """`asyncserve serve` in a subprocess on 127.0.0.1, its log read by a thread."""
-
-    def __init__(self, *args: str):
-        self.proc = subprocess.Popen([*SERVE, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True)
-        self.lines: queue.Queue = queue.Queue()
-        threading.Thread(target=lambda: [self.lines.put(line) for line in self.proc.stdout], daemon=True).start()
-        self.base = None
-        deadline = time.monotonic() + 120
-        while True:
-            line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.01))
-            if m := re.search(r"listening on (http://127\.0\.0\.1:\d+)", line):
-                self.base = m.group(1)
-            if "ready:" in line:
-                break
-            assert "could not start" not in line, line
-
-    @property
-    def prefix(self) -> str:
-        return f"/asyncserve-{self.proc.pid}-"
-
-    def stop(self, sig: int) -> int:
-        self.proc.send_signal(sig)
-        return self.proc.wait(60)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+SERVE_ARGS = ("--port", "0", "--threads", "1", "--device", "cpu", "--dtype", "float32", "--host-adapter-mem",
+              HOST_MEM, "--step-profile", "off")
 
 
 def test_shared_memory_is_gone_after_sigterm_and_after_sigkill_and_restart(tiny_model, tmp_path):
@@ -452,26 +415,26 @@ def test_shared_memory_is_gone_after_sigterm_and_after_sigkill_and_restart(tiny_
     args = ("--model", str(tiny_model.root), "--adapter-dir", str(folder))
     servers = []
     try:
-        first = Served(*args)
+        first = ServedProcess(*SERVE_ARGS, *args, cwd=REPO)
         servers.append(first)
         assert _completion(first.base, {"model": "a0001", "prompt": "the fox", "max_tokens": 2})[0] == 200
-        assert leftovers(first.prefix)                     # the host tier's arena, with a0001 in it
+        assert leftovers(first.shm_prefix)                     # the host tier's arena, with a0001 in it
         assert first.stop(signal.SIGTERM) == 0
-        assert leftovers(first.prefix) == []
+        assert leftovers(first.shm_prefix) == []
 
-        killed = Served(*args)
+        killed = ServedProcess(*SERVE_ARGS, *args, cwd=REPO)
         servers.append(killed)
         assert _completion(killed.base, {"model": "a0002", "prompt": "the fox", "max_tokens": 2})[0] == 200
-        assert leftovers(killed.prefix)
+        assert leftovers(killed.shm_prefix)
         killed.stop(signal.SIGKILL)
-        assert leftovers(killed.prefix)                    # nothing ran at its exit
+        assert leftovers(killed.shm_prefix)                    # nothing ran at its exit
 
-        restarted = Served(*args)
+        restarted = ServedProcess(*SERVE_ARGS, *args, cwd=REPO)
         servers.append(restarted)
-        assert leftovers(killed.prefix) == []              # removed at start, as the dead pid's
-        assert leftovers(restarted.prefix)
+        assert leftovers(killed.shm_prefix) == []              # removed at start, as the dead pid's
+        assert leftovers(restarted.shm_prefix)
         assert restarted.stop(signal.SIGTERM) == 0
-        assert leftovers(restarted.prefix) == []
+        assert leftovers(restarted.shm_prefix) == []
     finally:
         for s in servers:
-            s.kill()
+            s.close()

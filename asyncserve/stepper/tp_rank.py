@@ -29,7 +29,7 @@ from asyncserve.stepper.merge import WeightMerger
 from asyncserve.stepper.tp import TpPageIn, TpStep, decode_step, step_inputs
 from ipc import names
 from ipc.arena import read_adapter
-from ipc.collective import ShmGroup
+from ipc.collective import RankDied, ShmGroup
 from ipc.layout import DIR_ENTRY
 
 log = logging.getLogger("asyncserve.tp_rank")
@@ -99,6 +99,10 @@ def main(argv: list[str]) -> None:
         worker = Rank(group, settings)
         group.barrier()                  # ready
         worker.serve()
+    except RankDied as e:
+        # rank 0 exited or closed the group (the server is gone): nothing to report but why
+        logging.getLogger("asyncserve.tp").warning("stopping: %s", e)
+        sys.exit(1)
     finally:
         group.close()
 
