@@ -360,6 +360,8 @@ def main() -> None:
         args.json_out.write_text(json.dumps({"load_before": os.getloadavg(), "load_times": load_times,
                                               "results": results, "lora_overhead": overhead, "tensor_parallel": tp},
                                              indent=2))
+    if llm is not None:
+        llm.engine.close()          # tensor-parallel ranks stop here, not by seeing this process gone
 
 
 if __name__ == "__main__":
