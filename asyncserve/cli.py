@@ -68,8 +68,13 @@ def _engine_args(p: argparse.ArgumentParser, step_profile: str = "off") -> None:
                    help="keep this adapter (an --adapter or a folder of --adapter-dir) on the device for good; "
                         "repeat for several (default: none)")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
-                   help="shard the model over N rank processes on this machine's CPUs (Megatron-style, with each "
-                        "adapter's A and B split as S-LoRA does), communicating over shared memory (default: 1)")
+                   help="shard the model over N rank processes on this machine (Megatron-style, with each "
+                        "adapter's A and B split as S-LoRA does): on its CPUs, or on N GPUs from --device's on "
+                        "(default: 1)")
+    p.add_argument("--tp-backend", default=None, choices=["shm", "gloo", "nccl"],
+                   help="how the --tensor-parallel ranks all-reduce: shm (POSIX shared memory, CPU), gloo "
+                        "(torch.distributed, CPU) or nccl (torch.distributed, a GPU per rank); named at "
+                        "--tensor-parallel 1, the one rank runs through it (default: shm on CPU, nccl on CUDA)")
     p.add_argument("--tp-cores", default=None, metavar="SPEC",
                    help="each --tensor-parallel rank's cores, ranks separated by ';', e.g. 0-3;4-7 (default: one "
                         "NUMA node per rank where there are N nodes, else the usable CPUs split evenly)")
@@ -167,7 +172,7 @@ def _config(args):
                   prefix_caching=args.prefix_caching, cpu_workers=args.cpu_workers, cpu_assist=args.cpu_assist,
                   cpu_profile_dir=args.cpu_profile_dir, step_profile=args.step_profile,
                   step_profile_dir=args.step_profile_dir, enforce_eager=args.enforce_eager,
-                  tensor_parallel=args.tensor_parallel, tp_cores=args.tp_cores)
+                  tensor_parallel=args.tensor_parallel, tp_cores=args.tp_cores, tp_backend=args.tp_backend)
 
 
 def main(argv: list[str] | None = None) -> None:

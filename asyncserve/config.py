@@ -52,9 +52,14 @@ class Config:
     prefix_caching: bool = True              # reuse the KV of full blocks of earlier prompts (per adapter)
     seed: int | None = None                  # seeds drawn for requests without one
     enforce_eager: bool = False              # CUDA: no decode steps replayed from CUDA graphs (stepper/cuda_graphs.py)
-    # tensor parallelism (docs/tensor-parallel.md): the model sharded over this many rank processes (CPU)
+    # tensor parallelism (docs/tensor-parallel.md): the model sharded over this many rank processes, on CPU
+    # cores or one GPU each
     tensor_parallel: int = 1
-    tp_cores: str | None = None              # each rank's cores, "0-3;4-7"; None: NUMA nodes, else an even split
+    tp_cores: str | None = None              # CPU ranks' cores, "0-3;4-7"; None: NUMA nodes, else an even split
+    # how the ranks communicate: shm (POSIX shared memory, CPU) | gloo (torch.distributed, CPU) | nccl
+    # (torch.distributed, GPUs); None: shm on CPU, nccl on CUDA. Given at tensor_parallel 1, the one rank
+    # runs through that group (the NCCL path on one GPU)
+    tp_backend: str | None = None
     # CPU-assisted LoRA (CaraServe §4): worker processes compute cold adapters' LoRA from the host tier
     cpu_workers: int | None = None           # None: cores the device's threads leave free (default_workers); 0: none
     cpu_assist: str = "auto"                 # auto (when the profile says it pays) | on | off
@@ -147,22 +152,43 @@ class Config:
             raise ValueError(f"step_profile must be auto or off, got {self.step_profile!r}")
         if self.tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be at least 1, got {self.tensor_parallel}")
-        if self.tensor_parallel > 1:
+        if self.uses_tp_group:
             self.validate_tensor_parallel()
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must not be negative, got {self.shutdown_grace_s}")
         if self.peers is not None:
             self.validate_cluster()
 
+    @property
+    def uses_tp_group(self) -> bool:
+        """Whether the model runs as tensor-parallel ranks over a group: tensor_parallel above 1, or a
+        tp_backend named at 1."""
+        return self.tensor_parallel > 1 or self.tp_backend is not None
+
     def validate_tensor_parallel(self) -> None:
-        """What tensor parallelism does not do yet is refused before the model loads."""
+        """What tensor parallelism does not do (yet) is refused before the model loads."""
         n = self.tensor_parallel
-        if self.device not in ("auto", "cpu"):
-            raise ValueError(f"tensor_parallel {n} runs on CPU ranks over shared memory; on {self.device} it would "
-                             "need torch.distributed with NCCL, which is not implemented (serve with --device cpu)")
+        if self.tp_backend not in (None, "shm", "gloo", "nccl"):
+            raise ValueError(f"unknown tp_backend {self.tp_backend!r}; choose shm, gloo or nccl")
         if self.cpu_assist == "on" or self.cpu_workers:
             raise ValueError(f"CPU assist (cpu_assist on, cpu_workers) does not run under tensor_parallel {n}: "
                              "its workers compute whole adapters' LoRA, the ranks a shard of each")
+        device = self.resolved_device()
+        backend = self.resolved_tp_backend(device)
+        if device.type == "cuda":
+            if backend != "nccl":
+                raise ValueError(f"tp_backend {backend} connects CPU ranks; on {device} the ranks all-reduce with "
+                                 "nccl (or serve with --device cpu)")
+            first, count = device.index or 0, torch.cuda.device_count()
+            if first + n > count:
+                raise ValueError(f"tensor_parallel {n} on {self.device} needs a GPU per rank, cuda:{first}.."
+                                 f"cuda:{first + n - 1}; this machine has {count} CUDA device(s)")
+            if self.tp_cores is not None:
+                raise ValueError("tp_cores pins CPU ranks to cores; on CUDA each rank drives its own GPU")
+            return
+        if backend == "nccl":
+            raise ValueError(f"tp_backend nccl all-reduces between GPUs, one per rank, but device {self.device} runs "
+                             f"on CPU ({torch.cuda.device_count()} CUDA devices here); on CPU use shm or gloo")
         if n > usable_cpus():
             raise ValueError(f"tensor_parallel {n} needs a core per rank; this process may use {usable_cpus()} CPUs")
         if self.threads is not None:
@@ -198,9 +224,14 @@ class Config:
             raise ValueError(f"migration_threshold_s must not be negative, got {self.migration_threshold_s}")
 
     def resolved_device(self) -> torch.device:
-        if self.device == "auto":      # tensor parallelism's ranks run on CPU cores (validate_tensor_parallel)
-            return torch.device("cuda" if torch.cuda.is_available() and self.tensor_parallel == 1 else "cpu")
+        if self.device == "auto":      # tensor-parallel ranks: a GPU each where there are enough, else CPU cores
+            cuda = (torch.cuda.is_available() and torch.cuda.device_count() >= self.tensor_parallel
+                    and self.tp_backend in (None, "nccl"))
+            return torch.device("cuda" if cuda else "cpu")
         return torch.device(self.device)
+
+    def resolved_tp_backend(self, device: torch.device) -> str:
+        return self.tp_backend or ("nccl" if device.type == "cuda" else "shm")
 
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
         names = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
@@ -253,7 +284,7 @@ class Config:
         """CPU LoRA worker processes to start: 0 with cpu_assist off; at least 1 with it on."""
         from asyncserve.stepper.assist import default_workers
 
-        if self.cpu_assist == "off" or self.tensor_parallel > 1:
+        if self.cpu_assist == "off" or self.uses_tp_group:
             return 0
         if self.cpu_workers is not None:
             return self.cpu_workers

@@ -110,13 +110,13 @@ class Engine:
         self.config = config
         self.device = config.resolved_device()
         tp = config.tensor_parallel
-        # tensor parallelism: this process is rank 0 and loads its shard; one torch thread per core of its own
+        # tensor parallelism: this process is rank 0 and loads its shard; on CPU one torch thread per core of its own
         self.tp_cores = None
-        if tp > 1:
+        if config.uses_tp_group and self.device.type == "cpu":
             from ipc.collective import cores_for_ranks
             self.tp_cores = cores_for_ranks(tp, config.tp_cores)
         if self.device.type == "cpu":
-            torch.set_num_threads(len(self.tp_cores[0]) if tp > 1 else config.resolved_threads())
+            torch.set_num_threads(len(self.tp_cores[0]) if self.tp_cores else config.resolved_threads())
             log.info("%d torch threads (%s)", torch.get_num_threads(), describe_cpus())
         self.dtype = config.resolved_dtype(self.device)
         model_path = None if config.model is None else hub.resolve(config.model, config.revision)
@@ -166,7 +166,7 @@ class Engine:
         self.pager = AdapterPager(self.pool, mc, self.dtype, config.host_adapter_bytes(), Shard(0, tp))
         self.tp = None                   # stepper/tp.py's TensorParallel
         self.on_fatal: Callable[[str], None] | None = None   # the server's: a rank died, stop (exit 1)
-        if tp > 1:                       # the ranks load their shards while this process goes on
+        if config.uses_tp_group:         # the ranks load their shards while this process goes on
             self.tp = self._start_ranks(model_path, num_pages)
         self.parked: dict[str, list[Sequence]] = {}    # adapter on disk -> requests waiting for its load
         self._loading: dict[str, float] = {}            # parked adapter whose load has started (server) -> when
@@ -183,6 +183,11 @@ class Engine:
         if graphs and (mc.layer_windows or mc.attn_softcap):
             # the graphs' decode attention is kernels.paged_attention, which takes neither a window nor a cap
             log.info("CUDA graphs off: %s has sliding windows or attention soft-capping (--enforce-eager)", mc.name)
+            graphs = False
+        if graphs and self.tp is not None:
+            # a replayed decode step skips the plan every rank runs; replaying on every rank in step would
+            # need each rank's own graphs and LoRA slot tables kept alike, so TP steps run eagerly
+            log.info("CUDA graphs off under tensor parallelism: every rank runs each step eagerly")
             graphs = False
         if graphs:
             from asyncserve.stepper.cuda_graphs import CudaSeam
@@ -760,6 +765,7 @@ class Engine:
         config, mc = self.config, self.model_config
         settings = {"model": model_path, "dtype": str(self.dtype).removeprefix("torch."),
                     "keep_quantized": config.resolved_keep_quantized(self.device, self.dtype), "quantize": config.quantize,
+                    "lora_backend": config.resolved_lora_backend(self.device),
                     "layer_windows": mc.layer_windows, "rope_scaling": mc.rope_scaling,
                     "block_size": config.block_size, "num_pages": num_pages, "arena": self.pager.arena.name,
                     "arena_slots": len(self.pager.arena.directory)}
@@ -768,7 +774,8 @@ class Engine:
                         step_bytes(max_tokens, config.max_running, -(-self.max_model_len // config.block_size),
                                    num_pages))
         try:
-            return TensorParallel(config.tensor_parallel, config.tp_cores, settings, max_bytes, self._rank_died)
+            return TensorParallel(config.tensor_parallel, config.resolved_tp_backend(self.device), self.tp_cores,
+                                  self.device, settings, max_bytes, self._rank_died)
         except BaseException:
             self.pager.close()
             raise

@@ -70,6 +70,17 @@ Tensor-parallel collectives (ipc/collective.py, ipc/ranks.py)
     # all-gather (two phases). A wait spins spin_us on the peer's counter, then sleeps on a semaphore.
     ``python scripts/bench_allreduce.py`` measures the sync and all-reduce latency on this host.
 
+Tensor-parallel collectives over torch.distributed (ipc/dist.py, imported on its own: torch.distributed)
+    group = create_group(backend, world, max_bytes, timeout_s, first_device)   # shm: ShmGroup; gloo | nccl:
+                                    # DistGroup, the same interface; group.device: where its tensors live
+                                    # (cpu; cuda:first_device+rank with nccl)
+    group = attach_group(spec, rank)    # a rank >= 1, either kind by its spec
+    # DistGroup: all_reduce_ and gather over the backend (NCCL on the GPU, queued: the host goes on);
+    # broadcast, barrier and the supervision over a control ShmGroup (idle ranks wait for hours without
+    # a backend timeout). The backend connects in the first barrier (the ranks' ready), rendezvous on a
+    # TCPStore at 127.0.0.1:<a port the OS picked>. A backend error raises RankDied naming the dead peer;
+    # fail() (the watchdog's) aborts an NCCL communicator so that waiting kernels end.
+
 Workers compute in float32 (bf16 storage widened per job) and round the delta once; one torch
 thread each. On CUDA, ``submit``'s copy of x into shared memory is a synchronous device-to-host copy
 (CaraServe's fused async copy-and-signal is not done here).

@@ -68,6 +68,7 @@ class ShmGroup:
     rank: int
     world: int
     spec: str
+    device = torch.device("cpu")          # where the tensors of its collectives live
 
     def __init__(self, prefix: str, world: int, rank: int, max_bytes: int, timeout_s: float, spin_us: float,
                  create: bool):
@@ -189,7 +190,9 @@ class ShmGroup:
         why = f"missed a deadline of {self.timeout_s:g} s" if self._ctl[_FAIL_DEADLINE] else "died"
         return RankDied(f"tensor-parallel rank {rank} {why}; the group is unusable")
 
-    def _check_usable(self) -> None:
+    def check_usable(self) -> None:
+        """Raise unless the group can run a collective: closed (RuntimeError), failed (RankDied), or on
+        ranks >= 1 closed by rank 0 (GroupClosed)."""
         if self._closed:
             raise RuntimeError("the group is closed")
         if self._ctl[_FAILED]:
@@ -200,16 +203,24 @@ class ShmGroup:
     def _check_peers(self, waiting_for: int, deadline: float | None) -> None:
         """Between sleeps: raise RankDied if the group failed or closed, a peer is dead, or rank 0's
         deadline passed (marking the group failed, so that every other rank stops too)."""
-        self._check_usable()
+        self.check_usable()
+        dead = self.dead_peer()
+        if dead is not None:
+            self.fail(dead[0])
+            raise RankDied(f"tensor-parallel rank {dead[0]} (pid {dead[1]}) died")
+        if deadline is not None and time.monotonic() >= deadline:
+            self.fail(waiting_for, deadline=True)
+            raise RankDied(f"tensor-parallel rank {waiting_for} did not arrive within {self.timeout_s:g} s")
+
+    def dead_peer(self) -> tuple[int, int] | None:
+        """(rank, pid) of a peer that is no longer alive (by the pids the peers wrote when they attached,
+        and those watched), None while all live."""
         pids = {r: self._ctl[self._line(r) + _PID] for r in self._peers}
         pids.update(self._watched)
         for r, pid in pids.items():
             if pid and not names.pid_alive(pid):
-                self.fail(r)
-                raise RankDied(f"tensor-parallel rank {r} (pid {pid}) died")
-        if deadline is not None and time.monotonic() >= deadline:
-            self.fail(waiting_for, deadline=True)
-            raise RankDied(f"tensor-parallel rank {waiting_for} did not arrive within {self.timeout_s:g} s")
+                return r, pid
+        return None
 
     # -- phases -----------------------------------------------------------------------------------
 
@@ -249,7 +260,7 @@ class ShmGroup:
     def _begin(self, writes: bool) -> int:
         """Start a collective; returns its data set. One that writes data first waits until every peer
         has started the previous collective (so none still reads this data set's last contents)."""
-        self._check_usable()
+        self.check_usable()
         if writes and self._prev_op_phase:
             self._wait_all(self._prev_op_phase)
         self._prev_op_phase = self._phase + 1

@@ -51,8 +51,8 @@ def build_ours(adapters, args):
     tp = args.tensor_parallel
     return LLM(model=args.model, adapters=adapters, dtype=args.dtype, device=args.device,
                lora_backend=args.lora_backend, max_running=args.in_flight, max_step_tokens=args.step_tokens,
-               threads=args.threads if tp == 1 else None, prefix_caching=False, keep_quantized=args.keep_quantized,
-               tensor_parallel=tp, tp_cores=args.tp_cores)
+               threads=args.threads if tp == 1 and args.tp_backend is None else None, prefix_caching=False, keep_quantized=args.keep_quantized,
+               tensor_parallel=tp, tp_cores=args.tp_cores, tp_backend=args.tp_backend)
 
 
 def time_loading(adapters, args) -> tuple[object, dict]:
@@ -306,6 +306,8 @@ def main() -> None:
     ap.add_argument("--tensor-parallel", type=int, default=1, help="ranks (each one core's threads of --tp-cores); "
                     "prints each step's broadcast and all-reduce time and bytes")
     ap.add_argument("--tp-cores", default=None, help="the ranks' cores, e.g. 0;1 (default: an even split)")
+    ap.add_argument("--tp-backend", default=None, choices=["shm", "gloo", "nccl"],
+                    help="the ranks' collectives (default: shm on CPU, nccl on CUDA)")
     ap.add_argument("--json-out", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -352,13 +354,15 @@ def main() -> None:
     overhead = overheads.get("ours")
     tp = llm.engine.tp_stats() if llm is not None else None
     if tp:
-        print(f"tensor parallel {args.tensor_parallel}: {tp['steps']} steps; per step broadcast "
+        print(f"tensor parallel {args.tensor_parallel} over {llm.engine.tp.backend}: {tp['steps']} steps; per step broadcast "
               f"{tp['broadcast_bytes']:.0f} B in {1e3 * tp['broadcast_s']:.3f} ms, all-reduces "
               f"{tp['reduce_bytes'] / 1024:.1f} KiB in {1e3 * tp['reduce_s']:.3f} ms")
     if args.json_out:
         args.json_out.write_text(json.dumps({"load_before": os.getloadavg(), "load_times": load_times,
                                               "results": results, "lora_overhead": overhead, "tensor_parallel": tp},
                                              indent=2))
+    if llm is not None:
+        llm.engine.close()          # tensor-parallel ranks stop here, not by seeing this process gone
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A tensor-parallel rank for tests/test_collective.py:
 ``python -m collective_rank <spec> <rank> <scenario> <out> [<sleeper rank>]`` (tests/ on PYTHONPATH).
-Attaches, says ready (group.barrier()), runs the scenario and writes its outcome to <out>/rank<r>.pt
+Attaches (a ShmGroup or a DistGroup, by the spec), says ready (group.barrier()), runs the scenario and writes its outcome to <out>/rank<r>.pt
 (tensors of ``script``) or <out>/rank<r>.json (how a ``wait_<op>`` ended). The sleeper rank, if
 given, only sleeps (the test kills or stops it).
 
@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ipc.collective import RankDied, ShmGroup
+from ipc.dist import DistGroup, attach_group
 from ipc.ranks import RankProcesses
 
 MAX_BYTES = 96 << 10
@@ -46,9 +47,10 @@ def gather_part(rank: int) -> torch.Tensor:
     return data(rank, 3 * 37, torch.float32).view(3, 37)
 
 
-def script(group: ShmGroup) -> dict:
+def script(group: ShmGroup | DistGroup) -> dict:
     """The collectives every rank runs in this order; what each returned, by name."""
-    group.split_bytes = SPLIT_BYTES
+    if isinstance(group, ShmGroup):
+        group.split_bytes = SPLIT_BYTES
     out = {}
     for dtype in DTYPES:
         for n in sizes(dtype):
@@ -75,7 +77,7 @@ def script(group: ShmGroup) -> dict:
     return out
 
 
-def wait_in(group: ShmGroup, op: str) -> None:
+def wait_in(group: ShmGroup | DistGroup, op: str) -> None:
     if op == "all_reduce":
         group.all_reduce_(torch.ones(1000))
     elif op == "barrier":
@@ -94,7 +96,7 @@ def write_json(path: Path, obj) -> None:
 
 def rank_main(spec: str, rank: int, scenario: str, out: Path, sleeper: int | None) -> int:
     torch.set_num_threads(1)
-    group = ShmGroup.attach(spec, rank)
+    group = attach_group(spec, rank)
     group.barrier()
     if rank == sleeper:
         time.sleep(120)           # the test kills or stops this rank

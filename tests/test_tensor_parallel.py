@@ -4,8 +4,10 @@ In one process: every family's shards, each loaded as its rank would (safetensor
 fused tensors sliced per section), run one step each in lockstep threads whose all-reduce sums the
 ranks' partial outputs of the row-parallel projections; rank 0's logits equal the unsharded model's,
 with adapters of different ranks on every projection and base rows in the same step (their shards
-paged in as the pager pages them). Then the engine: TP=2 rank processes against TP=1 and
-transformers+PEFT, over HTTP, a rank killed mid-generation, and the configurations refused.
+paged in as the pager pages them). Then the engine: TP=2 rank processes over shared memory and over
+gloo against TP=1 and transformers+PEFT, over HTTP, a rank killed mid-generation (either backend), the
+NCCL path on GPUs (ASYNCSERVE_TEST_DEVICE=cuda: TP=1 through NCCL on one GPU, TP=2 on two), and the
+configurations refused.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from asyncserve.pager.adapters import build_host_adapter, read_peft_folder
 from asyncserve.pager.pager import AdapterPager
 from asyncserve.pager.pool import PagedPool
 from family_models import build_family_model
+from reference import TEST_DEVICE
 from server_harness import ServedProcess
 
 BLOCK = 16
@@ -203,10 +206,10 @@ NEW_TOKENS = 8
 ADAPTERS = ("r64_all", "r16_patterns", "r8_attn_rs", "r2_mlp")     # ranks 64, 16 (v 4), 8, 2; all seven projections
 
 
-def tp_llm(model, adapters: dict, **kwargs):
+def tp_llm(model, adapters: dict, device: str = "cpu", **kwargs):
     from asyncserve import LLM
 
-    return LLM(model=str(model), adapters={k: str(v) for k, v in adapters.items()}, dtype="float32", device="cpu",
+    return LLM(model=str(model), adapters={k: str(v) for k, v in adapters.items()}, dtype="float32", device=device,
                max_step_tokens=24, **kwargs)
 
 
@@ -231,42 +234,84 @@ def closed(llm, before: set[str]) -> list[str]:
     return sorted(shm_names() - before)
 
 
-def test_tp2_generates_tp1s_and_pefts_tokens(tiny_model):
-    """Mixed adapters of ranks 2..64 on all seven projections and base rows in the same steps, then
-    requests sharing the first requests' prefixes (prefix cache hits): TP=2's greedy tokens are TP=1's
-    and transformers+PEFT's."""
-    from reference import assert_greedy_matches, peft_references
+class Expected:
+    """Cases of mixed adapters with prefix-cache hits, and their greedy tokens: TP=1's and PEFT's."""
 
-    tok = tiny_model.tokenizer
-    texts = ["the quick brown fox jumps over the lazy dog and runs far away from home today",
-             "LoRA adapters fine-tune large language models with low-rank updates",
-             "def add(a, b): return a + b"]
-    prompts = [tok.encode(t) for t in texts]
-    first = [(prompts[i % 3], a) for i, a in enumerate([*ADAPTERS, None])]
-    # the same prompts' first blocks with other endings, one of them under the same adapter (a hit)
-    second = [(prompts[0][:17] + prompts[2], ADAPTERS[0]), (prompts[0][:17] + prompts[1][:5], None)]
-    adapters = {k: tiny_model.adapters[k] for k in ADAPTERS}
-    refs = peft_references(tiny_model.base, adapters, first + second, NEW_TOKENS)
-    one = tp_llm(tiny_model.root, adapters)
-    expected = greedy(one, first) + greedy(one, second)
-    one.engine.close()
+    def __init__(self, tiny_model, device: str = "cpu"):
+        from reference import peft_references
+
+        tok = tiny_model.tokenizer
+        texts = ["the quick brown fox jumps over the lazy dog and runs far away from home today",
+                 "LoRA adapters fine-tune large language models with low-rank updates",
+                 "def add(a, b): return a + b"]
+        prompts = [tok.encode(t) for t in texts]
+        self.first = [(prompts[i % 3], a) for i, a in enumerate([*ADAPTERS, None])]
+        # the same prompts' first blocks with other endings, one of them under the same adapter (a hit)
+        self.second = [(prompts[0][:17] + prompts[2], ADAPTERS[0]), (prompts[0][:17] + prompts[1][:5], None)]
+        self.adapters = {k: tiny_model.adapters[k] for k in ADAPTERS}
+        self.refs = peft_references(tiny_model.base, self.adapters, self.first + self.second, NEW_TOKENS)
+        one = tp_llm(tiny_model.root, self.adapters, device=device, enforce_eager=True)
+        self.tp1 = self.generate(one)
+        one.engine.close()
+        assert sum(t != self.tp1[-3] for t in self.tp1[:4]) >= 2      # the adapters change tokens
+
+    def generate(self, llm) -> list[list[int]]:
+        return greedy(llm, self.first) + greedy(llm, self.second)
+
+    def check(self, got: list[list[int]], label: str) -> None:
+        """PEFT's tokens (up to near-ties), and TP=1's in all sequences but at most one."""
+        from reference import assert_greedy_matches
+
+        exact = 0
+        for i, (ours, case, ref, tp1) in enumerate(zip(got, self.first + self.second, self.refs, self.tp1)):
+            exact += ours == tp1
+            assert_greedy_matches(ours, ref, tie_tol=1e-3, label=f"{label} case {i} adapter {case[1]}")
+        assert exact >= len(got) - 1, f"{label} equals TP=1 in only {exact} of {len(got)} sequences"
+
+
+@pytest.fixture(scope="module")
+def expected_cpu(tiny_model):
+    return Expected(tiny_model)
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_tp2_generates_tp1s_and_pefts_tokens(tiny_model, expected_cpu, backend):
+    """Mixed adapters of ranks 2..64 on all seven projections and base rows in the same steps, then
+    requests sharing the first requests' prefixes (prefix cache hits): TP=2's greedy tokens over shared
+    memory and over gloo are TP=1's and transformers+PEFT's."""
     before = shm_names()
-    two = tp_llm(tiny_model.root, adapters, tensor_parallel=2)
+    two = tp_llm(tiny_model.root, expected_cpu.adapters, tensor_parallel=2, tp_backend=backend)
     try:
-        assert two.engine.tp is not None and two.engine.tp.world == 2
-        got = greedy(two, first) + greedy(two, second)
+        assert two.engine.tp is not None and two.engine.tp.world == 2 and two.engine.tp.backend == backend
+        got = expected_cpu.generate(two)
         assert two.engine.load_snapshot().prefix_hit_tokens >= 16        # the second requests' first block
         stats = two.engine.tp.stats()
         assert stats["reduce_bytes"] > 0 and stats["broadcast_bytes"] > 0
     finally:
         left = closed(two, before)
     assert left == []
-    exact = 0
-    for i, (ours, case, ref, tp1) in enumerate(zip(got, first + second, refs, expected)):
-        exact += ours == tp1
-        assert_greedy_matches(ours, ref, tie_tol=1e-3, label=f"TP=2 case {i} adapter {case[1]}")
-    assert exact >= len(got) - 1, f"TP=2 equals TP=1 in only {exact} of {len(got)} sequences"
-    assert sum(t != expected[-3] for t in expected[:4]) >= 2      # the adapters change tokens
+    expected_cpu.check(got, f"TP=2 over {backend}")
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cuda", reason="NCCL needs ASYNCSERVE_TEST_DEVICE=cuda and a GPU")
+def test_nccl_on_gpus_generates_tp1s_and_pefts_tokens(tiny_model):
+    """The NCCL path: TP=1 through a world-1 NCCL group on one GPU (every all-reduce a real NCCL call),
+    and TP=2 on two GPUs where the machine has them, against TP=1 without a group (eager) and PEFT."""
+    expected = Expected(tiny_model, device="cuda")
+    worlds = [1, 2] if torch.cuda.device_count() >= 2 else [1]
+    for world in worlds:
+        before = shm_names()
+        llm = tp_llm(tiny_model.root, expected.adapters, device="cuda", tensor_parallel=world, tp_backend="nccl")
+        try:
+            assert llm.engine.tp is not None and llm.engine.tp.world == world and llm.engine.tp.backend == "nccl"
+            assert llm.engine.runner.graphs is None               # eager under TP
+            got = expected.generate(llm)
+            assert llm.engine.tp.stats()["reduce_bytes"] > 0
+        finally:
+            left = closed(llm, before)
+            del llm                     # its GPU memory, before the next engine sizes its pool
+        assert left == []
+        expected.check(got, f"TP={world} over nccl")
 
 
 def test_tp2_gemma2_merged(tmp_path):
@@ -292,7 +337,7 @@ def test_tp2_gemma2_merged(tmp_path):
 
 
 SERVE_ARGS = ("--port", "0", "--device", "cpu", "--dtype", "float32", "--step-profile", "off", "--tensor-parallel",
-              "2", "--host-adapter-mem", "64MiB")
+              "2", "--host-adapter-mem", "64MiB")   # --tp-backend: shm
 
 
 def rank_pids(server: ServedProcess) -> list[int]:
@@ -331,12 +376,13 @@ def test_tp2_over_http_with_the_openai_client(tiny_model):
     assert leftovers(f"/asyncserve-{server.proc.pid}-") == []
 
 
-def test_a_rank_killed_mid_generation_ends_the_server_with_503s(tiny_model):
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_a_rank_killed_mid_generation_ends_the_server_with_503s(tiny_model, backend):
     """SIGKILL of rank 1 while two requests generate: the open requests get 503 (engine_failed) in
     OpenAI's error shape, the server exits 1 within seconds and leaves nothing in /dev/shm."""
     from ipc import leftovers
 
-    server = ServedProcess(*SERVE_ARGS, "--model", str(tiny_model.root))
+    server = ServedProcess(*SERVE_ARGS, "--model", str(tiny_model.root), "--tp-backend", backend)
     try:
         body = {"model": str(tiny_model.root.name), "prompt": "the fox", "max_tokens": 400, "ignore_eos": True}
         models = json.loads(urllib.request.urlopen(server.base + "/v1/models", timeout=30).read())
@@ -381,8 +427,16 @@ def _post(base: str, body: dict) -> tuple[int, dict]:
     ({"tensor_parallel": 4}, "key/value heads|needs a core per rank"),
     ({"tensor_parallel": 0}, "at least 1"),
     ({"tensor_parallel": 2, "cpu_assist": "on"}, "CPU assist"),
-    ({"tensor_parallel": 2, "device": "cuda"}, "NCCL"),
     ({"tensor_parallel": 2, "threads": 2}, "threads does not apply"),
+    ({"tensor_parallel": 1, "tp_backend": "gloo", "threads": 2}, "threads does not apply"),
+    ({"tensor_parallel": 2, "tp_backend": "mpi"}, "unknown tp_backend"),
+    ({"tensor_parallel": 2, "tp_backend": "NCCL"}, "unknown tp_backend"),
+    ({"tensor_parallel": 2, "device": "cpu", "tp_backend": "nccl"}, "between GPUs"),
+    ({"tensor_parallel": 1, "device": "cpu", "tp_backend": "nccl"}, "between GPUs"),
+    ({"tensor_parallel": 2, "device": "cuda", "tp_backend": "shm"}, "connects CPU ranks"),
+    ({"tensor_parallel": 2, "device": "cuda:0", "tp_backend": "gloo"}, "connects CPU ranks"),
+    ({"tensor_parallel": 64, "device": "cuda"}, "needs a GPU per rank"),
+    ({"tensor_parallel": 2, "device": "cuda:63"}, "needs a GPU per rank"),
 ])
 def test_bad_tensor_parallel_configs_are_refused(tiny_model, kwargs, message):
     from asyncserve.engine import Engine

@@ -150,6 +150,8 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(logits[len(rows):], prompt_rows) if prompt_rows.owners else {}
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        if self.tp is not None:
+            self.tp.check()
         return StepResult(sampled, time.perf_counter() - t0 - switch_s, plan.num_tokens, prompt_logprobs)
 
     @staticmethod

@@ -1,5 +1,9 @@
 """Tensor parallelism's rank 0 side and its one message per step (docs/tensor-parallel.md).
 
+The ranks talk over a ShmGroup (CPU ranks, POSIX shared memory) or a DistGroup (torch.distributed:
+gloo on CPU, NCCL with a GPU per rank; ipc/dist.py); both have the same interface, so only their
+construction differs.
+
 Rank 0 is the engine's ModelRunner: it schedules, prepares the step's inputs once, broadcasts them to
 ranks 1..N-1 (stepper/tp_rank.py) as one TpStep (a small msgspec header and the inputs' arrays as raw
 bytes), runs its own shard, all-reduces the row-parallel outputs with the others, and alone computes
@@ -26,7 +30,8 @@ import torch
 from asyncserve.lora.batch import LoraBatch
 from asyncserve.model.llama import PrefillChunk, StepInputs, decode_masks
 from asyncserve.step import EngineFailed
-from ipc.collective import RankDied, ShmGroup, cores_for_ranks
+from ipc.collective import RankDied
+from ipc.dist import create_group
 from ipc.ranks import RankProcesses
 
 log = logging.getLogger("asyncserve.tp")
@@ -52,6 +57,7 @@ class TpStep(msgspec.Struct, array_like=True):
     page_ins: list[TpPageIn] = []
     merged: int | None = None            # generation of the adapter merged into the base weights
     num_decode: int = 0
+    decode_tables: bool = False          # the decodes' block tables for kernels.paged_attention (CUDA)
     chunks: list[tuple[int, int, int]] = []    # prefill chunks' (start, end, first_pos)
     adapters: list[int] = []             # generations of the step's LoRA adapters (LoraBatch.adapters)
     seg_starts: list[int] = []
@@ -71,39 +77,43 @@ def encode_step(inputs: StepInputs, batch: LoraBatch | None, page_ins: list[TpPa
     arrays = [inputs.input_ids, inputs.positions, inputs.write_rows, inputs.decode_pages, ctx, inputs.sample_index]
     arrays += [c.block_table for c in inputs.prefills]
     return msgspec.msgpack.encode(TpStep(
-        page_ins=page_ins, merged=merged, num_decode=nd,
+        page_ins=page_ins, merged=merged, num_decode=nd, decode_tables=inputs.decode_tables is not None,
         chunks=[(c.start, c.end, c.first_pos) for c in inputs.prefills],
         adapters=[a.generation for a in batch.adapters] if batch is not None else [],
         seg_starts=batch.seg_starts if batch is not None else [],
         seg_adapter=batch.seg_adapter if batch is not None else [],
-        arrays=[t.numpy().tobytes() for t in arrays]))
+        arrays=[t.cpu().numpy().tobytes() for t in arrays]))
 
 
 def decode_step(payload: bytes) -> TpStep:
     return msgspec.msgpack.decode(payload, type=TpStep)
 
 
-def step_inputs(step: TpStep, block: int) -> StepInputs:
-    """The StepInputs rank 0 prepared, rebuilt from its message (CPU)."""
+def step_inputs(step: TpStep, block: int, device: torch.device) -> StepInputs:
+    """The StepInputs rank 0 prepared, rebuilt from its message on ``device``."""
     arrays = [torch.from_numpy(np.frombuffer(b, dtype=np.int64).copy()) for b in step.arrays]
     ids, positions, write_rows, decode_pages, ctx, sample_index = arrays[:len(_ARRAYS)]
     nd = step.num_decode
     mask, padding = decode_masks(ctx, len(decode_pages) // max(nd, 1), block)
-    chunks = [PrefillChunk(start, end, first, table)
+    chunks = [PrefillChunk(start, end, first, table.to(device))
               for (start, end, first), table in zip(step.chunks, arrays[len(_ARRAYS):])]
-    return StepInputs(ids, positions, write_rows, nd, decode_pages, mask[:, None, None, :], padding, chunks,
-                      sample_index)
+    tables = decode_pages.view(nd, -1).to(device) if step.decode_tables and nd else None
+    return StepInputs(ids.to(device), positions.to(device), write_rows.to(device), nd, decode_pages.to(device),
+                      mask[:, None, None, :].to(device), padding.to(device), chunks, sample_index.to(device),
+                      decode_tables=tables)
 
 
 class TensorParallel:
-    """Ranks 1..N-1 as processes, the shared-memory group, and rank 0's half of each step."""
+    """Ranks 1..N-1 as processes, their group (``backend``: shm, gloo or nccl), and rank 0's half of each
+    step. CPU ranks are pinned to ``cores`` (one CPU list per rank); with nccl rank r runs on
+    cuda:<device's index + r>."""
 
-    def __init__(self, world: int, cores_spec: str | None, settings: dict, max_bytes: int,
-                 on_death: Callable[[str], None] | None = None):
-        self.cores = cores_for_ranks(world, cores_spec)
+    def __init__(self, world: int, backend: str, cores: list[list[int]] | None, device: torch.device,
+                 settings: dict, max_bytes: int, on_death: Callable[[str], None] | None = None):
+        self.cores, self.backend = cores, backend
         self.on_death = on_death            # the engine's: the server stops (set after start, too)
         self.dead: str | None = None
-        self.group = ShmGroup.create(world, max_bytes)
+        self.group = create_group(backend, world, max_bytes, first_device=device.index or 0)
         # per step: seconds and bytes of the broadcast and the all-reduces (scripts' --tp reports them)
         self.steps = 0
         self.broadcast_s = self.reduce_s = 0.0
@@ -126,8 +136,11 @@ class TensorParallel:
             self.processes.wait_ready(READY_TIMEOUT_S)
         except RankDied as e:
             raise EngineFailed(f"a tensor-parallel rank failed while loading its shard: {e}") from None
-        log.info("tensor parallelism: %d ranks ready in %.1f s, cores %s", self.world, time.perf_counter() - t0,
-                 ";".join(",".join(map(str, c)) for c in self.cores))
+        first = self.group.device.index or 0
+        where = (f"cores {';'.join(','.join(map(str, c)) for c in self.cores)}" if self.cores is not None
+                 else f"devices cuda:{first}..cuda:{first + self.world - 1}")
+        log.info("tensor parallelism: %d ranks over %s ready in %.1f s, %s", self.world, self.backend,
+                 time.perf_counter() - t0, where)
 
     def _died(self, rank: int, returncode: int) -> None:
         self.dead = f"tensor-parallel rank {rank} exited with status {returncode}"
@@ -153,16 +166,22 @@ class TensorParallel:
         self.steps += 1
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
-        """The ranks' partial sums of a row-parallel output, summed in place."""
+        """The ranks' partial sums of a row-parallel output, summed in place (NCCL: queued on the device;
+        the time counted is the host's)."""
         t0 = time.perf_counter()
         self._call(self.group.all_reduce_, t)
         self.reduce_s += time.perf_counter() - t0
         self.reduce_bytes += t.numel() * t.element_size()
         return t
 
-    def _call(self, fn, *args):
+    def check(self) -> None:
+        """After a step: EngineFailed if a rank died during it. An NCCL communicator aborted because of
+        the death lets the step finish without that rank's partial sums: its tokens must not count."""
         if self.dead is not None:
             raise EngineFailed(self.dead)
+
+    def _call(self, fn, *args):
+        self.check()
         try:
             return fn(*args)
         except RankDied as e:
