@@ -56,7 +56,8 @@ class Config:
     tensor_parallel: int = 1
     tp_cores: str | None = None              # each rank's cores, "0-3;4-7"; None: NUMA nodes, else an even split
     # CPU-assisted LoRA (CaraServe §4): worker processes compute cold adapters' LoRA from the host tier
-    cpu_workers: int | None = None           # None: cores the device's threads leave free (default_workers); 0: none
+    cpu_workers: int | None = None           # None: cores the device's threads leave free (default_workers); 0: none;
+                                             # per rank under tensor_parallel
     cpu_assist: str = "auto"                 # auto (when the profile says it pays) | on | off
     cpu_profile_dir: str | None = None       # cached worker profiles; default ~/.cache/asyncserve/cpu-profiles
     # the step-time model's start (step_profile.py): auto (a cached or shipped profile of this device and
@@ -160,9 +161,6 @@ class Config:
         if self.device not in ("auto", "cpu"):
             raise ValueError(f"tensor_parallel {n} runs on CPU ranks over shared memory; on {self.device} it would "
                              "need torch.distributed with NCCL, which is not implemented (serve with --device cpu)")
-        if self.cpu_assist == "on" or self.cpu_workers:
-            raise ValueError(f"CPU assist (cpu_assist on, cpu_workers) does not run under tensor_parallel {n}: "
-                             "its workers compute whole adapters' LoRA, the ranks a shard of each")
         if n > usable_cpus():
             raise ValueError(f"tensor_parallel {n} needs a core per rank; this process may use {usable_cpus()} CPUs")
         if self.threads is not None:
@@ -240,13 +238,17 @@ class Config:
         return self.threads or int(os.environ.get("ASYNCSERVE_THREADS", 0)) or cores
 
     def resolved_cpu_workers(self, device: torch.device) -> int:
-        """CPU LoRA worker processes to start: 0 with cpu_assist off; at least 1 with it on."""
+        """CPU LoRA worker processes to start (under tensor_parallel, per rank): 0 with cpu_assist off; at
+        least 1 with it on."""
         from asyncserve.stepper.assist import default_workers
 
-        if self.cpu_assist == "off" or self.tensor_parallel > 1:
+        if self.cpu_assist == "off":
             return 0
         if self.cpu_workers is not None:
             return self.cpu_workers
+        if self.tensor_parallel > 1:
+            # a rank's workers share its cores (tp_cores), which its own threads take: none spare for auto
+            return 1 if self.cpu_assist == "on" else 0
         auto = default_workers(device, self.resolved_threads() if device.type == "cpu" else 1)
         return max(auto, 1) if self.cpu_assist == "on" else auto
 
