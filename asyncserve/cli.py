@@ -96,8 +96,10 @@ def _engine_args(p: argparse.ArgumentParser, step_profile: str = "off") -> None:
                    help="slo: admit requests while the predicted decode step of the running batch stays within "
                         "this (default: none)")
     p.add_argument("--cpu-workers", type=int, default=None, metavar="N",
-                   help="CPU LoRA worker processes for cold adapters' prefill (CaraServe); 0 turns them off "
-                        "(default: the cores the device's threads leave free)")
+                   help="CPU LoRA worker processes for cold adapters' prefill (CaraServe); 0 turns them off; "
+                        "under --tensor-parallel, per rank, on the rank's own cores (default: the cores the "
+                        "device's threads leave free; under --tensor-parallel, 1 per rank with --cpu-assist on, "
+                        "else 0)")
     p.add_argument("--cpu-assist", default="auto", choices=["auto", "on", "off"],
                    help="compute the LoRA of requests whose adapter is not on the device yet on the CPU workers: "
                         "auto when the workers' profile predicts a lower TTFT than waiting for the load "

@@ -61,7 +61,8 @@ class Config:
     # runs through that group (the NCCL path on one GPU)
     tp_backend: str | None = None
     # CPU-assisted LoRA (CaraServe §4): worker processes compute cold adapters' LoRA from the host tier
-    cpu_workers: int | None = None           # None: cores the device's threads leave free (default_workers); 0: none
+    cpu_workers: int | None = None           # None: cores the device's threads leave free (default_workers); 0: none;
+                                             # per rank under tensor_parallel
     cpu_assist: str = "auto"                 # auto (when the profile says it pays) | on | off
     cpu_profile_dir: str | None = None       # cached worker profiles; default ~/.cache/asyncserve/cpu-profiles
     # the step-time model's start (step_profile.py): auto (a cached or shipped profile of this device and
@@ -170,9 +171,6 @@ class Config:
         n = self.tensor_parallel
         if self.tp_backend not in (None, "shm", "gloo", "nccl"):
             raise ValueError(f"unknown tp_backend {self.tp_backend!r}; choose shm, gloo or nccl")
-        if self.cpu_assist == "on" or self.cpu_workers:
-            raise ValueError(f"CPU assist (cpu_assist on, cpu_workers) does not run under tensor_parallel {n}: "
-                             "its workers compute whole adapters' LoRA, the ranks a shard of each")
         device = self.resolved_device()
         backend = self.resolved_tp_backend(device)
         if device.type == "cuda":
@@ -185,6 +183,9 @@ class Config:
                                  f"cuda:{first + n - 1}; this machine has {count} CUDA device(s)")
             if self.tp_cores is not None:
                 raise ValueError("tp_cores pins CPU ranks to cores; on CUDA each rank drives its own GPU")
+            if self.cpu_assist == "on" or self.cpu_workers:
+                raise ValueError("CPU assist (cpu_assist on, cpu_workers) runs per shard on CPU ranks; under "
+                                 f"tensor_parallel on {device} it is not built")
             return
         if backend == "nccl":
             raise ValueError(f"tp_backend nccl all-reduces between GPUs, one per rank, but device {self.device} runs "
@@ -281,13 +282,17 @@ class Config:
         return self.threads or int(os.environ.get("ASYNCSERVE_THREADS", 0)) or cores
 
     def resolved_cpu_workers(self, device: torch.device) -> int:
-        """CPU LoRA worker processes to start: 0 with cpu_assist off; at least 1 with it on."""
+        """CPU LoRA worker processes to start (under tensor_parallel, per rank): 0 with cpu_assist off; at
+        least 1 with it on."""
         from asyncserve.stepper.assist import default_workers
 
-        if self.cpu_assist == "off" or self.uses_tp_group:
+        if self.cpu_assist == "off" or (self.uses_tp_group and device.type != "cpu"):
             return 0
         if self.cpu_workers is not None:
             return self.cpu_workers
+        if self.tensor_parallel > 1:
+            # a rank's workers share its cores (tp_cores), which its own threads take: none spare for auto
+            return 1 if self.cpu_assist == "on" else 0
         auto = default_workers(device, self.resolved_threads() if device.type == "cpu" else 1)
         return max(auto, 1) if self.cpu_assist == "on" else auto
 

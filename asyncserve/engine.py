@@ -232,8 +232,10 @@ class Engine:
         self.assist: CpuAssist | None = None
         workers = config.resolved_cpu_workers(self.device)
         if workers:       # last: nothing after it can fail and leave the workers running
-            self.assist = CpuAssist(self.pager.arena, mc, workers, self.dtype, self.device,
-                                    self.scheduler.max_step_tokens, config.resolved_cpu_profile_dir(), weights)
+            # under tensor parallelism rank 0's workers compute its shard, on its cores (each rank has its own)
+            self.assist = CpuAssist(self.pager.arena, sc, workers, self.dtype, self.device,
+                                    self.scheduler.max_step_tokens, config.resolved_cpu_profile_dir(), weights,
+                                    Shard(0, tp), self.tp_cores[0] if tp > 1 else None)
             self.runner.assist = self.assist
             self.scheduler.cold_admission = self._assist_pays
             log.info("CPU assist %s: %d workers", config.cpu_assist, self.assist.live)
@@ -770,6 +772,8 @@ class Engine:
                     "block_size": config.block_size, "num_pages": num_pages, "arena": self.pager.arena.name,
                     "arena_slots": len(self.pager.arena.directory)}
         max_tokens = config.resolved_max_step_tokens(self.device)
+        # CPU assist: each rank starts as many workers as rank 0, for jobs as large as its steps
+        settings.update(cpu_workers=config.resolved_cpu_workers(self.device), max_step_tokens=max_tokens)
         max_bytes = max(max_tokens * mc.hidden_size * self.dtype.itemsize,
                         step_bytes(max_tokens, config.max_running, -(-self.max_model_len // config.block_size),
                                    num_pages))

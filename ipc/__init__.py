@@ -19,12 +19,16 @@ Host tier (ipc/arena.py)
                                     # host copy the pager pages to the device IS the shared one
     arena.release(handle)           # LRU eviction; handle.nbytes, arena.fits(n), block_bytes(...) to plan
     arena.close()
+    reader = ArenaReader(arena.name, slots)  # another process's (a tensor-parallel rank's): view(handle), close()
 
 Layer-wise jobs (ipc/pool.py)
-    pool = WorkerPool(arena, n, max_tokens=..., max_in=..., max_out=..., dtype=model dtype)
+    pool = WorkerPool(arena, n, max_tokens=..., max_in=..., max_out=..., dtype=model dtype, cpus=None)
+                                    # cpus: pin the workers there (a tensor-parallel rank's cores)
     pool.wait_ready(timeout)        # at start; afterwards workers join as they come up
-    group = ProjectionGroup(in_features, out_features, ((proj_index, first_column), ...))
-                                    # one per lora.batch GROUPS entry, from lora.backend.group_layout
+    group = ProjectionGroup(in_features, out_features, ((proj_index, first_column), ...), rank, world, row_parallel)
+                                    # one per lora.batch GROUPS entry (stepper/assist.py projection_groups);
+                                    # world > 1: rank's shard, A sliced by inputs (row_parallel) or B^T by
+                                    # outputs (arena.shard_tensors), read in place from the arena
     # per layer and group of a step with cold adapters: x_cold = x[cold rows], tasks partition them
     pool.submit(layer, group, x_cold, [(handle, row0, row1), ...], workers=k)
     y = base(x)                     # the device computes the base projection meanwhile
@@ -85,7 +89,7 @@ Workers compute in float32 (bf16 storage widened per job) and round the delta on
 thread each. On CUDA, ``submit``'s copy of x into shared memory is a synchronous device-to-host copy
 (CaraServe's fused async copy-and-signal is not done here).
 """
-from ipc.arena import AdapterHandle, AdapterView, ArenaFull, HostArena, block_bytes
+from ipc.arena import AdapterHandle, AdapterView, ArenaFull, ArenaReader, HostArena, block_bytes
 from ipc.collective import GroupClosed, RankDied, ShmGroup, cores_for_ranks
 from ipc.names import cleanup_stale, leftovers
 from ipc.pool import (CpuAssistError, JobFailed, NoWorkers, ProjectionGroup, WorkerDied, WorkerPool,
@@ -105,7 +109,8 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "AdapterHandle", "AdapterView", "ArenaFull", "HostArena", "block_bytes", "cleanup_stale", "leftovers",
+    "AdapterHandle", "AdapterView", "ArenaFull", "ArenaReader", "HostArena", "block_bytes", "cleanup_stale",
+    "leftovers",
     "GroupClosed", "RankDied", "RankProcesses", "ShmGroup", "cores_for_ranks",
     "CpuAssistError", "JobFailed", "NoWorkers", "ProjectionGroup", "WorkerDied", "WorkerPool", "WorkerTimeout",
     *sorted(_PROFILE),

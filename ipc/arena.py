@@ -3,7 +3,8 @@
 The server process is the only writer: ``store`` copies an adapter in and returns a handle,
 ``release`` frees it, ``view`` gives zero-copy tensors of a stored adapter (what the pager copies
 into device pages). Workers map the same segment read-only in effect and find an adapter's tensors
-through the directory (ipc/layout.py) by the handle's slot and generation.
+through the directory (ipc/layout.py) by the handle's slot and generation; another process that reads
+adapters itself (a tensor-parallel rank) attaches an ``ArenaReader``.
 
 The allocator is first-fit over a sorted free list with coalescing, in ALIGN-byte units: an LRU host
 tier of bounded size evicts (``release``) until ``store`` fits. ``ArenaFull`` says so when it does
@@ -92,7 +93,31 @@ def block_bytes(num_layers: int, num_projections: int, ranks: list[int], shapes:
     return size + num_layers * per_layer
 
 
-class HostArena:
+class ArenaReader:
+    """A process's reading view of an arena another process writes (a tensor-parallel rank > 0 and its
+    CPU LoRA workers' pool): stored adapters by handle. Attaches, never unlinks."""
+
+    def __init__(self, name: str, slots: int):
+        self.name = name
+        self.buffer = names.attach_shm(name)
+        self.directory = np.frombuffer(self.buffer, dtype=DIR_ENTRY, count=slots)
+
+    def _check(self, handle: AdapterHandle) -> None:
+        d = self.directory[handle.slot]
+        if not d["live"] or int(d["generation"]) != handle.generation:
+            raise KeyError(f"arena slot {handle.slot} generation {handle.generation} is not stored")
+
+    def view(self, handle: AdapterHandle) -> AdapterView:
+        """Zero-copy tensors of a stored adapter; KeyError once it was released."""
+        self._check(handle)
+        return read_adapter(self.buffer, self.directory[handle.slot])
+
+    def close(self) -> None:
+        self.directory = None
+        names.close_map(self.buffer)
+
+
+class HostArena(ArenaReader):
     """One shared segment of ``capacity`` bytes holding up to ``slots`` adapters."""
 
     def __init__(self, capacity: int, slots: int = 4096):
@@ -186,16 +211,7 @@ class HostArena:
         self.allocator.free(int(d["offset"]))
         self._free_slots.append(handle.slot)
 
-    def _check(self, handle: AdapterHandle) -> None:
-        d = self.directory[handle.slot]
-        if not d["live"] or int(d["generation"]) != handle.generation:
-            raise KeyError(f"arena slot {handle.slot} generation {handle.generation} is not stored")
-
     # -- reading ---------------------------------------------------------------------------------
-
-    def view(self, handle: AdapterHandle) -> AdapterView:
-        self._check(handle)
-        return read_adapter(self.buffer, self.directory[handle.slot])
 
     def rows(self, handle: AdapterHandle) -> torch.Tensor | None:
         """A stored adapter's rows end to end, in the order ``write`` lays them (per layer, per targeted
@@ -224,8 +240,7 @@ class HostArena:
     def close(self) -> None:
         """Unlink the segment (workers' mappings stay valid) and unmap it unless views are alive."""
         names.unlink(self.name)
-        self.directory = None
-        names.close_map(self.buffer)
+        super().close()
 
     def __enter__(self) -> HostArena:
         return self
@@ -256,3 +271,18 @@ def tensors(buffer, e, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     a = torch.frombuffer(buffer, dtype=dtype, count=r * fan_in, offset=int(e["a_offset"])).view(r, fan_in)
     bt = torch.frombuffer(buffer, dtype=dtype, count=r * fan_out, offset=int(e["b_offset"])).view(r, fan_out)
     return a, bt
+
+
+def shard_tensors(a: torch.Tensor, bt: torch.Tensor, rank: int, world: int,
+                  row_parallel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tensor parallelism's shard of one projection's A [r, in] and B^T [r, out] (S-LoRA §6): a
+    row-parallel projection's A columns of the rank's inputs (x_r · A_r · B is its part of a sum the
+    ranks all-reduce), a column-parallel one's B^T columns of its outputs. Views, no copy."""
+    if world == 1:
+        return a, bt
+    whole = a if row_parallel else bt
+    if whole.shape[1] % world:
+        raise ValueError(f"{whole.shape[1]} {'inputs' if row_parallel else 'outputs'} do not split over {world} ranks")
+    n = whole.shape[1] // world
+    part = whole[:, rank * n:(rank + 1) * n]
+    return (part, bt) if row_parallel else (a, part)

@@ -13,7 +13,9 @@ naming a released adapter fails instead of reading reused memory.
 
 Control block (one per worker, in the pool's ``ctl`` segment): a CTL header, then the job's
 projections (MAX_PROJ x (p, column offset)) and tasks (MAX_TASKS x (slot, generation, row0, row1)),
-then an error message the worker writes when a job fails.
+then an error message the worker writes when a job fails. Under tensor parallelism the header's
+shard (rank of world) and row_parallel say which slice of each projection the job computes: a
+row-parallel one's A columns of the rank's inputs, a column-parallel one's B^T columns of its outputs.
 """
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ INDEX_ENTRY = np.dtype([("rank", "<i4"), ("fan_in", "<i4"), ("fan_out", "<i4"), 
 # control block header fields (int64 each)
 CTL = np.dtype([("seq", "<i8"), ("kind", "<i8"), ("layer", "<i8"), ("in_features", "<i8"),
                 ("out_features", "<i8"), ("dtype", "<i8"), ("num_projections", "<i8"), ("num_tasks", "<i8"),
-                ("done_seq", "<i8"), ("status", "<i8"), ("worker_pid", "<i8")])
+                ("done_seq", "<i8"), ("status", "<i8"), ("worker_pid", "<i8"),
+                ("shard_rank", "<i8"), ("shard_world", "<i8"), ("row_parallel", "<i8")])
 KIND_COMPUTE, KIND_STOP = 0, 1
 STATUS_OK, STATUS_ERROR = 0, 1
 MAX_PROJ = 8

@@ -101,8 +101,9 @@ def pid_alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def cleanup_stale(shm_dir: Path = SHM_DIR) -> list[str]:
-    """Unlink the segments and semaphores of asyncserve processes that are gone; returns their names."""
+def cleanup_stale(shm_dir: Path = SHM_DIR, pids: set[int] | None = None) -> list[str]:
+    """Unlink the segments and semaphores of asyncserve processes that are gone (of those ``pids`` only,
+    where given); returns their names."""
     removed = []
     try:
         entries = os.listdir(shm_dir)
@@ -110,7 +111,7 @@ def cleanup_stale(shm_dir: Path = SHM_DIR) -> list[str]:
         return removed
     for entry in entries:
         m = _STALE.match(entry)
-        if m is None or pid_alive(int(m.group(2))):
+        if m is None or (pids is not None and int(m.group(2)) not in pids) or pid_alive(int(m.group(2))):
             continue
         try:
             if m.group(1):

@@ -35,7 +35,7 @@ import posix_ipc
 import torch
 
 from ipc import names
-from ipc.arena import AdapterHandle, HostArena
+from ipc.arena import AdapterHandle, ArenaReader
 from ipc.layout import (CTL_BYTES, DTYPE_CODE, KIND_COMPUTE, KIND_STOP, MAX_PROJ, MAX_TASKS, STATUS_ERROR,
                         ControlBlock, element_size)
 
@@ -72,10 +72,16 @@ class NoWorkers(CpuAssistError):
 
 @dataclass(frozen=True)
 class ProjectionGroup:
-    """What one job computes: projections sharing an input, each writing its columns of the output."""
+    """What one job computes: projections sharing an input, each writing its columns of the output.
+    Under tensor parallelism, rank ``rank`` of ``world``'s shard of them (S-LoRA §6): in and out
+    features are the shard's, and each projection's A (row_parallel: x is the rank's slice of the
+    inputs) or B^T (column-parallel: the rank's slice of the outputs) is sliced to match."""
     in_features: int
     out_features: int                              # width of the group's fused output
     projections: tuple[tuple[int, int], ...]       # (projection index, first output column)
+    rank: int = 0
+    world: int = 1
+    row_parallel: bool = False
 
 
 @dataclass
@@ -93,11 +99,12 @@ class _Worker:
 
 
 class WorkerPool:
-    def __init__(self, arena: HostArena, num_workers: int, *, max_tokens: int, max_in: int, max_out: int,
-                 dtype: torch.dtype):
+    def __init__(self, arena: ArenaReader, num_workers: int, *, max_tokens: int, max_in: int, max_out: int,
+                 dtype: torch.dtype, cpus: list[int] | None = None):
+        """cpus: pin the workers to these CPUs (a tensor-parallel rank's cores); None: this process's."""
         if num_workers < 1:
             raise ValueError("a WorkerPool needs at least one worker")
-        self.arena, self.dtype = arena, dtype
+        self.arena, self.dtype, self.cpus = arena, dtype, cpus
         self.max_tokens, self.max_in, self.max_out = max_tokens, max_in, max_out
         self.prefix = names.new_prefix()
         self._segments = [self.prefix + "-ctl", self.prefix + "-x", self.prefix + "-delta"]
@@ -142,6 +149,15 @@ class WorkerPool:
         except OSError:
             _drop(sems)
             raise
+        if self.cpus is not None:
+            try:
+                # the child has just exec'd: its threads, started later, inherit the mask
+                os.sched_setaffinity(w.proc.pid, self.cpus)
+            except OSError:
+                w.proc.kill()
+                w.proc.wait()
+                _drop(sems)
+                raise
         w.req, w.done = sems
         w.ready, w.started = False, time.monotonic()
 
@@ -266,6 +282,8 @@ class WorkerPool:
                 ctl["in_features"], ctl["out_features"] = group.in_features, group.out_features
                 ctl["dtype"] = DTYPE_CODE[self.dtype]
                 ctl["num_projections"], ctl["num_tasks"] = len(group.projections), len(part)
+                ctl["shard_rank"], ctl["shard_world"] = group.rank, group.world
+                ctl["row_parallel"] = group.row_parallel
                 ctl.projections[:len(group.projections)] = group.projections
                 ctl.tasks[:len(part)] = [(h.slot, h.generation, r0, r1) for h, r0, r1 in part]
                 w.req.release()

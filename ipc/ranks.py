@@ -8,8 +8,9 @@ reaped, the group is marked failed (every wait of every rank raises RankDied) an
 returncode)`` is called once, from the watchdog thread. A rank's exit is a death whatever its code:
 ranks are stopped by ``close()``, not by a message of their own.
 
-Ranks only attach to the group's names, so nothing of theirs is left in /dev/shm when they die; the
-group's names are rank 0's (ipc/names.py unlinks them at close, at exit, or as stale at the next start).
+The group's names are rank 0's (ipc/names.py unlinks them at close, at exit, or as stale at the next
+start). Names a rank creates itself (its CPU LoRA workers' pool) are its to unlink; whatever one left
+(SIGKILLed, crashed) is unlinked here once it is reaped.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ipc import names
 from ipc.collective import ShmGroup
 
 log = logging.getLogger("asyncserve.ipc")
@@ -129,6 +131,7 @@ class RankProcesses:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        names.cleanup_stale(pids={proc.pid for proc in self.procs.values()})
 
     def __enter__(self) -> RankProcesses:
         return self

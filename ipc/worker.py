@@ -4,7 +4,8 @@ Attaches to the arena and the pool's segments, posts ``done`` once to say it is 
 wait for ``req``, compute the job described in its control block, write its rows of ``delta``,
 post ``done``. Exits on a stop job, or when its server is gone (checked while idle every POLL_S).
 Computes in float32 whatever the storage dtype (bf16 weights and activations are widened per job)
-and rounds the delta once into the activation dtype.
+and rounds the delta once into the activation dtype. A tensor-parallel rank's job names its shard
+(ipc/layout.py): the worker reads only that slice of A or B^T from the arena.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import posix_ipc
 import torch
 
 from ipc import names
-from ipc.arena import tensors
+from ipc.arena import shard_tensors, tensors
 from ipc.layout import (DIR_ENTRY, DTYPES, INDEX_ENTRY, KIND_STOP, STATUS_ERROR, STATUS_OK, ControlBlock,
                         element_size)
 
@@ -28,6 +29,7 @@ def run_job(ctl: ControlBlock, arena, directory: np.ndarray, x_buf, delta_buf) -
     dtype = DTYPES[ctl["dtype"]]
     esize = element_size(dtype)
     projections = ctl.projections[:ctl["num_projections"]].tolist()
+    shard = ctl["shard_rank"], ctl["shard_world"], bool(ctl["row_parallel"])
     for slot, generation, row0, row1 in ctl.tasks[:ctl["num_tasks"]].tolist():
         entry = directory[slot]
         if not entry["live"] or int(entry["generation"]) != generation:
@@ -47,13 +49,14 @@ def run_job(ctl: ControlBlock, arena, directory: np.ndarray, x_buf, delta_buf) -
             e = index[layer * num_projections + p]
             if not e["rank"]:
                 continue          # the adapter does not target p: its columns stay zero
-            if e["fan_in"] != fan_in or column + e["fan_out"] > out_features:
-                raise ValueError(f"projection {p} is {e['fan_in']} -> {e['fan_out']}, the job has "
-                                 f"{fan_in} -> columns {column}.. of {out_features}")
-            a, bt = tensors(arena, e, weight_dtype)
+            # the job's shard of A [r, in] and B^T [r, out]: strided views of the arena, no copy
+            a, bt = shard_tensors(*tensors(arena, e, weight_dtype), *shard)
+            if a.shape[1] != fan_in or column + bt.shape[1] > out_features:
+                raise ValueError(f"projection {p} is {a.shape[1]} -> {bt.shape[1]} in shard {shard[0]} of "
+                                 f"{shard[1]}, the job has {fan_in} -> columns {column}.. of {out_features}")
             delta = (x @ a.float().t()) @ bt.float()       # [rows, r] @ [r, out]
             delta.mul_(float(e["scaling"]))
-            out[:, column:column + int(e["fan_out"])] = delta
+            out[:, column:column + bt.shape[1]] = delta
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -98,6 +101,10 @@ def main(argv: list[str] | None = None) -> None:
         serve(args)
     except KeyboardInterrupt:
         pass
+    # nothing of a worker's needs tearing down (the server owns every shared name): skip the interpreter's
+    # teardown of torch (~2 s on a loaded 2-core machine), so a pool's close, and a tensor-parallel rank's
+    # stop that closes its pool, take a moment, not seconds
+    os._exit(0)
 
 
 if __name__ == "__main__":

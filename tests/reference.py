@@ -37,6 +37,21 @@ def record_calls(monkeypatch, owner, name: str, note) -> None:
     monkeypatch.setattr(owner, name, recorded)
 
 
+def record_steps(engine) -> list:
+    """The plans the engine runs, in order; each gets ``copies_waiting``: per CPU-assisted load already
+    paged in, whether its copy to the device was still pending after the step (off its path)."""
+    plans, run, pager = [], engine.runner.run, engine.pager
+
+    def recording(plan):
+        plans.append(plan)
+        result = run(plan)
+        plan.copies_waiting = {load: any(p.load == load for p in pager.pending)
+                               for load in plan.assisted if load in pager.resident}
+        return result
+    engine.runner.run = recording
+    return plans
+
+
 def run_merged(engine, cases, merged_for, params, after_step=None) -> list:
     """Run (prompt ids, adapter) cases to the end through schedule -> run -> postprocess, each plan's
     ``merged`` set to merged_for(plan, step index); after_step(step index) runs after each step.

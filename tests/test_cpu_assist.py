@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import ADAPTERS, TEST_DEVICE, assert_greedy_matches, peft_references
+from reference import ADAPTERS, TEST_DEVICE, assert_greedy_matches, peft_references, record_steps
 
 from asyncserve import LLM, SamplingParams
 from asyncserve.config import Config
@@ -75,21 +75,6 @@ def _check(outs, cases, refs, device_only) -> None:
     assert same >= len(cases) - 1, f"only {same}/{len(cases)} equal the device path's tokens"
 
 
-def _record_steps(engine) -> list:
-    """The plans the engine runs, in order; each gets ``copies_waiting``: per assisted load already
-    paged in, whether its copy to the device was still pending after the step (off its path)."""
-    plans, run, pager = [], engine.runner.run, engine.pager
-
-    def recording(plan):
-        plans.append(plan)
-        result = run(plan)
-        plan.copies_waiting = {load: any(p.load == load for p in pager.pending)
-                               for load in plan.assisted if load in pager.resident}
-        return result
-    engine.runner.run = recording
-    return plans
-
-
 def _shm_clean(engine) -> None:
     prefixes = [engine.assist.pool.prefix, engine.pager.arena.prefix]
     engine.close()
@@ -100,7 +85,7 @@ def test_cold_adapters_prefill_on_the_workers_with_the_device_paths_tokens(tiny_
     cases_, refs = cases
     llm = _llm(tiny_model, "on", tmp_path)
     engine = llm.engine
-    plans = _record_steps(engine)
+    plans = record_steps(engine)
     assert engine.assist.live == 2 and engine.pager.resident_names() == set()   # every adapter is cold
     outs = llm.generate([ids for ids, _ in cases_], GREEDY, adapters=[a for _, a in cases_])
     _check(outs, cases_, refs, device_only)
@@ -146,7 +131,7 @@ def test_adapter_without_room_stays_on_the_workers_then_moves_to_the_device(tiny
     cases_, refs = cases
     llm = _llm(tiny_model, "on", tmp_path)
     engine = llm.engine
-    plans = _record_steps(engine)
+    plans = record_steps(engine)
     ensure_resident = engine.pager.ensure_resident
 
     def no_room_at_first(name, admission=True):

@@ -21,7 +21,9 @@ import ipc
 from asyncserve.lora.backend import group_layout
 from asyncserve.model.config import GROUPS, PROJ_INDEX, PROJECTIONS
 from asyncserve.model.config import ModelConfig
+from asyncserve.model.shard import Shard, shard_config
 from asyncserve.pager.adapters import load_peft_adapter
+from asyncserve.stepper.assist import projection_groups
 from ipc import (ArenaFull, HostArena, JobFailed, ProjectionGroup, WorkerDied, WorkerPool, WorkerTimeout,
                  cleanup_stale, leftovers)
 from ipc.arena import Allocator
@@ -32,8 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIG = ModelConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                      num_kv_heads=2, head_dim=16)
 LAYOUT = group_layout(CONFIG)
-GROUP = {g: ProjectionGroup(rows[0][1], sum(r[2] for r in rows), tuple((PROJ_INDEX[p], col) for p, _, _, col in rows))
-         for g, rows in LAYOUT.items()}
+GROUP = projection_groups(CONFIG, Shard(0, 1))
 MAX_TOKENS = 96
 START_S = 120        # worker start (imports torch) on a loaded 2-core machine
 
@@ -160,6 +161,44 @@ def test_released_adapter_fails_the_job_not_the_worker(setup):
     with pytest.raises(JobFailed, match="released"):
         pool.collect(timeout=20.0)
     got, ref = run_job(pool, adapters, 0, "o", 5, workers=1)
+    check(dtype, got, ref)
+
+
+def test_shard_jobs_are_each_ranks_slice_of_the_whole(setup):
+    """Tensor parallelism (S-LoRA §6), 2 ranks: a column-parallel group's job gives the rank's output
+    columns of each projection's whole delta from the whole x; a row-parallel group's jobs, each from
+    the rank's slice of x's inputs, sum to the whole delta. A shard that cuts a projection unevenly
+    fails the job, not the worker."""
+    dtype, _, pool, adapters = setup
+    world, tokens = 2, 29
+    layout = group_layout(shard_config(CONFIG, world))
+    for layer in range(CONFIG.num_layers):
+        for group in GROUPS:
+            x = torch.randn(tokens, GROUP[group].in_features, generator=torch.Generator().manual_seed(layer)).to(dtype)
+            tasks = [(h, r0, r1) for h, (r0, r1) in zip(adapters, ((0, 3), (3, 4), (4, 20), (20, tokens)))]
+            whole = reference(adapters, layer, group, x, tasks)
+            row_parallel = group in ("o", "down")
+            summed = torch.zeros_like(whole)
+            for rank in range(world):
+                spec = projection_groups(shard_config(CONFIG, world), Shard(rank, world))[group]
+                assert (spec.rank, spec.world, spec.row_parallel) == (rank, world, row_parallel)
+                width = spec.in_features
+                x_rank = x[:, rank * width:(rank + 1) * width] if row_parallel else x
+                pool.submit(layer, spec, x_rank.contiguous(), tasks, workers=2)
+                got = pool.collect(30.0)
+                if row_parallel:
+                    summed += got.double()
+                    continue
+                for (_, _, fan_out, col), (_, _, part, shard_col) in zip(LAYOUT[group], layout[group]):
+                    assert part * world == fan_out
+                    check(dtype, got[:, shard_col:shard_col + part], whole[:, col + rank * part:col + (rank + 1) * part])
+            if row_parallel:
+                check(dtype, summed, whole)
+    uneven = ProjectionGroup(CONFIG.hidden_size, 22, ((PROJ_INDEX["q_proj"], 0),), 0, 3)      # 64 outputs over 3
+    pool.submit(0, uneven, torch.randn(4, CONFIG.hidden_size).to(dtype), [(list(adapters)[2], 0, 4)], workers=1)
+    with pytest.raises(JobFailed, match="do not split over 3 ranks"):
+        pool.collect(timeout=20.0)
+    got, ref = run_job(pool, adapters, 1, "qkv", 7, workers=3)
     check(dtype, got, ref)
 
 

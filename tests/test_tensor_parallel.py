@@ -5,14 +5,16 @@ fused tensors sliced per section), run one step each in lockstep threads whose a
 ranks' partial outputs of the row-parallel projections; rank 0's logits equal the unsharded model's,
 with adapters of different ranks on every projection and base rows in the same step (their shards
 paged in as the pager pages them). Then the engine: TP=2 rank processes over shared memory and over
-gloo against TP=1 and transformers+PEFT, over HTTP, a rank killed mid-generation (either backend), the
-NCCL path on GPUs (ASYNCSERVE_TEST_DEVICE=cuda: TP=1 through NCCL on one GPU, TP=2 on two), and the
-configurations refused.
+gloo against TP=1 and transformers+PEFT, with CPU assist (each rank's workers computing its shard of
+cold adapters' LoRA, workers killed mid-step), over HTTP, a rank killed mid-generation (either
+backend), the NCCL path on GPUs (ASYNCSERVE_TEST_DEVICE=cuda: TP=1 through NCCL on one GPU, TP=2 on
+two), and the configurations refused.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -33,7 +35,7 @@ from asyncserve.model.shard import Shard, shard_config, take_ranges
 from asyncserve.pager.adapters import build_host_adapter, read_peft_folder
 from asyncserve.pager.pager import AdapterPager
 from asyncserve.pager.pool import PagedPool
-from family_models import build_family_model
+from family_models import FAMILIES, build_family_model
 from reference import TEST_DEVICE
 from server_harness import ServedProcess
 
@@ -206,6 +208,11 @@ NEW_TOKENS = 8
 ADAPTERS = ("r64_all", "r16_patterns", "r8_attn_rs", "r2_mlp")     # ranks 64, 16 (v 4), 8, 2; all seven projections
 
 
+TEXTS = ["the quick brown fox jumps over the lazy dog and runs far away from home today",
+         "LoRA adapters fine-tune large language models with low-rank updates",
+         "def add(a, b): return a + b"]
+
+
 def tp_llm(model, adapters: dict, device: str = "cpu", **kwargs):
     from asyncserve import LLM
 
@@ -240,11 +247,7 @@ class Expected:
     def __init__(self, tiny_model, device: str = "cpu"):
         from reference import peft_references
 
-        tok = tiny_model.tokenizer
-        texts = ["the quick brown fox jumps over the lazy dog and runs far away from home today",
-                 "LoRA adapters fine-tune large language models with low-rank updates",
-                 "def add(a, b): return a + b"]
-        prompts = [tok.encode(t) for t in texts]
+        prompts = [tiny_model.tokenizer.encode(t) for t in TEXTS]
         self.first = [(prompts[i % 3], a) for i, a in enumerate([*ADAPTERS, None])]
         # the same prompts' first blocks with other endings, one of them under the same adapter (a hit)
         self.second = [(prompts[0][:17] + prompts[2], ADAPTERS[0]), (prompts[0][:17] + prompts[1][:5], None)]
@@ -336,16 +339,140 @@ def test_tp2_gemma2_merged(tmp_path):
         assert_greedy_matches(ours, ref, tie_tol=1e-3, label=f"merged case {i} adapter {case[1]}")
 
 
+def child_pids(pid: int, module: str) -> list[int]:
+    """The children of process ``pid`` (started by any of its threads) running ``python -m module``."""
+    children = [c for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
+    return [int(c) for c in children if module in Path(f"/proc/{c}/cmdline").read_bytes().decode(errors="replace")]
+
+
+def gone(pids: list[int], timeout_s: float = 10.0) -> bool:
+    """Whether every one of pids has exited (a zombie counts) within timeout_s."""
+    from ipc.names import pid_alive
+
+    deadline = time.monotonic() + timeout_s
+    while any(pid_alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.fixture(scope="module")
+def profile_dir(tmp_path_factory):
+    """The CPU workers' profile, measured by the first engine with workers and read by the others."""
+    return tmp_path_factory.mktemp("cpu-profiles")
+
+
+def assist_llm(model, adapters: dict, profile_dir, **kwargs):
+    """One CPU LoRA worker (per rank under tensor parallelism); every adapter cold at start."""
+    return tp_llm(model, adapters, cpu_assist="on", cpu_workers=1, cpu_profile_dir=str(profile_dir), **kwargs)
+
+
+def assisted_names(plans) -> set[str]:
+    """The adapters whose LoRA the CPU workers computed in some step of plans."""
+    loads = {load for p in plans for load in p.assisted}
+    return {c.seq.adapter for p in plans for c in p.chunks if c.seq.adapter_load in loads}
+
+
+def test_tp2_cpu_assist_gives_tp1s_and_pefts_tokens(tiny_model, profile_dir, capfd):
+    """--cpu-assist on, TP=2: each rank's own worker (on the rank's cores) computes its shard of the
+    cold adapters' LoRA (ranks 64 on all seven projections and 16, beside a base row): TP=1-with-assist's
+    and transformers+PEFT's greedy tokens. Then both ranks' workers die inside an assisted step (stopped
+    first, so each rank's job is surely in flight or yet to come): each rank recomputes its shard in
+    torch, tokens unchanged. Nothing is left running or in /dev/shm after close."""
+    from reference import assert_greedy_matches, peft_references, record_steps
+
+    from ipc import leftovers
+
+    prompts = [tiny_model.tokenizer.encode(t) for t in TEXTS]
+    first = [(prompts[i], a) for i, a in enumerate(("r64_all", "r16_patterns", None))]
+    second = [(prompts[(i + 1) % 3], a) for i, a in enumerate(("r8_attn_rs", "r2_mlp", None))]
+    adapters = {k: tiny_model.adapters[k] for k in ADAPTERS}
+    refs = peft_references(tiny_model.base, adapters, first + second, NEW_TOKENS)
+    one = assist_llm(tiny_model.root, adapters, profile_dir)
+    try:
+        expected = greedy(one, first) + greedy(one, second)
+        assert one.engine.assist.tokens_total > 0
+    finally:
+        one.engine.close()
+    before = shm_names()
+    two = assist_llm(tiny_model.root, adapters, profile_dir, tensor_parallel=2)
+    engine = two.engine
+    rank1 = engine.tp.processes.pids[1]
+    workers = {0: [w.proc.pid for w in engine.assist.pool.workers], 1: child_pids(rank1, "ipc.worker")}
+    try:
+        assert engine.pager.resident_names() == set() and len(workers[1]) == 1
+        for rank, pids in workers.items():        # each rank's workers on its own cores
+            assert all(os.sched_getaffinity(pid) == set(engine.tp.cores[rank]) for pid in pids)
+        plans = record_steps(engine)
+        got = greedy(two, first)
+        assert assisted_names(plans) == {"r64_all", "r16_patterns"}
+        assert engine.assist.fallbacks == 0
+
+        victims = [pid for pids in workers.values() for pid in pids]
+        for pid in victims:
+            os.kill(pid, signal.SIGSTOP)
+        pool, killed = engine.assist.pool, []
+        submit = pool.submit
+
+        def submit_after_the_kill(*args, **kwargs):
+            if not killed:              # rank 0's first job of the step: rank 1's is stuck or yet to come
+                for pid in victims:
+                    os.kill(pid, signal.SIGKILL)
+                killed.append(args[0])
+            return submit(*args, **kwargs)
+        pool.submit = submit_after_the_kill
+        steps = len(plans)
+        got += greedy(two, second)
+        # the first request's adapter is assisted (r2_mlp's may be paged in while its request waits)
+        assert killed and "r8_attn_rs" in assisted_names(plans[steps:]) <= {"r8_attn_rs", "r2_mlp"}
+        assert engine.assist.fallbacks >= 1 and engine.assist.restarts >= 1
+        assert engine.assist.tokens_total == sum(c.num_tokens for p in plans for c in p.chunks
+                                                 if c.seq.adapter_load in p.assisted)
+        workers[1] = child_pids(rank1, "ipc.worker")          # the replacement
+    finally:
+        left = closed(two, before)
+    assert left == [] and leftovers(f"/asyncserve-{rank1}-") == []
+    assert gone([rank1, *workers[0], *workers[1]])
+    err = capfd.readouterr().err
+    assert re.search(r"tp rank 1: WARNING layer \d+ \w+: .*; computing those deltas in torch", err), err[-3000:]
+    exact = 0
+    for i, (ours, case, ref, tp1) in enumerate(zip(got, first + second, refs, expected)):
+        exact += ours == tp1
+        assert_greedy_matches(ours, ref, tie_tol=1e-3, label=f"TP=2 assisted case {i} adapter {case[1]}")
+    assert exact >= len(got) - 1, f"TP=2 equals TP=1 in only {exact} of {len(got)} sequences"
+
+
+def test_tp2_phi3_cpu_assist(tmp_path, profile_dir):
+    """Phi-3's fused qkv_proj and gate_up_proj under TP=2 with CPU assist: each rank's worker reads its
+    slice of each section's B (q, k, v; gate, up) from the arena; transformers+PEFT's tokens."""
+    from reference import assert_greedy_matches, peft_references, record_steps
+
+    model = build_family_model(tmp_path, "phi3")
+    prompts = [model.tokenizer.encode(t) for t in TEXTS[:2]]
+    cases = [(p, a) for p in prompts for a in [*model.adapters, None]]
+    refs = peft_references(model.base, model.adapters, cases, NEW_TOKENS)
+    before = shm_names()
+    # sequences within the pretraining context: rotated with longrope's short factors, as transformers does
+    llm = assist_llm(model.folder, model.adapters, profile_dir, tensor_parallel=2,
+                     max_model_len=FAMILIES["phi3"]["original_max_position_embeddings"])
+    try:
+        plans = record_steps(llm.engine)
+        got = greedy(llm, cases)
+        assert assisted_names(plans) == set(model.adapters)
+    finally:
+        assert closed(llm, before) == []
+    for i, (ours, case, ref) in enumerate(zip(got, cases, refs)):
+        assert_greedy_matches(ours, ref, tie_tol=1e-3, label=f"phi3 assisted case {i} adapter {case[1]}")
+
+
 SERVE_ARGS = ("--port", "0", "--device", "cpu", "--dtype", "float32", "--step-profile", "off", "--tensor-parallel",
               "2", "--host-adapter-mem", "64MiB")   # --tp-backend: shm
 
 
 def rank_pids(server: ServedProcess) -> list[int]:
-    """The server's tp_rank children (of any of its threads: the stepper thread starts them)."""
-    pid = server.proc.pid
-    children = [c for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
-    return [int(c) for c in children if "asyncserve.stepper.tp_rank" in
-            Path(f"/proc/{c}/cmdline").read_bytes().decode(errors="replace")]
+    """The server's tp_rank children (the stepper thread starts them)."""
+    return child_pids(server.proc.pid, "asyncserve.stepper.tp_rank")
 
 
 def test_tp2_over_http_with_the_openai_client(tiny_model):
@@ -426,7 +553,6 @@ def _post(base: str, body: dict) -> tuple[int, dict]:
     ({"tensor_parallel": 3}, "3 attention heads|needs a core per rank|not a multiple of 3"),
     ({"tensor_parallel": 4}, "key/value heads|needs a core per rank"),
     ({"tensor_parallel": 0}, "at least 1"),
-    ({"tensor_parallel": 2, "cpu_assist": "on"}, "CPU assist"),
     ({"tensor_parallel": 2, "threads": 2}, "threads does not apply"),
     ({"tensor_parallel": 1, "tp_backend": "gloo", "threads": 2}, "threads does not apply"),
     ({"tensor_parallel": 2, "tp_backend": "mpi"}, "unknown tp_backend"),
@@ -444,3 +570,16 @@ def test_bad_tensor_parallel_configs_are_refused(tiny_model, kwargs, message):
 
     with pytest.raises(ValueError, match=message):
         Engine(Config(model=str(tiny_model.root), dtype="float32", **kwargs))
+
+
+def test_cpu_workers_are_per_rank():
+    """Under tensor parallelism --cpu-workers is per rank; by default one with --cpu-assist on (it shares
+    the rank's cores), none with auto (the rank's threads leave no core spare)."""
+    from asyncserve.config import Config
+
+    cpu = torch.device("cpu")
+    for kwargs, workers in (({"cpu_assist": "on"}, 1), ({"cpu_assist": "auto"}, 0), ({"cpu_workers": 3}, 3),
+                            ({"cpu_assist": "on", "cpu_workers": 2}, 2), ({"cpu_assist": "off", "cpu_workers": 2}, 0)):
+        config = Config(tensor_parallel=2, device="cpu", **kwargs)
+        config.validate_tensor_parallel()
+        assert config.resolved_cpu_workers(cpu) == workers, kwargs

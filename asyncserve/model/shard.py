@@ -58,6 +58,8 @@ _COLUMN = {"self_attn.q_proj.weight": (1, 0, 0), "self_attn.k_proj.weight": (0, 
 _FUSED = {"self_attn.qkv_proj.weight": ((1, 0, 0), (0, 1, 0), (0, 1, 0)),
           "mlp.gate_up_proj.weight": ((0, 0, 1), (0, 0, 1))}
 _ROW = {"self_attn.o_proj.weight": (1, 0, 0), "mlp.down_proj.weight": (0, 0, 1)}
+# the LoRA-targetable projections (model/config.py PROJECTIONS) split along their inputs; the others along their outputs
+ROW_PARALLEL = ("o_proj", "down_proj")
 
 
 def shard_ranges(name: str, config: ModelConfig, shard: Shard) -> tuple[int, list[tuple[int, int]]] | None:

@@ -2,8 +2,9 @@
 is not on the device, from its host-tier copy, layer by layer beside the device's base projections.
 
     assist = CpuAssist(pager.arena, model_config, workers, dtype, device, max_tokens, profile_dir, weights)
-    assist.begin_step(tasks, rows)      # per step: (host block, row0, row1, ranks) over the cold rows
-    if assist.active:                   # the step has cold rows
+    workers = assist.workers_for(tasks, rows)   # how many workers a job of this step takes (the profile's)
+    assist.begin_step(tasks, rows, workers)     # per step: (host block, row0, row1, ranks) over the cold rows
+    if assist.active:                           # the step has cold rows
         forward(..., lora=AssistedLora(assist, backend))
 
 Per (layer, projection group) AssistedLora submits x of the cold rows to shared memory, lets the
@@ -18,6 +19,13 @@ time (ipc/profile.py, measured at start or read from the cache per CPU, model an
 device's own time for the same projections, summed over the prefill's jobs, against the time the
 adapter's copy to the device would add. On a CPU device whose threads leave the workers no cores of
 their own, nothing overlaps and the whole job time counts.
+
+Under tensor parallelism every rank has a pool of workers of its own, on its own cores (LayerAssist on
+ranks 1..N-1, CpuAssist on rank 0), and each computes its shard of every cold row's LoRA: x · A · B
+[its output columns] for q/k/v and gate/up, x_r · A[its input rows] · B for o and down, added to the
+partial output before the all-reduce. Rank 0 alone decides (which rows are cold, how many workers a
+job takes: the step message carries both), so the ranks never disagree; no rank waits on another's
+workers, and the collectives per layer stay the base model's two (docs/tensor-parallel.md).
 """
 from __future__ import annotations
 
@@ -34,7 +42,9 @@ from asyncserve.cpus import usable_cpus
 from asyncserve.lora.backend import LoraBackend, group_layout
 from asyncserve.model.config import GROUPS, PROJ_INDEX, ModelConfig
 from asyncserve.model.linear import Linear
+from asyncserve.model.shard import ROW_PARALLEL, Shard
 from ipc import AdapterHandle, CpuAssistError, HostArena, ProjectionGroup, WorkerPool
+from ipc.arena import ArenaReader, shard_tensors
 from ipc.profile import (WorkerProfile, choose_workers, cpu_model, fit, macs_per_token, measure, profile_path,
                          should_assist)
 
@@ -47,35 +57,137 @@ PROFILE_TOKENS = (16, 128)
 COPY_PROBE_BYTES = 8 << 20
 
 
-class CpuAssist:
-    def __init__(self, arena: HostArena, config: ModelConfig, num_workers: int, dtype: torch.dtype,
-                 device: torch.device, max_tokens: int, profile_dir: Path, weights=None):
-        """weights: the model's LlamaWeights, to time the device's projections (on a GPU)."""
+def projection_groups(config: ModelConfig, shard: Shard) -> dict[str, ProjectionGroup]:
+    """Per group, the job the workers compute: config's projection shapes (under tensor parallelism the
+    rank's shard, whose o and down are row-parallel)."""
+    return {g: ProjectionGroup(rows[0][1], sum(r[2] for r in rows), tuple((PROJ_INDEX[p], col) for p, _, _, col in rows),
+                               shard.rank, shard.world, all(p in ROW_PARALLEL for p in GROUPS[g]))
+            for g, rows in group_layout(config).items()}
+
+
+def targeted_groups(tasks: list[tuple[AdapterHandle, int, int, list[int]]]) -> set[str]:
+    """The groups with a projection some task's adapter targets."""
+    return {g for g, projs in GROUPS.items() if any(ranks[PROJ_INDEX[p]] for *_, ranks in tasks for p in projs)}
+
+
+class LayerAssist:
+    """A rank's workers and a step's cold rows: per (layer, group), the workers' job submitted before the
+    device's projection and collected after it, or recomputed in torch where they fail. config is the
+    rank's shard under tensor parallelism (``shard``); cpus: the cores the workers share with it."""
+
+    def __init__(self, arena: ArenaReader, config: ModelConfig, shard: Shard, num_workers: int, dtype: torch.dtype,
+                 device: torch.device, max_tokens: int, cpus: list[int] | None = None):
         self.config, self.device, self.dtype = config, device, dtype
-        layout = group_layout(config)
-        self.groups = {g: ProjectionGroup(rows[0][1], sum(r[2] for r in rows),
-                                          tuple((PROJ_INDEX[p], col) for p, _, _, col in rows))
-                       for g, rows in layout.items()}
-        self.shapes = {g: [(fan_in, fan_out) for _, fan_in, fan_out, _ in rows] for g, rows in layout.items()}
+        self.groups = projection_groups(config, shard)
         self.pool = WorkerPool(arena, num_workers, max_tokens=max_tokens,
                                max_in=max(g.in_features for g in self.groups.values()),
-                               max_out=max(g.out_features for g in self.groups.values()), dtype=dtype)
+                               max_out=max(g.out_features for g in self.groups.values()), dtype=dtype, cpus=cpus)
         self.tokens_total = 0            # tokens whose LoRA the workers computed
         self.fallbacks = 0               # layer jobs recomputed here after a worker failure
+        self._tasks: list[tuple[AdapterHandle, int, int]] = []
+        self._rows: torch.Tensor | None = None
+        self._targets: set[str] = set()
+        self._workers = 0
+        self._views: dict[AdapterHandle, object] = {}
         try:
             if self.pool.wait_ready(READY_TIMEOUT_S) < 1:
                 raise RuntimeError("no CPU LoRA worker started")
+        except BaseException:
+            self.pool.close()
+            raise
+
+    # ---- steps (torch thread) ------------------------------------------------------------------
+
+    def begin_step(self, tasks: list[tuple[AdapterHandle, int, int, list[int]]], rows: list[int], workers: int) -> None:
+        """tasks: per cold run, (host block, first, end row among the cold rows, its ranks);
+        rows: the step's token rows that are cold, in order; workers: how many a job takes."""
+        self._tasks = [(h, r0, r1) for h, r0, r1, _ in tasks]
+        self._views = {}
+        if not tasks:
+            self._rows = None
+            return
+        self._rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        self._targets = targeted_groups(tasks)
+        self._workers = workers
+        self.tokens_total += len(rows)
+
+    @property
+    def active(self) -> bool:
+        return self._rows is not None
+
+    def project(self, layer: int, group: str, x: torch.Tensor, device_project) -> torch.Tensor:
+        """y = device_project(x) plus the cold rows' LoRA of ``group``: submitted before the device's
+        projection, collected after it. x: [T, in]."""
+        if group not in self._targets:
+            return device_project(x)
+        x_cold = x.index_select(0, self._rows)                        # [cold, in]
+        spec = self.groups[group]
+        try:
+            self.pool.submit(layer, spec, x_cold, self._tasks, workers=self._workers)
+            submitted = None
+        except (CpuAssistError, ValueError) as e:      # no worker ready; more tasks than a job takes
+            submitted = e
+        y = device_project(x)                                         # [T, out]
+        try:
+            if submitted is not None:
+                raise submitted
+            delta = self.pool.collect(JOB_TIMEOUT_S)                   # [cold, out]
+        except (CpuAssistError, ValueError) as e:
+            log.warning("layer %d %s: %s; computing those deltas in torch", layer, group, e)
+            self.fallbacks += 1
+            delta = self._torch_deltas(layer, spec, x_cold)
+        return y.index_add_(0, self._rows, delta.to(y.device))
+
+    def _torch_deltas(self, layer: int, spec: ProjectionGroup, x_cold: torch.Tensor) -> torch.Tensor:
+        """What the workers compute, here: x · A · B · scaling per task's rows (the job's shard of A or
+        B), float32, rounded once."""
+        out = torch.zeros(x_cold.shape[0], spec.out_features, dtype=torch.float32, device=x_cold.device)
+        for handle, r0, r1 in self._tasks:
+            view = self._views.get(handle)
+            if view is None:
+                view = self._views[handle] = self.pool.arena.view(handle)
+            x = x_cold[r0:r1].float()
+            for p, column in spec.projections:
+                if not view.ranks[p]:
+                    continue
+                a, bt = shard_tensors(view.a_rows[(layer, p)], view.b_rows[(layer, p)], spec.rank, spec.world,
+                                      spec.row_parallel)
+                a, bt = (t.to(x.device, torch.float32) for t in (a, bt))
+                out[r0:r1, column:column + bt.shape[1]] = (x @ a.t()) @ bt * float(view.scaling[layer, p])
+        return out.to(x_cold.dtype)
+
+    @property
+    def live(self) -> int:
+        return self.pool.live
+
+    @property
+    def restarts(self) -> int:
+        return self.pool.restarts
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+class CpuAssist(LayerAssist):
+    """The serving process's (tensor-parallel rank 0's) assist: also the profile, which decides whether a
+    cold adapter is assisted (``pays``) and how many workers each job of a step takes (``workers_for``)."""
+
+    def __init__(self, arena: HostArena, config: ModelConfig, num_workers: int, dtype: torch.dtype,
+                 device: torch.device, max_tokens: int, profile_dir: Path, weights=None, shard: Shard = Shard(0, 1),
+                 cpus: list[int] | None = None):
+        """weights: the model's LlamaWeights (the rank's shard), to time the device's projections; cpus: the
+        cores this rank's threads and its workers share (tensor parallelism), else this process's."""
+        super().__init__(arena, config, shard, num_workers, dtype, device, max_tokens, cpus)
+        self.shapes = {g: [(fan_in, fan_out) for _, fan_in, fan_out, _ in rows]
+                       for g, rows in group_layout(config).items()}
+        self.cores = len(cpus) if cpus is not None else usable_cpus()
+        try:
             self.profile = self._profile(profile_dir, max_tokens)
             self.device_s_per_token = self._device_seconds(weights, num_workers)
             self.copy_bytes_per_s = self._copy_rate()
         except BaseException:
             self.pool.close()
             raise
-        self._tasks: list[tuple[AdapterHandle, int, int]] = []
-        self._rows: torch.Tensor | None = None
-        self._targets: set[str] = set()
-        self._workers = 0
-        self._views: dict[AdapterHandle, object] = {}
 
     # ---- profile (CaraServe §4.2) --------------------------------------------------------------
 
@@ -107,7 +219,7 @@ class CpuAssist:
         CPU device whose threads and the workers want more cores than there are: there they take
         turns, and a job adds all its time to the step."""
         if weights is None or (self.device.type == "cpu"
-                               and torch.get_num_threads() + num_workers > usable_cpus()):
+                               and torch.get_num_threads() + num_workers > self.cores):
             return dict.fromkeys(GROUPS, 0.0)
         layer, tokens, repeats = weights.layers[0], 128, 5
         linears: dict[str, Linear] = {"qkv": layer.qkv, "o": layer.o, "gate_up": layer.gate_up, "down": layer.down}
@@ -154,84 +266,21 @@ class CpuAssist:
     def copy_seconds(self, nbytes: int) -> float:
         return nbytes / self.copy_bytes_per_s
 
-    # ---- steps (torch thread) ------------------------------------------------------------------
-
-    def begin_step(self, tasks: list[tuple[AdapterHandle, int, int, list[int]]], rows: list[int]) -> None:
-        """tasks: per cold run, (host block, first, end row among the cold rows, its ranks);
-        rows: the step's token rows that are cold, in order."""
-        self._tasks = [(h, r0, r1) for h, r0, r1, _ in tasks]
-        self._views = {}
+    def workers_for(self, tasks: list[tuple[AdapterHandle, int, int, list[int]]], rows: list[int]) -> int:
+        """How many workers each job of a step with these cold rows takes (begin_step's tasks, rows): the
+        profile's choice for the widest targeted group."""
         if not tasks:
-            self._rows = None
-            return
-        self._rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        self._targets = {g for g, projs in GROUPS.items()
-                         if any(ranks[PROJ_INDEX[p]] for *_, ranks in tasks for p in projs)}
-        g = max(self._targets, key=lambda g: self.groups[g].out_features)
+            return 0
+        g = max(targeted_groups(tasks), key=lambda g: self.groups[g].out_features)
         m = max(macs_per_token([ranks[PROJ_INDEX[p]] for p in GROUPS[g]], self.shapes[g]) for *_, ranks in tasks)
-        self._workers = choose_workers(self.profile, len(rows), m, max(1, self.pool.live),
-                                       self.device_s_per_token[g] * len(rows))
-        self.tokens_total += len(rows)
-
-    @property
-    def active(self) -> bool:
-        return self._rows is not None
-
-    def project(self, layer: int, group: str, x: torch.Tensor, device_project) -> torch.Tensor:
-        """y = device_project(x) plus the cold rows' LoRA of ``group``: submitted before the device's
-        projection, collected after it. x: [T, in]."""
-        if group not in self._targets:
-            return device_project(x)
-        x_cold = x.index_select(0, self._rows)                        # [cold, in]
-        spec = self.groups[group]
-        try:
-            self.pool.submit(layer, spec, x_cold, self._tasks, workers=self._workers)
-            submitted = None
-        except (CpuAssistError, ValueError) as e:      # no worker ready; more tasks than a job takes
-            submitted = e
-        y = device_project(x)                                         # [T, out]
-        try:
-            if submitted is not None:
-                raise submitted
-            delta = self.pool.collect(JOB_TIMEOUT_S)                   # [cold, out]
-        except (CpuAssistError, ValueError) as e:
-            log.warning("layer %d %s: %s; computing those deltas in torch", layer, group, e)
-            self.fallbacks += 1
-            delta = self._torch_deltas(layer, spec, x_cold)
-        return y.index_add_(0, self._rows, delta.to(y.device))
-
-    def _torch_deltas(self, layer: int, spec: ProjectionGroup, x_cold: torch.Tensor) -> torch.Tensor:
-        """What the workers compute, here: x · A · B · scaling per task's rows, float32, rounded once."""
-        out = torch.zeros(x_cold.shape[0], spec.out_features, dtype=torch.float32, device=x_cold.device)
-        for handle, r0, r1 in self._tasks:
-            view = self._views.get(handle)
-            if view is None:
-                view = self._views[handle] = self.pool.arena.view(handle)
-            x = x_cold[r0:r1].float()
-            for p, column in spec.projections:
-                if not view.ranks[p]:
-                    continue
-                a, bt = (t.to(x.device, torch.float32) for t in (view.a_rows[(layer, p)], view.b_rows[(layer, p)]))
-                out[r0:r1, column:column + bt.shape[1]] = (x @ a.t()) @ bt * float(view.scaling[layer, p])
-        return out.to(x_cold.dtype)
-
-    @property
-    def live(self) -> int:
-        return self.pool.live
-
-    @property
-    def restarts(self) -> int:
-        return self.pool.restarts
-
-    def close(self) -> None:
-        self.pool.close()
+        return choose_workers(self.profile, len(rows), m, max(1, self.pool.live), self.device_s_per_token[g] * len(rows))
 
 
 class AssistedLora:
     """The LoraHook forward() sees in a step with cold rows (CpuAssist.active): the device backend for
     warm rows (the cold segments carry seg_adapter -1), the workers' deltas for cold ones."""
 
-    def __init__(self, assist: CpuAssist, backend: LoraBackend):
+    def __init__(self, assist: LayerAssist, backend: LoraBackend):
         self.assist, self.backend = assist, backend
 
     active = True

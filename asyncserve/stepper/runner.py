@@ -136,14 +136,16 @@ class ModelRunner:
         inputs, lora_batch, rows, prompt_rows, cold = self._prepare(plan)
         self.lora.begin_step(lora_batch)
         lora = self.lora
+        workers = 0
         if self.assist is not None:
-            self.assist.begin_step(*cold)
+            workers = self.assist.workers_for(*cold)
+            self.assist.begin_step(*cold, workers)
             if self.assist.active:
                 lora = AssistedLora(self.assist, self.lora)
         reduce = None
         if self.tp is not None:          # the other ranks run the same step over their shards
             merged = self.merger.merged.generation if self.merger.merged is not None else None
-            self.tp.send_step(inputs, lora_batch, written, merged, self.pager)
+            self.tp.send_step(inputs, lora_batch, written, merged, self.pager, (*cold, workers))
             reduce = self.tp.all_reduce_
         logits = forward(self.weights, self.config, self.rope, self.pool.kv_view(), inputs, lora, reduce)
         sampled = sample(logits[:len(rows)], rows)

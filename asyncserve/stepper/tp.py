@@ -10,7 +10,8 @@ bytes), runs its own shard, all-reduces the row-parallel outputs with the others
 logits and samples: sampled tokens never leave it. Every rank's pool has the same pages and rank 0's
 block manager and pager decide for all: a step names the pages (block tables, KV write rows) and the
 adapters paged in since the last step (their pages and host-arena block, whose rows each rank
-copies its shard of), so no rank keeps any accounting of its own.
+copies its shard of) and, with CPU assist, the cold rows and their adapters' host-arena blocks (each
+rank's own workers compute its shard of their LoRA), so no rank keeps any accounting of its own.
 
 A rank that dies takes the engine down: the watchdog calls ``on_death`` (the server stops, exit 1),
 and a step that waits on it raises EngineFailed (its requests get 503). Ranks run until they are
@@ -53,6 +54,16 @@ class TpPageIn(msgspec.Struct, array_like=True):
     pages: list[int]
 
 
+class TpColdRun(msgspec.Struct, array_like=True):
+    """CPU assist: a run of the step's cold rows (rows[row0:row1] of TpStep.cold_rows) whose adapter's LoRA
+    each rank's workers compute, their shard of it, from host-arena block ``slot``/``arena_generation``."""
+    slot: int
+    arena_generation: int
+    row0: int
+    row1: int
+    ranks: list[int]
+
+
 class TpStep(msgspec.Struct, array_like=True):
     page_ins: list[TpPageIn] = []
     merged: int | None = None            # generation of the adapter merged into the base weights
@@ -63,15 +74,23 @@ class TpStep(msgspec.Struct, array_like=True):
     seg_starts: list[int] = []
     seg_adapter: list[int] = []
     arrays: list[bytes] = []             # _ARRAYS, then the chunks' block tables, int64 native order
+    # CPU assist, rank 0's decisions: the cold runs, the step's cold rows, the workers a job takes
+    cold: list[TpColdRun] = []
+    cold_rows: list[int] = []
+    cold_workers: int = 0
 
 
 def step_bytes(max_tokens: int, max_running: int, max_pages_per_seq: int, num_pages: int) -> int:
     """A bound on an encoded TpStep: its arrays, a page-in list naming every page, and the header."""
     arrays = 8 * (5 * max_tokens + 2 * max_running * (max_pages_per_seq + 1))
-    return arrays + 16 * num_pages + 64 * 2**10
+    cold = 9 * max_tokens + 64 * max_running        # the cold rows (msgpack ints) and runs
+    return arrays + cold + 16 * num_pages + 64 * 2**10
 
 
-def encode_step(inputs: StepInputs, batch: LoraBatch | None, page_ins: list[TpPageIn], merged: int | None) -> bytes:
+def encode_step(inputs: StepInputs, batch: LoraBatch | None, page_ins: list[TpPageIn], merged: int | None,
+                cold: tuple[list, list[int], int]) -> bytes:
+    """cold: CPU assist's (tasks [(host block, row0, row1, ranks)], cold rows, workers per job)."""
+    tasks, cold_rows, workers = cold
     nd = inputs.num_decode
     ctx = inputs.positions[:nd] + 1
     arrays = [inputs.input_ids, inputs.positions, inputs.write_rows, inputs.decode_pages, ctx, inputs.sample_index]
@@ -82,7 +101,9 @@ def encode_step(inputs: StepInputs, batch: LoraBatch | None, page_ins: list[TpPa
         adapters=[a.generation for a in batch.adapters] if batch is not None else [],
         seg_starts=batch.seg_starts if batch is not None else [],
         seg_adapter=batch.seg_adapter if batch is not None else [],
-        arrays=[t.cpu().numpy().tobytes() for t in arrays]))
+        arrays=[t.cpu().numpy().tobytes() for t in arrays],
+        cold=[TpColdRun(h.slot, h.generation, r0, r1, list(ranks)) for h, r0, r1, ranks in tasks],
+        cold_rows=list(cold_rows), cold_workers=workers))
 
 
 def decode_step(payload: bytes) -> TpStep:
@@ -149,8 +170,9 @@ class TensorParallel:
             self.on_death(self.dead)
 
     def send_step(self, inputs: StepInputs, batch: LoraBatch | None, written: list, merged: int | None,
-                  pager) -> None:
-        """Broadcast the step (written: the pager's page-ins copied for it)."""
+                  pager, cold: tuple[list, list[int], int]) -> None:
+        """Broadcast the step (written: the pager's page-ins copied for it; cold: CPU assist's tasks, rows
+        and workers per job, as LayerAssist.begin_step takes them)."""
         page_ins = []
         for page_in in written:
             handle = pager.host_block(page_in.load)
@@ -158,7 +180,7 @@ class TensorParallel:
                 raise RuntimeError(f"adapter {page_in.device.name!r} was paged in without a host block")
             page_ins.append(TpPageIn(page_in.device.generation, handle.slot, handle.generation,
                                      list(page_in.device.ranks), list(page_in.device.pages)))
-        payload = encode_step(inputs, batch, page_ins, merged)
+        payload = encode_step(inputs, batch, page_ins, merged, cold)
         t0 = time.perf_counter()
         self._call(self.group.broadcast, payload)
         self.broadcast_s += time.perf_counter() - t0
