@@ -206,7 +206,7 @@ def test_a_thousand_adapters_driven_by_a_trace(tiny_model, adapter_dir, monkeypa
         assert metric("asyncserve_adapter_device_hits_total", f'adapter="{top}"') >= 1
     finally:
         st.stop()
-    assert leftovers(pager.arena.shm_prefix) == []
+    assert leftovers(pager.arena.prefix) == []
 
 
 def _corrupt_copies(source: Path, folder: Path) -> tuple[Path, Path]:
