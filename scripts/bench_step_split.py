@@ -3,6 +3,7 @@
     .venv/bin/python scripts/bench_step_split.py --threads 2            # W1's 4 adapters
     .venv/bin/python scripts/bench_step_split.py --threads 1 --base     # the base model
     .venv/bin/python scripts/bench_step_split.py --threads 1 --cpu-clock   # on a loaded box
+    .venv/bin/python scripts/bench_step_split.py --model M-Q4_K_M.gguf --keep-quantized --dtype float32 --base
 
 16 W1 requests decode (--decodes; max_running one more, prefix cache off, stacks packed after 44 warm-up
 then, --samples times each, the steps are measured as they come:
@@ -96,7 +97,7 @@ def instrument(llm, timers: Timers) -> None:
             return "GEMM"
         return "LoRA"
 
-    for cls in (linear_module.Linear, linear_module.OneDnnLinear, linear_module.NativeLinear):
+    for cls in (linear_module.Linear, linear_module.OneDnnLinear, linear_module.NativeLinear, linear_module.QuantLinear):
         cls.__call__ = timers.wrap(linear_class, cls.__call__)
     project = timers.wrap("LoRA", lora.project)
 
@@ -135,6 +136,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=12, help="measured steps of each kind")
     ap.add_argument("--decodes", type=int, default=16, help="sequences decoding in every measured step (1..16)")
     ap.add_argument("--cpu-clock", action="store_true", help="the thread's CPU time instead of the wall (1 thread)")
+    ap.add_argument("--keep-quantized", action="store_true", help="a GGUF model's blocks kept quantized (QuantLinear)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
@@ -145,7 +147,7 @@ def main() -> None:
     args.repeat, args.adapter_dir = 1, None
     prompts, adapters = load_w1(args)
     llm = LLM(model=args.model, adapters=adapters, dtype=args.dtype, device="cpu", max_running=args.decodes + 1,
-              threads=args.threads, prefix_caching=False)
+              threads=args.threads, prefix_caching=False, keep_quantized=args.keep_quantized)
     engine, tok = llm.engine, llm.tokenizer
     ids = [tok.encode(p) for p in prompts]
     name = (lambda i: None) if args.base else (lambda i: adapter_of(i, adapters))
@@ -195,7 +197,8 @@ def main() -> None:
     mean = lambda k, c: statistics.fmean(s.get(c, 0.0) for s in kinds[k]) * 1e3   # noqa: E731
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "?")
-    print(f"# {cpu}, {args.threads} threads, {args.dtype}, {'base model' if args.base else 'W1 4 adapters'}, "
+    print(f"# {cpu}, {args.threads} threads, {args.dtype}{', blocks kept quantized' if args.keep_quantized else ''}, "
+          f"{'base model' if args.base else 'W1 4 adapters'}, "
           f"native kernels {'on' if cpu_kernels.enabled_for(llm.engine.runner.weights.embed) else 'off'}, "
           f"{'thread CPU time' if args.cpu_clock else 'wall time'}, load average before {load_before[0]:.2f}")
     print("| class | " + " | ".join(f"{k} (ms, {len(kinds[k])} steps)" for k in shown) + " |")

@@ -130,6 +130,36 @@ def test_panels_give_the_columns_results_to_rounding(panel_rows):
     assert ((results[0] - results[1]).abs() <= scale * 1e-5 + 1e-6).all()
 
 
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_panels_of_each_type_match_columns_on_any_threads(qtype, panel_rows):
+    """Each type's panels (their blocks decoded in registers and transposed, the scales gathered across 8
+    columns) at a decode step's 16 rows and a prefill's 37: the columns' results to fp32 rounding, the
+    same bits on 1 and 2 threads (the rows' quantization and the panels split between them); K of 3 and
+    5 blocks, a last panel of 3 columns."""
+    rng = np.random.default_rng(60 + int(qtype))
+    block = 256 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 32
+    threads = torch.get_num_threads()
+    try:
+        for fan_in in (3 * block, 5 * block):
+            blocks = random_blocks((43, fan_in), qtype, rng)
+            w = torch.from_numpy(dequantized(blocks, qtype))
+            for rows in (16, 37):
+                x = torch.from_numpy(rng.standard_normal((rows, fan_in)).astype(np.float32))
+                results = {}
+                for n in (1, 2):
+                    torch.set_num_threads(n)
+                    for threshold in (1, 2 ** 62):
+                        panel_rows(threshold)
+                        results[n, threshold] = cpu_kernels.quant_linear(x, [torch.from_numpy(blocks)], [int(qtype)])
+                assert torch.equal(results[1, 1], results[2, 1]) and torch.equal(results[1, 2 ** 62], results[2, 2 ** 62])
+                scale = x.abs() @ w.abs().T
+                assert ((results[1, 1] - results[1, 2 ** 62]).abs() <= scale * 1e-5 + 1e-6).all(), (fan_in, rows)
+                panel_rows(1)
+                check(x, [(blocks, qtype)])   # the panels against the float64 references
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_parts_of_mixed_types_stack_as_columns():
     """qkv of a Q4_K_M file: q and k Q4_K, v Q6_K, one call, columns in order."""
     rng = np.random.default_rng(1)

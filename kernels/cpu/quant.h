@@ -118,11 +118,11 @@ inline float half_to_float(const uint8_t* p) {
 // each 16 (what the offsets m multiply).
 // Or, for the fp32 strategy, x as fp32 rows xf [M][K] alone.
 // For Q4_K and Q5_K, x quantized per super-block of 256 too: q256 [M][K] int8, d256 [M][K/256] scales,
-// sum32 [M][K/32] the sums of q256 over each 32.
+// sum32 [M][K/32] the sums of q256 over each 32 (|sum| <= 32 * 127: int16).
 struct QuantizedRows {
   std::vector<int8_t> q, q256;
   std::vector<float> d, s16, xf, d256;
-  std::vector<int32_t> sum32;
+  std::vector<int16_t> sum32;
   int64_t K = 0;
 };
 
@@ -179,24 +179,28 @@ inline void dequantize_column(DecodedColumn& c, int64_t K) {
 }
 
 // x quantized per `block` (32 or 256) to q [M][K] with d [M][K/block]; sums [M][K/32], the sums of q per
-// 32 (int32), for block 256; for block 32 s16 [M][K/16] = d * the sums of q per 16 instead.
+// 32, for block 256; for block 32 s16 [M][K/16] = d * the sums of q per 16 instead. Rows split over the
+// threads from 4 each (a decode step's 16 rows: both cores).
 template <typename T>
 inline void quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K, int64_t block, std::vector<int8_t>& qs,
-                          std::vector<float>& ds, std::vector<float>& s16, std::vector<int32_t>& sums) {
+                          std::vector<float>& ds, std::vector<float>& s16, std::vector<int16_t>& sums) {
   qs.resize(M * K);
   ds.resize(M * K / block);
   if (block == 32) s16.resize(M * K / 16);
   else sums.resize(M * K / 32);
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
     std::vector<float> v(block);
     for (int64_t m = begin; m < end; ++m) {
       const T* xr = x + m * ldx;
       for (int64_t b = 0; b < K / block; ++b) {
+        float lanes[8] = {};   // max |x| per lane: a max in 8 lanes vectorises, its value is the same
+        for (int i = 0; i < block; i += 8)
+          for (int l = 0; l < 8; ++l) {
+            v[i + l] = to_float(xr[b * block + i + l]);
+            lanes[l] = std::max(lanes[l], std::fabs(v[i + l]));
+          }
         float amax = 0.0f;
-        for (int i = 0; i < block; ++i) {
-          v[i] = to_float(xr[b * block + i]);
-          amax = std::max(amax, std::fabs(v[i]));
-        }
+        for (float l : lanes) amax = std::max(amax, l);
         const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
         int8_t* q = qs.data() + m * K + b * block;
         for (int i = 0; i < block; ++i) q[i] = int8_t(std::nearbyint(v[i] * inv));   // |q| <= 127: see dot_bytes
@@ -405,7 +409,7 @@ inline void super_tile(const DecodedColumn& c, const QuantizedRows& a, int64_t m
     }
     for (int r = 0; r < R; ++r) {
       const float dx = a.d256[(m + r) * supers + s];
-      const __m256i xsum = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sum32.data() + (m + r) * (K / 32) + 8 * s));
+      const __m256i xsum = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.sum32.data() + (m + r) * (K / 32) + 8 * s)));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_set1_ps(c.super_d[s] * dx), acc[r]);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(mins, xsum)),
                                _mm256_set1_ps(-c.super_dmin[s] * dx), acc[r]);
@@ -458,7 +462,7 @@ inline void super_tile(const DecodedColumn& c, const QuantizedRows& a, int64_t m
   const int64_t K = a.K, supers = K / 256;
   for (int r = 0; r < R; ++r) {
     const int8_t* x = a.q256.data() + (m + r) * K;
-    const int32_t* xsum = a.sum32.data() + (m + r) * (K / 32);
+    const int16_t* xsum = a.sum32.data() + (m + r) * (K / 32);
     float acc = 0.0f;
     for (int64_t s = 0; s < supers; ++s) {
       int32_t sum = 0, offsets = 0;
@@ -502,6 +506,18 @@ inline void dot_tile(const DecodedColumn& c, const QuantizedRows& a, int64_t m, 
 // products, scales and the order of every fp32 sum are those of dot_tile / super_tile and the offsets'
 // dot_floats, so a row's results are the same bits on either path. At 5..8 rows the tile runs twice
 // over the column's blocks, still in L1.
+
+// k_scales on 4 words: bytes 0-7 of the result the 8 chunks' 6-bit scales, 8-15 their mins.
+inline __m128i k_scales_mins(const uint8_t* s) {
+  uint32_t u[4];
+  std::memcpy(u, s, 12);
+  u[3] = ((u[2] >> 4) & 0x0F0F0F0F) | (((u[1] >> 6) & 0x03030303) << 4);
+  const uint32_t mins_low = u[1] & 0x3F3F3F3F;
+  u[1] = (u[2] & 0x0F0F0F0F) | (((u[0] >> 6) & 0x03030303) << 4);
+  u[2] = mins_low;
+  u[0] &= 0x3F3F3F3F;
+  return _mm_set_epi32(int(u[3]), int(u[2]), int(u[1]), int(u[0]));
+}
 
 // Q4_0 / Q4_1 / Q8_0: one block's 32 weights as bytes (Q8_0's signed), in order.
 template <int64_t Type>
@@ -564,15 +580,7 @@ inline void fused_super_tile(const uint8_t* column, const QuantizedRows& a, int6
   for (int64_t s = 0; s < supers; ++s) {
     const uint8_t* block = column + s * kBytes;
     const float d = half_to_float(block), dmin = half_to_float(block + 2);
-    // k_scales on 4 words: bytes 0-7 the 8 chunks' scales, 8-15 their mins
-    uint32_t u[4];
-    std::memcpy(u, block + 4, 12);
-    u[3] = ((u[2] >> 4) & 0x0F0F0F0F) | (((u[1] >> 6) & 0x03030303) << 4);
-    const uint32_t mins_low = u[1] & 0x3F3F3F3F;
-    u[1] = (u[2] & 0x0F0F0F0F) | (((u[0] >> 6) & 0x03030303) << 4);
-    u[2] = mins_low;
-    u[0] &= 0x3F3F3F3F;
-    const __m128i scales_mins = _mm_set_epi32(int(u[3]), int(u[2]), int(u[1]), int(u[0]));
+    const __m128i scales_mins = k_scales_mins(block + 4);
     const __m256i mins = _mm256_cvtepu8_epi32(_mm_srli_si128(scales_mins, 8));
     const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scales_mins));   // int16 lane j: chunk j's
     const uint8_t* qs = block + (Type == kQ5_K ? 48 : 16);
@@ -603,7 +611,7 @@ inline void fused_super_tile(const uint8_t* column, const QuantizedRows& a, int6
     }
     for (int r = 0; r < R; ++r) {
       const float dx = a.d256[(m + r) * supers + s];
-      const __m256i xsum = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sum32.data() + (m + r) * (K / 32) + 8 * s));
+      const __m256i xsum = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.sum32.data() + (m + r) * (K / 32) + 8 * s)));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_set1_ps(d * dx), acc[r]);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(mins, xsum)), _mm256_set1_ps(-dmin * dx), acc[r]);
     }
@@ -726,7 +734,9 @@ inline void quant_columns(const uint8_t* blocks, int64_t row_bytes, int64_t n0, 
 }
 
 // Many rows (a prefill's, M >= quant_panel_rows): a GEMM over panels of 8 columns. A thread decodes a
-// panel's 8 columns once and interleaves their bytes, 4 consecutive weights of column n in bytes
+// panel's 8 columns once, in registers (build_panel: each block's chunks of 32 weights of the 8 columns
+// transposed, their scales gathered across the columns: at a decode step's 16 rows a pass through
+// per-column buffers cost about as much as the dot products), 4 consecutive weights of column n in bytes
 // 4n..4n+3 of each 32-byte vector, so that one vpmaddubsw against 4 bytes of a row of x broadcast to
 // all lanes gives, in int32 lane n after vpmaddwd, column n's dot over those 4 weights: the lanes are
 // the columns, the column scales are one vector, and a tile of kPanelRows rows x 8 columns keeps its
@@ -736,16 +746,16 @@ inline void quant_columns(const uint8_t* blocks, int64_t row_bytes, int64_t n0, 
 // float per group of 32 (16 for Q6_K) with the column scales and offsets, or for Q4_K and Q5_K per
 // super-block of 256 after the 6-bit scales multiply in int32 (vpmaddwd by the scale) and the mins
 // likewise multiply the activations' per-32 sums. The activations are quantized as for the few-row
-// path. AVX2 without VNNI only (this build's dispatch): VNNI CPUs keep the per-column path, unmeasured.
-#if ASYNCSERVE_QUANT_AVX2 && !ASYNCSERVE_QUANT_VNNI
+// path. While a panel's tiles run, the thread asks for its next panel's blocks (PanelAhead). AVX2 (and
+// F16C) without VNNI only (this build's dispatch): VNNI CPUs keep the per-column path, unmeasured.
+#if ASYNCSERVE_QUANT_AVX2 && !ASYNCSERVE_QUANT_VNNI && defined(__F16C__)
 #define ASYNCSERVE_QUANT_PANEL 1
 
 constexpr int kPanel = 8;              // columns per panel: the int32 lanes of a vector
 constexpr int kPanelRows = 4;          // rows per tile: each weight vector loaded once for them
 
-// One panel's 8 decoded columns (a short last panel repeats its last column), interleaved.
+// One panel's 8 columns (a short last panel repeats its last column), decoded and interleaved.
 struct Panel {
-  DecodedColumn cols[kPanel];
   std::vector<uint8_t> q;               // [K/4][8 columns][4 weights]
   std::vector<float> scale, offset;     // [K/G][8]: per group of G = 32 (16 for Q6_K) weights
   std::vector<int16_t> sub_scale;       // [K/32][16]: Q4_K/Q5_K's 6-bit scale of column n in int16 lanes 2n, 2n+1
@@ -753,7 +763,6 @@ struct Panel {
   std::vector<float> super_d, super_dmin;   // [K/256][8]
 
   void resize(int64_t K) {
-    for (DecodedColumn& c : cols) c.resize(K, false);
     q.resize(K * kPanel);
     scale.resize(K / 16 * kPanel);
     offset.resize(K / 16 * kPanel);
@@ -764,62 +773,150 @@ struct Panel {
   }
 };
 
-// Interleaves 8 columns' bytes: out[32 t + 4 n + i] = cols[n].q[4 t + i] (an 8x8 transpose of 32-bit words).
-inline void interleave_panel(const DecodedColumn* cols, int64_t K, uint8_t* out) {
-  for (int64_t b = 0; b < K / 32; ++b) {
-    __m256i r[8], t[8], u[8];
-    for (int n = 0; n < 8; ++n) r[n] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cols[n].q.data() + 32 * b));
-    for (int n = 0; n < 8; n += 2) {
-      t[n] = _mm256_unpacklo_epi32(r[n], r[n + 1]);       // words 0, 1 | 4, 5 of columns n, n + 1
-      t[n + 1] = _mm256_unpackhi_epi32(r[n], r[n + 1]);   // words 2, 3 | 6, 7
+// r[n] (n < 8: 8 words each) -> r[t] word n = the old r[n] word t: an 8x8 transpose of 32-bit words.
+inline void transpose_words(__m256i r[8]) {
+  __m256i t[8], u[8];
+  for (int n = 0; n < 8; n += 2) {
+    t[n] = _mm256_unpacklo_epi32(r[n], r[n + 1]);       // words 0, 1 | 4, 5 of rows n, n + 1
+    t[n + 1] = _mm256_unpackhi_epi32(r[n], r[n + 1]);   // words 2, 3 | 6, 7
+  }
+  for (int n = 0; n < 8; n += 4)
+    for (int h = 0; h < 2; ++h) {
+      u[n + 2 * h] = _mm256_unpacklo_epi64(t[n + h], t[n + 2 + h]);       // word 2h | 2h + 4 of rows n..n+3
+      u[n + 2 * h + 1] = _mm256_unpackhi_epi64(t[n + h], t[n + 2 + h]);   // word 2h + 1 | 2h + 5
     }
-    for (int n = 0; n < 8; n += 4)
-      for (int h = 0; h < 2; ++h) {
-        u[n + 2 * h] = _mm256_unpacklo_epi64(t[n + h], t[n + 2 + h]);       // word 2h | 2h + 4 of columns n..n+3
-        u[n + 2 * h + 1] = _mm256_unpackhi_epi64(t[n + h], t[n + 2 + h]);   // word 2h + 1 | 2h + 5
-      }
-    __m256i* o = reinterpret_cast<__m256i*>(out + 256 * b);
-    for (int w = 0; w < 4; ++w) {
-      _mm256_storeu_si256(o + w, _mm256_permute2x128_si256(u[w], u[4 + w], 0x20));
-      _mm256_storeu_si256(o + 4 + w, _mm256_permute2x128_si256(u[w], u[4 + w], 0x31));
-    }
+  for (int w = 0; w < 4; ++w) {
+    r[w] = _mm256_permute2x128_si256(u[w], u[4 + w], 0x20);
+    r[4 + w] = _mm256_permute2x128_si256(u[w], u[4 + w], 0x31);
   }
 }
 
-// Decodes columns [n0, n0 + valid) of the blocks into the panel.
+// h[n] (n < 8: 16 bytes each) -> h[i] bytes 0-7 = byte 2i of each old h[n] in order, bytes 8-15 = byte 2i + 1.
+inline void transpose_bytes(__m128i h[8]) {
+  __m128i a[8], b[8];
+  for (int n = 0; n < 8; n += 2) {
+    a[n] = _mm_unpacklo_epi8(h[n], h[n + 1]);       // bytes 0..7 of rows n, n + 1, in pairs
+    a[n + 1] = _mm_unpackhi_epi8(h[n], h[n + 1]);   // bytes 8..15
+  }
+  for (int n = 0; n < 8; n += 4)
+    for (int half = 0; half < 2; ++half) {
+      b[n + 2 * half] = _mm_unpacklo_epi16(a[n + half], a[n + 2 + half]);       // 4 bytes of rows n..n+3 ...
+      b[n + 2 * half + 1] = _mm_unpackhi_epi16(a[n + half], a[n + 2 + half]);   // ... per byte index
+    }
+  for (int i = 0; i < 4; ++i) {   // b[i]: bytes 4i..4i+3 of rows 0..3, b[4 + i] of rows 4..7
+    h[2 * i] = _mm_unpacklo_epi32(b[i], b[4 + i]);
+    h[2 * i + 1] = _mm_unpackhi_epi32(b[i], b[4 + i]);
+  }
+}
+
+// The fp16 at `offset` in each of the 8 columns' blocks, as floats (lane n: column n's).
+inline __m256 halves8(const uint8_t* const col[kPanel], int64_t offset) {
+  uint16_t h[kPanel];
+  for (int n = 0; n < kPanel; ++n) std::memcpy(h + n, col[n] + offset, 2);
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+}
+
+// Chunk c (32 weights) of one block of Type as decode_column's bytes (Q8_0's signed), decoded in registers.
+template <int64_t Type>
+inline __m256i chunk_bytes(const uint8_t* block, int c) {
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  if constexpr (Type == kQ4_0 || Type == kQ4_1 || Type == kQ8_0) {
+    return block32_bytes<Type>(block);
+  } else if constexpr (Type == kQ4_K || Type == kQ5_K) {   // 32 bytes: chunk 2j in the low nibbles, 2j + 1 in the high
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + (Type == kQ5_K ? 48 : 16) + 32 * (c / 2)));
+    __m256i q = _mm256_and_si256(c % 2 ? _mm256_srli_epi16(v, 4) : v, mask);
+    if constexpr (Type == kQ5_K) {   // bit c of qh to bit 4 of each byte
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16));
+      const __m256i bit = c < 4 ? _mm256_slli_epi16(qh, 4 - c) : _mm256_srli_epi16(qh, c - 4);
+      q = _mm256_or_si256(q, _mm256_and_si256(bit, _mm256_set1_epi8(0x10)));
+    }
+    return q;
+  } else {   // Q6_K: chunk j of half h from ql's nibbles (low for j < 2) of bytes 64 h + 32 (j % 2).., qh's bits 2j
+    const int h = c / 4, j = c % 4;
+    const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * h + 32 * (j % 2)));
+    const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * h));
+    const __m256i low = _mm256_and_si256(j < 2 ? l : _mm256_srli_epi16(l, 4), mask);
+    return _mm256_or_si256(low, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, 2 * j), _mm256_set1_epi8(0x03)), 4));
+  }
+}
+
+// Decodes columns [n0, n0 + valid) of the blocks into the panel, in registers: each block's chunks of the
+// 8 columns transposed to lanes, its scales gathered across the columns (the values decode_column gives).
 template <int64_t Type>
 inline void build_panel(const uint8_t* blocks, int64_t row_bytes, int64_t n0, int valid, int64_t K, Panel& p) {
-  for (int n = 0; n < kPanel; ++n) {
-    if (n < valid) decode_column<Type>(blocks + (n0 + n) * row_bytes, K, p.cols[n]);
-    else p.cols[n] = p.cols[valid - 1];
-  }
-  interleave_panel(p.cols, K, p.q.data());
-  if constexpr (Type == kQ4_K || Type == kQ5_K) {
-    for (int64_t k = 0; k < K / 32; ++k)
-      for (int n = 0; n < kPanel; ++n) {
-        p.sub_scale[16 * k + 2 * n] = p.sub_scale[16 * k + 2 * n + 1] = p.cols[n].sub_scale[k];
-        p.sub_min[16 * (k / 2) + 2 * n + k % 2] = int16_t(p.cols[n].sub_min[k]);
+  constexpr QuantFormat f = quant_format(Type);
+  constexpr int kChunks = int(f.block / 32);
+  const uint8_t* col[kPanel];
+  for (int n = 0; n < kPanel; ++n) col[n] = blocks + (n0 + std::min(n, valid - 1)) * row_bytes;
+  for (int64_t b = 0; b < K / f.block; ++b) {
+    const int64_t at = b * f.bytes;
+#pragma GCC unroll 8
+    for (int c = 0; c < kChunks; ++c) {
+      __m256i r[kPanel];
+      for (int n = 0; n < kPanel; ++n) r[n] = chunk_bytes<Type>(col[n] + at, c);
+      transpose_words(r);
+      __m256i* o = reinterpret_cast<__m256i*>(p.q.data() + 256 * (kChunks * b + c));
+      for (int t = 0; t < 8; ++t) _mm256_storeu_si256(o + t, r[t]);
+    }
+    if constexpr (Type == kQ4_K || Type == kQ5_K) {
+      __m128i sm[kPanel];   // per column: bytes 0-7 the chunks' scales, 8-15 their mins; then per chunk pair
+      for (int n = 0; n < kPanel; ++n) sm[n] = k_scales_mins(col[n] + at + 4);
+      transpose_bytes(sm);   // sm[i]: scales (i < 4) or mins (i >= 4) of chunks 2i % 8 and 2i % 8 + 1, by column
+      for (int i = 0; i < 4; ++i)
+        for (int h = 0; h < 2; ++h) {   // chunk 2i + h's scales, each in both int16 halves of its column's lane
+          const __m256i v = _mm256_cvtepu8_epi32(h ? _mm_srli_si128(sm[i], 8) : sm[i]);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.sub_scale.data() + 16 * (8 * b + 2 * i + h)),
+                              _mm256_or_si256(v, _mm256_slli_epi32(v, 16)));
+        }
+      for (int i = 0; i < 4; ++i)       // lane n: the mins of chunks 2i and 2i + 1 of column n
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.sub_min.data() + 16 * (4 * b + i)),
+                            _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sm[4 + i], _mm_srli_si128(sm[4 + i], 8))));
+      _mm256_storeu_ps(p.super_d.data() + kPanel * b, halves8(col, at));
+      _mm256_storeu_ps(p.super_dmin.data() + kPanel * b, halves8(col, at + 2));
+    } else if constexpr (Type == kQ6_K) {   // 16 groups: scale d sc, offset -32 d sc
+      const __m256 d = halves8(col, at + 208);
+      __m128i sc[kPanel];
+      for (int n = 0; n < kPanel; ++n) sc[n] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(col[n] + at + 192));
+      transpose_bytes(sc);
+      for (int g = 0; g < 16; ++g) {
+        const __m128i bytes = g % 2 ? _mm_srli_si128(sc[g / 2], 8) : sc[g / 2];
+        const __m256 scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+        _mm256_storeu_ps(p.scale.data() + kPanel * (16 * b + g), scale);
+        _mm256_storeu_ps(p.offset.data() + kPanel * (16 * b + g), _mm256_mul_ps(scale, _mm256_set1_ps(-32.0f)));
       }
-    for (int64_t s = 0; s < K / 256; ++s)
-      for (int n = 0; n < kPanel; ++n) {
-        p.super_d[kPanel * s + n] = p.cols[n].super_d[s];
-        p.super_dmin[kPanel * s + n] = p.cols[n].super_dmin[s];
-      }
-  } else {
-    constexpr int64_t per = Type == kQ6_K ? 1 : 2;   // groups of 16 per group of the panel
-    for (int64_t g = 0; g < K / 16 / per; ++g)
-      for (int n = 0; n < kPanel; ++n) {
-        p.scale[kPanel * g + n] = p.cols[n].scale[per * g];
-        p.offset[kPanel * g + n] = p.cols[n].offset[per * g];
-      }
+    } else {   // one group of 32: Q4_0 d and -8 d, Q4_1 d and m, Q8_0 d and none
+      const __m256 d = halves8(col, at);
+      _mm256_storeu_ps(p.scale.data() + kPanel * b, d);
+      _mm256_storeu_ps(p.offset.data() + kPanel * b, Type == kQ4_0 ? _mm256_mul_ps(d, _mm256_set1_ps(-8.0f))
+                                                      : Type == kQ4_1 ? halves8(col, at + 2) : _mm256_setzero_ps());
+    }
   }
 }
 
-// The rows' 4 bytes at k, in every 32-bit lane.
-inline __m256i broadcast4(const int8_t* x) {
+// The 4 bytes at x (a row's 4 int8 at k, or 2 int16 sums), in every 32-bit lane.
+inline __m256i broadcast4(const void* x) {
   int32_t v;
   std::memcpy(&v, x, 4);
   return _mm256_set1_epi32(v);
+}
+
+// The next panel's blocks (one contiguous range: its 8 columns' rows), asked for into L2 two lines per
+// step of a tile's k loop, so that they arrive while this panel's dot products run: building a panel
+// would otherwise wait on DRAM with the arithmetic idle (the blocks are read once per call).
+struct PanelAhead {
+  const char* line;
+  const char* end;
+
+  inline void next() {
+    for (int i = 0; i < 2 && line < end; ++i, line += 64) __builtin_prefetch(line, 0, 2);
+  }
+};
+
+// An empty asm that "changes" the R sums: gcc must add each step's products to them in turn, instead of
+// hoisting all the products of the unrolled steps first and spilling them (what it does otherwise).
+template <int R>
+inline void in_order(__m256i (&v)[R]) {
+  for (int r = 0; r < R; ++r) asm("" : "+x"(v[r]));
 }
 
 // Steps of 4 weights whose byte products can add up in int16 (2 products of <= max * 127 per step each).
@@ -830,24 +927,29 @@ constexpr int int16_steps() {
 
 // R rows of x (from row m) against a panel of Q4_0 / Q4_1 / Q8_0 / Q6_K: acc[r] lane n = row r . column n.
 template <int R, int64_t Type>
-inline void panel_group_tile(const Panel& p, const QuantizedRows& a, int64_t m, __m256 acc[R]) {
+inline void panel_group_tile(const Panel& p, const QuantizedRows& a, int64_t m, __m256 acc[R], PanelAhead& ahead) {
+  PanelAhead lines = ahead;   // in a register (the loads below may alias it)
   constexpr bool kSigned = Type == kQ8_0;
   constexpr int G = Type == kQ6_K ? 16 : 32, S = int16_steps<Type>();
   const int64_t K = a.K;
   const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* x[R];
+  const float *d[R], *s16[R];   // the rows' scales per 32 and offsets' sums per 16
   for (int r = 0; r < R; ++r) {
     acc[r] = _mm256_setzero_ps();
     x[r] = a.q.data() + (m + r) * K;
+    d[r] = a.d.data() + (m + r) * (K / 32);
+    s16[r] = a.s16.data() + (m + r) * (K / 16);
   }
   for (int64_t g = 0; g < K / G; ++g) {
+    lines.next();
     __m256i sum[R];
     for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
     for (int h = 0; h < G / 4; h += S) {
       __m256i part[R];
       for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_si256();
-      for (int t = h; t < h + S; ++t) {
-        const int64_t k = G * g + 4 * t;
+      for (int t = 0; t < S; ++t) {
+        const int64_t k = G * g + 4 * (h + t);
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.q.data() + 8 * k));
         const __m256i wu = kSigned ? _mm256_abs_epi8(w) : w;   // |w| <= 128 as unsigned; x takes w's sign
 #pragma GCC unroll 8
@@ -861,20 +963,22 @@ inline void panel_group_tile(const Panel& p, const QuantizedRows& a, int64_t m, 
     }
     const __m256 scale = _mm256_loadu_ps(p.scale.data() + kPanel * g);
     const __m256 offset = _mm256_loadu_ps(p.offset.data() + kPanel * g);
+    const int64_t c = G == 32 ? g : g >> 1;   // the chunk of 32 (g >= 0)
     for (int r = 0; r < R; ++r) {
-      const float dx = a.d[(m + r) * (K / 32) + G * g / 32];
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(scale, _mm256_set1_ps(dx)), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(scale, _mm256_set1_ps(d[r][c])), acc[r]);
       if constexpr (!kSigned) {
-        const float* s16 = a.s16.data() + (m + r) * (K / 16) + G / 16 * g;
-        acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(G == 32 ? s16[0] + s16[1] : s16[0]), acc[r]);
+        const float* o = s16[r] + G / 16 * g;
+        acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(G == 32 ? o[0] + o[1] : o[0]), acc[r]);
       }
     }
   }
+  ahead = lines;
 }
 
 // R rows of x quantized per 256 (from row m) against a panel of Q4_K / Q5_K, the mins included.
 template <int R, int64_t Type>
-inline void panel_super_tile(const Panel& p, const QuantizedRows& a, int64_t m, __m256 acc[R]) {
+inline void panel_super_tile(const Panel& p, const QuantizedRows& a, int64_t m, __m256 acc[R], PanelAhead& ahead) {
+  PanelAhead lines = ahead;   // in a register (the loads below may alias it)
   constexpr int S = int16_steps<Type>();
   const int64_t K = a.K, supers = K / 256;
   const int8_t* x[R];
@@ -883,38 +987,39 @@ inline void panel_super_tile(const Panel& p, const QuantizedRows& a, int64_t m, 
     x[r] = a.q256.data() + (m + r) * K;
   }
   for (int64_t s = 0; s < supers; ++s) {
-    __m256i sum[R], mins[R];
-    for (int r = 0; r < R; ++r) sum[r] = mins[r] = _mm256_setzero_si256();
+    __m256i sum[R];   // (the mins' sums come after: 16 vectors live in the chunks' loop would spill)
+    for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
     for (int64_t j = 8 * s; j < 8 * s + 8; ++j) {   // chunks of 32: <= 2 * 8 * 15 * 127 * 63 per lane (Q4_K)
+      lines.next();
       const __m256i scale = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.sub_scale.data() + 16 * j));
       for (int h = 0; h < 8; h += S) {
         __m256i part[R];
         for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_si256();
-        for (int t = h; t < h + S; ++t) {
-          const int64_t k = 32 * j + 4 * t;
+#pragma GCC unroll 8
+        for (int t = 0; t < S; ++t) {
+          const int64_t k = 32 * j + 4 * (h + t);
           const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.q.data() + 8 * k));
 #pragma GCC unroll 8
           for (int r = 0; r < R; ++r) part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(w, broadcast4(x[r] + k)));
+          in_order(part);
         }
         for (int r = 0; r < R; ++r) sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(part[r], scale));
       }
     }
-    for (int i = 0; i < 4; ++i) {   // the mins of chunk pairs times the rows' sums of them (|sum| <= 32 * 127: int16)
-      const __m256i mn = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.sub_min.data() + 16 * (4 * s + i)));
-      for (int r = 0; r < R; ++r) {
-        const int32_t* xs = a.sum32.data() + (m + r) * (K / 32) + 8 * s + 2 * i;
-        const int32_t pair = int32_t(uint32_t(uint16_t(xs[0])) | uint32_t(uint16_t(xs[1])) << 16);
-        mins[r] = _mm256_add_epi32(mins[r], _mm256_madd_epi16(_mm256_set1_epi32(pair), mn));
-      }
-    }
+    __m256i mn[4];   // the mins of chunk pairs, times the rows' sums of them (|sum| <= 32 * 127: int16)
+    for (int i = 0; i < 4; ++i) mn[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.sub_min.data() + 16 * (4 * s + i)));
     const __m256 d = _mm256_loadu_ps(p.super_d.data() + kPanel * s);
     const __m256 dmin = _mm256_loadu_ps(p.super_dmin.data() + kPanel * s);
     for (int r = 0; r < R; ++r) {
+      const int16_t* xs = a.sum32.data() + (m + r) * (K / 32) + 8 * s;
+      __m256i mins = _mm256_setzero_si256();
+      for (int i = 0; i < 4; ++i) mins = _mm256_add_epi32(mins, _mm256_madd_epi16(broadcast4(xs + 2 * i), mn[i]));
       const __m256 dx = _mm256_set1_ps(a.d256[(m + r) * supers + s]);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(d, dx), acc[r]);
-      acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins[r]), _mm256_mul_ps(dmin, dx), acc[r]);
+      acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dmin, dx), acc[r]);
     }
   }
+  ahead = lines;
 }
 
 // f(std::integral_constant<int, rows>) for rows in [1, R].
@@ -925,17 +1030,18 @@ inline void with_rows(int rows, F f) {
   f(std::integral_constant<int, R>{});
 }
 
-// Columns [n0, n0 + valid) of one part for every row of a, through the panel (built here).
+// Columns [n0, n0 + valid) of one part for every row of a, through the panel (built here); the tiles
+// ask for the blocks of `ahead` (the thread's next panel) as they go.
 template <int64_t Type, typename T>
 inline void quant_panel(const uint8_t* blocks, int64_t row_bytes, int64_t n0, int valid, const QuantizedRows& a,
-                        int64_t M, T* y, int64_t ldy, int64_t col0, Panel& p) {
+                        int64_t M, T* y, int64_t ldy, int64_t col0, Panel& p, PanelAhead ahead) {
   build_panel<Type>(blocks, row_bytes, n0, valid, a.K, p);
   for (int64_t m = 0; m < M; m += kPanelRows) {
     __m256 acc[kPanelRows];
     const int64_t rows = std::min<int64_t>(kPanelRows, M - m);
     with_rows<kPanelRows>(int(rows), [&](auto R) {
-      if constexpr (Type == kQ4_K || Type == kQ5_K) panel_super_tile<decltype(R)::value, Type>(p, a, m, acc);
-      else panel_group_tile<decltype(R)::value, Type>(p, a, m, acc);
+      if constexpr (Type == kQ4_K || Type == kQ5_K) panel_super_tile<decltype(R)::value, Type>(p, a, m, acc, ahead);
+      else panel_group_tile<decltype(R)::value, Type>(p, a, m, acc, ahead);
     });
     for (int64_t r = 0; r < rows; ++r) {
       T* out = y + (m + r) * ldy + col0 + n0;
@@ -982,12 +1088,15 @@ inline void quant_linear(const T* x, int64_t ldx, int64_t M, int64_t K, const st
       int64_t first = 0;
       for (const QuantPart& p : parts) {
         const int64_t count = (p.out + kPanel - 1) / kPanel;
-        for (int64_t i = std::max<int64_t>(begin - first, 0); i < std::min<int64_t>(end - first, count); ++i) {
+        const int64_t last = std::min<int64_t>(end - first, count);
+        for (int64_t i = std::max<int64_t>(begin - first, 0); i < last; ++i) {
           const int64_t n0 = kPanel * i;
           const int valid = int(std::min<int64_t>(kPanel, p.out - n0));
+          const char* next = reinterpret_cast<const char*>(p.blocks + (n0 + kPanel) * p.row_bytes);
+          const PanelAhead ahead{next, i + 1 < last ? next + std::min<int64_t>(kPanel, p.out - n0 - kPanel) * p.row_bytes : next};
           switch (p.type) {
 #define ASYNCSERVE_QUANT_CASE(TYPE) \
-  case TYPE: quant_panel<TYPE, T>(p.blocks, p.row_bytes, n0, valid, rows, M, y, ldy, p.col0, panel); break;
+  case TYPE: quant_panel<TYPE, T>(p.blocks, p.row_bytes, n0, valid, rows, M, y, ldy, p.col0, panel, ahead); break;
             ASYNCSERVE_QUANT_CASE(kQ4_0) ASYNCSERVE_QUANT_CASE(kQ4_1) ASYNCSERVE_QUANT_CASE(kQ8_0)
             ASYNCSERVE_QUANT_CASE(kQ4_K) ASYNCSERVE_QUANT_CASE(kQ5_K) ASYNCSERVE_QUANT_CASE(kQ6_K)
 #undef ASYNCSERVE_QUANT_CASE
