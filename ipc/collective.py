@@ -54,6 +54,22 @@ LINE = 16                  # 128 bytes: a rank's line never shares a (prefetched
 _ARRIVED, _PID, _NBYTES, _DTYPE = 0, 1, 2, 4     # _NBYTES and _DTYPE take one word per data set (2)
 
 
+def check_tensor(t: torch.Tensor, op: str, device: torch.device, max_bytes: int) -> None:
+    """What a group's all_reduce_ / gather take: a contiguous float tensor on the group's device that
+    fits its max_bytes (a clear ValueError otherwise, before any rank is waited on)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{op} takes a torch.Tensor, not {type(t).__name__}")
+    if t.dtype not in DTYPE_CODE:
+        raise ValueError(f"{op} takes float32, bfloat16 or float16 tensors, not {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{op} takes tensors on {device}, not {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{op} takes contiguous tensors")
+    if t.nbytes > max_bytes:
+        raise ValueError(f"{op} of {t.nbytes} B ({tuple(t.shape)} {t.dtype}) exceeds the group's "
+                         f"max_bytes {max_bytes}")
+
+
 class RankDied(RuntimeError):
     """A peer process died, or a wait passed its deadline: the group is unusable (never a hang)."""
 
@@ -282,7 +298,7 @@ class ShmGroup:
         """In place, the sum over ranks of a contiguous float32/bfloat16/float16 CPU tensor of at most
         max_bytes. Every rank gets bit-identical results (sum in a fixed rank order, in float32,
         rounded once)."""
-        self._check_tensor(t, "all_reduce_")
+        check_tensor(t, "all_reduce_", self.device, self.max_bytes)
         if self.world == 1:
             return t
         n = t.numel()
@@ -333,7 +349,7 @@ class ShmGroup:
 
     def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
         """Rank 0 gets every rank's tensor (same shape on each; copies), others get None. Small tensors."""
-        self._check_tensor(t, "gather")
+        check_tensor(t, "gather", self.device, self.max_bytes)
         data_set = self._begin(writes=True)
         slots = self._views(data_set, t.dtype, t.numel())
         slots[self.rank].copy_(t.view(-1))
@@ -351,19 +367,6 @@ class ShmGroup:
         self._wait_all(self._arrive(), timeout_s)
 
     # -- helpers ----------------------------------------------------------------------------------
-
-    def _check_tensor(self, t: torch.Tensor, op: str) -> None:
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{op} takes a torch.Tensor, not {type(t).__name__}")
-        if t.dtype not in DTYPE_CODE:
-            raise ValueError(f"{op} takes float32, bfloat16 or float16 tensors, not {t.dtype}")
-        if t.device.type != "cpu":
-            raise ValueError(f"{op} takes CPU tensors, not {t.device}")
-        if not t.is_contiguous():
-            raise ValueError(f"{op} takes contiguous tensors")
-        if t.nbytes > self.max_bytes:
-            raise ValueError(f"{op} of {t.nbytes} B ({tuple(t.shape)} {t.dtype}) exceeds the group's "
-                             f"max_bytes {self.max_bytes}")
 
     def _check_same(self, data_set: int, nbytes: int, code: int, op: str) -> None:
         """Every rank raises the same ValueError (and stays in step) when the ranks' tensors differ."""

@@ -37,7 +37,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ipc.collective import DTYPE_CODE, WAIT_SLICE_S, RankDied, ShmGroup
+from ipc.collective import WAIT_SLICE_S, RankDied, ShmGroup, check_tensor
 
 BACKENDS = ("gloo", "nccl")
 SPEC_PREFIX = "dist:"
@@ -157,7 +157,7 @@ class DistGroup:
         """In place, the sum over ranks of a contiguous float32/bfloat16/float16 tensor on this rank's
         device of at most max_bytes; the same result on every rank. With NCCL it is queued on the
         device: the host goes on at once."""
-        self._check_tensor(t, "all_reduce_")
+        check_tensor(t, "all_reduce_", self.device, self.max_bytes)
         self._run(lambda: self.process_group.allreduce([t], self._sum))
         return t
 
@@ -167,7 +167,7 @@ class DistGroup:
 
     def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
         """Rank 0 gets every rank's tensor (same shape on each), the others None."""
-        self._check_tensor(t, "gather")
+        check_tensor(t, "gather", self.device, self.max_bytes)
         options = dist.GatherOptions()
         options.rootRank = 0
         parts = [[torch.empty_like(t) for _ in range(self.world)]] if self.rank == 0 else []
@@ -212,19 +212,6 @@ class DistGroup:
         except RankDied as e:
             return e
         return RankDied(str(error))
-
-    def _check_tensor(self, t: torch.Tensor, op: str) -> None:
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{op} takes a torch.Tensor, not {type(t).__name__}")
-        if t.dtype not in DTYPE_CODE:
-            raise ValueError(f"{op} takes float32, bfloat16 or float16 tensors, not {t.dtype}")
-        if t.device != self.device:
-            raise ValueError(f"{op} of rank {self.rank} takes tensors on {self.device}, not {t.device}")
-        if not t.is_contiguous():
-            raise ValueError(f"{op} takes contiguous tensors")
-        if t.nbytes > self.max_bytes:
-            raise ValueError(f"{op} of {t.nbytes} B ({tuple(t.shape)} {t.dtype}) exceeds the group's "
-                             f"max_bytes {self.max_bytes}")
 
     # -- shutdown ---------------------------------------------------------------------------------
 
