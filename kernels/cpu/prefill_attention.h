@@ -19,7 +19,7 @@
 #include <vector>
 
 #include <ATen/Parallel.h>
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -44,6 +44,12 @@ inline void store16(float* p, f32x16 v) { *reinterpret_cast<f32x16u*>(p) = v; }
 struct Fp32Madd {
   using Element = float;
   using Lanes = f32x16;
+#if defined(__AVX512F__) || !defined(__AVX2__)
+  static constexpr int kBlockRows = 8, kBlockVectors = 2;   // 16 of the 32 zmm registers accumulate
+#else
+  // gemm_block_ymm: 12 of the 16 ymm registers accumulate
+  static constexpr int kBlockRows = 6, kBlockVectors = 1;
+#endif
   static Lanes load(const float* p) { return load16(p); }
   static f32x16 madd(f32x16 c, float a, Lanes b) { return c + (f32x16{} + a) * b; }
 };
@@ -52,6 +58,7 @@ struct Fp32Madd {
 struct Bf16PairMadd {
   using Element = uint32_t;
   using Lanes = __m512bh;
+  static constexpr int kBlockRows = 8, kBlockVectors = 2;
   static Lanes load(const uint32_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
   static f32x16 madd(f32x16 c, uint32_t a, Lanes b) {
     return (f32x16)_mm512_dpbf16_ps((__m512)c, (__m512bh)_mm512_set1_epi32(int(a)), b);
@@ -92,25 +99,59 @@ inline void gemm_block(const typename Madd::Element* A, int64_t a_stride, int64_
     for (int v = 0; v < MV; ++v) store16(C + a * ldc + v * kLanes, ACCUMULATE ? c[a][v] : c[a][v] * out_scale);
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define ASYNCSERVE_PREFILL_YMM 1
+// gemm_block for Fp32Madd in ymm registers. Without AVX-512 gcc keeps the f32x16 accumulators of the
+// generic code on the stack and moves them through general registers every step (measured ~8x slower).
+template <int AB, int MV, bool ACCUMULATE>
+inline void gemm_block_ymm(const float* A, int64_t a_stride, int64_t b_stride, const float* B, int64_t ldb, float* C,
+                           int64_t ldc, int64_t depth, const float* lane_scale, float out_scale) {
+  constexpr int V = 2 * MV;   // ymm registers per row of the block
+  __m256 c[AB][V];
+  for (int a = 0; a < AB; ++a)
+    for (int v = 0; v < V; ++v)
+      c[a][v] = ACCUMULATE ? _mm256_mul_ps(_mm256_loadu_ps(C + a * ldc + 8 * v), _mm256_loadu_ps(lane_scale + 8 * v))
+                           : _mm256_setzero_ps();
+  for (int64_t b = 0; b < depth; ++b) {
+    __m256 bv[V];
+    for (int v = 0; v < V; ++v) bv[v] = _mm256_loadu_ps(B + b * ldb + 8 * v);
+    for (int a = 0; a < AB; ++a) {
+      const __m256 av = _mm256_broadcast_ss(A + a * a_stride + b * b_stride);
+      for (int v = 0; v < V; ++v) c[a][v] = _mm256_fmadd_ps(av, bv[v], c[a][v]);
+    }
+  }
+  const __m256 scale = _mm256_set1_ps(out_scale);
+  for (int a = 0; a < AB; ++a)
+    for (int v = 0; v < V; ++v) _mm256_storeu_ps(C + a * ldc + 8 * v, ACCUMULATE ? c[a][v] : _mm256_mul_ps(c[a][v], scale));
+}
+#endif
+
 // C [rows_a, lanes] = A (rows_a x depth, strided) . B [depth, lanes] (+ C * lane_scale, or times
-// out_scale: see gemm_block); lanes a multiple of 16.
+// out_scale: see gemm_block); lanes a multiple of 16. Blocks of Madd's kBlockRows x kBlockVectors.
 template <typename Madd, bool ACCUMULATE>
 void gemm_lanes(const typename Madd::Element* A, int64_t a_stride, int64_t b_stride, const typename Madd::Element* B,
                 float* C, int64_t rows_a, int64_t lanes, int64_t depth, const float* lane_scale, float out_scale) {
+  constexpr int AB = Madd::kBlockRows, MV = Madd::kBlockVectors;
+  const auto block = [&](auto rows, auto vectors, int64_t a, int64_t m) {
+    constexpr int R = decltype(rows)::value, V = decltype(vectors)::value;
+#ifdef ASYNCSERVE_PREFILL_YMM
+    if constexpr (std::is_same_v<Madd, Fp32Madd>) {
+      gemm_block_ymm<R, V, ACCUMULATE>(A + a * a_stride, a_stride, b_stride, B + m, lanes, C + a * lanes + m, lanes,
+                                       depth, lane_scale + m, out_scale);
+      return;
+    }
+#endif
+    gemm_block<Madd, R, V, ACCUMULATE>(A + a * a_stride, a_stride, b_stride, B + m, lanes, C + a * lanes + m, lanes,
+                                       depth, lane_scale + m, out_scale);
+  };
   int64_t a = 0;
-  for (; a + 8 <= rows_a; a += 8) {
+  for (; a + AB <= rows_a; a += AB) {
     int64_t m = 0;
-    for (; m + 2 * kLanes <= lanes; m += 2 * kLanes)
-      gemm_block<Madd, 8, 2, ACCUMULATE>(A + a * a_stride, a_stride, b_stride, B + m, lanes, C + a * lanes + m,
-                                         lanes, depth, lane_scale + m, out_scale);
-    if (m < lanes)
-      gemm_block<Madd, 8, 1, ACCUMULATE>(A + a * a_stride, a_stride, b_stride, B + m, lanes, C + a * lanes + m,
-                                         lanes, depth, lane_scale + m, out_scale);
+    for (; m + MV * kLanes <= lanes; m += MV * kLanes) block(std::integral_constant<int, AB>{}, std::integral_constant<int, MV>{}, a, m);
+    for (; m < lanes; m += kLanes) block(std::integral_constant<int, AB>{}, std::integral_constant<int, 1>{}, a, m);
   }
   for (; a < rows_a; ++a)
-    for (int64_t m = 0; m < lanes; m += kLanes)
-      gemm_block<Madd, 1, 1, ACCUMULATE>(A + a * a_stride, a_stride, b_stride, B + m, lanes, C + a * lanes + m,
-                                         lanes, depth, lane_scale + m, out_scale);
+    for (int64_t m = 0; m < lanes; m += kLanes) block(std::integral_constant<int, 1>{}, std::integral_constant<int, 1>{}, a, m);
 }
 
 struct PrefillAttentionShape {
