@@ -318,3 +318,25 @@ def test_fused_kernels_against_references_and_columns(qtype, fused_rows):
                 check(x[:rows], [(blocks[0].numpy(), qtype)])
     finally:
         torch.set_num_threads(threads)
+
+
+def test_int8_peak_script_prints_each_instructions_rate():
+    """scripts/bench_int8_peak.py (the ceiling bench_quant.py's rates are read against) builds and prints
+    a positive rate per instruction, on one core and together, and says so where VNNI is missing."""
+    import re
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    if shutil.which("g++") is None or " avx2" not in flags or " fma" not in flags:
+        pytest.skip("needs g++ and an x86 CPU with AVX2 and FMA")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "scripts" / "bench_int8_peak.py"), "--seconds", "0.02",
+                          "--threads", "2"], capture_output=True, text=True, check=True, timeout=120).stdout
+    rates = dict((name.strip(), (float(one), float(both))) for name, one, both in re.findall(
+        r"^(.+?)\s+([\d.]+) G multiply-adds/s on one core,\s+([\d.]+) on 2 threads", out, re.M))
+    assert {"maddubs+add (int8, AVX2)", "fp32 FMA (8 lanes)"} <= rates.keys(), out
+    assert all(one > 0 and both > 0 for one, both in rates.values()), out
+    vnni = " avx_vnni" in flags or (" avx512_vnni" in flags and " avx512vl" in flags)
+    assert ("vpdpbusd (int8, VNNI)" in rates) == vnni, out
