@@ -139,6 +139,42 @@ void attend_part(const T* q, int64_t q_head_stride, const T* k_cache, const T* v
   }
 }
 
+// The vector paths' shared steps (attend_part_avx512, attend_part_avx2).
+
+// The empty softmax state of `heads` heads: no rows seen.
+inline void start_heads(float* acc, float* row_max, float* row_sum, int64_t heads, int64_t hd) {
+  for (int64_t g = 0; g < heads; ++g) {
+    row_max[g] = -std::numeric_limits<float>::infinity();
+    row_sum[g] = 0.0f;
+  }
+  std::fill(acc, acc + heads * hd, 0.0f);
+}
+
+// offsets[j] = where rows t0 + j (j < n) of KV head kv_head start in the cache, through the block table.
+inline void row_offsets(int64_t* offsets, int64_t t0, int64_t n, const int64_t* table, const DecodeAttentionShape& s,
+                        int64_t page_stride, int64_t slot_stride, int64_t kv_head) {
+  for (int64_t j = 0, page = t0 / s.block, slot = t0 % s.block; j < n; ++j) {
+    offsets[j] = table[page] * page_stride + slot * slot_stride + kv_head * s.hd;
+    if (++slot == s.block) {
+      slot = 0;
+      ++page;
+    }
+  }
+}
+
+// pv(H, g, h) for each KV head h < kv_heads and its query heads in blocks of up to 4 from head g, H (their
+// count) as a compile-time constant: P.V with a block's accumulators in registers.
+template <typename PV>
+inline void over_head_blocks(int64_t kv_heads, int64_t group, PV pv) {
+  for (int64_t h = 0; h < kv_heads; ++h)
+    for (int64_t g = h * group; g < (h + 1) * group; g += 4) switch (std::min<int64_t>(4, (h + 1) * group - g)) {
+        case 1: pv(std::integral_constant<int, 1>{}, g, h); break;
+        case 2: pv(std::integral_constant<int, 2>{}, g, h); break;
+        case 3: pv(std::integral_constant<int, 3>{}, g, h); break;
+        default: pv(std::integral_constant<int, 4>{}, g, h); break;
+      }
+}
+
 #if ASYNCSERVE_DECODE_AVX512
 // AVX-512 path (see the top of the file).
 constexpr int kDecodeRows = 16;                // rows scored together: one register of scores
@@ -327,21 +363,11 @@ void attend_part_avx512(const T* q, int64_t q_head_stride, const T* k_cache, con
   const __mmask32 tail_mask = tail == 32 ? ~__mmask32(0) : __mmask32((1u << tail) - 1);
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const int64_t slice_bytes = hd * int64_t(sizeof(T));
-  for (int64_t g = 0; g < heads; ++g) {
-    row_max[g] = -std::numeric_limits<float>::infinity();
-    row_sum[g] = 0.0f;
-  }
-  std::fill(acc, acc + heads * hd, 0.0f);
+  start_heads(acc, row_max, row_sum, heads, hd);
   int64_t offsets[kDecodeChunk];      // the rows' first element of KV head kv_head
   for (int64_t t0 = row_begin; t0 < row_end; t0 += kDecodeChunk) {
     const int64_t n = std::min(kDecodeChunk, row_end - t0);
-    for (int64_t j = 0, page = t0 / s.block, slot = t0 % s.block; j < n; ++j) {
-      offsets[j] = table[page] * page_stride + slot * slot_stride + kv_head * hd;
-      if (++slot == s.block) {
-        slot = 0;
-        ++page;
-      }
-    }
+    row_offsets(offsets, t0, n, table, s, page_stride, slot_stride, kv_head);
     // scores of the chunk's rows, 16 at a time, and each head's lane-wise running max
     for (int64_t g = 0; g < heads; ++g) _mm512_storeu_ps(head_max + g * 16, minus_inf);
     for (int64_t j0 = 0; j0 < n; j0 += kDecodeRows) {
@@ -401,17 +427,10 @@ void attend_part_avx512(const T* q, int64_t q_head_stride, const T* k_cache, con
       row_max[g] = new_max;
     }
     // per KV head, its group's heads over its V slice, at most 4 heads a pass
-    for (int64_t h = 0; h < kv_heads; ++h)
-      for (int64_t g = h * group; g < (h + 1) * group; g += 4) {
-        const float* pg = scores + g * kDecodeChunk;
-        const T* v = v_cache + h * hd;
-        switch (std::min<int64_t>(4, (h + 1) * group - g)) {
-          case 1: accumulate_values_heads<1>(v, offsets, n, hd, pg, correction + g, acc + g * hd); break;
-          case 2: accumulate_values_heads<2>(v, offsets, n, hd, pg, correction + g, acc + g * hd); break;
-          case 3: accumulate_values_heads<3>(v, offsets, n, hd, pg, correction + g, acc + g * hd); break;
-          default: accumulate_values_heads<4>(v, offsets, n, hd, pg, correction + g, acc + g * hd); break;
-        }
-      }
+    over_head_blocks(kv_heads, group, [&](auto heads_in_block, int64_t g, int64_t h) {
+      accumulate_values_heads<decltype(heads_in_block)::value>(v_cache + h * hd, offsets, n, hd,
+                                                               scores + g * kDecodeChunk, correction + g, acc + g * hd);
+    });
   }
 }
 #endif
@@ -524,21 +543,11 @@ void attend_part_avx2(const T* q, int64_t q_head_stride, const T* k_cache, const
   const int64_t group = s.nh / s.nkv, hd = HD > 0 ? HD : s.hd, heads = kv_heads * group, chunks = hd / 8;
   const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   const int64_t slice_bytes = hd * int64_t(sizeof(T));
-  for (int64_t g = 0; g < heads; ++g) {
-    row_max[g] = -std::numeric_limits<float>::infinity();
-    row_sum[g] = 0.0f;
-  }
-  std::fill(acc, acc + heads * hd, 0.0f);
+  start_heads(acc, row_max, row_sum, heads, hd);
   int64_t offsets[kDecodeChunk];      // the rows' first element of KV head kv_head
   for (int64_t t0 = row_begin; t0 < row_end; t0 += kDecodeChunk) {
     const int64_t n = std::min(kDecodeChunk, row_end - t0);
-    for (int64_t j = 0, page = t0 / s.block, slot = t0 % s.block; j < n; ++j) {
-      offsets[j] = table[page] * page_stride + slot * slot_stride + kv_head * hd;
-      if (++slot == s.block) {
-        slot = 0;
-        ++page;
-      }
-    }
+    row_offsets(offsets, t0, n, table, s, page_stride, slot_stride, kv_head);
     for (int64_t g = 0; g < heads; ++g) _mm256_storeu_ps(head_max + g * 16, minus_inf);
     for (int64_t j0 = 0; j0 < n; j0 += kDecodeRows) {
       const int64_t rows = std::min<int64_t>(kDecodeRows, n - j0);
@@ -590,17 +599,10 @@ void attend_part_avx2(const T* q, int64_t q_head_stride, const T* k_cache, const
       row_sum[g] = row_sum[g] * correction[g] + reduce_sum8(sum);
       row_max[g] = new_max;
     }
-    for (int64_t h = 0; h < kv_heads; ++h)
-      for (int64_t g = h * group; g < (h + 1) * group; g += 4) {
-        const float* pg = scores + g * kDecodeChunk;
-        const T* v = v_cache + h * hd;
-        switch (std::min<int64_t>(4, (h + 1) * group - g)) {
-          case 1: accumulate_values8_heads<T, 1>(v, offsets, n, hd, pg, correction + g, acc + g * hd); break;
-          case 2: accumulate_values8_heads<T, 2>(v, offsets, n, hd, pg, correction + g, acc + g * hd); break;
-          case 3: accumulate_values8_heads<T, 3>(v, offsets, n, hd, pg, correction + g, acc + g * hd); break;
-          default: accumulate_values8_heads<T, 4>(v, offsets, n, hd, pg, correction + g, acc + g * hd); break;
-        }
-      }
+    over_head_blocks(kv_heads, group, [&](auto heads_in_block, int64_t g, int64_t h) {
+      accumulate_values8_heads<T, decltype(heads_in_block)::value>(v_cache + h * hd, offsets, n, hd,
+                                                                   scores + g * kDecodeChunk, correction + g, acc + g * hd);
+    });
   }
 }
 #endif
