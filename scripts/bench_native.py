@@ -29,11 +29,12 @@ tokens:
 
 --gemm instead times the base projections of a decode step (SmolLM2's qkv, o, gate_up, down and
 lm_head shapes) at --gemm-rows rows, oneDNN's reordered GEMM (OneDnnLinear) against the native
-packed one (NativeLinear, kernels/cpu/gemm.h; CPUs with AVX512-BF16, bf16): its vdpbf16ps tiles at
-every row count and, where the CPU has AMX, its AMX tiles (kernels/cpu/gemm.h), each call on the next of
-enough weight copies (--gemm-stream-mb in all) that the weights stream from DRAM as in a step:
+packed one (NativeLinear, kernels/cpu/gemm.h): in bf16 on CPUs with AVX512-BF16, its vdpbf16ps tiles
+at every row count and, where the CPU has AMX, its AMX tiles; in float32 (--dtype float32) on AVX2
+CPUs without AVX-512, its FMA tiles. Each call runs on the next of enough weight copies
+(--gemm-stream-mb in all) that the weights stream from DRAM as in a step:
 
-    .venv/bin/python scripts/bench_native.py --gemm
+    .venv/bin/python scripts/bench_native.py --gemm [--dtype float32]
 
 --lora-cold instead times lora_segments over every layer of a step whose adapters' rows come from
 DRAM, as with 1,000 adapters in turn (#14): --cold-adapters random PEFT-like adapters of ranks 8 and
@@ -113,7 +114,7 @@ def main() -> None:
     if cpu_kernels.library() is None:
         sys.exit(f"native kernels unavailable: {cpu_kernels.error()}")
     if args.gemm:
-        return bench_gemm(args)
+        return bench_gemm(args, dtype)
     if args.lora_cold:
         return bench_lora_cold(args, dtype)
     g = torch.Generator().manual_seed(0)
@@ -253,31 +254,36 @@ def bench_lora_cold(args, dtype: torch.dtype) -> None:
         print(f"{name:<28} {tokens:6d} {nbytes / 1e6:10.1f} {statistics.median(times) * 1e3:8.2f}")
 
 
-def bench_gemm(args) -> None:
-    """oneDNN's reordered bf16 GEMM against the native packed one (its vdpbf16ps tiles, and its AMX
-    tiles where the CPU has them), weights streamed from DRAM."""
+def bench_gemm(args, dtype: torch.dtype) -> None:
+    """oneDNN's reordered GEMM against the native packed one (bf16: its vdpbf16ps tiles, and its AMX
+    tiles where the CPU has them; float32: its AVX2 FMA tiles), weights streamed from DRAM."""
     from asyncserve.model.linear import NativeLinear, OneDnnLinear
 
-    if not cpu_kernels.bf16_gemm_available():
+    if dtype == torch.bfloat16 and not cpu_kernels.bf16_gemm_available():
         sys.exit("the native bf16 GEMM needs AVX512-BF16 (and ASYNCSERVE_NATIVE unset)")
+    if dtype == torch.float32 and not cpu_kernels.fp32_gemm_available():
+        sys.exit("the native float32 GEMM needs AVX2 and FMA without AVX-512 (and ASYNCSERVE_NATIVE unset)")
     hidden = args.hidden
     shapes = {"qkv": (hidden, 960), "o": (hidden, hidden), "gate_up": (hidden, 3072), "down": (1536, hidden),
               "lm_head": (hidden, 49152)}
     # the native kinds, by whether AMX tiles may run
-    native_kinds = {"vdpbf16ps": False, **({"amx": True} if cpu_kernels.amx_gemm_available() else {})}
+    if dtype == torch.float32:
+        native_kinds = {"avx2": False}
+    else:
+        native_kinds = {"vdpbf16ps": False, **({"amx": True} if cpu_kernels.amx_gemm_available() else {})}
     g = torch.Generator().manual_seed(0)
-    print(f"# {cpu_name()}, {args.threads} threads, bf16, weights rotated over {args.gemm_stream_mb} MB per shape")
+    print(f"# {cpu_name()}, {args.threads} threads, {args.dtype}, weights rotated over {args.gemm_stream_mb} MB per shape")
     print(f"{'projection':<10} {'rows':>5} {'oneDNN us':>10} {'GFLOP/s':>8}"
           + "".join(f" {kind + ' us':>13} {'GFLOP/s':>8} {'speedup':>8}" for kind in native_kinds))
     previous = cpu_kernels.set_amx_gemm(False)
     try:
         for name, (k, n) in shapes.items():
-            copies = max(2, args.gemm_stream_mb * 2**20 // (2 * k * n))
-            weights = [torch.randn(n, k, generator=g).to(torch.bfloat16) for _ in range(copies)]
+            copies = max(2, args.gemm_stream_mb * 2**20 // (dtype.itemsize * k * n))
+            weights = [torch.randn(n, k, generator=g).to(dtype) for _ in range(copies)]
             linears = {"onednn": [OneDnnLinear(w) for w in weights], "native": [NativeLinear(w) for w in weights]}
             del weights
             for rows in args.gemm_rows:
-                x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+                x = torch.randn(rows, k, generator=g).to(dtype)
                 times = {}
                 for kind, amx in {"onednn": False, **native_kinds}.items():
                     lins = linears["onednn" if kind == "onednn" else "native"]

@@ -7,8 +7,23 @@ from asyncserve.model.linear import Linear, OneDnnLinear, make_linear, onednn_pa
 
 
 @pytest.mark.skipif(not onednn_packs(torch.device("cpu"), torch.float32), reason="torch built without oneDNN")
-def test_cpu_float32_uses_reordered_onednn_weights():
-    assert isinstance(make_linear(torch.randn(48, 32)), OneDnnLinear)
+def test_cpu_float32_linear_choice_and_exact_weights(monkeypatch):
+    """float32 on CPU: the native packed GEMM on AVX2 CPUs without AVX-512, else oneDNN's reorder;
+    both give W back bit for bit (merged mode needs it), and an odd in_features packs too."""
+    import kernels.cpu as cpu_kernels
+    from asyncserve.model.linear import NativeLinear, native_packs
+
+    g = torch.Generator().manual_seed(4)
+    for out_features, in_features in [(48, 32), (50, 63)]:
+        w = torch.randn(out_features, in_features, generator=g)
+        x = torch.randn(16, in_features, generator=g)
+        lin = make_linear(w)
+        assert type(lin) is (NativeLinear if cpu_kernels.fp32_gemm_available() else OneDnnLinear)
+        assert native_packs(w) == cpu_kernels.fp32_gemm_available()
+        torch.testing.assert_close(lin(x).double(), F.linear(x.double(), w.double()), rtol=1e-5, atol=1e-5)
+        assert torch.equal(lin.dense_weight(), w) and lin.shape == (out_features, in_features)
+    monkeypatch.setattr(cpu_kernels, "fp32_gemm_available", lambda: False)    # an AVX-512 CPU
+    assert isinstance(make_linear(w), OneDnnLinear)
 
 
 @pytest.mark.parametrize("rows", [0, 1, 16, 77])

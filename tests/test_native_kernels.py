@@ -806,8 +806,66 @@ def test_packed_linear_refuses_what_it_cannot_compute():
         cpu_kernels.packed_linear(torch.randn(4, 62).to(torch.bfloat16), packed, 32)
     with pytest.raises(RuntimeError, match="blocks of 16 columns"):
         cpu_kernels.packed_linear(torch.randn(4, 64).to(torch.bfloat16), packed, 33)
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        cpu_kernels.packed_linear(torch.randn(4, 64), packed, 32)
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        cpu_kernels.packed_linear(torch.randn(4, 64).half(), packed, 32)
+
+
+# ---- fp32 GEMM over packed weights (kernels/cpu/gemm.h, AVX2 CPUs without AVX-512) -------------------
+
+def require_fp32_gemm():
+    if not cpu_kernels.library().fp32_gemm_available():
+        pytest.skip("this build has no AVX2 fp32 GEMM (no AVX2, or AVX-512, where make_linear uses oneDNN)")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 16, 17, 33, 64, 113, 257])
+def test_packed_linear_fp32_matches_float64(rows):
+    """Row tiles of 1..6 and their remainders, column blocks with a partial last one, K from 1 to
+    past the 256-k chunks (later chunks add into y) and both prefetch distances; at 1 and 2 threads;
+    rows of x strided (a step's slices). fp32 products, fp32 sums in another order than float64's."""
+    require_fp32_gemm()
+    from asyncserve.model.linear import NativeLinear
+    g = torch.Generator().manual_seed(rows)
+    for k, n in [(1, 1), (64, 15), (96, 16), (256, 17), (257, 33), (576, 130), (1538, 40)]:
+        w = torch.randn(n, k, generator=g)
+        x = torch.randn(rows, 2 * k, generator=g)[:, ::2]
+        ref = x.double() @ w.double().t()
+        bound = (x.double().abs() @ w.double().abs().t())   # what the rounding errors scale with
+        packed = NativeLinear.pack(w)
+        assert packed.shape == (-(-n // 16), k, 16, 1)
+        for threads in at_thread_counts():
+            y = cpu_kernels.packed_linear(x, packed, n)
+            assert y.shape == (rows, n) and y.dtype == torch.float32
+            err = ((y.double() - ref).abs() / bound).max().item()
+            assert err < k * 2 ** -23, f"rows={rows} k={k} n={n} threads={threads}: relative error {err}"
+
+
+def test_packed_linear_fp32_keeps_nans_and_infs_to_their_rows():
+    """A NaN or an inf in one row of x (a request's bad activations) reaches that row of y only,
+    whichever row tile and chunk it falls in."""
+    require_fp32_gemm()
+    from asyncserve.model.linear import NativeLinear
+    g = torch.Generator().manual_seed(7)
+    w = NativeLinear.pack(torch.randn(40, 600, generator=g))
+    for row, col, bad in [(0, 0, float("nan")), (3, 300, float("inf")), (13, 599, float("-inf")), (16, 255, float("nan"))]:
+        x = torch.randn(17, 600, generator=g)
+        x[row, col] = bad
+        y = cpu_kernels.packed_linear(x, w, 40)
+        assert not torch.isfinite(y[row]).any(), (row, col)
+        assert torch.isfinite(torch.cat([y[:row], y[row + 1:]])).all(), (row, col)
+
+
+def test_packed_linear_fp32_refuses_what_it_cannot_compute():
+    require_fp32_gemm()
+    from asyncserve.model.linear import NativeLinear
+    packed = NativeLinear.pack(torch.randn(32, 63))
+    with pytest.raises(RuntimeError, match="packed must be"):
+        cpu_kernels.packed_linear(torch.randn(4, 62), packed, 32)
+    with pytest.raises(RuntimeError, match="packed must be"):      # float32 x over bf16 panels
+        cpu_kernels.packed_linear(torch.randn(4, 64), NativeLinear.pack(torch.randn(32, 64).to(torch.bfloat16)), 32)
+    with pytest.raises(RuntimeError, match="no packed bf16"):      # a build with the fp32 GEMM has no AVX-512
+        cpu_kernels.packed_linear(torch.randn(4, 64).to(torch.bfloat16), packed, 32)
+    with pytest.raises(RuntimeError, match="blocks of 16 columns"):
+        cpu_kernels.packed_linear(torch.randn(4, 63), packed, 33)
 
 
 # ---- SiLU * mul and GELU(tanh) * mul -------------------------------------------------------------

@@ -3,9 +3,10 @@
 Decode steps multiply 1..64 rows by every weight once, so the step is bound by how fast the GEMM
 streams weights. On CPU, oneDNN with the weight reordered once into its blocked layout streams
 1.5-2.4x faster than MKL's F.linear at 16 rows (lm_head [16x576]x[576x49152]: 9.8 vs 23.8 ms on
-the AVX2 EPYC of BENCHMARKS.md). On CPUs with AVX512-BF16, the native kernel (kernels/cpu/gemm.h)
-overlaps the weight stream with the arithmetic that oneDNN runs after it: 1.15-1.9x oneDNN at 16
-rows of bf16, and faster at 1..256 rows (BENCHMARKS.md). cuBLAS takes the checkpoint layout at full speed.
+the AVX2 EPYC of BENCHMARKS.md). The native kernels (kernels/cpu/gemm.h) overlap the weight stream
+with the arithmetic that oneDNN runs after it: on CPUs with AVX512-BF16, bf16 at 1.15-1.9x oneDNN at
+16 rows and faster at 1..256 rows; on AVX2 CPUs without AVX-512, float32 (BENCHMARKS.md). cuBLAS
+takes the checkpoint layout at full speed.
 """
 from __future__ import annotations
 
@@ -57,8 +58,9 @@ class OneDnnLinear(Linear):
 
 
 class NativeLinear(Linear):
-    """W packed once for kernels/cpu/gemm.h as [ceil(out / 16), in / 2, 16, 2] (16 output columns
-    per block, pairs of consecutive inputs per lane); only the packed copy is kept."""
+    """W packed once for kernels/cpu/gemm.h as [ceil(out / 16), in / per_lane, 16, per_lane]: 16 output
+    columns per block, each column's 32-bit lane holding per_lane consecutive inputs (bf16: a pair,
+    float32: one); only the packed copy is kept."""
 
     def __init__(self, weight: torch.Tensor):
         super().__init__(weight)
@@ -70,11 +72,11 @@ class NativeLinear(Linear):
     @classmethod
     def pack(cls, weight: torch.Tensor) -> torch.Tensor:
         out_features, in_features = weight.shape
-        blocks = -(-out_features // 16)
+        blocks, per_lane = -(-out_features // 16), 4 // weight.element_size()
         padded = torch.zeros(blocks * 16, in_features, dtype=weight.dtype, device=weight.device)
         padded[:out_features] = weight
-        packed = cls.arena.take(padded.numel(), weight.dtype).view(blocks, in_features // 2, 16, 2)
-        return packed.copy_(padded.view(blocks, 16, in_features // 2, 2).permute(0, 2, 1, 3))
+        packed = cls.arena.take(padded.numel(), weight.dtype).view(blocks, in_features // per_lane, 16, per_lane)
+        return packed.copy_(padded.view(blocks, 16, in_features // per_lane, per_lane).permute(0, 2, 1, 3))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_kernels.packed_linear(x, self.weight, self.out_features)   # x: [T, in] -> [T, out]
@@ -85,9 +87,13 @@ class NativeLinear(Linear):
 
 
 def native_packs(weight: torch.Tensor) -> bool:
-    """Whether NativeLinear runs for this weight here: bf16 on a CPU whose build has the AVX512-BF16 GEMM."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
-            and weight.shape[1] % 2 == 0 and cpu_kernels.bf16_gemm_available())
+    """Whether NativeLinear runs for this weight here: bf16 (even in_features) on a CPU whose build has
+    the AVX512-BF16 GEMM, or float32 on one whose build has the AVX2 fp32 GEMM."""
+    if weight.device.type != "cpu" or weight.dim() != 2:
+        return False
+    if weight.dtype == torch.bfloat16:
+        return weight.shape[1] % 2 == 0 and cpu_kernels.bf16_gemm_available()
+    return weight.dtype == torch.float32 and cpu_kernels.fp32_gemm_available()
 
 
 def onednn_packs(device: torch.device, dtype: torch.dtype) -> bool:

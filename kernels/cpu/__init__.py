@@ -224,8 +224,14 @@ def set_lora_rows_ahead(on: bool) -> bool:
 
 
 def bf16_gemm_available() -> bool:
-    """Whether packed_linear runs here: the native kernels are on and were built for a CPU with AVX512-BF16."""
+    """Whether packed_linear runs bf16 here: the native kernels are on and were built for a CPU with AVX512-BF16."""
     return not disabled() and library() is not None and library().bf16_gemm_available()
+
+
+def fp32_gemm_available() -> bool:
+    """Whether packed_linear runs float32 here: the native kernels are on and were built for a CPU with
+    AVX2 and FMA but no AVX-512 (gemm.h, packed_linear_fp32)."""
+    return not disabled() and library() is not None and library().fp32_gemm_available()
 
 
 def amx_gemm_available() -> bool:
@@ -241,8 +247,9 @@ def set_amx_gemm(on: bool) -> bool:
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x: [rows, in] bf16 (in even) -> x W^T: [rows, out_features] bf16, for W packed by
-    asyncserve.model.linear.NativeLinear as [ceil(out / 16), in / 2, 16, 2]."""
+    """x: [rows, in] bf16 (in even) or float32 -> x W^T: [rows, out_features] of x's dtype, for W packed by
+    asyncserve.model.linear.NativeLinear as [ceil(out / 16), in / 2, 16, 2] (bf16) or [ceil(out / 16), in,
+    16, 1] (float32); where bf16_gemm_available() or fp32_gemm_available() says so for that dtype."""
     return _lib().packed_linear(x, packed, out_features)
 
 

@@ -26,9 +26,10 @@ inline std::atomic<bool> lora_rows_ahead_on{true};
 enum Group { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3, kGroups = 4 };
 
 // A projection's weight as model/linear.py holds it, applied by the op its Linear calls: packed for
-// gemm.h (NativeLinear: [ceil(out / 16), in / 2, 16, 2] bf16), reordered for oneDNN (OneDnnLinear:
-// an mkldnn tensor), as given (Linear: [out, in], F.linear) or kept in GGUF blocks (QuantLinear: its
-// parts, each [out_i, bytes per row] uint8 of one ggml type, stacked as output columns; quant.h).
+// gemm.h (NativeLinear: [ceil(out / 16), in / 2, 16, 2] bf16 or [ceil(out / 16), in, 16, 1] float32),
+// reordered for oneDNN (OneDnnLinear: an mkldnn tensor), as given (Linear: [out, in], F.linear) or kept
+// in GGUF blocks (QuantLinear: its parts, each [out_i, bytes per row] uint8 of one ggml type, stacked
+// as output columns; quant.h).
 struct Projection {
   std::vector<at::Tensor> parts;   // one dense weight, or the GGUF parts
   std::vector<int64_t> types;      // the parts' ggml types; empty: dense
@@ -204,10 +205,16 @@ class NativeDecoder {
     const LoraTables tables{lora.ranks.data_ptr<int32_t>(), lora.a_ptr.data_ptr<int64_t>(), lora.b_ptr.data_ptr<int64_t>(),
                             lora.scaling.data_ptr<float>(), lora.a_ptr.size(1), lora.a_ptr.size(2), lora.a_ptr.size(3),
                             next_layer};
-    const int64_t fan_in = 2 * layers_[next_layer].groups[next].weight().size(1);   // [blocks, in / 2, 16, 2]
-    return lora_spans(lora.flat->data_ptr<bf16>(), tables, reinterpret_cast<const LoraRun*>(runs.data_ptr<int64_t>()),
-                      runs.size(0), reinterpret_cast<const LoraProjection*>(projs.data_ptr<int64_t>()), projs.size(0),
-                      fan_in);
+    const at::Tensor& packed = layers_[next_layer].groups[next].weight();   // [blocks, in / per_lane, 16, per_lane]
+    const int64_t fan_in = packed.size(1) * packed.size(3);
+    std::vector<PrefetchSpan> spans;
+    dispatch_dtype(*lora.flat, [&](auto zero) {
+      using T = decltype(zero);
+      spans = lora_spans(lora.flat->data_ptr<T>(), tables, reinterpret_cast<const LoraRun*>(runs.data_ptr<int64_t>()),
+                         runs.size(0), reinterpret_cast<const LoraProjection*>(projs.data_ptr<int64_t>()),
+                         projs.size(0), fan_in);
+    });
+    return spans;
   }
 
   std::vector<DecoderLayer> layers_;

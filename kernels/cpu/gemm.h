@@ -1,4 +1,5 @@
-// bf16 projections y = x W^T for decode-sized batches, on CPUs with AVX512-BF16.
+// Projections y = x W^T for decode-sized batches over packed weights: bf16 on CPUs with AVX512-BF16,
+// float32 on AVX2 CPUs without AVX-512 (packed_linear_fp32, at the end).
 //
 // A decode step multiplies a few rows by every weight once, so it is bound by streaming the
 // weights from DRAM while doing 16 bf16 multiply-adds per weight pair per 16 rows. oneDNN's
@@ -42,6 +43,15 @@
 #define ASYNCSERVE_BF16_GEMM 0
 #endif
 
+// fp32 projections on CPUs with AVX2 and FMA but no AVX-512 (where bf16 has no dot product, so float32
+// is the activation type; AVX-512 CPUs keep oneDNN's fp32, not measured against this).
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include <immintrin.h>
+#define ASYNCSERVE_FP32_GEMM 1
+#else
+#define ASYNCSERVE_FP32_GEMM 0
+#endif
+
 #if ASYNCSERVE_BF16_GEMM && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -53,6 +63,7 @@
 namespace asyncserve {
 
 constexpr bool kBf16Gemm = ASYNCSERVE_BF16_GEMM;
+constexpr bool kFp32Gemm = ASYNCSERVE_FP32_GEMM;
 
 // Whether the AMX tiles run where the build has them (see the top); off for benchmarks and tests
 // of the vdpbf16ps tiles on such a CPU.
@@ -346,6 +357,110 @@ inline void packed_linear_bf16(const uint16_t* x, int64_t M, int64_t k_pairs, co
     for (int64_t b = begin; b < end; ++b)
       gemm_rows<1, 16, true>(xt, M, k_pairs, w + b * k_pairs, y + b * 16, N,
                              int(std::min<int64_t>(16, N - b * 16)), stream);
+  });
+}
+
+#endif
+
+#if ASYNCSERVE_FP32_GEMM
+
+// The fp32 GEMM's W is packed as [N/16][K][16] (NativeLinear: one k's 16 columns per 64-byte line), so
+// a column block's panel is one front-to-back stream. oneDNN's fp32 GEMM streams a decode step's
+// weights at 6-7 GB/s at 16 rows on a Zen 3 core pair whose DRAM gives 22 (it runs the stream and the
+// arithmetic one after the other); this overlaps them: each thread walks its column blocks' panels
+// in chunks of kFp32Chunk k, asking for the panel kFp32PrefetchL2 lines ahead into L2 and
+// kFp32PrefetchL1 ahead into L1 while the chunk's first row tile computes; the other row tiles
+// find the chunk in L1. A tile is up to 6 rows x 16 columns: 12 ymm accumulators, two weight
+// vectors and one broadcast of x fill the 16 registers. x is copied once per call into 6-row tiles
+// laid out [K][tile rows], so a tile's broadcasts of one k come through one pointer (6 row
+// pointers cost the loop 2 address operations per row). Partial sums of later chunks are added in y.
+constexpr int64_t kFp32Chunk = 256;
+constexpr int kFp32PrefetchL2 = 256, kFp32PrefetchL1 = 16;
+constexpr int kFp32TileRows = 6;
+
+// y[0:Rows][0:16] (+ y if !First) += x tile [kc][Rows] . panel [kc][16]
+template <int Rows, bool First, bool Streams>
+inline void fp32_tile(const float* x, const float* panel, int64_t kc, float* y, int64_t ldy, SideStream& side) {
+  __m256 acc[Rows][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < Rows; ++r)
+    for (int h = 0; h < 2; ++h) acc[r][h] = First ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * ldy + 8 * h);
+  for (int64_t k = 0; k < kc; ++k) {
+    const float* line = panel + k * 16;
+    if constexpr (Streams) {
+      side.next();
+      _mm_prefetch(reinterpret_cast<const char*>(line + 16 * kFp32PrefetchL2), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(line + 16 * kFp32PrefetchL1), _MM_HINT_T0);
+    }
+    const __m256 w0 = _mm256_load_ps(line), w1 = _mm256_load_ps(line + 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < Rows; ++r) {
+      const __m256 xr = _mm256_broadcast_ss(x + k * Rows + r);
+      acc[r][0] = _mm256_fmadd_ps(xr, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xr, w1, acc[r][1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < Rows; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + r * ldy + 8 * h, acc[r][h]);
+}
+
+template <bool First, bool Streams>
+inline void fp32_tile_rows(int rows, const float* x, const float* panel, int64_t kc, float* y, int64_t ldy,
+                           SideStream& side) {
+  switch (rows) {
+    case 1: fp32_tile<1, First, Streams>(x, panel, kc, y, ldy, side); break;
+    case 2: fp32_tile<2, First, Streams>(x, panel, kc, y, ldy, side); break;
+    case 3: fp32_tile<3, First, Streams>(x, panel, kc, y, ldy, side); break;
+    case 4: fp32_tile<4, First, Streams>(x, panel, kc, y, ldy, side); break;
+    case 5: fp32_tile<5, First, Streams>(x, panel, kc, y, ldy, side); break;
+    default: fp32_tile<kFp32TileRows, First, Streams>(x, panel, kc, y, ldy, side); break;
+  }
+}
+
+// x: [M, K] rows contiguous; packed: [blocks, K, 16]; y: [M, N]. side: as packed_linear_bf16's.
+inline void packed_linear_fp32(const float* x, int64_t M, int64_t K, const float* packed, int64_t blocks, float* y,
+                               int64_t N, const std::vector<PrefetchSpan>* side = nullptr) {
+  thread_local std::vector<float> tiles;   // x as row tiles, kept between calls
+  tiles.resize(M * K);
+  for (int64_t m = 0; m < M; m += kFp32TileRows) {
+    const int64_t rows = std::min<int64_t>(kFp32TileRows, M - m);
+    float* t = tiles.data() + m * K;
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t r = 0; r < rows; ++r) t[k * rows + r] = x[(m + r) * K + k];
+  }
+  const float* xt = tiles.data();   // the calling thread's buffer, not the pool threads' own
+  const int64_t side_lines = SideStream::total_lines(side);
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    SideStream stream = SideStream::share(side, side_lines, begin, end, blocks);
+    SideStream none(nullptr, 0, 0);
+    SideStream& first_tile = M >= kSideStreamFromRows ? stream : none;
+    thread_local std::vector<float> last;   // the last block's 16 columns, where N is not a multiple of 16
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t cols = std::min<int64_t>(16, N - b * 16);
+      float* yb = y + b * 16;
+      int64_t ldy = N;
+      if (cols < 16) {
+        last.resize(M * 16);
+        yb = last.data();
+        ldy = 16;
+      }
+      const float* panel = packed + b * K * 16;
+      for (int64_t k0 = 0; k0 < K; k0 += kFp32Chunk) {
+        const int64_t kc = std::min(kFp32Chunk, K - k0);
+        for (int64_t m = 0; m < M; m += kFp32TileRows) {
+          const int rows = int(std::min<int64_t>(kFp32TileRows, M - m));
+          const float* xr = xt + m * K + k0 * rows;
+          float* yr = yb + m * ldy;
+          if (k0 == 0 && m == 0) fp32_tile_rows<true, true>(rows, xr, panel + k0 * 16, kc, yr, ldy, first_tile);
+          else if (k0 == 0) fp32_tile_rows<true, false>(rows, xr, panel + k0 * 16, kc, yr, ldy, first_tile);
+          else if (m == 0) fp32_tile_rows<false, true>(rows, xr, panel + k0 * 16, kc, yr, ldy, first_tile);
+          else fp32_tile_rows<false, false>(rows, xr, panel + k0 * 16, kc, yr, ldy, first_tile);
+        }
+      }
+      if (cols < 16)
+        for (int64_t r = 0; r < M; ++r) std::copy(yb + r * 16, yb + r * 16 + cols, y + r * N + b * 16);
+    }
   });
 }
 

@@ -343,29 +343,39 @@ std::vector<at::Tensor> lora_prefetch_lines_op(at::Tensor y, at::Tensor x, at::T
   return out;
 }
 
-// x: [M, K] bf16, K even; packed: [ceil(N / 16), K / 2, 16, 2] bf16 (linear.py's NativeLinear.pack).
-// Returns x W^T as a new [M, N] bf16 tensor. Only where bf16_gemm_available().
-// side: spans for the GEMM to ask for as it computes (gemm.h, SideStream), or null.
+// x: [M, K] bf16 (K even) or float32; packed: linear.py's NativeLinear.pack of W [N, K], [ceil(N / 16),
+// K / 2, 16, 2] bf16 or [ceil(N / 16), K, 16, 1] float32: 16 output columns per block, one 32-bit lane
+// of a k-pair (bf16) or one k (fp32) per column. Returns x W^T as a new [M, N] tensor of x's dtype. Only
+// where the build has that dtype's GEMM (kBf16Gemm, kFp32Gemm). side: spans for the GEMM to ask for
+// as it computes (gemm.h, SideStream), or null.
 at::Tensor packed_linear_op(at::Tensor x, at::Tensor packed, int64_t out_features,
                             const std::vector<PrefetchSpan>* side = nullptr) {
-  TORCH_CHECK(kBf16Gemm, "this build has no AVX512-BF16 GEMM (bf16_gemm_available() is False)");
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2,
-              "x must be a [rows, in_features] bfloat16 CPU tensor");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.device().is_cpu() && (bf16 || x.scalar_type() == at::kFloat) && x.dim() == 2,
+              "x must be a [rows, in_features] bfloat16 or float32 CPU tensor");
+  TORCH_CHECK(bf16 ? kBf16Gemm : kFp32Gemm, "this build has no packed ", bf16 ? "bf16 (AVX512-BF16)" : "fp32 (AVX2)",
+              " GEMM (bf16_gemm_available() / fp32_gemm_available() is False)");
   const at::Tensor xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), N = out_features;
-  TORCH_CHECK(K % 2 == 0, "in_features must be even, got ", K);
-  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-                  packed.dim() == 4 && packed.size(1) == K / 2 && packed.size(2) == 16 && packed.size(3) == 2,
-              "packed must be a contiguous [blocks, in_features / 2, 16, 2] bfloat16 tensor");
+  const int64_t M = xc.size(0), K = xc.size(1), N = out_features, per_lane = bf16 ? 2 : 1;
+  TORCH_CHECK(K % per_lane == 0, "in_features must be even, got ", K);
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == x.scalar_type() && packed.is_contiguous() &&
+                  packed.dim() == 4 && packed.size(1) == K / per_lane && packed.size(2) == 16 &&
+                  packed.size(3) == per_lane,
+              "packed must be a contiguous [blocks, ", K / per_lane, ", 16, ", per_lane, "] tensor of x's dtype");
   TORCH_CHECK(N > 0 && packed.size(0) == (N + 15) / 16, "packed holds ", packed.size(0),
               " blocks of 16 columns, not the ", (N + 15) / 16, " that ", N, " outputs need");
   at::Tensor y = at::empty({M, N}, xc.options());
+  if (M == 0) return y;
 #if ASYNCSERVE_BF16_GEMM
-  if (M > 0) {
+  if (bf16)
     packed_linear_bf16(reinterpret_cast<const uint16_t*>(xc.data_ptr()), M, K / 2,
                        reinterpret_cast<const uint16_t*>(packed.data_ptr()), packed.size(0),
                        reinterpret_cast<uint16_t*>(y.data_ptr()), N, side);
-  }
+#endif
+#if ASYNCSERVE_FP32_GEMM
+  if (!bf16)
+    packed_linear_fp32(xc.data_ptr<float>(), M, K, packed.data_ptr<float>(), packed.size(0), y.data_ptr<float>(), N,
+                       side);
 #endif
   return y;
 }
@@ -444,8 +454,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention", &paged_prefill_attention_op, no_gil,
         "prefill chunks' causal attention over block tables");
   m.def("packed_linear", [](at::Tensor x, at::Tensor packed, int64_t out) { return packed_linear_op(x, packed, out); },
-        no_gil, "x W^T over a weight packed by NativeLinear (bf16)");
-  m.def("bf16_gemm_available", [] { return kBf16Gemm; }, "whether packed_linear runs on this build");
+        no_gil, "x W^T over a weight packed by NativeLinear (bf16 or float32)");
+  m.def("bf16_gemm_available", [] { return kBf16Gemm; }, "whether packed_linear runs bf16 on this build");
+  m.def("fp32_gemm_available", [] { return kFp32Gemm; }, "whether packed_linear runs float32 on this build");
 #if ASYNCSERVE_AMX_GEMM
   m.def("amx_gemm_available", [] { return amx_permitted(); }, "whether packed_linear's AMX tiles run here");
 #else
