@@ -12,7 +12,8 @@ sequences (16) of 64 random prompt tokens decoding together, request i on adapte
 16, 8, 16 on q, k, v and o, random). Each path (--paths) has its own engine over the same folder
 (ASYNCSERVE_NATIVE and ASYNCSERVE_NATIVE_DECODER set around its steps); the engines prefill, then
 their decode steps alternate, --steps each; prints the median decode step per path and the ratios
-to the eager one. The tokens such a model writes mean nothing.
+to the eager one; path "base" is the native layer loop with no adapter on any request, against which
+the loop's LoRA/base throughput is printed. The tokens such a model writes mean nothing.
 """
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ sys.path.insert(0, str(REPO))
 
 from random_checkpoint import SHAPES, parse_override, random_adapters, random_weights, write_skeleton  # noqa: E402
 
-# path -> (ASYNCSERVE_NATIVE, ASYNCSERVE_NATIVE_DECODER)
-PATHS = {"loop": ("1", "1"), "ops": ("1", "0"), "eager": ("0", "1")}
+# path -> (ASYNCSERVE_NATIVE, ASYNCSERVE_NATIVE_DECODER); "base" is the loop with no adapter on any request
+PATHS = {"loop": ("1", "1"), "ops": ("1", "0"), "eager": ("0", "1"), "base": ("1", "1")}
 
 
 def write_checkpoint(folder: Path, shape: str, overrides: dict, dtype: torch.dtype) -> dict:
@@ -54,7 +55,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decodes", type=int, default=16)
     ap.add_argument("--steps", type=int, default=20, help="measured decode steps per path")
-    ap.add_argument("--paths", default="loop,ops,eager")
+    ap.add_argument("--paths", default="loop,ops,eager,base")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     overrides = dict(parse_override(s) for s in args.set)
@@ -86,7 +87,7 @@ def main() -> None:
             engine = LLM(model=str(folder), adapters=adapters, dtype=args.dtype, device="cpu", threads=args.threads,
                          max_running=args.decodes, prefix_caching=False).engine
             for i, ids in enumerate(prompts):
-                engine.add(engine.make_sequence(ids, params, f"a{i % 4}"))
+                engine.add(engine.make_sequence(ids, params, None if path == "base" else f"a{i % 4}"))
             engines[path] = engine
             for _ in range(8):          # the prefills, then a few decode steps to warm up
                 step(path)
@@ -103,6 +104,8 @@ def main() -> None:
     for path in paths:
         ratio = f", {median['eager'] / median[path]:.2f}x eager" if "eager" in median else ""
         print(f"{path:6s} median decode step {median[path]:8.2f} ms{ratio}")
+    if "loop" in median and "base" in median:
+        print(f"LoRA/base (the loop's throughput with W1's adapters over without): {median['base'] / median['loop']:.3f}")
 
 
 if __name__ == "__main__":

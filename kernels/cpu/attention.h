@@ -466,13 +466,6 @@ inline float reduce_max8(__m256 v) {
   return _mm_cvtss_f32(m);
 }
 
-inline float reduce_sum8(__m256 v) {
-  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_add_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
-
 // exp_nonpositive on 8 lanes (the same reduction and polynomial; NaN stays NaN).
 inline __m256 exp_nonpositive8(__m256 x) {
   x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);           // returns x when x is NaN
@@ -596,7 +589,7 @@ void attend_part_avx2(const T* q, int64_t q_head_stride, const T* k_cache, const
         _mm256_storeu_ps(sg + j0, p);
         sum = _mm256_add_ps(sum, p);
       }
-      row_sum[g] = row_sum[g] * correction[g] + reduce_sum8(sum);
+      row_sum[g] = row_sum[g] * correction[g] + sum_lanes8(sum);
       row_max[g] = new_max;
     }
     over_head_blocks(kv_heads, group, [&](auto heads_in_block, int64_t g, int64_t h) {

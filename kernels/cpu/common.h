@@ -6,6 +6,10 @@
 
 #include <c10/util/BFloat16.h>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace asyncserve {
 
 using bf16 = c10::BFloat16;
@@ -90,5 +94,15 @@ inline void soft_cap(float* x, int64_t n, float cap) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) x[i] = cap * tanh_float(x[i] * inv);
 }
+
+#if defined(__AVX2__)
+// The sum of v's 8 lanes.
+inline float sum_lanes8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
 
 }  // namespace asyncserve

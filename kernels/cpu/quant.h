@@ -354,13 +354,6 @@ inline __m256i dot_bytes(__m256i w, __m256i x) {
 #endif
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // R rows of x (from row m) against the decoded column: their dot products without the offsets.
 template <int R, bool Signed>
 inline void dot_tile(const DecodedColumn& c, const QuantizedRows& a, int64_t m, float* out) {
@@ -381,7 +374,7 @@ inline void dot_tile(const DecodedColumn& c, const QuantizedRows& a, int64_t m, 
       acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(s, _mm256_set1_ps(a.d[(m + r) * chunks + k])), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+  for (int r = 0; r < R; ++r) out[r] = sum_lanes8(acc[r]);
 }
 
 // R rows of x quantized per 256 (from row m) against a Q4_K/Q5_K column, the offsets included: per
@@ -415,7 +408,7 @@ inline void super_tile(const DecodedColumn& c, const QuantizedRows& a, int64_t m
                                _mm256_set1_ps(-c.super_dmin[s] * dx), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+  for (int r = 0; r < R; ++r) out[r] = sum_lanes8(acc[r]);
 }
 
 // R fp32 rows of x (from row m) against the column's fp32 weights.
@@ -429,7 +422,7 @@ inline void float_tile(const DecodedColumn& c, const QuantizedRows& a, int64_t m
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(a.xf.data() + (m + r) * K + k), acc[r]);
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+  for (int r = 0; r < R; ++r) out[r] = sum_lanes8(acc[r]);
 }
 
 // sum of a[i] * b[i], n a multiple of 8 (8 lanes: the order of the sums is fixed, so results do not
@@ -437,7 +430,7 @@ inline void float_tile(const DecodedColumn& c, const QuantizedRows& a, int64_t m
 inline float dot_floats(const float* a, const float* b, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  return hsum(acc);
+  return sum_lanes8(acc);
 }
 
 #else
@@ -562,10 +555,10 @@ inline void fused_block32_tile(const uint8_t* column, const QuantizedRows& a, in
   }
   const int64_t body = groups / 8 * 8;
   for (int r = 0; r < R; ++r) {
-    float offset = kSigned ? 0.0f : hsum(off[r]);
+    float offset = kSigned ? 0.0f : sum_lanes8(off[r]);
     if constexpr (!kSigned)
       for (int64_t g = body; g < groups; ++g) offset += offsets[g - body] * a.s16[(m + r) * groups + g];
-    out[r] = hsum(acc[r]) + offset;
+    out[r] = sum_lanes8(acc[r]) + offset;
   }
 }
 
@@ -616,7 +609,7 @@ inline void fused_super_tile(const uint8_t* column, const QuantizedRows& a, int6
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(mins, xsum)), _mm256_set1_ps(-dmin * dx), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+  for (int r = 0; r < R; ++r) out[r] = sum_lanes8(acc[r]);
 }
 
 // R rows of x (from row m) against one column's Q6_K blocks, the offsets included (dot_tile, dot_floats).
@@ -659,7 +652,7 @@ inline void fused_q6k_tile(const uint8_t* column, const QuantizedRows& a, int64_
       }
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + hsum(off[r]);
+  for (int r = 0; r < R; ++r) out[r] = sum_lanes8(acc[r]) + sum_lanes8(off[r]);
 }
 
 // R rows of x (from row m) against one column's blocks of Type: its finished dot products.
