@@ -227,6 +227,51 @@ def bench_lora_steps(prompts, adapters, args) -> None:
           f"eager LoRA {1e3 * eager:.2f} ms ({100 * (eager / native - 1):+.1f}%)")
 
 
+def bench_panel_steps(prompts, adapters, args) -> None:
+    """Decode steps of the base model at batches 1, 4 and 16 with the Q4_K projections in panels of 8
+    columns (as QuantLinear repacks them on AVX2 builds without VNNI) and in GGUF's blocks, swapped step by
+    step in one engine (the native layer loop rebuilt over each), after the prompts' prefill: --model a
+    GGUF file with Q4_K tensors, kept quantized."""
+    import statistics
+
+    from asyncserve import SamplingParams
+    from asyncserve.model.linear import QuantizedWeight, QuantLinear
+
+    llm = build_ours(adapters, args)
+    engine, weights = llm.engine, llm.engine.runner.weights
+    linears = [p for p in weights.linears() if isinstance(p, QuantLinear)]
+    layouts = {"panels": [p.weight for p in linears],
+               "blocks": [QuantizedWeight(p.weight.gguf_parts(), p.in_features) for p in linears]}
+    if all(a is b for a, b in zip(*layouts.values())) or not linears:
+        raise SystemExit("no Q4_K projection in panels here: a Q4_K file, kept quantized, on a build with panels")
+
+    def use(layout: str) -> None:
+        for p, weight in zip(linears, layouts[layout]):
+            p.weight, p._blocks, p._types = weight, [b for b, _ in weight.parts], [t for _, t in weight.parts]
+        weights._decoder = None
+
+    for batch in (1, 4, 16):
+        params = SamplingParams(max_tokens=16 + args.ab_steps, temperature=0.0, ignore_eos=True)
+        seqs = [engine.make_sequence(llm.tokenizer.encode(p), params, None) for p in prompts[:batch]]
+        for seq in seqs:
+            engine.add(seq)
+        for _ in range(12):
+            engine.step()
+        times = {"panels": [], "blocks": []}
+        for i in range(args.ab_steps):
+            layout = "panels" if i % 2 == 0 else "blocks"
+            use(layout)
+            t0 = time.perf_counter()
+            engine.step()
+            times[layout].append(time.perf_counter() - t0)
+        for seq in seqs:
+            engine.abort(seq.request_id)
+        use("panels")
+        panels, blocks = statistics.median(times["panels"]), statistics.median(times["blocks"])
+        print(f"decode step at batch {batch}, median of {args.ab_steps // 2} each: Q4_K in panels "
+              f"{1e3 * panels:.1f} ms, in GGUF blocks {1e3 * blocks:.1f} ms ({blocks / panels:.2f}x)", flush=True)
+
+
 def bench_merge(prompts, adapters, args) -> None:
     """Per W1 adapter, 16 of its requests decode in blocks of 8 steps, alternately unmerged and with the
     adapter merged into the base weights (StepPlan.merged, set here as a policy would): the median
@@ -302,7 +347,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--merge", action="store_true", help="time dLoRA's merged mode instead (see bench_merge)")
     ap.add_argument("--lora-steps", action="store_true", help="decode steps, native LoRA against eager, alternated")
-    ap.add_argument("--ab-steps", type=int, default=120, help="steps --lora-steps alternates")
+    ap.add_argument("--panel-steps", action="store_true",
+                    help="decode steps, Q4_K in panels against GGUF blocks, alternated (see bench_panel_steps)")
+    ap.add_argument("--ab-steps", type=int, default=120, help="steps --lora-steps and --panel-steps alternate")
     ap.add_argument("--tensor-parallel", type=int, default=1, help="ranks (each one core's threads of --tp-cores); "
                     "prints each step's broadcast and all-reduce time and bytes")
     ap.add_argument("--tp-cores", default=None, help="the ranks' cores, e.g. 0;1 (default: an even split)")
@@ -320,6 +367,9 @@ def main() -> None:
         return
     if args.lora_steps:
         bench_lora_steps(prompts, adapters, args)
+        return
+    if args.panel_steps:
+        bench_panel_steps(prompts, adapters, args)
         return
     print(f"load average before: {os.getloadavg()}")
     systems = args.systems.split(",")

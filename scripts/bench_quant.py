@@ -9,7 +9,7 @@ average is printed before and after, since boxes are shared. Weights are random 
 random, the fp16 scales set to keep entries ~0.05): the kernels' speed does not depend on the values.
 
     PYTHONPATH=. python scripts/bench_quant.py [--shapes 2048x2048,8192x2048] [--rows 1,16,64] [--rounds 7] [--threads N]
-        [--types Q4_K,Q5_K] [--strategies int8,columns,fp32]
+        [--types Q4_K,Q5_K,Q4_K_PANELS] [--strategies int8,columns,fp32]
 
 PYTHONPATH picks the kernels: another checkout's (PYTHONPATH=../main) times its quant.h with the same script.
 """
@@ -66,7 +66,8 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=0.2, help="per variant per round")
-    ap.add_argument("--types", default=",".join(t.name for t in TYPES), help="ggml types to time")
+    ap.add_argument("--types", default=",".join(t.name for t in TYPES),
+                    help="ggml types to time; Q4_K_PANELS: Q4_K repacked into panels (builds that run panels)")
     ap.add_argument("--strategies", default="int8",
                     help="int8 (as served), columns (int8 without panels: set_quant_panel_rows) and/or fp32 "
                          "(kernels.cpu.set_quant_int8)")
@@ -83,7 +84,13 @@ def main() -> None:
     rng = np.random.default_rng(0)
     for shape in args.shapes.split(","):
         out, fan_in = (int(v) for v in shape.split("x"))
-        blocks = {Q[t]: random_blocks(out, fan_in, Q[t], rng) for t in args.types.split(",")}
+        blocks = {}   # name -> (type id, blocks)
+        for name in args.types.split(","):
+            if name == "Q4_K_PANELS":   # Q4_K repacked into panels of 8 columns, as QuantLinear holds it here
+                blocks[name] = (cpu_kernels.Q4_K_PANELS,
+                                cpu_kernels.q4k_to_panels(random_blocks(out, fan_in, Q.Q4_K, rng), fan_in))
+            else:
+                blocks[name] = (int(Q[name]), random_blocks(out, fan_in, Q[name], rng))
         for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
             dense = make_linear(torch.randn(out, fan_in).mul_(0.05).to(dtype))
             for rows in (int(r) for r in args.rows.split(",")):
@@ -91,9 +98,10 @@ def main() -> None:
                 # name -> (strategy, call)
                 variants = {f"dense {type(dense).__name__}": ("int8", lambda: dense(x))}
                 for strategy in args.strategies.split(","):
-                    variants.update({f"{t.name}{'' if strategy == 'int8' else '/' + strategy}":
-                                     (strategy, lambda b=b, t=t: cpu_kernels.quant_linear(x, [b], [int(t)]))
-                                     for t, b in blocks.items()})
+                    variants.update({f"{name}{'' if strategy == 'int8' else '/' + strategy}":
+                                     (strategy, lambda b=b, t=t: cpu_kernels.quant_linear(x, [b], [t]))
+                                     for name, (t, b) in blocks.items()
+                                     if strategy == "int8" or name != "Q4_K_PANELS"})
                 times = {name: [] for name in variants}
                 for _ in range(args.rounds):
                     for name, (strategy, fn) in variants.items():

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+import kernels.cpu as cpu_kernels
 from asyncserve import LLM, SamplingParams
 from asyncserve.config import Config
 from asyncserve.model.linear import QuantLinear
@@ -72,8 +73,16 @@ def write_pair(folder, types: dict[str, Q], seed: int, embed_std: float = 1.0):
     common = dict(tokens=tokens, merges=merges, special=special, llama=llama, bos_id=1, eos_id=2)
     q_path = write_gguf(folder / "tiny-q.gguf", tensors=quant, **common)
     d_path = write_gguf(folder / "tiny-f32.gguf", tensors=dense, **common)
-    kept = sum(b.nbytes for b, t in quant.values() if t is not None)
+    kept = sum(held_bytes(name, b, t) for name, (b, t) in quant.items() if t is not None)
     return q_path, d_path, kept
+
+
+def held_bytes(name: str, blocks: np.ndarray, qtype: Q) -> int:
+    """What the engine holds of a file's quantized tensor: its blocks, a projection's Q4_K repacked into panels
+    of 8 columns (148 bytes per 144) where the build runs them and its rows are a multiple of 8."""
+    panels = (qtype == Q.Q4_K and name != "token_embd.weight" and len(blocks) % 8 == 0
+              and cpu_kernels.quant_panels())
+    return blocks.nbytes * 148 // 144 if panels else blocks.nbytes
 
 
 @pytest.mark.parametrize("types", [Q4_K_M, LEGACY], ids=["q4_k_m", "q8_0-q4_0-q4_1"])
@@ -142,7 +151,10 @@ def test_native_layer_loop_gives_the_python_loops_logits(tmp_path, monkeypatch, 
                   max_step_tokens=8, pool_mem="16MiB", keep_quantized=True)
         weights = llm.engine.runner.weights
         assert isinstance(weights.lm_head, QuantLinear)
-        assert [t for _, t in weights.layers[0].qkv.weight.parts] == [types["attn_q"], types["attn_k"], types["attn_v"]]
+        qkv = weights.layers[0].qkv.weight
+        assert [t for _, t in qkv.gguf_parts()] == [types["attn_q"], types["attn_k"], types["attn_v"]]
+        assert [t == cpu_kernels.Q4_K_PANELS for _, t in qkv.parts] == [
+            cpu_kernels.quant_panels() and types[name] == Q.Q4_K for name in ("attn_q", "attn_k", "attn_v")]
         prompts = [llm.tokenizer.encode(p) for p in ["The quick brown fox", "def add(a, b):"]]
         cases = [(ids, a) for ids in prompts for a in [None, *adapters]]
         outs = llm.generate([ids for ids, _ in cases], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
@@ -222,7 +234,8 @@ print(anon() - before, weights.nbytes())
     assert run.returncode == 0, run.stderr[-2000:]
     grown, nbytes = (int(v) for v in run.stdout.split())
     size = path.stat().st_size
-    assert size * 0.95 <= nbytes <= size      # the file is the blocks, a small embedding and its metadata
+    # the file is the blocks, a small embedding and its metadata; Q4_K in panels holds 148 bytes per 144
+    assert size * 0.95 <= nbytes <= size * (148 / 144 if cpu_kernels.quant_panels() else 1)
     assert grown <= 1.3 * size, (grown, size)
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import kernels.cpu as cpu_kernels
+from asyncserve.model.linear import QuantizedWeight
 from quant_helpers import KERNEL_TYPES, Q, dequantized, quantize, random_blocks
 from reference import require_native_kernels
 
@@ -54,8 +55,12 @@ def assert_within(y: torch.Tensor, ref: np.ndarray, tol: np.ndarray, what: str) 
     assert (err <= tol).all(), f"{what}: error {err[worst]:.3g} > tolerance {tol[worst]:.3g} at {worst}"
 
 
-def check(x: torch.Tensor, parts: list[tuple[np.ndarray, Q]]) -> None:
-    y = cpu_kernels.quant_linear(x, [torch.from_numpy(b) for b, _ in parts], [int(t) for _, t in parts])
+def check(x: torch.Tensor, parts: list[tuple[np.ndarray, Q]], panels: bool = False) -> None:
+    """quant_linear over parts against the references; panels: its Q4_K parts repacked into panels of 8
+    columns first (QuantizedWeight.in_panels: those whose rows are a multiple of 8)."""
+    held = QuantizedWeight([(torch.from_numpy(b), int(t)) for b, t in parts], x.shape[1])
+    held = held.in_panels() if panels else held
+    y = cpu_kernels.quant_linear(x, [b for b, _ in held.parts], [t for _, t in held.parts])
     assert y.dtype == x.dtype and tuple(y.shape) == (x.shape[0], sum(len(b) for b, _ in parts))
     for part, (blocks, qtype) in zip(y.split([len(b) for b, _ in parts], dim=1), parts):
         w = dequantized(blocks, qtype).astype(np.float64)
@@ -158,6 +163,85 @@ def test_panels_of_each_type_match_columns_on_any_threads(qtype, panel_rows):
                 check(x, [(blocks, qtype)])   # the panels against the float64 references
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def q4k_panels():
+    """Q4_K in panels of 8 columns runs where the build runs panels (AVX2 without VNNI)."""
+    if not cpu_kernels.quant_panels():
+        pytest.skip("this build runs no panels (no AVX2, or VNNI): Q4_K stays in GGUF's blocks")
+
+
+@pytest.mark.parametrize("out, fan_in", [(8, 256), (24, 768), (64, 512)])
+def test_q4k_panels_give_the_blocks_back_bit_for_bit(out, fan_in):
+    """q4k_to_panels then q4k_from_panels: the same bytes, for blocks of any bits (every one of the 12 scale
+    bytes' bits is a 6-bit scale's or min's); the panels hold 148 bytes per 144."""
+    rng = np.random.default_rng(out + fan_in)
+    blocks = torch.from_numpy(random_blocks((out, fan_in), Q.Q4_K, rng))
+    for held in (blocks, torch.randint(0, 256, (out, fan_in // 256 * 144), dtype=torch.uint8)):
+        panels = cpu_kernels.q4k_to_panels(held, fan_in)
+        assert panels.shape == (out, fan_in // 256 * 148) and not torch.equal(panels[:, :144], held[:, :144])
+        assert torch.equal(cpu_kernels.q4k_from_panels(panels, fan_in), held)
+    weight = QuantizedWeight([(blocks, int(Q.Q4_K))], fan_in)
+    assert torch.equal(weight.in_panels().dequantize(), weight.dequantize())
+
+
+def test_q4k_panels_against_references_at_any_rows(q4k_panels):
+    """Q4_K in panels at row counts around the tiles (4) and the GGUF paths' panel threshold (8), fp32 and
+    bf16, 1 and 2 super-blocks, stacked with the parts a Q4_K_M qkv has (a Q6_K v; a Q4_K whose 12 rows
+    stay in blocks), against the references."""
+    rng = np.random.default_rng(40)
+    for fan_in in (256, 512):
+        parts = [(random_blocks((out, fan_in), t, rng), t) for out, t in [(16, Q.Q4_K), (8, Q.Q4_K), (9, Q.Q6_K),
+                                                                          (12, Q.Q4_K)]]
+        x = torch.from_numpy(rng.standard_normal((max(PANEL_ROWS), fan_in)).astype(np.float32))
+        for rows in PANEL_ROWS:
+            for dtype in (torch.float32, torch.bfloat16):
+                check(x[:rows].to(dtype), parts, panels=True)
+
+
+def test_q4k_panels_give_the_gguf_panels_bits(q4k_panels, panel_rows):
+    """From the GGUF paths' panel threshold on, Q4_K in panels sums the same integers in the same float order
+    as the panels built per call: the same bits, on 1 and 2 threads; below it (the fused kernels there)
+    within fp32 rounding."""
+    rng = np.random.default_rng(41)
+    blocks = torch.from_numpy(random_blocks((40, 1024), Q.Q4_K, rng))
+    panels = cpu_kernels.q4k_to_panels(blocks, 1024)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for rows in (1, 5, 8, 9, 64, 70):
+                x = torch.randn(rows, 1024)
+                gguf_y = cpu_kernels.quant_linear(x, [blocks], [int(Q.Q4_K)])
+                panel_y = cpu_kernels.quant_linear(x, [panels], [cpu_kernels.Q4_K_PANELS])
+                if rows >= 8:
+                    assert torch.equal(panel_y, gguf_y), (n, rows)
+                else:
+                    scale = x.abs() @ torch.from_numpy(dequantized(blocks.numpy(), Q.Q4_K)).abs().T
+                    assert ((panel_y - gguf_y).abs() <= scale * 1e-5 + 1e-6).all(), (n, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_q4k_panels_refuse_what_they_cannot_hold():
+    """Rows not a multiple of 8 or in_features not of 256 are refused by the repacking and by quant_linear;
+    an embedding lookup (quant_rows) does not take panels."""
+    rng = np.random.default_rng(42)
+    blocks = torch.from_numpy(random_blocks((12, 256), Q.Q4_K, rng))
+    with pytest.raises(RuntimeError, match="multiple of 8 rows"):
+        cpu_kernels.q4k_to_panels(blocks, 256)
+    with pytest.raises(RuntimeError, match="not a multiple of Q4_K's 256"):
+        cpu_kernels.q4k_to_panels(blocks[:8].contiguous(), 128)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        cpu_kernels.quant_linear(torch.randn(2, 256), [torch.zeros(12, 148, dtype=torch.uint8)],
+                                 [cpu_kernels.Q4_K_PANELS])
+    with pytest.raises(RuntimeError, match="no quantized kernel"):
+        cpu_kernels.quant_rows(torch.zeros(8, 148, dtype=torch.uint8), cpu_kernels.Q4_K_PANELS,
+                               torch.tensor([0]), 256, torch.float32)
+    assert cpu_kernels.Q4_K_PANELS == cpu_kernels.library().q4k_panels_type()
+    held = QuantizedWeight([(blocks, int(Q.Q4_K))], 256).in_panels()   # 12 rows: stay in blocks
+    assert held.parts[0][1] == int(Q.Q4_K) and held.parts[0][0] is blocks
 
 
 def test_parts_of_mixed_types_stack_as_columns():

@@ -119,6 +119,7 @@ def make_linear(weight: torch.Tensor) -> Linear:
 # the ggml types quant.h runs: bytes per block, and the byte offsets of each block's fp16 scales
 # (Q4_0, Q8_0: d; Q4_1: d, m; Q4_K, Q5_K: d, dmin; Q6_K: d at the end)
 QUANT_BLOCKS = {2: (18, (0,)), 3: (20, (0, 2)), 8: (34, (0,)), 12: (144, (0, 2)), 13: (176, (0, 2)), 14: (210, (208,))}
+Q4_K = 12
 
 
 @dataclass
@@ -161,24 +162,39 @@ class QuantizedWeight:
             count += int(((bits & 0x7C00) == 0x7C00).any(1).sum())            # exponent all ones: NaN or inf
         return count
 
+    def in_panels(self) -> QuantizedWeight:
+        """The same weight with its Q4_K parts (out a multiple of 8) repacked into panels of 8 columns
+        (cpu_kernels.Q4_K_PANELS): the same bits, which quant_linear's tiles read without building a panel
+        per call, at any row count; the other parts as they are."""
+        return QuantizedWeight([(cpu_kernels.q4k_to_panels(blocks, self.in_features), cpu_kernels.Q4_K_PANELS)
+                                if qtype == Q4_K and blocks.shape[0] % 8 == 0 else (blocks, qtype)
+                                for blocks, qtype in self.parts], self.in_features)
+
+    def gguf_parts(self) -> list[tuple[torch.Tensor, int]]:
+        """The parts as GGUF blocks (panels repacked back, bit for bit)."""
+        return [(cpu_kernels.q4k_from_panels(blocks, self.in_features), Q4_K) if qtype == cpu_kernels.Q4_K_PANELS
+                else (blocks, qtype) for blocks, qtype in self.parts]
+
     def dequantize(self) -> torch.Tensor:
         """[out, in] float32 by gguf.quants' reference dequantization."""
         import gguf
 
         return torch.cat([torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType(qtype)))
-                          for blocks, qtype in self.parts]).reshape(self.shape)
+                          for blocks, qtype in self.gguf_parts()]).reshape(self.shape)
 
 
 class QuantLinear(Linear):
     """W kept in its GGUF blocks (QuantizedWeight), applied by kernels/cpu/quant.h with int8 activations;
-    ``nbytes`` is the blocks' size. x and y in the activation dtype (fp32 or bf16)."""
+    ``nbytes`` is the blocks' size. x and y in the activation dtype (fp32 or bf16). Where the build runs
+    panels (AVX2 without VNNI), Q4_K parts are repacked into them once here (QuantizedWeight.in_panels),
+    unless ``panels`` is False (a head tied to a table kept in blocks: one copy of the bits)."""
 
-    def __init__(self, weight: QuantizedWeight):
-        self.weight = weight
+    def __init__(self, weight: QuantizedWeight, panels: bool = True):
+        self.weight = weight.in_panels() if panels and cpu_kernels.quant_panels() else weight
         self.out_features, self.in_features = weight.shape
-        self.nbytes = weight.nbytes
-        self._blocks = [blocks for blocks, _ in weight.parts]
-        self._types = [qtype for _, qtype in weight.parts]
+        self.nbytes = self.weight.nbytes
+        self._blocks = [blocks for blocks, _ in self.weight.parts]
+        self._types = [qtype for _, qtype in self.weight.parts]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_kernels.quant_linear(x, self._blocks, self._types)   # x: [T, in] -> [T, out]
@@ -221,13 +237,15 @@ def quant_kernels_available(device: torch.device) -> bool:
 _dequantized_logged = False
 
 
-def make_weight_linear(weight: torch.Tensor | QuantizedWeight, dtype: torch.dtype, device: torch.device) -> Linear:
+def make_weight_linear(weight: torch.Tensor | QuantizedWeight, dtype: torch.dtype, device: torch.device,
+                       panels: bool = True) -> Linear:
     """A projection over a checkpoint weight, dense or GGUF blocks: blocks stay blocks where
-    QuantLinear runs (CPU, native kernels built); elsewhere they are dequantized to ``dtype`` (logged once)."""
+    QuantLinear runs (CPU, native kernels built; ``panels``: see QuantLinear); elsewhere they are
+    dequantized to ``dtype`` (logged once)."""
     global _dequantized_logged
     if isinstance(weight, QuantizedWeight):
         if quant_kernels_available(device):
-            return QuantLinear(weight)
+            return QuantLinear(weight, panels)
         if not _dequantized_logged:
             _dequantized_logged = True
             log.warning("quantized weights are dequantized to %s: the native quantized kernels do not run on %s (%s)",

@@ -179,7 +179,7 @@ def build_weights(config: ModelConfig, weights: dict[str, torch.Tensor | Quantiz
     elif config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
         # one copy of a table kept in blocks: the head is a QuantLinear over them
-        lm_head = make_weight_linear(embed.weight, dtype, device) if isinstance(embed, QuantEmbedding) \
+        lm_head = make_weight_linear(embed.weight, dtype, device, panels=False) if isinstance(embed, QuantEmbedding) \
             else make_linear(embed)
     else:
         lm_head = linear("lm_head.weight")

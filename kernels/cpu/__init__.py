@@ -311,6 +311,22 @@ def quant_panels() -> bool:
     return _lib().quant_panels()
 
 
+# The type id quant_linear takes for a Q4_K part repacked into panels of 8 columns (quant.h's kQ4_K_Panels:
+# not a ggml type); it runs where quant_panels() holds.
+Q4_K_PANELS = 0x10C
+
+
+def q4k_to_panels(blocks: torch.Tensor, in_features: int) -> torch.Tensor:
+    """One Q4_K weight's blocks [out, in/256 * 144] uint8 (out a multiple of 8) repacked into panels of 8
+    columns, [out, in/256 * 148] uint8: the same bits in the order quant_linear's Q4_K_PANELS tiles read."""
+    return _lib().q4k_panels(blocks, in_features, True)
+
+
+def q4k_from_panels(panels: torch.Tensor, in_features: int) -> torch.Tensor:
+    """q4k_to_panels undone: the Q4_K blocks bit for bit."""
+    return _lib().q4k_panels(panels, in_features, False)
+
+
 def quant_path() -> str:
     """The integer dot products quant_linear runs on this build: avx2+vnni, avx2 or scalar."""
     return _lib().quant_path()

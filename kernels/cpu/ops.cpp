@@ -392,8 +392,10 @@ at::Tensor quant_linear_op(at::Tensor x, std::vector<at::Tensor> parts, std::vec
   std::vector<QuantPart> checked;
   int64_t N = 0;
   for (size_t i = 0; i < parts.size(); ++i) {
-    const QuantFormat f = quant_format(types[i]);
+    const QuantFormat f = part_format(types[i]);
     TORCH_CHECK(f.block > 0, "ggml type ", types[i], " has no quantized kernel (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)");
+    TORCH_CHECK(types[i] != kQ4_K_Panels || (ASYNCSERVE_QUANT_PANEL && parts[i].size(0) % 8 == 0),
+                "Q4_K panels (part ", i, ") need a build that runs panels and a multiple of 8 rows");
     TORCH_CHECK(K % f.block == 0, "in_features ", K, " is not a multiple of type ", types[i], "'s ", f.block,
                 "-weight blocks");
     const at::Tensor& p = parts[i];
@@ -410,6 +412,20 @@ at::Tensor quant_linear_op(at::Tensor x, std::vector<at::Tensor> parts, std::vec
     quant_linear<T>(x.data_ptr<T>(), x.stride(0), M, K, checked, y.data_ptr<T>(), N);
   });
   return y;
+}
+
+// blocks: one Q4_K weight's [out, K / 256 * 144] uint8 rows (out % 8 == 0) -> its panels (quant.h's
+// kQ4_K_Panels), [out, K / 256 * 148] uint8; or back (to_panels false), bit for bit.
+at::Tensor q4k_panels_op(at::Tensor blocks, int64_t in_features, bool to_panels) {
+  const int64_t K = in_features, from = to_panels ? 144 : kQ4KPanelBytes / 8, to = to_panels ? kQ4KPanelBytes / 8 : 144;
+  TORCH_CHECK(K > 0 && K % 256 == 0, "in_features ", K, " is not a multiple of Q4_K's 256-weight blocks");
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
+                  blocks.dim() == 2 && blocks.size(0) % 8 == 0 && blocks.size(1) == K / 256 * from,
+              "blocks must be a contiguous uint8 [a multiple of 8 rows, ", K / 256 * from, "] tensor");
+  at::Tensor out = at::empty({blocks.size(0), K / 256 * to}, blocks.options());
+  if (to_panels) to_q4k_panels(blocks.data_ptr<uint8_t>(), blocks.size(0), K, out.data_ptr<uint8_t>());
+  else from_q4k_panels(blocks.data_ptr<uint8_t>(), blocks.size(0), K, out.data_ptr<uint8_t>());
+  return out;
 }
 
 // out: [n, K] float32 or bf16, rows ids [n] (int64) of blocks, one weight's [rows, K / block * bytes] uint8
@@ -473,6 +489,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_quant_panel_rows", [](int64_t rows) { return quant_panel_rows.exchange(rows); },
         "rows from which quant_linear's int8 strategy runs panels of 8 columns (quant.h); returns the previous setting");
   m.def("quant_panels", [] { return bool(ASYNCSERVE_QUANT_PANEL); }, "whether quant_linear runs panels on this build");
+  m.def("q4k_panels", &q4k_panels_op, no_gil, "Q4_K blocks repacked into panels of 8 columns, or back (quant.h)");
+  m.def("q4k_panels_type", [] { return kQ4_K_Panels; }, "the type id quant_linear takes for Q4_K in panels");
   m.def("quant_path", [] { return std::string(quant_path()); }, "the integer dot products quant_linear runs here");
   m.def("lora_segments", &lora_segments_op, no_gil, "y += each run's LoRA, read from the pool rows");
   m.def("lora_prefetch_lines", &lora_prefetch_lines_op, "the lines a GEMM asks for ahead of lora_segments, by thread");

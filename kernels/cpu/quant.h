@@ -16,7 +16,8 @@
 // vpmaddubsw + vpmaddwd, or one vpdpbusd where the CPU has AVX512-VNNI (+VL) or AVX-VNNI; a scalar
 // loop runs where the build has no AVX2. From quant_panel_rows rows (a prefill's) an AVX2 build without
 // VNNI runs a GEMM over panels of 8 columns instead (see "Many rows" below): the per-column tiles
-// there cost a float conversion, two multiplies and a broadcast per 32 products of each row.
+// there cost a float conversion, two multiplies and a broadcast per 32 products of each row. There, Q4_K
+// repacked at load into such panels (kQ4_K_Panels, below) runs q4k_panel_tile at every row count.
 //
 // Q4_K and Q5_K run as llama.cpp's ggml_vec_dot_q4_K_q8_K does: their activations quantized per
 // super-block of 256 instead (one scale each, as its q8_K), so that the 8 chunks' integer dot products,
@@ -76,6 +77,104 @@ constexpr QuantFormat quant_format(int64_t type) {
     case kQ6_K: return {256, 210};
     default: return {0, 0};
   }
+}
+
+// Not a ggml type: Q4_K's blocks repacked into panels of 8 columns (to_q4k_panels), the same bits in an
+// order that a tile decodes with one load, one shift and two ands per 8 weights of 8 columns: quant_linear
+// runs it at any row count where this build runs panels (q4k_panel_tile), with no panel built per call.
+// Per panel (8 columns, the weight's out % 8 == 0) and super-block of 256, kQ4KPanelBytes bytes:
+//   [0, 1024)     32 vectors of 32 bytes; vector 4j + p (chunk j of 32, pair p of steps of 4): byte 4n + i
+//                 holds column n's weight 32j + 8p + i in its low nibble, 32j + 8p + 4 + i in its high one
+//   [1024, 1088)  the chunks' 6-bit scales, [j][n]
+//   [1088, 1152)  their 6-bit mins, [i][n][2]: chunks 2i and 2i + 1 (an int16 pair per column, widened)
+//   [1152, 1184)  d, then dmin, of the 8 columns (fp16)
+constexpr int64_t kQ4_K_Panels = 0x10C;
+constexpr int64_t kQ4KPanelBytes = 1184;
+
+// The row bytes quant_linear takes for a part of `type` (a ggml type, or kQ4_K_Panels: a column's share of
+// its panels), over `block` weights.
+constexpr QuantFormat part_format(int64_t type) {
+  return type == kQ4_K_Panels ? QuantFormat{256, kQ4KPanelBytes / 8} : quant_format(type);
+}
+
+// Q4_K and Q5_K's 6-bit scales and mins of the 8 chunks of 32 (gguf's Q4_K.get_scale_min).
+inline void k_scales(const uint8_t* s, int sc[8], int mn[8]) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 0x3F;
+    mn[j] = s[4 + j] & 0x3F;
+    sc[4 + j] = (s[8 + j] & 0x0F) | ((s[j] >> 2) & 0x30);
+    mn[4 + j] = (s[8 + j] >> 4) | ((s[4 + j] >> 2) & 0x30);
+  }
+}
+
+// blocks [N][K/256 * 144] of Q4_K (N % 8 == 0) -> panels [N/8][K/256][kQ4KPanelBytes].
+inline void to_q4k_panels(const uint8_t* blocks, int64_t N, int64_t K, uint8_t* out) {
+  const int64_t supers = K / 256;
+  at::parallel_for(0, N / 8, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t panel = begin; panel < end; ++panel)
+      for (int64_t s = 0; s < supers; ++s) {
+        uint8_t* dst = out + (panel * supers + s) * kQ4KPanelBytes;
+        for (int n = 0; n < 8; ++n) {
+          const uint8_t* block = blocks + ((8 * panel + n) * supers + s) * 144;
+          int sc[8], mn[8];
+          k_scales(block + 4, sc, mn);
+          uint8_t q[256];   // chunk c's weights at 32c.. (128 bytes: chunk 2j low nibbles, 2j + 1 high)
+          for (int j = 0; j < 4; ++j)
+            for (int i = 0; i < 32; ++i) {
+              q[64 * j + i] = block[16 + 32 * j + i] & 0x0F;
+              q[64 * j + 32 + i] = block[16 + 32 * j + i] >> 4;
+            }
+          for (int j = 0; j < 8; ++j)
+            for (int p = 0; p < 4; ++p)
+              for (int i = 0; i < 4; ++i)
+                dst[32 * (4 * j + p) + 4 * n + i] = uint8_t(q[32 * j + 8 * p + i] | (q[32 * j + 8 * p + 4 + i] << 4));
+          for (int j = 0; j < 8; ++j) dst[1024 + 8 * j + n] = uint8_t(sc[j]);
+          for (int i = 0; i < 4; ++i) {
+            dst[1088 + 16 * i + 2 * n] = uint8_t(mn[2 * i]);
+            dst[1088 + 16 * i + 2 * n + 1] = uint8_t(mn[2 * i + 1]);
+          }
+          std::memcpy(dst + 1152 + 2 * n, block, 2);
+          std::memcpy(dst + 1168 + 2 * n, block + 2, 2);
+        }
+      }
+  });
+}
+
+// to_q4k_panels undone: the Q4_K blocks bit for bit (the 6-bit scales and mins packed back as gguf does).
+inline void from_q4k_panels(const uint8_t* panels, int64_t N, int64_t K, uint8_t* blocks) {
+  const int64_t supers = K / 256;
+  at::parallel_for(0, N / 8, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t panel = begin; panel < end; ++panel)
+      for (int64_t s = 0; s < supers; ++s) {
+        const uint8_t* src = panels + (panel * supers + s) * kQ4KPanelBytes;
+        for (int n = 0; n < 8; ++n) {
+          uint8_t* block = blocks + ((8 * panel + n) * supers + s) * 144;
+          int sc[8], mn[8];
+          for (int j = 0; j < 8; ++j) sc[j] = src[1024 + 8 * j + n];
+          for (int i = 0; i < 4; ++i) {
+            mn[2 * i] = src[1088 + 16 * i + 2 * n];
+            mn[2 * i + 1] = src[1088 + 16 * i + 2 * n + 1];
+          }
+          std::memcpy(block, src + 1152 + 2 * n, 2);
+          std::memcpy(block + 2, src + 1168 + 2 * n, 2);
+          for (int j = 0; j < 4; ++j) {   // k_scales' inverse
+            block[4 + j] = uint8_t(sc[j] | ((sc[4 + j] >> 4) << 6));
+            block[8 + j] = uint8_t(mn[j] | ((mn[4 + j] >> 4) << 6));
+            block[12 + j] = uint8_t((sc[4 + j] & 0x0F) | ((mn[4 + j] & 0x0F) << 4));
+          }
+          uint8_t q[256];
+          for (int j = 0; j < 8; ++j)
+            for (int p = 0; p < 4; ++p)
+              for (int i = 0; i < 4; ++i) {
+                const uint8_t v = src[32 * (4 * j + p) + 4 * n + i];
+                q[32 * j + 8 * p + i] = v & 0x0F;
+                q[32 * j + 8 * p + 4 + i] = v >> 4;
+              }
+          for (int j = 0; j < 4; ++j)
+            for (int i = 0; i < 32; ++i) block[16 + 32 * j + i] = uint8_t(q[64 * j + i] | (q[64 * j + 32 + i] << 4));
+        }
+      }
+  });
 }
 
 inline const char* quant_path() {
@@ -255,16 +354,6 @@ inline void unpack_nibbles32(const uint8_t* in, uint8_t* lo, uint8_t* hi, const 
     hi[i] = (in[i] >> 4) | (high ? ((high[i] >> (high_bit + 1)) & 1) << 4 : 0);
   }
 #endif
-}
-
-// Q4_K and Q5_K's 6-bit scales and mins of the 8 chunks of 32 (gguf's Q4_K.get_scale_min).
-inline void k_scales(const uint8_t* s, int sc[8], int mn[8]) {
-  for (int j = 0; j < 4; ++j) {
-    sc[j] = s[j] & 0x3F;
-    mn[j] = s[4 + j] & 0x3F;
-    sc[4 + j] = (s[8 + j] & 0x0F) | ((s[j] >> 2) & 0x30);
-    mn[4 + j] = (s[8 + j] >> 4) | ((s[4 + j] >> 2) & 0x30);
-  }
 }
 
 // Decodes one column's row of blocks (K weights) so that w[i] = scale[i/16] * q[i] + offset[i/16].
@@ -968,6 +1057,22 @@ inline void panel_group_tile(const Panel& p, const QuantizedRows& a, int64_t m, 
   ahead = lines;
 }
 
+// acc[r] += the super-block s's integer sums of R rows (from row m) times d dx, less their mins (mn[i]: lane
+// 2n, 2n + 1 column n's mins of chunks 2i, 2i + 1) times the rows' per-32 sums times dmin dx.
+template <int R>
+inline void fold_super(__m256 acc[R], const __m256i sum[R], const __m256i mn[4], __m256 d, __m256 dmin,
+                       const QuantizedRows& a, int64_t m, int64_t s) {
+  const int64_t K = a.K, supers = K / 256;
+  for (int r = 0; r < R; ++r) {
+    const int16_t* xs = a.sum32.data() + (m + r) * (K / 32) + 8 * s;
+    __m256i mins = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) mins = _mm256_add_epi32(mins, _mm256_madd_epi16(broadcast4(xs + 2 * i), mn[i]));
+    const __m256 dx = _mm256_set1_ps(a.d256[(m + r) * supers + s]);
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(d, dx), acc[r]);
+    acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dmin, dx), acc[r]);
+  }
+}
+
 // R rows of x quantized per 256 (from row m) against a panel of Q4_K / Q5_K, the mins included.
 template <int R, int64_t Type>
 inline void panel_super_tile(const Panel& p, const QuantizedRows& a, int64_t m, __m256 acc[R], PanelAhead& ahead) {
@@ -1001,16 +1106,8 @@ inline void panel_super_tile(const Panel& p, const QuantizedRows& a, int64_t m, 
     }
     __m256i mn[4];   // the mins of chunk pairs, times the rows' sums of them (|sum| <= 32 * 127: int16)
     for (int i = 0; i < 4; ++i) mn[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.sub_min.data() + 16 * (4 * s + i)));
-    const __m256 d = _mm256_loadu_ps(p.super_d.data() + kPanel * s);
-    const __m256 dmin = _mm256_loadu_ps(p.super_dmin.data() + kPanel * s);
-    for (int r = 0; r < R; ++r) {
-      const int16_t* xs = a.sum32.data() + (m + r) * (K / 32) + 8 * s;
-      __m256i mins = _mm256_setzero_si256();
-      for (int i = 0; i < 4; ++i) mins = _mm256_add_epi32(mins, _mm256_madd_epi16(broadcast4(xs + 2 * i), mn[i]));
-      const __m256 dx = _mm256_set1_ps(a.d256[(m + r) * supers + s]);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(d, dx), acc[r]);
-      acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dmin, dx), acc[r]);
-    }
+    fold_super<R>(acc, sum, mn, _mm256_loadu_ps(p.super_d.data() + kPanel * s),
+                  _mm256_loadu_ps(p.super_dmin.data() + kPanel * s), a, m, s);
   }
   ahead = lines;
 }
@@ -1049,6 +1146,82 @@ inline void quant_panel(const uint8_t* blocks, int64_t row_bytes, int64_t n0, in
   }
 }
 
+// R rows of x quantized per 256 (from row m) against one panel of kQ4_K_Panels: panel_super_tile's sums,
+// each pair of steps' weights decoded from one load in registers. Where `ahead` < `ahead_end` (the first
+// tile of a panel), one line of the thread's next panel is asked for into L2 per pair of steps.
+template <int R>
+inline void q4k_panel_tile(const uint8_t* panel, const QuantizedRows& a, int64_t m, __m256 acc[R], const char* ahead,
+                           const char* ahead_end) {
+  const int64_t K = a.K, supers = K / 256;
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const int8_t* x[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    x[r] = a.q256.data() + (m + r) * K;
+  }
+  for (int64_t s = 0; s < supers; ++s) {
+    const uint8_t* block = panel + s * kQ4KPanelBytes;
+    __m256i sum[R];
+    for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {   // chunks of 32: the 8 steps' products add up in int16 (<= 2 * 8 * 15 * 127)
+      __m256i part[R];
+      for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        if (ahead < ahead_end) {
+          __builtin_prefetch(ahead, 0, 2);
+          ahead += 64;
+        }
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * (4 * j + p)));
+        const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        const int64_t k = 256 * s + 32 * j + 8 * p;
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(lo, broadcast4(x[r] + k)));
+          part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(hi, broadcast4(x[r] + k + 4)));
+        }
+        in_order(part);
+      }
+      const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 1024 + 8 * j)));
+      const __m256i scale = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));   // column n's in int16 lanes 2n, 2n + 1
+      for (int r = 0; r < R; ++r) sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(part[r], scale));
+    }
+    __m256i mn[4];
+    for (int i = 0; i < 4; ++i)
+      mn[i] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 1088 + 16 * i)));
+    fold_super<R>(acc, sum, mn, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 1152))),
+                  _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 1168))), a, m, s);
+  }
+}
+
+// Panels [begin, end) of one kQ4_K_Panels part (blocks: its panels) for every row of a, in tiles of
+// kPanelRows rows; the first tile of each panel asks for the next one.
+template <typename T>
+inline void q4k_panels(const uint8_t* blocks, int64_t begin, int64_t end, const QuantizedRows& a, int64_t M, T* y,
+                       int64_t ldy, int64_t col0) {
+  const int64_t panel_bytes = a.K / 256 * kQ4KPanelBytes;
+  for (int64_t i = begin; i < end; ++i) {
+    const uint8_t* panel = blocks + i * panel_bytes;
+    const char* next = reinterpret_cast<const char*>(panel + panel_bytes);
+    for (int64_t m = 0; m < M; m += kPanelRows) {
+      __m256 acc[kPanelRows];
+      const int64_t rows = std::min<int64_t>(kPanelRows, M - m);
+      const char* ahead_end = m == 0 && i + 1 < end ? next + panel_bytes : next;
+      with_rows<kPanelRows>(int(rows), [&](auto R) { q4k_panel_tile<decltype(R)::value>(panel, a, m, acc, next, ahead_end); });
+      for (int64_t r = 0; r < rows; ++r) {
+        T* out = y + (m + r) * ldy + col0 + 8 * i;
+        if constexpr (std::is_same_v<T, float>) {
+          _mm256_storeu_ps(reinterpret_cast<float*>(out), acc[r]);
+        } else {
+          float v[kPanel];
+          _mm256_storeu_ps(v, acc[r]);
+          for (int n = 0; n < kPanel; ++n) out[n] = from_float<T>(v[n]);
+        }
+      }
+    }
+  }
+}
+
 #else
 #define ASYNCSERVE_QUANT_PANEL 0
 #endif
@@ -1064,22 +1237,47 @@ inline void quant_linear(const T* x, int64_t ldx, int64_t M, int64_t K, const st
                          int64_t ldy) {
   thread_local QuantizedRows a;   // kept between calls, like gemm.h's row tiles
   const bool int8 = quant_int8_on.load(std::memory_order_relaxed);
-  bool per32 = false, per256 = false;   // which quantizations of x the parts take
-  for (const QuantPart& p : parts) (p.type == kQ4_K || p.type == kQ5_K ? per256 : per32) = true;
+  bool per32 = false, per256 = false, in_panels = false;   // which quantizations of x the parts take
+  std::vector<QuantPart> rest;   // the parts in GGUF's own blocks
+  for (const QuantPart& p : parts) {
+    if (p.type == kQ4_K_Panels) {
+      in_panels = true;
+      continue;
+    }
+    rest.push_back(p);
+    (p.type == kQ4_K || p.type == kQ5_K ? per256 : per32) = true;
+  }
   a.K = K;
   if (!int8) float_rows(x, ldx, M, K, a);
   if (int8 && per32) quantize_rows(x, ldx, M, K, 32, a.q, a.d, a.s16, a.sum32);
-  if (int8 && per256) quantize_rows(x, ldx, M, K, 256, a.q256, a.d256, a.s16, a.sum32);
+  if ((int8 && per256) || in_panels) quantize_rows(x, ldx, M, K, 256, a.q256, a.d256, a.s16, a.sum32);
   const QuantizedRows& rows = a;  // the calling thread's buffer, not the pool threads' own
+#if ASYNCSERVE_QUANT_PANEL
+  if (in_panels) {   // int8 whatever set_quant_int8 says: their blocks have no other kernel
+    int64_t panels = 0;
+    for (const QuantPart& p : parts) panels += p.type == kQ4_K_Panels ? p.out / kPanel : 0;
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      int64_t first = 0;
+      for (const QuantPart& p : parts) {
+        if (p.type != kQ4_K_Panels) continue;
+        const int64_t count = p.out / kPanel;
+        const int64_t b = std::max<int64_t>(begin - first, 0), e = std::min<int64_t>(end - first, count);
+        if (b < e) q4k_panels(p.blocks, b, e, rows, M, y, ldy, p.col0);
+        first += count;
+      }
+    });
+  }
+#endif
+  if (rest.empty()) return;
 #if ASYNCSERVE_QUANT_PANEL
   if (int8 && M >= quant_panel_rows.load(std::memory_order_relaxed)) {
     int64_t panels = 0;
-    for (const QuantPart& p : parts) panels += (p.out + kPanel - 1) / kPanel;
+    for (const QuantPart& p : rest) panels += (p.out + kPanel - 1) / kPanel;
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
       thread_local Panel panel;
       panel.resize(K);
       int64_t first = 0;
-      for (const QuantPart& p : parts) {
+      for (const QuantPart& p : rest) {
         const int64_t count = (p.out + kPanel - 1) / kPanel;
         const int64_t last = std::min<int64_t>(end - first, count);
         for (int64_t i = std::max<int64_t>(begin - first, 0); i < last; ++i) {
@@ -1102,12 +1300,12 @@ inline void quant_linear(const T* x, int64_t ldx, int64_t M, int64_t K, const st
   }
 #endif
   int64_t total = 0;
-  for (const QuantPart& p : parts) total += p.out;
+  for (const QuantPart& p : rest) total += p.out;
   at::parallel_for(0, total, 8, [&](int64_t begin, int64_t end) {
     thread_local DecodedColumn c;
     c.resize(K, !int8);
     int64_t first = 0;
-    for (const QuantPart& p : parts) {
+    for (const QuantPart& p : rest) {
       const int64_t n0 = std::max<int64_t>(begin - first, 0), n1 = std::min<int64_t>(end - first, p.out);
       first += p.out;
       if (n0 >= n1) continue;
