@@ -228,10 +228,10 @@ def bench_lora_steps(prompts, adapters, args) -> None:
 
 
 def bench_panel_steps(prompts, adapters, args) -> None:
-    """Decode steps of the base model at batches 1, 4 and 16 with the Q4_K projections in panels of 8
-    columns (as QuantLinear repacks them on AVX2 builds without VNNI) and in GGUF's blocks, swapped step by
-    step in one engine (the native layer loop rebuilt over each), after the prompts' prefill: --model a
-    GGUF file with Q4_K tensors, kept quantized."""
+    """Decode steps of the base model at batches 1, 4 and 16 with the Q4_K and Q6_K projections in panels of
+    8 columns (as QuantLinear repacks them on AVX2 builds without VNNI) and in GGUF's blocks, swapped step
+    by step in one engine (the native layer loop rebuilt over each), after the prompts' prefill: --model a
+    GGUF file with such tensors, kept quantized."""
     import statistics
 
     from asyncserve import SamplingParams
@@ -243,7 +243,7 @@ def bench_panel_steps(prompts, adapters, args) -> None:
     layouts = {"panels": [p.weight for p in linears],
                "blocks": [QuantizedWeight(p.weight.gguf_parts(), p.in_features) for p in linears]}
     if all(a is b for a, b in zip(*layouts.values())) or not linears:
-        raise SystemExit("no Q4_K projection in panels here: a Q4_K file, kept quantized, on a build with panels")
+        raise SystemExit("no projection in panels here: a Q4_K/Q6_K file, kept quantized, on a build with panels")
 
     def use(layout: str) -> None:
         for p, weight in zip(linears, layouts[layout]):
@@ -268,7 +268,7 @@ def bench_panel_steps(prompts, adapters, args) -> None:
             engine.abort(seq.request_id)
         use("panels")
         panels, blocks = statistics.median(times["panels"]), statistics.median(times["blocks"])
-        print(f"decode step at batch {batch}, median of {args.ab_steps // 2} each: Q4_K in panels "
+        print(f"decode step at batch {batch}, median of {args.ab_steps // 2} each: in panels "
               f"{1e3 * panels:.1f} ms, in GGUF blocks {1e3 * blocks:.1f} ms ({blocks / panels:.2f}x)", flush=True)
 
 
@@ -348,7 +348,7 @@ def main() -> None:
     ap.add_argument("--merge", action="store_true", help="time dLoRA's merged mode instead (see bench_merge)")
     ap.add_argument("--lora-steps", action="store_true", help="decode steps, native LoRA against eager, alternated")
     ap.add_argument("--panel-steps", action="store_true",
-                    help="decode steps, Q4_K in panels against GGUF blocks, alternated (see bench_panel_steps)")
+                    help="decode steps, Q4_K/Q6_K in panels against GGUF blocks, alternated (see bench_panel_steps)")
     ap.add_argument("--ab-steps", type=int, default=120, help="steps --lora-steps and --panel-steps alternate")
     ap.add_argument("--tensor-parallel", type=int, default=1, help="ranks (each one core's threads of --tp-cores); "
                     "prints each step's broadcast and all-reduce time and bytes")

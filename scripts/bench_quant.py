@@ -9,7 +9,7 @@ average is printed before and after, since boxes are shared. Weights are random 
 random, the fp16 scales set to keep entries ~0.05): the kernels' speed does not depend on the values.
 
     PYTHONPATH=. python scripts/bench_quant.py [--shapes 2048x2048,8192x2048] [--rows 1,16,64] [--rounds 7] [--threads N]
-        [--types Q4_K,Q5_K,Q4_K_PANELS] [--strategies int8,columns,fp32]
+        [--types Q4_K,Q5_K,Q4_K_PANELS,Q6_K_PANELS] [--strategies int8,columns,fp32]
 
 PYTHONPATH picks the kernels: another checkout's (PYTHONPATH=../main) times its quant.h with the same script.
 """
@@ -67,7 +67,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=0.2, help="per variant per round")
     ap.add_argument("--types", default=",".join(t.name for t in TYPES),
-                    help="ggml types to time; Q4_K_PANELS: Q4_K repacked into panels (builds that run panels)")
+                    help="ggml types to time; Q4_K_PANELS, Q6_K_PANELS: those repacked into panels of 8 columns, as "
+                         "QuantLinear holds them on builds that run panels")
     ap.add_argument("--strategies", default="int8",
                     help="int8 (as served), columns (int8 without panels: set_quant_panel_rows) and/or fp32 "
                          "(kernels.cpu.set_quant_int8)")
@@ -86,9 +87,10 @@ def main() -> None:
         out, fan_in = (int(v) for v in shape.split("x"))
         blocks = {}   # name -> (type id, blocks)
         for name in args.types.split(","):
-            if name == "Q4_K_PANELS":   # Q4_K repacked into panels of 8 columns, as QuantLinear holds it here
-                blocks[name] = (cpu_kernels.Q4_K_PANELS,
-                                cpu_kernels.q4k_to_panels(random_blocks(out, fan_in, Q.Q4_K, rng), fan_in))
+            if name.endswith("_PANELS"):
+                qtype = Q[name.removesuffix("_PANELS")]
+                blocks[name] = (cpu_kernels.PANEL_TYPES[qtype],
+                                cpu_kernels.to_panels(random_blocks(out, fan_in, qtype, rng), qtype, fan_in))
             else:
                 blocks[name] = (int(Q[name]), random_blocks(out, fan_in, Q[name], rng))
         for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
@@ -101,7 +103,7 @@ def main() -> None:
                     variants.update({f"{name}{'' if strategy == 'int8' else '/' + strategy}":
                                      (strategy, lambda b=b, t=t: cpu_kernels.quant_linear(x, [b], [t]))
                                      for name, (t, b) in blocks.items()
-                                     if strategy == "int8" or name != "Q4_K_PANELS"})
+                                     if strategy == "int8" or not name.endswith("_PANELS")})
                 times = {name: [] for name in variants}
                 for _ in range(args.rounds):
                     for name, (strategy, fn) in variants.items():

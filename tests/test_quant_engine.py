@@ -73,16 +73,15 @@ def write_pair(folder, types: dict[str, Q], seed: int, embed_std: float = 1.0):
     common = dict(tokens=tokens, merges=merges, special=special, llama=llama, bos_id=1, eos_id=2)
     q_path = write_gguf(folder / "tiny-q.gguf", tensors=quant, **common)
     d_path = write_gguf(folder / "tiny-f32.gguf", tensors=dense, **common)
-    kept = sum(held_bytes(name, b, t) for name, (b, t) in quant.items() if t is not None)
+    kept = sum(held_bytes(b, t) for b, t in quant.values() if t is not None)
     return q_path, d_path, kept
 
 
-def held_bytes(name: str, blocks: np.ndarray, qtype: Q) -> int:
-    """What the engine holds of a file's quantized tensor: its blocks, a projection's Q4_K repacked into panels
-    of 8 columns (148 bytes per 144) where the build runs them and its rows are a multiple of 8."""
-    panels = (qtype == Q.Q4_K and name != "token_embd.weight" and len(blocks) % 8 == 0
-              and cpu_kernels.quant_panels())
-    return blocks.nbytes * 148 // 144 if panels else blocks.nbytes
+def held_bytes(blocks: np.ndarray, qtype: Q) -> int:
+    """What the engine holds of a file's quantized tensor: its blocks, Q4_K and Q6_K repacked into panels of 8
+    columns where the build runs them and its rows are a multiple of 8 (Q4_K's 148 bytes per 144)."""
+    panels = qtype in (Q.Q4_K, Q.Q6_K) and len(blocks) % 8 == 0 and cpu_kernels.quant_panels()
+    return blocks.nbytes * 148 // 144 if panels and qtype == Q.Q4_K else blocks.nbytes
 
 
 @pytest.mark.parametrize("types", [Q4_K_M, LEGACY], ids=["q4_k_m", "q8_0-q4_0-q4_1"])
@@ -153,8 +152,8 @@ def test_native_layer_loop_gives_the_python_loops_logits(tmp_path, monkeypatch, 
         assert isinstance(weights.lm_head, QuantLinear)
         qkv = weights.layers[0].qkv.weight
         assert [t for _, t in qkv.gguf_parts()] == [types["attn_q"], types["attn_k"], types["attn_v"]]
-        assert [t == cpu_kernels.Q4_K_PANELS for _, t in qkv.parts] == [
-            cpu_kernels.quant_panels() and types[name] == Q.Q4_K for name in ("attn_q", "attn_k", "attn_v")]
+        assert [t in cpu_kernels.PANEL_TYPES.values() for _, t in qkv.parts] == [
+            cpu_kernels.quant_panels() and types[name] in (Q.Q4_K, Q.Q6_K) for name in ("attn_q", "attn_k", "attn_v")]
         prompts = [llm.tokenizer.encode(p) for p in ["The quick brown fox", "def add(a, b):"]]
         cases = [(ids, a) for ids in prompts for a in [None, *adapters]]
         outs = llm.generate([ids for ids, _ in cases], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
@@ -325,6 +324,8 @@ def test_tied_head_keeps_one_quantized_copy(tmp_path, embed_type):
     weights = llm.engine.runner.weights
     assert isinstance(weights.embed, QuantEmbedding) and isinstance(weights.lm_head, QuantLinear)
     assert weights.lm_head.weight is weights.embed.weight            # the same blocks, not a copy
+    in_panels = cpu_kernels.quant_panels() and embed_type in (Q.Q4_K, Q.Q6_K) and weights.embed.shape[0] % 8 == 0
+    assert (weights.embed.qtype in cpu_kernels.PANEL_TYPES.values()) == in_panels, weights.embed.qtype
     assert weights.nbytes() == kept + 4 * HIDDEN * (2 * LAYERS + 1)  # counted once; the norms in float32
 
     prompts = [llm.tokenizer.encode(p) for p in ["The quick brown fox", "def add(a, b):", "Serving adapters"]]

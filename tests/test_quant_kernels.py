@@ -56,8 +56,8 @@ def assert_within(y: torch.Tensor, ref: np.ndarray, tol: np.ndarray, what: str) 
 
 
 def check(x: torch.Tensor, parts: list[tuple[np.ndarray, Q]], panels: bool = False) -> None:
-    """quant_linear over parts against the references; panels: its Q4_K parts repacked into panels of 8
-    columns first (QuantizedWeight.in_panels: those whose rows are a multiple of 8)."""
+    """quant_linear over parts against the references; panels: its Q4_K and Q6_K parts repacked into panels
+    of 8 columns first (QuantizedWeight.in_panels: those whose rows are a multiple of 8)."""
     held = QuantizedWeight([(torch.from_numpy(b), int(t)) for b, t in parts], x.shape[1])
     held = held.in_panels() if panels else held
     y = cpu_kernels.quant_linear(x, [b for b, _ in held.parts], [t for _, t in held.parts])
@@ -166,47 +166,53 @@ def test_panels_of_each_type_match_columns_on_any_threads(qtype, panel_rows):
 
 
 @pytest.fixture
-def q4k_panels():
-    """Q4_K in panels of 8 columns runs where the build runs panels (AVX2 without VNNI)."""
+def panels():
+    """Q4_K and Q6_K in panels of 8 columns run where the build runs panels (AVX2 without VNNI)."""
     if not cpu_kernels.quant_panels():
-        pytest.skip("this build runs no panels (no AVX2, or VNNI): Q4_K stays in GGUF's blocks")
+        pytest.skip("this build runs no panels (no AVX2, or VNNI): the blocks stay GGUF's")
 
 
+PANEL_KINDS = [Q.Q4_K, Q.Q6_K]
+
+
+@pytest.mark.parametrize("qtype", PANEL_KINDS, ids=lambda t: t.name)
 @pytest.mark.parametrize("out, fan_in", [(8, 256), (24, 768), (64, 512)])
-def test_q4k_panels_give_the_blocks_back_bit_for_bit(out, fan_in):
-    """q4k_to_panels then q4k_from_panels: the same bytes, for blocks of any bits (every one of the 12 scale
-    bytes' bits is a 6-bit scale's or min's); the panels hold 148 bytes per 144."""
-    rng = np.random.default_rng(out + fan_in)
-    blocks = torch.from_numpy(random_blocks((out, fan_in), Q.Q4_K, rng))
-    for held in (blocks, torch.randint(0, 256, (out, fan_in // 256 * 144), dtype=torch.uint8)):
-        panels = cpu_kernels.q4k_to_panels(held, fan_in)
-        assert panels.shape == (out, fan_in // 256 * 148) and not torch.equal(panels[:, :144], held[:, :144])
-        assert torch.equal(cpu_kernels.q4k_from_panels(panels, fan_in), held)
-    weight = QuantizedWeight([(blocks, int(Q.Q4_K))], fan_in)
+def test_panels_give_the_blocks_back_bit_for_bit(qtype, out, fan_in):
+    """to_panels then from_panels: the same bytes, for blocks of any bits (every bit of a Q4_K or Q6_K block
+    is some value's); Q4_K's panels hold 148 bytes per 144, Q6_K's as many as its blocks."""
+    rng = np.random.default_rng(out + fan_in + int(qtype))
+    size = 144 if qtype == Q.Q4_K else 210
+    blocks = torch.from_numpy(random_blocks((out, fan_in), qtype, rng))
+    for held in (blocks, torch.randint(0, 256, (out, fan_in // 256 * size), dtype=torch.uint8)):
+        panels = cpu_kernels.to_panels(held, int(qtype), fan_in)
+        assert panels.shape == (out, fan_in // 256 * (148 if qtype == Q.Q4_K else 210))
+        assert not torch.equal(panels[:, :size], held[:, :size])
+        assert torch.equal(cpu_kernels.from_panels(panels, cpu_kernels.PANEL_TYPES[qtype], fan_in), held)
+    weight = QuantizedWeight([(blocks, int(qtype))], fan_in)
     assert torch.equal(weight.in_panels().dequantize(), weight.dequantize())
 
 
-def test_q4k_panels_against_references_at_any_rows(q4k_panels):
-    """Q4_K in panels at row counts around the tiles (4) and the GGUF paths' panel threshold (8), fp32 and
-    bf16, 1 and 2 super-blocks, stacked with the parts a Q4_K_M qkv has (a Q6_K v; a Q4_K whose 12 rows
-    stay in blocks), against the references."""
+def test_panels_against_references_at_any_rows(panels):
+    """Q4_K and Q6_K in panels at row counts around the tiles (4) and the GGUF paths' panel threshold (8),
+    fp32 and bf16, 1 and 2 super-blocks, stacked with parts that stay in blocks (a Q8_0; a Q4_K of 12 rows)
+    as a Q4_K_M qkv has, against the references."""
     rng = np.random.default_rng(40)
     for fan_in in (256, 512):
-        parts = [(random_blocks((out, fan_in), t, rng), t) for out, t in [(16, Q.Q4_K), (8, Q.Q4_K), (9, Q.Q6_K),
-                                                                          (12, Q.Q4_K)]]
+        parts = [(random_blocks((out, fan_in), t, rng), t) for out, t in [(16, Q.Q4_K), (8, Q.Q6_K), (9, Q.Q8_0),
+                                                                          (12, Q.Q4_K), (24, Q.Q6_K)]]
         x = torch.from_numpy(rng.standard_normal((max(PANEL_ROWS), fan_in)).astype(np.float32))
         for rows in PANEL_ROWS:
             for dtype in (torch.float32, torch.bfloat16):
                 check(x[:rows].to(dtype), parts, panels=True)
 
 
-def test_q4k_panels_give_the_gguf_panels_bits(q4k_panels, panel_rows):
+def test_q4k_panels_give_the_gguf_panels_bits(panels, panel_rows):
     """From the GGUF paths' panel threshold on, Q4_K in panels sums the same integers in the same float order
     as the panels built per call: the same bits, on 1 and 2 threads; below it (the fused kernels there)
     within fp32 rounding."""
     rng = np.random.default_rng(41)
     blocks = torch.from_numpy(random_blocks((40, 1024), Q.Q4_K, rng))
-    panels = cpu_kernels.q4k_to_panels(blocks, 1024)
+    held = cpu_kernels.to_panels(blocks, int(Q.Q4_K), 1024)
     threads = torch.get_num_threads()
     try:
         for n in (1, 2):
@@ -214,7 +220,7 @@ def test_q4k_panels_give_the_gguf_panels_bits(q4k_panels, panel_rows):
             for rows in (1, 5, 8, 9, 64, 70):
                 x = torch.randn(rows, 1024)
                 gguf_y = cpu_kernels.quant_linear(x, [blocks], [int(Q.Q4_K)])
-                panel_y = cpu_kernels.quant_linear(x, [panels], [cpu_kernels.Q4_K_PANELS])
+                panel_y = cpu_kernels.quant_linear(x, [held], [cpu_kernels.PANEL_TYPES[Q.Q4_K]])
                 if rows >= 8:
                     assert torch.equal(panel_y, gguf_y), (n, rows)
                 else:
@@ -224,22 +230,55 @@ def test_q4k_panels_give_the_gguf_panels_bits(q4k_panels, panel_rows):
         torch.set_num_threads(threads)
 
 
-def test_q4k_panels_refuse_what_they_cannot_hold():
-    """Rows not a multiple of 8 or in_features not of 256 are refused by the repacking and by quant_linear;
-    an embedding lookup (quant_rows) does not take panels."""
+def test_q6k_panels_split_over_threads_alike(panels):
+    """Q6_K in panels: 1 and 2 threads give the same bits (each panel's sums are one thread's)."""
+    rng = np.random.default_rng(43)
+    held = cpu_kernels.to_panels(torch.from_numpy(random_blocks((48, 768), Q.Q6_K, rng)), int(Q.Q6_K), 768)
+    x = torch.randn(21, 768)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            results.append(cpu_kernels.quant_linear(x, [held], [cpu_kernels.PANEL_TYPES[Q.Q6_K]]))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("qtype", PANEL_KINDS, ids=lambda t: t.name)
+def test_rows_of_panels_are_the_blocks_rows(qtype):
+    """An embedding table in panels (quant_rows): each row dequantizes to the same bits as from the blocks,
+    fp32 and bf16, rows in any order and repeated."""
+    rng = np.random.default_rng(44 + int(qtype))
+    blocks = torch.from_numpy(random_blocks((32, 512), qtype, rng))
+    held = cpu_kernels.to_panels(blocks, int(qtype), 512)
+    ids = torch.tensor([31, 0, 7, 8, 8, 15, 16, 23, 24, 3])
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(cpu_kernels.quant_rows(held, cpu_kernels.PANEL_TYPES[qtype], ids, 512, dtype),
+                           cpu_kernels.quant_rows(blocks, int(qtype), ids, 512, dtype))
+
+
+def test_panels_refuse_what_they_cannot_hold():
+    """Rows not a multiple of 8, in_features not of 256 or another type are refused by the repacking; rows
+    not a multiple of 8 by quant_linear and quant_rows; a weight with such parts keeps them in blocks."""
     rng = np.random.default_rng(42)
     blocks = torch.from_numpy(random_blocks((12, 256), Q.Q4_K, rng))
     with pytest.raises(RuntimeError, match="multiple of 8 rows"):
-        cpu_kernels.q4k_to_panels(blocks, 256)
-    with pytest.raises(RuntimeError, match="not a multiple of Q4_K's 256"):
-        cpu_kernels.q4k_to_panels(blocks[:8].contiguous(), 128)
+        cpu_kernels.to_panels(blocks, int(Q.Q4_K), 256)
+    with pytest.raises(RuntimeError, match="not a multiple of the 256"):
+        cpu_kernels.to_panels(blocks[:8].contiguous(), int(Q.Q4_K), 128)
+    with pytest.raises(RuntimeError, match="has no panels"):
+        cpu_kernels.to_panels(blocks[:8].contiguous(), int(Q.Q5_K), 256)
+    with pytest.raises(RuntimeError, match="has no panels"):
+        cpu_kernels.from_panels(blocks[:8].contiguous(), int(Q.Q4_K), 256)
     with pytest.raises(RuntimeError, match="multiple of 8"):
         cpu_kernels.quant_linear(torch.randn(2, 256), [torch.zeros(12, 148, dtype=torch.uint8)],
-                                 [cpu_kernels.Q4_K_PANELS])
-    with pytest.raises(RuntimeError, match="no quantized kernel"):
-        cpu_kernels.quant_rows(torch.zeros(8, 148, dtype=torch.uint8), cpu_kernels.Q4_K_PANELS,
+                                 [cpu_kernels.PANEL_TYPES[Q.Q4_K]])
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        cpu_kernels.quant_rows(torch.zeros(12, 210, dtype=torch.uint8), cpu_kernels.PANEL_TYPES[Q.Q6_K],
                                torch.tensor([0]), 256, torch.float32)
-    assert cpu_kernels.Q4_K_PANELS == cpu_kernels.library().q4k_panels_type()
+    assert sorted(cpu_kernels.PANEL_TYPES.values()) == cpu_kernels.library().panel_types()
     held = QuantizedWeight([(blocks, int(Q.Q4_K))], 256).in_panels()   # 12 rows: stay in blocks
     assert held.parts[0][1] == int(Q.Q4_K) and held.parts[0][0] is blocks
 

@@ -119,7 +119,6 @@ def make_linear(weight: torch.Tensor) -> Linear:
 # the ggml types quant.h runs: bytes per block, and the byte offsets of each block's fp16 scales
 # (Q4_0, Q8_0: d; Q4_1: d, m; Q4_K, Q5_K: d, dmin; Q6_K: d at the end)
 QUANT_BLOCKS = {2: (18, (0,)), 3: (20, (0, 2)), 8: (34, (0,)), 12: (144, (0, 2)), 13: (176, (0, 2)), 14: (210, (208,))}
-Q4_K = 12
 
 
 @dataclass
@@ -163,16 +162,17 @@ class QuantizedWeight:
         return count
 
     def in_panels(self) -> QuantizedWeight:
-        """The same weight with its Q4_K parts (out a multiple of 8) repacked into panels of 8 columns
-        (cpu_kernels.Q4_K_PANELS): the same bits, which quant_linear's tiles read without building a panel
-        per call, at any row count; the other parts as they are."""
-        return QuantizedWeight([(cpu_kernels.q4k_to_panels(blocks, self.in_features), cpu_kernels.Q4_K_PANELS)
-                                if qtype == Q4_K and blocks.shape[0] % 8 == 0 else (blocks, qtype)
+        """The same weight with its Q4_K and Q6_K parts (out a multiple of 8) repacked into panels of 8
+        columns (cpu_kernels.PANEL_TYPES): the same bits, which quant_linear's tiles read without building
+        a panel per call, at any row count; the other parts as they are."""
+        return QuantizedWeight([(cpu_kernels.to_panels(blocks, qtype, self.in_features), cpu_kernels.PANEL_TYPES[qtype])
+                                if qtype in cpu_kernels.PANEL_TYPES and blocks.shape[0] % 8 == 0 else (blocks, qtype)
                                 for blocks, qtype in self.parts], self.in_features)
 
     def gguf_parts(self) -> list[tuple[torch.Tensor, int]]:
         """The parts as GGUF blocks (panels repacked back, bit for bit)."""
-        return [(cpu_kernels.q4k_from_panels(blocks, self.in_features), Q4_K) if qtype == cpu_kernels.Q4_K_PANELS
+        ggml = {panels: qtype for qtype, panels in cpu_kernels.PANEL_TYPES.items()}
+        return [(cpu_kernels.from_panels(blocks, qtype, self.in_features), ggml[qtype]) if qtype in ggml
                 else (blocks, qtype) for blocks, qtype in self.parts]
 
     def dequantize(self) -> torch.Tensor:
@@ -186,8 +186,9 @@ class QuantizedWeight:
 class QuantLinear(Linear):
     """W kept in its GGUF blocks (QuantizedWeight), applied by kernels/cpu/quant.h with int8 activations;
     ``nbytes`` is the blocks' size. x and y in the activation dtype (fp32 or bf16). Where the build runs
-    panels (AVX2 without VNNI), Q4_K parts are repacked into them once here (QuantizedWeight.in_panels),
-    unless ``panels`` is False (a head tied to a table kept in blocks: one copy of the bits)."""
+    panels (AVX2 without VNNI), Q4_K and Q6_K parts are repacked into them once here
+    (QuantizedWeight.in_panels), unless ``panels`` is False (a head tied to the embedding table: it holds
+    the one copy of the bits, in panels already where they run)."""
 
     def __init__(self, weight: QuantizedWeight, panels: bool = True):
         self.weight = weight.in_panels() if panels and cpu_kernels.quant_panels() else weight
@@ -206,8 +207,8 @@ class QuantLinear(Linear):
 
 class QuantEmbedding:
     """A [vocab, hidden] embedding table kept in its GGUF blocks (one QuantizedWeight part): a lookup
-    dequantizes only the rows it gathers (kernels/cpu/quant.h), to ``dtype``. A tied head is a
-    QuantLinear over the same blocks."""
+    dequantizes only the rows it gathers (kernels/cpu/quant.h), to ``dtype``; the table may be in panels
+    (QuantizedWeight.in_panels). A tied head is a QuantLinear over the same blocks."""
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype):
         (self.blocks, self.qtype), = weight.parts
@@ -223,8 +224,8 @@ def make_embedding(weight: torch.Tensor | QuantizedWeight, dtype: torch.dtype,
     """The token embedding table: GGUF blocks stay blocks where QuantLinear runs (rows dequantized at
     lookup); elsewhere, and for a dense checkpoint, a [vocab, hidden] tensor in ``dtype``."""
     if isinstance(weight, QuantizedWeight):
-        if quant_kernels_available(device):
-            return QuantEmbedding(weight, dtype)
+        if quant_kernels_available(device):   # in panels where they run: a head tied to it reads this copy
+            return QuantEmbedding(weight.in_panels() if cpu_kernels.quant_panels() else weight, dtype)
         weight = weight.dequantize()
     return weight.to(device=device, dtype=dtype).contiguous()
 

@@ -295,14 +295,15 @@ def set_quant_fused_rows(rows: int) -> int:
 
 def set_quant_int8(on: bool) -> bool:
     """Let quant_linear quantize the activations to int8 (on at start), or run them in fp32 against each
-    weight column dequantized to fp32 (exact activations; to compare); returns the previous setting."""
+    weight column dequantized to fp32 (exact activations; to compare); returns the previous setting.
+    Parts in panels (PANEL_TYPES) run int8 either way (they have no other kernel)."""
     return _lib().set_quant_int8(on)
 
 
 def set_quant_panel_rows(rows: int) -> int:
     """Rows from which quant_linear's int8 strategy runs the panel GEMM (8 columns decoded once, tiles of
     rows x 8 columns) instead of a column at a time (default 8; AVX2 builds without VNNI, see
-    quant_panels); returns the previous setting."""
+    quant_panels); returns the previous setting. Parts in panels (PANEL_TYPES) take them at any row count."""
     return _lib().set_quant_panel_rows(rows)
 
 
@@ -311,20 +312,21 @@ def quant_panels() -> bool:
     return _lib().quant_panels()
 
 
-# The type id quant_linear takes for a Q4_K part repacked into panels of 8 columns (quant.h's kQ4_K_Panels:
-# not a ggml type); it runs where quant_panels() holds.
-Q4_K_PANELS = 0x10C
+# The type ids quant_linear takes for a Q4_K or Q6_K part repacked into panels of 8 columns (quant.h's
+# kQ4_K_Panels and kQ6_K_Panels: not ggml types), by the ggml type; they run where quant_panels() holds.
+PANEL_TYPES = {12: 0x10C, 14: 0x10E}
 
 
-def q4k_to_panels(blocks: torch.Tensor, in_features: int) -> torch.Tensor:
-    """One Q4_K weight's blocks [out, in/256 * 144] uint8 (out a multiple of 8) repacked into panels of 8
-    columns, [out, in/256 * 148] uint8: the same bits in the order quant_linear's Q4_K_PANELS tiles read."""
-    return _lib().q4k_panels(blocks, in_features, True)
+def to_panels(blocks: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
+    """One weight's blocks [out, in/256 * bytes] uint8 of ggml type qtype (Q4_K or Q6_K; out a multiple of 8)
+    repacked into panels of 8 columns, [out, in/256 * (148 or 210)] uint8 of type PANEL_TYPES[qtype]: the
+    same bits in the order quant_linear's tiles read them (and quant_rows reads rows of)."""
+    return _lib().panels(blocks, qtype, in_features, True)
 
 
-def q4k_from_panels(panels: torch.Tensor, in_features: int) -> torch.Tensor:
-    """q4k_to_panels undone: the Q4_K blocks bit for bit."""
-    return _lib().q4k_panels(panels, in_features, False)
+def from_panels(panels: torch.Tensor, panel_type: int, in_features: int) -> torch.Tensor:
+    """to_panels undone: the blocks bit for bit."""
+    return _lib().panels(panels, panel_type, in_features, False)
 
 
 def quant_path() -> str:

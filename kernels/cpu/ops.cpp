@@ -394,8 +394,8 @@ at::Tensor quant_linear_op(at::Tensor x, std::vector<at::Tensor> parts, std::vec
   for (size_t i = 0; i < parts.size(); ++i) {
     const QuantFormat f = part_format(types[i]);
     TORCH_CHECK(f.block > 0, "ggml type ", types[i], " has no quantized kernel (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)");
-    TORCH_CHECK(types[i] != kQ4_K_Panels || (ASYNCSERVE_QUANT_PANEL && parts[i].size(0) % 8 == 0),
-                "Q4_K panels (part ", i, ") need a build that runs panels and a multiple of 8 rows");
+    TORCH_CHECK(!panel_type(types[i]) || (ASYNCSERVE_QUANT_PANEL && parts[i].size(0) % 8 == 0),
+                "panels (part ", i, ") need a build that runs panels and a multiple of 8 rows");
     TORCH_CHECK(K % f.block == 0, "in_features ", K, " is not a multiple of type ", types[i], "'s ", f.block,
                 "-weight blocks");
     const at::Tensor& p = parts[i];
@@ -414,17 +414,25 @@ at::Tensor quant_linear_op(at::Tensor x, std::vector<at::Tensor> parts, std::vec
   return y;
 }
 
-// blocks: one Q4_K weight's [out, K / 256 * 144] uint8 rows (out % 8 == 0) -> its panels (quant.h's
-// kQ4_K_Panels), [out, K / 256 * 148] uint8; or back (to_panels false), bit for bit.
-at::Tensor q4k_panels_op(at::Tensor blocks, int64_t in_features, bool to_panels) {
-  const int64_t K = in_features, from = to_panels ? 144 : kQ4KPanelBytes / 8, to = to_panels ? kQ4KPanelBytes / 8 : 144;
-  TORCH_CHECK(K > 0 && K % 256 == 0, "in_features ", K, " is not a multiple of Q4_K's 256-weight blocks");
+// blocks: one weight's [out, K / 256 * bytes] uint8 rows (out % 8 == 0) of ggml type Q4_K or Q6_K -> its
+// panels (quant.h's kQ4_K_Panels, kQ6_K_Panels), [out, K / 256 * panel bytes / 8] uint8; or, given panels
+// and their type, back to the blocks (to_panels false), bit for bit.
+at::Tensor panels_op(at::Tensor blocks, int64_t type, int64_t in_features, bool to_panels) {
+  const int64_t K = in_features, block_type = to_panels ? type : type - 0x100;
+  TORCH_CHECK((block_type == kQ4_K || block_type == kQ6_K) && (to_panels || panel_type(type)),
+              "type ", type, " has no panels (Q4_K, Q6_K)");
+  const int64_t panel = to_panels ? type + 0x100 : type;
+  const int64_t from = part_format(to_panels ? type : panel).bytes, to = part_format(to_panels ? panel : block_type).bytes;
+  TORCH_CHECK(K > 0 && K % 256 == 0, "in_features ", K, " is not a multiple of the 256-weight blocks");
   TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
                   blocks.dim() == 2 && blocks.size(0) % 8 == 0 && blocks.size(1) == K / 256 * from,
               "blocks must be a contiguous uint8 [a multiple of 8 rows, ", K / 256 * from, "] tensor");
   at::Tensor out = at::empty({blocks.size(0), K / 256 * to}, blocks.options());
-  if (to_panels) to_q4k_panels(blocks.data_ptr<uint8_t>(), blocks.size(0), K, out.data_ptr<uint8_t>());
-  else from_q4k_panels(blocks.data_ptr<uint8_t>(), blocks.size(0), K, out.data_ptr<uint8_t>());
+  const uint8_t* in = blocks.data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  if (block_type == kQ6_K) q6k_panels(in, blocks.size(0), K, o, to_panels);
+  else if (to_panels) to_q4k_panels(in, blocks.size(0), K, o);
+  else from_q4k_panels(in, blocks.size(0), K, o);
   return out;
 }
 
@@ -433,8 +441,9 @@ at::Tensor q4k_panels_op(at::Tensor blocks, int64_t in_features, bool to_panels)
 void quant_rows_op(at::Tensor out, at::Tensor blocks, int64_t type, at::Tensor ids) {
   check_like(out, out, "out");
   check_index(ids, "ids");
-  const QuantFormat f = quant_format(type);
+  const QuantFormat f = part_format(type);
   TORCH_CHECK(f.block > 0, "ggml type ", type, " has no quantized kernel (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)");
+  TORCH_CHECK(!panel_type(type) || blocks.size(0) % 8 == 0, "panels need a multiple of 8 rows");
   TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == ids.numel() && out.size(1) % f.block == 0,
               "out must be a contiguous [ids, a multiple of ", f.block, "] tensor");
   const int64_t n = ids.numel(), K = out.size(1), rows = blocks.size(0);
@@ -489,8 +498,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_quant_panel_rows", [](int64_t rows) { return quant_panel_rows.exchange(rows); },
         "rows from which quant_linear's int8 strategy runs panels of 8 columns (quant.h); returns the previous setting");
   m.def("quant_panels", [] { return bool(ASYNCSERVE_QUANT_PANEL); }, "whether quant_linear runs panels on this build");
-  m.def("q4k_panels", &q4k_panels_op, no_gil, "Q4_K blocks repacked into panels of 8 columns, or back (quant.h)");
-  m.def("q4k_panels_type", [] { return kQ4_K_Panels; }, "the type id quant_linear takes for Q4_K in panels");
+  m.def("panels", &panels_op, no_gil, "Q4_K or Q6_K blocks repacked into panels of 8 columns, or back (quant.h)");
+  m.def("panel_types", [] { return std::vector<int64_t>{kQ4_K_Panels, kQ6_K_Panels}; },
+        "the type ids quant_linear takes for Q4_K and Q6_K in panels");
   m.def("quant_path", [] { return std::string(quant_path()); }, "the integer dot products quant_linear runs here");
   m.def("lora_segments", &lora_segments_op, no_gil, "y += each run's LoRA, read from the pool rows");
   m.def("lora_prefetch_lines", &lora_prefetch_lines_op, "the lines a GEMM asks for ahead of lora_segments, by thread");

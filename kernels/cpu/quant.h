@@ -88,14 +88,25 @@ constexpr QuantFormat quant_format(int64_t type) {
 //   [1024, 1088)  the chunks' 6-bit scales, [j][n]
 //   [1088, 1152)  their 6-bit mins, [i][n][2]: chunks 2i and 2i + 1 (an int16 pair per column, widened)
 //   [1152, 1184)  d, then dmin, of the 8 columns (fp16)
-constexpr int64_t kQ4_K_Panels = 0x10C;
-constexpr int64_t kQ4KPanelBytes = 1184;
+// Q6_K likewise (to_q6k_panels, q6k_panel_tile), kQ6KPanelBytes per 8 columns and 256 weights, as many
+// bytes as its blocks:
+//   [0, 1024)     the weights' low 4 bits, as Q4_K's nibbles above
+//   [1024, 1536)  their high 2 bits: vector 2j + h (chunk j, pairs 2h and 2h + 1): byte 4n + i holds, from
+//                 bit 0 up in 2-bit fields, column n's weights 32j + 16h + i, + 4, + 8 and + 12
+//   [1536, 1664)  the 16 groups' int8 scales, [j][n][2]: groups 2j and 2j + 1 (an int16 pair per column)
+//   [1664, 1680)  d of the 8 columns (fp16)
+constexpr int64_t kQ4_K_Panels = 0x100 + kQ4_K, kQ6_K_Panels = 0x100 + kQ6_K;   // the ggml type + 0x100
+constexpr int64_t kQ4KPanelBytes = 1184, kQ6KPanelBytes = 1680;
 
-// The row bytes quant_linear takes for a part of `type` (a ggml type, or kQ4_K_Panels: a column's share of
-// its panels), over `block` weights.
+// The blocks quant_linear and quant_rows take for a part of `type`: a ggml type's, or a panel type's (a
+// column's share of its panels per 256 weights).
 constexpr QuantFormat part_format(int64_t type) {
-  return type == kQ4_K_Panels ? QuantFormat{256, kQ4KPanelBytes / 8} : quant_format(type);
+  return type == kQ4_K_Panels   ? QuantFormat{256, kQ4KPanelBytes / 8}
+         : type == kQ6_K_Panels ? QuantFormat{256, kQ6KPanelBytes / 8}
+                                : quant_format(type);
 }
+
+constexpr bool panel_type(int64_t type) { return type == kQ4_K_Panels || type == kQ6_K_Panels; }
 
 // Q4_K and Q5_K's 6-bit scales and mins of the 8 chunks of 32 (gguf's Q4_K.get_scale_min).
 inline void k_scales(const uint8_t* s, int sc[8], int mn[8]) {
@@ -105,6 +116,19 @@ inline void k_scales(const uint8_t* s, int sc[8], int mn[8]) {
     sc[4 + j] = (s[8 + j] & 0x0F) | ((s[j] >> 2) & 0x30);
     mn[4 + j] = (s[8 + j] >> 4) | ((s[4 + j] >> 2) & 0x30);
   }
+}
+
+// Column col's 256 values q of one panel's super-block (src), Q4_K's 4-bit or, with `high` (Q6_K's high bit
+// pairs), Q6_K's 6-bit ones: the values gguf's blocks hold, in order.
+inline void panel_values(const uint8_t* src, int col, bool high, uint8_t q[256]) {
+  for (int j = 0; j < 8; ++j)
+    for (int p = 0; p < 4; ++p)
+      for (int i = 0; i < 4; ++i) {
+        const uint8_t low = src[32 * (4 * j + p) + 4 * col + i];
+        const uint8_t bits = high ? src[1024 + 32 * (2 * j + p / 2) + 4 * col + i] >> (4 * (p % 2)) : 0;
+        q[32 * j + 8 * p + i] = uint8_t((low & 0x0F) | (bits & 3) << 4);
+        q[32 * j + 8 * p + 4 + i] = uint8_t((low >> 4) | ((bits >> 2) & 3) << 4);
+      }
 }
 
 // blocks [N][K/256 * 144] of Q4_K (N % 8 == 0) -> panels [N/8][K/256][kQ4KPanelBytes].
@@ -163,15 +187,68 @@ inline void from_q4k_panels(const uint8_t* panels, int64_t N, int64_t K, uint8_t
             block[12 + j] = uint8_t((sc[4 + j] & 0x0F) | ((mn[4 + j] & 0x0F) << 4));
           }
           uint8_t q[256];
-          for (int j = 0; j < 8; ++j)
-            for (int p = 0; p < 4; ++p)
-              for (int i = 0; i < 4; ++i) {
-                const uint8_t v = src[32 * (4 * j + p) + 4 * n + i];
-                q[32 * j + 8 * p + i] = v & 0x0F;
-                q[32 * j + 8 * p + 4 + i] = v >> 4;
-              }
+          panel_values(src, n, false, q);
           for (int j = 0; j < 4; ++j)
             for (int i = 0; i < 32; ++i) block[16 + 32 * j + i] = uint8_t(q[64 * j + i] | (q[64 * j + 32 + i] << 4));
+        }
+      }
+  });
+}
+
+// One Q6_K block's 256 weights as 6-bit values q (w = d sc[i / 16] (q - 32)): gguf's Q6_K layout.
+inline void q6k_values(const uint8_t* block, uint8_t q[256]) {
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* ql = block + 64 * h;
+    const uint8_t* qh = block + 128 + 32 * h;
+    for (int l = 0; l < 32; ++l) {
+      q[128 * h + l] = uint8_t((ql[l] & 0x0F) | ((qh[l] & 3) << 4));
+      q[128 * h + l + 32] = uint8_t((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4));
+      q[128 * h + l + 64] = uint8_t((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
+      q[128 * h + l + 96] = uint8_t((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
+    }
+  }
+}
+
+// blocks [N][K/256 * 210] of Q6_K (N % 8 == 0) -> panels [N/8][K/256][kQ6KPanelBytes]; or back (to false).
+inline void q6k_panels(const uint8_t* from, int64_t N, int64_t K, uint8_t* to, bool to_panels) {
+  const int64_t supers = K / 256;
+  at::parallel_for(0, N / 8, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t panel = begin; panel < end; ++panel)
+      for (int64_t s = 0; s < supers; ++s) {
+        const int64_t at = (panel * supers + s) * kQ6KPanelBytes;
+        uint8_t* dst = to_panels ? to + at : nullptr;
+        const uint8_t* src = to_panels ? nullptr : from + at;
+        for (int n = 0; n < 8; ++n) {
+          const int64_t block_at = ((8 * panel + n) * supers + s) * 210;
+          uint8_t q[256];
+          if (to_panels) {
+            const uint8_t* block = from + block_at;
+            q6k_values(block, q);
+            for (int j = 0; j < 8; ++j)
+              for (int p = 0; p < 4; ++p)
+                for (int i = 0; i < 4; ++i)
+                  dst[32 * (4 * j + p) + 4 * n + i] = uint8_t((q[32 * j + 8 * p + i] & 0x0F) | (q[32 * j + 8 * p + 4 + i] & 0x0F) << 4);
+            for (int j = 0; j < 8; ++j)
+              for (int h = 0; h < 2; ++h)
+                for (int i = 0; i < 4; ++i) {
+                  const uint8_t* w = q + 32 * j + 16 * h + i;
+                  dst[1024 + 32 * (2 * j + h) + 4 * n + i] = uint8_t((w[0] >> 4) | (w[4] >> 4) << 2 | (w[8] >> 4) << 4 | (w[12] >> 4) << 6);
+                }
+            for (int g = 0; g < 16; ++g) dst[1536 + 16 * (g / 2) + 2 * n + g % 2] = block[192 + g];
+            std::memcpy(dst + 1664 + 2 * n, block + 208, 2);
+          } else {
+            uint8_t* block = to + block_at;
+            panel_values(src, n, true, q);
+            for (int h = 0; h < 2; ++h)   // q6k_values' inverse
+              for (int l = 0; l < 32; ++l) {
+                const uint8_t* w = q + 128 * h + l;
+                block[64 * h + l] = uint8_t((w[0] & 0x0F) | (w[64] & 0x0F) << 4);
+                block[64 * h + l + 32] = uint8_t((w[32] & 0x0F) | (w[96] & 0x0F) << 4);
+                block[128 + 32 * h + l] = uint8_t((w[0] >> 4) | (w[32] >> 4) << 2 | (w[64] >> 4) << 4 | (w[96] >> 4) << 6);
+              }
+            for (int g = 0; g < 16; ++g) block[192 + g] = src[1536 + 16 * (g / 2) + 2 * n + g % 2];
+            std::memcpy(block + 208, src + 1664 + 2 * n, 2);
+          }
         }
       }
   });
@@ -217,11 +294,12 @@ inline float half_to_float(const uint8_t* p) {
 // each 16 (what the offsets m multiply).
 // Or, for the fp32 strategy, x as fp32 rows xf [M][K] alone.
 // For Q4_K and Q5_K, x quantized per super-block of 256 too: q256 [M][K] int8, d256 [M][K/256] scales,
-// sum32 [M][K/32] the sums of q256 over each 32 (|sum| <= 32 * 127: int16).
+// sum32 [M][K/32] the sums of q256 over each 32 (|sum| <= 32 * 127: int16); q16 [M][K/16] the integer sums
+// of q (per 32) over each 16, for Q6_K's panels.
 struct QuantizedRows {
   std::vector<int8_t> q, q256;
   std::vector<float> d, s16, xf, d256;
-  std::vector<int16_t> sum32;
+  std::vector<int16_t> sum32, q16;
   int64_t K = 0;
 };
 
@@ -277,16 +355,21 @@ inline void dequantize_column(DecodedColumn& c, int64_t K) {
 #endif
 }
 
-// x quantized per `block` (32 or 256) to q [M][K] with d [M][K/block]; sums [M][K/32], the sums of q per
-// 32, for block 256; for block 32 s16 [M][K/16] = d * the sums of q per 16 instead. Rows split over the
-// threads from 4 each (a decode step's 16 rows: both cores).
+// x quantized per `block` (32 or 256) into a: per 32 q, d, the sums of q per 16 (q16) and s16 = d * them;
+// per 256 q256, d256 and the sums sum32. Rows split over the threads from 4 each (a decode step's 16 rows:
+// both cores).
 template <typename T>
-inline void quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K, int64_t block, std::vector<int8_t>& qs,
-                          std::vector<float>& ds, std::vector<float>& s16, std::vector<int16_t>& sums) {
+inline void quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K, int64_t block, QuantizedRows& a) {
+  std::vector<int8_t>& qs = block == 32 ? a.q : a.q256;
+  std::vector<float>& ds = block == 32 ? a.d : a.d256;
   qs.resize(M * K);
   ds.resize(M * K / block);
-  if (block == 32) s16.resize(M * K / 16);
-  else sums.resize(M * K / 32);
+  if (block == 32) {
+    a.s16.resize(M * K / 16);
+    a.q16.resize(M * K / 16);
+  } else {
+    a.sum32.resize(M * K / 32);
+  }
   at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
     std::vector<float> v(block);
     for (int64_t m = begin; m < end; ++m) {
@@ -308,8 +391,12 @@ inline void quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K, int64_t
         for (int h = 0; h < block / part; ++h) {
           int sum = 0;
           for (int i = 0; i < part; ++i) sum += q[part * h + i];
-          if (block == 32) s16[m * (K / 16) + 2 * b + h] = d * float(sum);
-          else sums[m * (K / 32) + 8 * b + h] = sum;
+          if (block == 32) {
+            a.s16[m * (K / 16) + 2 * b + h] = d * float(sum);
+            a.q16[m * (K / 16) + 2 * b + h] = int16_t(sum);
+          } else {
+            a.sum32[m * (K / 32) + 8 * b + h] = int16_t(sum);
+          }
         }
       }
     }
@@ -1194,12 +1281,73 @@ inline void q4k_panel_tile(const uint8_t* panel, const QuantizedRows& a, int64_t
   }
 }
 
-// Panels [begin, end) of one kQ4_K_Panels part (blocks: its panels) for every row of a, in tiles of
-// kPanelRows rows; the first tile of each panel asks for the next one.
-template <typename T>
-inline void q4k_panels(const uint8_t* blocks, int64_t begin, int64_t end, const QuantizedRows& a, int64_t M, T* y,
-                       int64_t ldy, int64_t col0) {
-  const int64_t panel_bytes = a.K / 256 * kQ4KPanelBytes;
+// R rows of x quantized per 32 (from row m) against one panel of kQ6_K_Panels: per pair of steps the weights'
+// low nibbles and high bit pairs combined in registers, their products (<= 2 * 2 * 63 * 127 in int16) times
+// the group's int8 scale into int32 (vpmaddwd), less 32 sc times the rows' per-16 sums, one float fold per
+// chunk of 32 (the rows' scales); `ahead` as Q4_K's. The activations per 32, as the blocks' kernels have
+// them: per 256 (llama.cpp's q8_K) moved a tiny model's greedy tokens off its reference more often.
+template <int R>
+inline void q6k_panel_tile(const uint8_t* panel, const QuantizedRows& a, int64_t m, __m256 acc[R], const char* ahead,
+                           const char* ahead_end) {
+  const int64_t K = a.K, supers = K / 256;
+  const __m256i mask = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(0x03);
+  // int16 lane 2n of an int16 pair per column to both of the column's lanes (even), or lane 2n + 1 (odd)
+  const __m256i even = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
+                                        0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
+  const __m256i odd = _mm256_add_epi8(even, _mm256_set1_epi8(2));
+  const int8_t* x[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    x[r] = a.q.data() + (m + r) * K;
+  }
+  for (int64_t s = 0; s < supers; ++s) {
+    const uint8_t* block = panel + s * kQ6KPanelBytes;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 1664)));
+    for (int j = 0; j < 8; ++j) {
+      // groups 2j, 2j + 1: their scales, and the offsets -32 sc times the rows' sums of them
+      const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 1536 + 16 * j)));
+      __m256i sum[R];
+      for (int r = 0; r < R; ++r)
+        sum[r] = _mm256_slli_epi32(_mm256_madd_epi16(broadcast4(a.q16.data() + (m + r) * (K / 16) + 16 * s + 2 * j), scales), 5);
+      for (int r = 0; r < R; ++r) sum[r] = _mm256_sub_epi32(_mm256_setzero_si256(), sum[r]);
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m256i scale = _mm256_shuffle_epi8(scales, h ? odd : even);
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 1024 + 32 * (2 * j + h)));
+#pragma GCC unroll 2
+        for (int half = 0; half < 2; ++half) {
+          if (ahead < ahead_end) {
+            __builtin_prefetch(ahead, 0, 2);
+            ahead += 64;
+          }
+          const int p = 2 * h + half;
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * (4 * j + p)));
+          const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, mask),
+                                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4 * half), three), 4));
+          const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask),
+                                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4 * half + 2), three), 4));
+          const int64_t k = 256 * s + 32 * j + 8 * p;
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const __m256i part = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(x[r] + k)),
+                                                  _mm256_maddubs_epi16(hi, broadcast4(x[r] + k + 4)));
+            sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(part, scale));
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(d, _mm256_set1_ps(a.d[(m + r) * (K / 32) + 8 * s + j])),
+                                 acc[r]);
+    }
+  }
+}
+
+// Panels [begin, end) of one part in panels (blocks: its panels; Type kQ4_K_Panels or kQ6_K_Panels) for
+// every row of a, in tiles of kPanelRows rows; the first tile of each panel asks for the next one.
+template <int64_t Type, typename T>
+inline void part_panels(const uint8_t* blocks, int64_t begin, int64_t end, const QuantizedRows& a, int64_t M, T* y,
+                        int64_t ldy, int64_t col0) {
+  const int64_t panel_bytes = a.K / 256 * (Type == kQ4_K_Panels ? kQ4KPanelBytes : kQ6KPanelBytes);
   for (int64_t i = begin; i < end; ++i) {
     const uint8_t* panel = blocks + i * panel_bytes;
     const char* next = reinterpret_cast<const char*>(panel + panel_bytes);
@@ -1207,7 +1355,10 @@ inline void q4k_panels(const uint8_t* blocks, int64_t begin, int64_t end, const 
       __m256 acc[kPanelRows];
       const int64_t rows = std::min<int64_t>(kPanelRows, M - m);
       const char* ahead_end = m == 0 && i + 1 < end ? next + panel_bytes : next;
-      with_rows<kPanelRows>(int(rows), [&](auto R) { q4k_panel_tile<decltype(R)::value>(panel, a, m, acc, next, ahead_end); });
+      with_rows<kPanelRows>(int(rows), [&](auto R) {
+        if constexpr (Type == kQ4_K_Panels) q4k_panel_tile<decltype(R)::value>(panel, a, m, acc, next, ahead_end);
+        else q6k_panel_tile<decltype(R)::value>(panel, a, m, acc, next, ahead_end);
+      });
       for (int64_t r = 0; r < rows; ++r) {
         T* out = y + (m + r) * ldy + col0 + 8 * i;
         if constexpr (std::is_same_v<T, float>) {
@@ -1237,11 +1388,13 @@ inline void quant_linear(const T* x, int64_t ldx, int64_t M, int64_t K, const st
                          int64_t ldy) {
   thread_local QuantizedRows a;   // kept between calls, like gemm.h's row tiles
   const bool int8 = quant_int8_on.load(std::memory_order_relaxed);
-  bool per32 = false, per256 = false, in_panels = false;   // which quantizations of x the parts take
+  bool per32 = false, per256 = false;   // which quantizations of x the parts in blocks take
+  bool in_panels = false, panels32 = false, panels256 = false;   // and the parts in panels (int8 always)
   std::vector<QuantPart> rest;   // the parts in GGUF's own blocks
   for (const QuantPart& p : parts) {
-    if (p.type == kQ4_K_Panels) {
+    if (panel_type(p.type)) {
       in_panels = true;
+      (p.type == kQ4_K_Panels ? panels256 : panels32) = true;
       continue;
     }
     rest.push_back(p);
@@ -1249,20 +1402,21 @@ inline void quant_linear(const T* x, int64_t ldx, int64_t M, int64_t K, const st
   }
   a.K = K;
   if (!int8) float_rows(x, ldx, M, K, a);
-  if (int8 && per32) quantize_rows(x, ldx, M, K, 32, a.q, a.d, a.s16, a.sum32);
-  if ((int8 && per256) || in_panels) quantize_rows(x, ldx, M, K, 256, a.q256, a.d256, a.s16, a.sum32);
+  if ((int8 && per32) || panels32) quantize_rows(x, ldx, M, K, 32, a);
+  if ((int8 && per256) || panels256) quantize_rows(x, ldx, M, K, 256, a);
   const QuantizedRows& rows = a;  // the calling thread's buffer, not the pool threads' own
 #if ASYNCSERVE_QUANT_PANEL
-  if (in_panels) {   // int8 whatever set_quant_int8 says: their blocks have no other kernel
+  if (in_panels) {   // int8 whatever set_quant_int8 says: panels have no other kernel
     int64_t panels = 0;
-    for (const QuantPart& p : parts) panels += p.type == kQ4_K_Panels ? p.out / kPanel : 0;
+    for (const QuantPart& p : parts) panels += panel_type(p.type) ? p.out / kPanel : 0;
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
       int64_t first = 0;
       for (const QuantPart& p : parts) {
-        if (p.type != kQ4_K_Panels) continue;
+        if (!panel_type(p.type)) continue;
         const int64_t count = p.out / kPanel;
         const int64_t b = std::max<int64_t>(begin - first, 0), e = std::min<int64_t>(end - first, count);
-        if (b < e) q4k_panels(p.blocks, b, e, rows, M, y, ldy, p.col0);
+        if (b < e && p.type == kQ4_K_Panels) part_panels<kQ4_K_Panels>(p.blocks, b, e, rows, M, y, ldy, p.col0);
+        if (b < e && p.type == kQ6_K_Panels) part_panels<kQ6_K_Panels>(p.blocks, b, e, rows, M, y, ldy, p.col0);
         first += count;
       }
     });
@@ -1320,6 +1474,34 @@ inline void quant_linear(const T* x, int64_t ldx, int64_t M, int64_t K, const st
   });
 }
 
+// Column n of a weight in panels of Type (panels: all of its [N/8][K/256][bytes]), decoded as decode_column
+// decodes the same column's GGUF blocks: the same q, scales and offsets, so the same dequantized bits.
+template <int64_t Type>
+inline void decode_panel_column(const uint8_t* panels, int64_t n, int64_t K, DecodedColumn& c) {
+  constexpr int64_t kBytes = Type == kQ4_K_Panels ? kQ4KPanelBytes : kQ6KPanelBytes;
+  const int64_t supers = K / 256, col = n % 8;
+  for (int64_t s = 0; s < supers; ++s) {
+    const uint8_t* src = panels + (n / 8 * supers + s) * kBytes;
+    uint8_t* q = c.q.data() + 256 * s;
+    float* scale = c.scale.data() + 16 * s;
+    float* offset = c.offset.data() + 16 * s;
+    panel_values(src, int(col), Type == kQ6_K_Panels, q);
+    if constexpr (Type == kQ4_K_Panels) {
+      const float d = half_to_float(src + 1152 + 2 * col), dmin = half_to_float(src + 1168 + 2 * col);
+      for (int j = 0; j < 8; ++j) {
+        scale[2 * j] = scale[2 * j + 1] = d * float(src[1024 + 8 * j + col]);
+        offset[2 * j] = offset[2 * j + 1] = -dmin * float(src[1088 + 16 * (j / 2) + 2 * col + j % 2]);
+      }
+    } else {
+      const float d = half_to_float(src + 1664 + 2 * col);
+      for (int g = 0; g < 16; ++g) {
+        scale[g] = d * float(int8_t(src[1536 + 16 * (g / 2) + 2 * col + g % 2]));
+        offset[g] = -32.0f * scale[g];
+      }
+    }
+  }
+}
+
 // Rows ids of one weight's blocks, dequantized: out [n, K] (an embedding table kept in blocks: a lookup
 // decodes only the rows it gathers). w = scale q + offset with one fp32 FMA: gguf's dequantization
 // exactly for Q4_0, Q8_0 and Q6_K; for Q4_1, Q4_K and Q5_K within the one rounding gguf's two-step
@@ -1333,6 +1515,8 @@ inline void quant_rows(const uint8_t* blocks, int64_t type, int64_t row_bytes, i
     for (int64_t i = begin; i < end; ++i) {
       const uint8_t* row = blocks + ids[i] * row_bytes;
       switch (type) {
+        case kQ4_K_Panels: decode_panel_column<kQ4_K_Panels>(blocks, ids[i], K, c); dequantize_column<false>(c, K); break;
+        case kQ6_K_Panels: decode_panel_column<kQ6_K_Panels>(blocks, ids[i], K, c); dequantize_column<false>(c, K); break;
 #define ASYNCSERVE_QUANT_CASE(TYPE) \
   case TYPE: decode_column<TYPE>(row, K, c); dequantize_column<TYPE == kQ8_0>(c, K); break;
         ASYNCSERVE_QUANT_CASE(kQ4_0) ASYNCSERVE_QUANT_CASE(kQ4_1) ASYNCSERVE_QUANT_CASE(kQ8_0)
