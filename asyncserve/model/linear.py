@@ -163,8 +163,10 @@ class QuantizedWeight:
 
     def in_panels(self) -> QuantizedWeight:
         """The same weight with its Q4_K and Q6_K parts (out a multiple of 8) repacked into panels of 8
-        columns (cpu_kernels.PANEL_TYPES): the same bits, which quant_linear's tiles read without building
-        a panel per call, at any row count; the other parts as they are."""
+        columns (cpu_kernels.PANEL_TYPES) where the build runs them: the same bits, which quant_linear's
+        tiles read without building a panel per call, at any row count; the other parts as they are."""
+        if not cpu_kernels.quant_panels():
+            return self
         return QuantizedWeight([(cpu_kernels.to_panels(blocks, qtype, self.in_features), cpu_kernels.PANEL_TYPES[qtype])
                                 if qtype in cpu_kernels.PANEL_TYPES and blocks.shape[0] % 8 == 0 else (blocks, qtype)
                                 for blocks, qtype in self.parts], self.in_features)
@@ -191,7 +193,7 @@ class QuantLinear(Linear):
     the one copy of the bits, in panels already where they run)."""
 
     def __init__(self, weight: QuantizedWeight, panels: bool = True):
-        self.weight = weight.in_panels() if panels and cpu_kernels.quant_panels() else weight
+        self.weight = weight.in_panels() if panels else weight
         self.out_features, self.in_features = weight.shape
         self.nbytes = self.weight.nbytes
         self._blocks = [blocks for blocks, _ in self.weight.parts]
@@ -225,7 +227,7 @@ def make_embedding(weight: torch.Tensor | QuantizedWeight, dtype: torch.dtype,
     lookup); elsewhere, and for a dense checkpoint, a [vocab, hidden] tensor in ``dtype``."""
     if isinstance(weight, QuantizedWeight):
         if quant_kernels_available(device):   # in panels where they run: a head tied to it reads this copy
-            return QuantEmbedding(weight.in_panels() if cpu_kernels.quant_panels() else weight, dtype)
+            return QuantEmbedding(weight.in_panels(), dtype)
         weight = weight.dequantize()
     return weight.to(device=device, dtype=dtype).contiguous()
 

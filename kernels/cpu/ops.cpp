@@ -428,11 +428,9 @@ at::Tensor panels_op(at::Tensor blocks, int64_t type, int64_t in_features, bool 
                   blocks.dim() == 2 && blocks.size(0) % 8 == 0 && blocks.size(1) == K / 256 * from,
               "blocks must be a contiguous uint8 [a multiple of 8 rows, ", K / 256 * from, "] tensor");
   at::Tensor out = at::empty({blocks.size(0), K / 256 * to}, blocks.options());
-  const uint8_t* in = blocks.data_ptr<uint8_t>();
+  uint8_t* in = blocks.data_ptr<uint8_t>();   // read only
   uint8_t* o = out.data_ptr<uint8_t>();
-  if (block_type == kQ6_K) q6k_panels(in, blocks.size(0), K, o, to_panels);
-  else if (to_panels) to_q4k_panels(in, blocks.size(0), K, o);
-  else from_q4k_panels(in, blocks.size(0), K, o);
+  repack_panels(block_type, to_panels ? in : o, blocks.size(0), K, to_panels ? o : in, to_panels);
   return out;
 }
 

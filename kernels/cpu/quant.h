@@ -79,7 +79,7 @@ constexpr QuantFormat quant_format(int64_t type) {
   }
 }
 
-// Not a ggml type: Q4_K's blocks repacked into panels of 8 columns (to_q4k_panels), the same bits in an
+// Not a ggml type: Q4_K's blocks repacked into panels of 8 columns (repack_panels), the same bits in an
 // order that a tile decodes with one load, one shift and two ands per 8 weights of 8 columns: quant_linear
 // runs it at any row count where this build runs panels (q4k_panel_tile), with no panel built per call.
 // Per panel (8 columns, the weight's out % 8 == 0) and super-block of 256, kQ4KPanelBytes bytes:
@@ -88,7 +88,7 @@ constexpr QuantFormat quant_format(int64_t type) {
 //   [1024, 1088)  the chunks' 6-bit scales, [j][n]
 //   [1088, 1152)  their 6-bit mins, [i][n][2]: chunks 2i and 2i + 1 (an int16 pair per column, widened)
 //   [1152, 1184)  d, then dmin, of the 8 columns (fp16)
-// Q6_K likewise (to_q6k_panels, q6k_panel_tile), kQ6KPanelBytes per 8 columns and 256 weights, as many
+// Q6_K likewise (repack_panels, q6k_panel_tile), kQ6KPanelBytes per 8 columns and 256 weights, as many
 // bytes as its blocks:
 //   [0, 1024)     the weights' low 4 bits, as Q4_K's nibbles above
 //   [1024, 1536)  their high 2 bits: vector 2j + h (chunk j, pairs 2h and 2h + 1): byte 4n + i holds, from
@@ -131,70 +131,6 @@ inline void panel_values(const uint8_t* src, int col, bool high, uint8_t q[256])
       }
 }
 
-// blocks [N][K/256 * 144] of Q4_K (N % 8 == 0) -> panels [N/8][K/256][kQ4KPanelBytes].
-inline void to_q4k_panels(const uint8_t* blocks, int64_t N, int64_t K, uint8_t* out) {
-  const int64_t supers = K / 256;
-  at::parallel_for(0, N / 8, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t panel = begin; panel < end; ++panel)
-      for (int64_t s = 0; s < supers; ++s) {
-        uint8_t* dst = out + (panel * supers + s) * kQ4KPanelBytes;
-        for (int n = 0; n < 8; ++n) {
-          const uint8_t* block = blocks + ((8 * panel + n) * supers + s) * 144;
-          int sc[8], mn[8];
-          k_scales(block + 4, sc, mn);
-          uint8_t q[256];   // chunk c's weights at 32c.. (128 bytes: chunk 2j low nibbles, 2j + 1 high)
-          for (int j = 0; j < 4; ++j)
-            for (int i = 0; i < 32; ++i) {
-              q[64 * j + i] = block[16 + 32 * j + i] & 0x0F;
-              q[64 * j + 32 + i] = block[16 + 32 * j + i] >> 4;
-            }
-          for (int j = 0; j < 8; ++j)
-            for (int p = 0; p < 4; ++p)
-              for (int i = 0; i < 4; ++i)
-                dst[32 * (4 * j + p) + 4 * n + i] = uint8_t(q[32 * j + 8 * p + i] | (q[32 * j + 8 * p + 4 + i] << 4));
-          for (int j = 0; j < 8; ++j) dst[1024 + 8 * j + n] = uint8_t(sc[j]);
-          for (int i = 0; i < 4; ++i) {
-            dst[1088 + 16 * i + 2 * n] = uint8_t(mn[2 * i]);
-            dst[1088 + 16 * i + 2 * n + 1] = uint8_t(mn[2 * i + 1]);
-          }
-          std::memcpy(dst + 1152 + 2 * n, block, 2);
-          std::memcpy(dst + 1168 + 2 * n, block + 2, 2);
-        }
-      }
-  });
-}
-
-// to_q4k_panels undone: the Q4_K blocks bit for bit (the 6-bit scales and mins packed back as gguf does).
-inline void from_q4k_panels(const uint8_t* panels, int64_t N, int64_t K, uint8_t* blocks) {
-  const int64_t supers = K / 256;
-  at::parallel_for(0, N / 8, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t panel = begin; panel < end; ++panel)
-      for (int64_t s = 0; s < supers; ++s) {
-        const uint8_t* src = panels + (panel * supers + s) * kQ4KPanelBytes;
-        for (int n = 0; n < 8; ++n) {
-          uint8_t* block = blocks + ((8 * panel + n) * supers + s) * 144;
-          int sc[8], mn[8];
-          for (int j = 0; j < 8; ++j) sc[j] = src[1024 + 8 * j + n];
-          for (int i = 0; i < 4; ++i) {
-            mn[2 * i] = src[1088 + 16 * i + 2 * n];
-            mn[2 * i + 1] = src[1088 + 16 * i + 2 * n + 1];
-          }
-          std::memcpy(block, src + 1152 + 2 * n, 2);
-          std::memcpy(block + 2, src + 1168 + 2 * n, 2);
-          for (int j = 0; j < 4; ++j) {   // k_scales' inverse
-            block[4 + j] = uint8_t(sc[j] | ((sc[4 + j] >> 4) << 6));
-            block[8 + j] = uint8_t(mn[j] | ((mn[4 + j] >> 4) << 6));
-            block[12 + j] = uint8_t((sc[4 + j] & 0x0F) | ((mn[4 + j] & 0x0F) << 4));
-          }
-          uint8_t q[256];
-          panel_values(src, n, false, q);
-          for (int j = 0; j < 4; ++j)
-            for (int i = 0; i < 32; ++i) block[16 + 32 * j + i] = uint8_t(q[64 * j + i] | (q[64 * j + 32 + i] << 4));
-        }
-      }
-  });
-}
-
 // One Q6_K block's 256 weights as 6-bit values q (w = d sc[i / 16] (q - 32)): gguf's Q6_K layout.
 inline void q6k_values(const uint8_t* block, uint8_t q[256]) {
   for (int h = 0; h < 2; ++h) {
@@ -209,48 +145,92 @@ inline void q6k_values(const uint8_t* block, uint8_t q[256]) {
   }
 }
 
-// blocks [N][K/256 * 210] of Q6_K (N % 8 == 0) -> panels [N/8][K/256][kQ6KPanelBytes]; or back (to false).
-inline void q6k_panels(const uint8_t* from, int64_t N, int64_t K, uint8_t* to, bool to_panels) {
-  const int64_t supers = K / 256;
+// panel_values undone for column col: q's low 4 bits into the nibbles and, with `high`, its high bit pairs.
+inline void put_panel_values(const uint8_t q[256], int col, bool high, uint8_t* dst) {
+  for (int j = 0; j < 8; ++j)
+    for (int p = 0; p < 4; ++p)
+      for (int i = 0; i < 4; ++i)
+        dst[32 * (4 * j + p) + 4 * col + i] = uint8_t((q[32 * j + 8 * p + i] & 0x0F) | (q[32 * j + 8 * p + 4 + i] & 0x0F) << 4);
+  if (high)
+    for (int j = 0; j < 8; ++j)
+      for (int h = 0; h < 2; ++h)
+        for (int i = 0; i < 4; ++i) {
+          const uint8_t* w = q + 32 * j + 16 * h + i;
+          dst[1024 + 32 * (2 * j + h) + 4 * col + i] = uint8_t((w[0] >> 4) | (w[4] >> 4) << 2 | (w[8] >> 4) << 4 | (w[12] >> 4) << 6);
+        }
+}
+
+// One Q4_K block (column col of a panel's super-block at dst) into the panel, or back (to_panel false).
+inline void q4k_column(uint8_t* block, uint8_t* dst, int col, bool to_panel) {
+  uint8_t q[256];   // chunk c's weights at 32c.. (the block's 128 bytes: chunk 2j low nibbles, 2j + 1 high)
+  if (to_panel) {
+    int sc[8], mn[8];
+    k_scales(block + 4, sc, mn);
+    for (int j = 0; j < 4; ++j)
+      for (int i = 0; i < 32; ++i) {
+        q[64 * j + i] = block[16 + 32 * j + i] & 0x0F;
+        q[64 * j + 32 + i] = block[16 + 32 * j + i] >> 4;
+      }
+    put_panel_values(q, col, false, dst);
+    for (int j = 0; j < 8; ++j) dst[1024 + 8 * j + col] = uint8_t(sc[j]);
+    for (int j = 0; j < 8; ++j) dst[1088 + 16 * (j / 2) + 2 * col + j % 2] = uint8_t(mn[j]);
+    std::memcpy(dst + 1152 + 2 * col, block, 2);
+    std::memcpy(dst + 1168 + 2 * col, block + 2, 2);
+    return;
+  }
+  int sc[8], mn[8];
+  for (int j = 0; j < 8; ++j) {
+    sc[j] = dst[1024 + 8 * j + col];
+    mn[j] = dst[1088 + 16 * (j / 2) + 2 * col + j % 2];
+  }
+  std::memcpy(block, dst + 1152 + 2 * col, 2);
+  std::memcpy(block + 2, dst + 1168 + 2 * col, 2);
+  for (int j = 0; j < 4; ++j) {   // k_scales' inverse
+    block[4 + j] = uint8_t(sc[j] | ((sc[4 + j] >> 4) << 6));
+    block[8 + j] = uint8_t(mn[j] | ((mn[4 + j] >> 4) << 6));
+    block[12 + j] = uint8_t((sc[4 + j] & 0x0F) | ((mn[4 + j] & 0x0F) << 4));
+  }
+  panel_values(dst, col, false, q);
+  for (int j = 0; j < 4; ++j)
+    for (int i = 0; i < 32; ++i) block[16 + 32 * j + i] = uint8_t(q[64 * j + i] | (q[64 * j + 32 + i] << 4));
+}
+
+// One Q6_K block likewise.
+inline void q6k_column(uint8_t* block, uint8_t* dst, int col, bool to_panel) {
+  uint8_t q[256];
+  if (to_panel) {
+    q6k_values(block, q);
+    put_panel_values(q, col, true, dst);
+    for (int g = 0; g < 16; ++g) dst[1536 + 16 * (g / 2) + 2 * col + g % 2] = block[192 + g];
+    std::memcpy(dst + 1664 + 2 * col, block + 208, 2);
+    return;
+  }
+  panel_values(dst, col, true, q);
+  for (int h = 0; h < 2; ++h)   // q6k_values' inverse
+    for (int l = 0; l < 32; ++l) {
+      const uint8_t* w = q + 128 * h + l;
+      block[64 * h + l] = uint8_t((w[0] & 0x0F) | (w[64] & 0x0F) << 4);
+      block[64 * h + l + 32] = uint8_t((w[32] & 0x0F) | (w[96] & 0x0F) << 4);
+      block[128 + 32 * h + l] = uint8_t((w[0] >> 4) | (w[32] >> 4) << 2 | (w[64] >> 4) << 4 | (w[96] >> 4) << 6);
+    }
+  for (int g = 0; g < 16; ++g) block[192 + g] = dst[1536 + 16 * (g / 2) + 2 * col + g % 2];
+  std::memcpy(block + 208, dst + 1664 + 2 * col, 2);
+}
+
+// blocks [N][K/256 * bytes] of Q4_K or Q6_K (N % 8 == 0) <-> panels [N/8][K/256][panel bytes], the way
+// to_panel says; every block is one column of one panel's super-block.
+inline void repack_panels(int64_t type, uint8_t* blocks, int64_t N, int64_t K, uint8_t* panels, bool to_panel) {
+  const int64_t supers = K / 256, block_bytes = quant_format(type).bytes;
+  const int64_t panel_bytes = part_format(0x100 + type).bytes * 8;
   at::parallel_for(0, N / 8, 16, [&](int64_t begin, int64_t end) {
     for (int64_t panel = begin; panel < end; ++panel)
-      for (int64_t s = 0; s < supers; ++s) {
-        const int64_t at = (panel * supers + s) * kQ6KPanelBytes;
-        uint8_t* dst = to_panels ? to + at : nullptr;
-        const uint8_t* src = to_panels ? nullptr : from + at;
+      for (int64_t s = 0; s < supers; ++s)
         for (int n = 0; n < 8; ++n) {
-          const int64_t block_at = ((8 * panel + n) * supers + s) * 210;
-          uint8_t q[256];
-          if (to_panels) {
-            const uint8_t* block = from + block_at;
-            q6k_values(block, q);
-            for (int j = 0; j < 8; ++j)
-              for (int p = 0; p < 4; ++p)
-                for (int i = 0; i < 4; ++i)
-                  dst[32 * (4 * j + p) + 4 * n + i] = uint8_t((q[32 * j + 8 * p + i] & 0x0F) | (q[32 * j + 8 * p + 4 + i] & 0x0F) << 4);
-            for (int j = 0; j < 8; ++j)
-              for (int h = 0; h < 2; ++h)
-                for (int i = 0; i < 4; ++i) {
-                  const uint8_t* w = q + 32 * j + 16 * h + i;
-                  dst[1024 + 32 * (2 * j + h) + 4 * n + i] = uint8_t((w[0] >> 4) | (w[4] >> 4) << 2 | (w[8] >> 4) << 4 | (w[12] >> 4) << 6);
-                }
-            for (int g = 0; g < 16; ++g) dst[1536 + 16 * (g / 2) + 2 * n + g % 2] = block[192 + g];
-            std::memcpy(dst + 1664 + 2 * n, block + 208, 2);
-          } else {
-            uint8_t* block = to + block_at;
-            panel_values(src, n, true, q);
-            for (int h = 0; h < 2; ++h)   // q6k_values' inverse
-              for (int l = 0; l < 32; ++l) {
-                const uint8_t* w = q + 128 * h + l;
-                block[64 * h + l] = uint8_t((w[0] & 0x0F) | (w[64] & 0x0F) << 4);
-                block[64 * h + l + 32] = uint8_t((w[32] & 0x0F) | (w[96] & 0x0F) << 4);
-                block[128 + 32 * h + l] = uint8_t((w[0] >> 4) | (w[32] >> 4) << 2 | (w[64] >> 4) << 4 | (w[96] >> 4) << 6);
-              }
-            for (int g = 0; g < 16; ++g) block[192 + g] = src[1536 + 16 * (g / 2) + 2 * n + g % 2];
-            std::memcpy(block + 208, src + 1664 + 2 * n, 2);
-          }
+          uint8_t* block = blocks + ((8 * panel + n) * supers + s) * block_bytes;
+          uint8_t* dst = panels + (panel * supers + s) * panel_bytes;
+          if (type == kQ4_K) q4k_column(block, dst, n, to_panel);
+          else q6k_column(block, dst, n, to_panel);
         }
-      }
   });
 }
 
@@ -1308,8 +1288,8 @@ inline void q6k_panel_tile(const uint8_t* panel, const QuantizedRows& a, int64_t
       const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 1536 + 16 * j)));
       __m256i sum[R];
       for (int r = 0; r < R; ++r)
-        sum[r] = _mm256_slli_epi32(_mm256_madd_epi16(broadcast4(a.q16.data() + (m + r) * (K / 16) + 16 * s + 2 * j), scales), 5);
-      for (int r = 0; r < R; ++r) sum[r] = _mm256_sub_epi32(_mm256_setzero_si256(), sum[r]);
+        sum[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(
+                                      broadcast4(a.q16.data() + (m + r) * (K / 16) + 16 * s + 2 * j), scales), 5));
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         const __m256i scale = _mm256_shuffle_epi8(scales, h ? odd : even);
