@@ -9,17 +9,26 @@ average is printed before and after, since boxes are shared. Weights are random 
 random, the fp16 scales set to keep entries ~0.05): the kernels' speed does not depend on the values.
 
     PYTHONPATH=. python scripts/bench_quant.py [--shapes 2048x2048,8192x2048] [--rows 1,16,64] [--rounds 7] [--threads N]
-        [--types Q4_K,Q5_K,Q4_K_PANELS,Q6_K_PANELS] [--strategies int8,columns,fp32]
+        [--types Q4_K,Q5_K,Q4_K_PANELS,Q6_K_PANELS] [--strategies int8,columns,fp32] [--against ../other]
 
-PYTHONPATH picks the kernels: another checkout's (PYTHONPATH=../main) times its quant.h with the same script.
+PYTHONPATH picks the kernels. --against CHECKOUT also times that checkout's kernels (built there if need be)
+in the same process, each variant of it ("Q4_K_PANELS@other") right after this build's, on the same inputs:
+the way to compare two versions of quant.h on a box whose speed drifts between processes by more than
+what a change gains.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
+import importlib.util
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
+from types import ModuleType
 
 import gguf
 import numpy as np
@@ -59,6 +68,25 @@ def timed(fn, seconds: float) -> float:
     return elapsed / n
 
 
+def other_build(checkout: Path) -> ModuleType:
+    """Another checkout's compiled kernels (built by a child process with PYTHONPATH=checkout), loaded beside
+    this process's own: the same module name from another file, so this one's stays in sys.modules."""
+    child = subprocess.run(
+        [sys.executable, "-c", "import kernels.cpu as k; assert k.library() is not None, k.error(); print(k.build_dir())"],
+        env={**os.environ, "PYTHONPATH": str(checkout)}, capture_output=True, text=True)
+    if child.returncode:
+        raise SystemExit(f"{checkout}: its kernels did not build:\n{child.stderr}")
+    path = Path(child.stdout.split()[-1]) / "asyncserve_cpu_kernels.so"
+    own = sys.modules.get("asyncserve_cpu_kernels")
+    loader = importlib.machinery.ExtensionFileLoader("asyncserve_cpu_kernels", str(path))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(
+        "asyncserve_cpu_kernels", path, loader=loader))
+    loader.exec_module(module)
+    if own is not None:
+        sys.modules["asyncserve_cpu_kernels"] = own
+    return module
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="2048x2048,8192x2048", help="OUTxIN pairs")
@@ -73,6 +101,8 @@ def main() -> None:
                     help="int8 (as served), columns (int8 without panels: set_quant_panel_rows) and/or fp32 "
                          "(kernels.cpu.set_quant_int8)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--against", type=Path, default=None,
+                    help="another checkout whose kernels are timed beside these, interleaved in this process")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -82,17 +112,22 @@ def main() -> None:
           f"panels {cpu_kernels.quant_panels()}; bf16 GEMM {cpu_kernels.bf16_gemm_available()}; load average {os.getloadavg()}")
     panel_rows = cpu_kernels.set_quant_panel_rows(8)   # reads the setting, restored below
     cpu_kernels.set_quant_panel_rows(panel_rows)
+    libraries = {"": cpu_kernels.library()}   # variant suffix -> kernels
+    if args.against:
+        libraries[f"@{args.against.resolve().name}"] = other_build(args.against)
+        print(f"against {args.against.resolve()}: each variant of its kernels right after this build's")
     rng = np.random.default_rng(0)
     for shape in args.shapes.split(","):
         out, fan_in = (int(v) for v in shape.split("x"))
-        blocks = {}   # name -> (type id, blocks)
+        blocks = {}   # name -> (kernels, type id, blocks): each build's panels in its own layout
         for name in args.types.split(","):
-            if name.endswith("_PANELS"):
-                qtype = Q[name.removesuffix("_PANELS")]
-                blocks[name] = (cpu_kernels.PANEL_TYPES[qtype],
-                                cpu_kernels.to_panels(random_blocks(out, fan_in, qtype, rng), qtype, fan_in))
-            else:
-                blocks[name] = (int(Q[name]), random_blocks(out, fan_in, Q[name], rng))
+            qtype = Q[name.removesuffix("_PANELS")]
+            gguf_blocks = random_blocks(out, fan_in, qtype, rng)
+            for suffix, lib in libraries.items():
+                if name.endswith("_PANELS"):
+                    blocks[name + suffix] = (lib, cpu_kernels.PANEL_TYPES[qtype], lib.panels(gguf_blocks, qtype, fan_in, True))
+                else:
+                    blocks[name + suffix] = (lib, int(qtype), gguf_blocks)
         for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
             dense = make_linear(torch.randn(out, fan_in).mul_(0.05).to(dtype))
             for rows in (int(r) for r in args.rows.split(",")):
@@ -101,17 +136,19 @@ def main() -> None:
                 variants = {f"dense {type(dense).__name__}": ("int8", lambda: dense(x))}
                 for strategy in args.strategies.split(","):
                     variants.update({f"{name}{'' if strategy == 'int8' else '/' + strategy}":
-                                     (strategy, lambda b=b, t=t: cpu_kernels.quant_linear(x, [b], [t]))
-                                     for name, (t, b) in blocks.items()
-                                     if strategy == "int8" or not name.endswith("_PANELS")})
+                                     (strategy, lambda lib=lib, b=b, t=t: lib.quant_linear(x, [b], [t]))
+                                     for name, (lib, t, b) in blocks.items()
+                                     if strategy == "int8" or "_PANELS" not in name})
                 times = {name: [] for name in variants}
                 for _ in range(args.rounds):
                     for name, (strategy, fn) in variants.items():
-                        cpu_kernels.set_quant_int8(strategy != "fp32")
-                        cpu_kernels.set_quant_panel_rows(2 ** 62 if strategy == "columns" else panel_rows)
+                        for lib in libraries.values():
+                            lib.set_quant_int8(strategy != "fp32")
+                            lib.set_quant_panel_rows(2 ** 62 if strategy == "columns" else panel_rows)
                         times[name].append(timed(fn, args.seconds))
-                cpu_kernels.set_quant_int8(True)
-                cpu_kernels.set_quant_panel_rows(panel_rows)
+                for lib in libraries.values():
+                    lib.set_quant_int8(True)
+                    lib.set_quant_panel_rows(panel_rows)
                 base = statistics.median(times[next(iter(variants))])
                 cells = []
                 for name, ts in times.items():

@@ -463,3 +463,27 @@ def test_int8_peak_script_prints_each_instructions_rate():
     assert all(one > 0 and both > 0 for one, both in rates.values()), out
     vnni = " avx_vnni" in flags or (" avx512_vnni" in flags and " avx512vl" in flags)
     assert ("vpdpbusd (int8, VNNI)" in rates) == vnni, out
+
+
+def test_bench_quant_times_another_checkouts_kernels_beside_these():
+    """scripts/bench_quant.py --against CHECKOUT loads that checkout's kernels beside this process's own
+    (here: this checkout again, its cached build) and times each variant of them right after this build's."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    types = "Q4_K,Q4_K_PANELS" if cpu_kernels.quant_panels() else "Q4_K,Q8_0"
+    out = subprocess.run([sys.executable, str(root / "scripts" / "bench_quant.py"), "--shapes", "64x512", "--rows", "1,5",
+                          "--types", types, "--dtypes", "float32", "--rounds", "1", "--seconds", "0.01",
+                          "--against", str(root)], capture_output=True, text=True, check=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(root)}).stdout
+    rates = re.findall(r"(\S+) [\d.]+ ms ([\d.]+) GFLOP/s", out)
+    names = [name for name, _ in rates]
+    for rows in (1, 5):
+        assert f"64x512 float32 rows {rows}:" in out, out
+    for name in types.split(","):
+        assert names.count(name) == 2 and names.count(f"{name}@{root.name}") == 2, out
+        assert names.index(f"{name}@{root.name}") == names.index(name) + 1, out   # interleaved: right after
+    assert all(float(rate) > 0 for _, rate in rates), out
