@@ -12,7 +12,10 @@ and unmerge's time, and decode steps merged against unmerged; with --lora-steps,
 the native LoRA kernel against the backend's eager plans, alternated. System ours-eager-lora is ours with
 the LoRA backend kept on its eager plans where the native lora_segments kernel would run; ours-no-amx
 is ours with the native GEMM kept on its vdpbf16ps tiles where it would run AMX tiles (kernels/cpu/gemm.h);
-with --rounds, ours, ours-eager-lora, ours-no-amx and ours-base alternate in one process.
+with --rounds, ours, ours-eager-lora, ours-no-amx and ours-base alternate in one process. With
+--panel-steps, decode steps with Q4_K/Q6_K in panels against GGUF's blocks; with --build-steps --against
+CHECKOUT, this checkout's native kernels against that checkout's (scripts/kernel_builds.py); both alternate
+step by step in one engine at batches 1, 4 and 16.
 """
 from __future__ import annotations
 
@@ -227,29 +230,15 @@ def bench_lora_steps(prompts, adapters, args) -> None:
           f"eager LoRA {1e3 * eager:.2f} ms ({100 * (eager / native - 1):+.1f}%)")
 
 
-def bench_panel_steps(prompts, adapters, args) -> None:
-    """Decode steps of the base model at batches 1, 4 and 16 with the Q4_K and Q6_K projections in panels of
-    8 columns (as QuantLinear repacks them on AVX2 builds without VNNI) and in GGUF's blocks, swapped step
-    by step in one engine (the native layer loop rebuilt over each), after the prompts' prefill: --model a
-    GGUF file with such tensors, kept quantized."""
+def alternated_decode_steps(llm, prompts, variants, args) -> None:
+    """Decode steps of the base model at batches 1, 4 and 16, the variants (name -> a call that switches the
+    engine to it) swapped step by step after the prompts' prefill; prints each batch's median step of each
+    and the others' time over the first's."""
     import statistics
 
     from asyncserve import SamplingParams
-    from asyncserve.model.linear import QuantizedWeight, QuantLinear
 
-    llm = build_ours(adapters, args)
-    engine, weights = llm.engine, llm.engine.runner.weights
-    linears = [p for p in weights.linears() if isinstance(p, QuantLinear)]
-    layouts = {"panels": [p.weight for p in linears],
-               "blocks": [QuantizedWeight(p.weight.gguf_parts(), p.in_features) for p in linears]}
-    if all(a is b for a, b in zip(*layouts.values())) or not linears:
-        raise SystemExit("no projection in panels here: a Q4_K/Q6_K file, kept quantized, on a build with panels")
-
-    def use(layout: str) -> None:
-        for p, weight in zip(linears, layouts[layout]):
-            p.weight, p._blocks, p._types = weight, [b for b, _ in weight.parts], [t for _, t in weight.parts]
-        weights._decoder = None
-
+    engine, names = llm.engine, list(variants)
     for batch in (1, 4, 16):
         params = SamplingParams(max_tokens=16 + args.ab_steps, temperature=0.0, ignore_eos=True)
         seqs = [engine.make_sequence(llm.tokenizer.encode(p), params, None) for p in prompts[:batch]]
@@ -257,19 +246,66 @@ def bench_panel_steps(prompts, adapters, args) -> None:
             engine.add(seq)
         for _ in range(12):
             engine.step()
-        times = {"panels": [], "blocks": []}
+        times = {name: [] for name in names}
         for i in range(args.ab_steps):
-            layout = "panels" if i % 2 == 0 else "blocks"
-            use(layout)
+            name = names[i % len(names)]
+            variants[name]()
             t0 = time.perf_counter()
             engine.step()
-            times[layout].append(time.perf_counter() - t0)
+            times[name].append(time.perf_counter() - t0)
         for seq in seqs:
             engine.abort(seq.request_id)
-        use("panels")
-        panels, blocks = statistics.median(times["panels"]), statistics.median(times["blocks"])
-        print(f"decode step at batch {batch}, median of {args.ab_steps // 2} each: in panels "
-              f"{1e3 * panels:.1f} ms, in GGUF blocks {1e3 * blocks:.1f} ms ({blocks / panels:.2f}x)", flush=True)
+        variants[names[0]]()
+        median = {name: statistics.median(ts) for name, ts in times.items()}
+        print(f"decode step at batch {batch}, median of {args.ab_steps // len(names)} each: "
+              + ", ".join(f"{name} {1e3 * t:.1f} ms" for name, t in median.items())
+              + "".join(f" ({name}/{names[0]}: {median[name] / median[names[0]]:.2f}x)" for name in names[1:]), flush=True)
+
+
+def bench_panel_steps(prompts, adapters, args) -> None:
+    """Decode steps with the Q4_K and Q6_K projections in panels of 8 columns (as QuantLinear repacks them
+    on AVX2 builds without VNNI) and in GGUF's blocks, swapped step by step in one engine (the native layer
+    loop rebuilt over each): --model a GGUF file with such tensors, kept quantized."""
+    from asyncserve.model.linear import QuantizedWeight, QuantLinear
+
+    llm = build_ours(adapters, args)
+    weights = llm.engine.runner.weights
+    linears = [p for p in weights.linears() if isinstance(p, QuantLinear)]
+    layouts = {"in panels": [p.weight for p in linears],
+               "in GGUF blocks": [QuantizedWeight(p.weight.gguf_parts(), p.in_features) for p in linears]}
+    if all(a is b for a, b in zip(*layouts.values())) or not linears:
+        raise SystemExit("no projection in panels here: a Q4_K/Q6_K file, kept quantized, on a build with panels")
+
+    def use(layout: str):
+        def switch() -> None:
+            for p, weight in zip(linears, layouts[layout]):
+                p.weight, p._blocks, p._types = weight, [b for b, _ in weight.parts], [t for _, t in weight.parts]
+            weights._decoder = None
+        return switch
+
+    alternated_decode_steps(llm, prompts, {layout: use(layout) for layout in layouts}, args)
+
+
+def bench_build_steps(prompts, adapters, args) -> None:
+    """Decode steps with this checkout's native kernels and with --against CHECKOUT's (kernel_builds.py),
+    swapped step by step in one engine (the native layer loop rebuilt over each)."""
+    import kernels.cpu as cpu_kernels
+    from kernel_builds import other_build
+
+    if args.against is None:
+        raise SystemExit("--build-steps needs --against CHECKOUT")
+    other = other_build(args.against)
+    llm = build_ours(adapters, args)
+    weights = llm.engine.runner.weights
+
+    def use(library):
+        def switch() -> None:
+            cpu_kernels._library = library
+            weights._decoder = None
+        return switch
+
+    alternated_decode_steps(llm, prompts, {"this build": use(cpu_kernels.library()),
+                                           f"@{args.against.resolve().name}": use(other)}, args)
 
 
 def bench_merge(prompts, adapters, args) -> None:
@@ -349,7 +385,11 @@ def main() -> None:
     ap.add_argument("--lora-steps", action="store_true", help="decode steps, native LoRA against eager, alternated")
     ap.add_argument("--panel-steps", action="store_true",
                     help="decode steps, Q4_K/Q6_K in panels against GGUF blocks, alternated (see bench_panel_steps)")
-    ap.add_argument("--ab-steps", type=int, default=120, help="steps --lora-steps and --panel-steps alternate")
+    ap.add_argument("--build-steps", action="store_true",
+                    help="decode steps, this checkout's kernels against --against CHECKOUT's, alternated")
+    ap.add_argument("--against", type=Path, default=None, help="the other checkout of --build-steps")
+    ap.add_argument("--ab-steps", type=int, default=120,
+                    help="steps --lora-steps, --panel-steps and --build-steps alternate")
     ap.add_argument("--tensor-parallel", type=int, default=1, help="ranks (each one core's threads of --tp-cores); "
                     "prints each step's broadcast and all-reduce time and bytes")
     ap.add_argument("--tp-cores", default=None, help="the ranks' cores, e.g. 0;1 (default: an even split)")
@@ -370,6 +410,9 @@ def main() -> None:
         return
     if args.panel_steps:
         bench_panel_steps(prompts, adapters, args)
+        return
+    if args.build_steps:
+        bench_build_steps(prompts, adapters, args)
         return
     print(f"load average before: {os.getloadavg()}")
     systems = args.systems.split(",")

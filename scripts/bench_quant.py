@@ -11,24 +11,19 @@ random, the fp16 scales set to keep entries ~0.05): the kernels' speed does not 
     PYTHONPATH=. python scripts/bench_quant.py [--shapes 2048x2048,8192x2048] [--rows 1,16,64] [--rounds 7] [--threads N]
         [--types Q4_K,Q5_K,Q4_K_PANELS,Q6_K_PANELS] [--strategies int8,columns,fp32] [--against ../other]
 
-PYTHONPATH picks the kernels. --against CHECKOUT also times that checkout's kernels (built there if need be)
-in the same process, each variant of it ("Q4_K_PANELS@other") right after this build's, on the same inputs:
-the way to compare two versions of quant.h on a box whose speed drifts between processes by more than
-what a change gains.
+PYTHONPATH picks the kernels. --against CHECKOUT also times that checkout's kernels (its ops.cpp built under
+another extension name, once per checkout: ~1.5 min) in the same process, each variant of them
+("Q4_K_PANELS@other") right after this build's, on the same inputs: the way to compare two versions of
+quant.h on a box whose speed drifts between processes by more than what a change gains.
 """
 from __future__ import annotations
 
 import argparse
-import importlib.machinery
-import importlib.util
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
-from types import ModuleType
 
 import gguf
 import numpy as np
@@ -36,6 +31,7 @@ import torch
 
 import kernels.cpu as cpu_kernels
 from asyncserve.model.linear import make_linear
+from kernel_builds import other_build
 
 Q = gguf.GGMLQuantizationType
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
@@ -66,25 +62,6 @@ def timed(fn, seconds: float) -> float:
         fn()
         n += 1
     return elapsed / n
-
-
-def other_build(checkout: Path) -> ModuleType:
-    """Another checkout's compiled kernels (built by a child process with PYTHONPATH=checkout), loaded beside
-    this process's own: the same module name from another file, so this one's stays in sys.modules."""
-    child = subprocess.run(
-        [sys.executable, "-c", "import kernels.cpu as k; assert k.library() is not None, k.error(); print(k.build_dir())"],
-        env={**os.environ, "PYTHONPATH": str(checkout)}, capture_output=True, text=True)
-    if child.returncode:
-        raise SystemExit(f"{checkout}: its kernels did not build:\n{child.stderr}")
-    path = Path(child.stdout.split()[-1]) / "asyncserve_cpu_kernels.so"
-    own = sys.modules.get("asyncserve_cpu_kernels")
-    loader = importlib.machinery.ExtensionFileLoader("asyncserve_cpu_kernels", str(path))
-    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(
-        "asyncserve_cpu_kernels", path, loader=loader))
-    loader.exec_module(module)
-    if own is not None:
-        sys.modules["asyncserve_cpu_kernels"] = own
-    return module
 
 
 def main() -> None:

@@ -466,8 +466,9 @@ def test_int8_peak_script_prints_each_instructions_rate():
 
 
 def test_bench_quant_times_another_checkouts_kernels_beside_these():
-    """scripts/bench_quant.py --against CHECKOUT loads that checkout's kernels beside this process's own
-    (here: this checkout again, its cached build) and times each variant of them right after this build's."""
+    """scripts/bench_quant.py --against CHECKOUT builds that checkout's kernels under another extension name
+    (here: this checkout's again), loads them beside this process's own as a distinct module, and times each
+    variant of them right after this build's."""
     import os
     import re
     import subprocess
@@ -477,7 +478,7 @@ def test_bench_quant_times_another_checkouts_kernels_beside_these():
     types = "Q4_K,Q4_K_PANELS" if cpu_kernels.quant_panels() else "Q4_K,Q8_0"
     out = subprocess.run([sys.executable, str(root / "scripts" / "bench_quant.py"), "--shapes", "64x512", "--rows", "1,5",
                           "--types", types, "--dtypes", "float32", "--rounds", "1", "--seconds", "0.01",
-                          "--against", str(root)], capture_output=True, text=True, check=True, timeout=300,
+                          "--against", str(root)], capture_output=True, text=True, check=True, timeout=600,
                          env={**os.environ, "PYTHONPATH": str(root)}).stdout
     rates = re.findall(r"(\S+) [\d.]+ ms ([\d.]+) GFLOP/s", out)
     names = [name for name, _ in rates]

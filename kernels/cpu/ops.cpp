@@ -504,7 +504,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_prefetch_lines", &lora_prefetch_lines_op, "the lines a GEMM asks for ahead of lora_segments, by thread");
   m.def("set_lora_rows_ahead", [](bool on) { return lora_rows_ahead_on.exchange(on); },
         "whether the native decoder's GEMMs ask for the next LoRA call's rows (on at start); returns the previous setting");
-  py::class_<NativeDecoder>(m, "NativeDecoder")
+  py::class_<NativeDecoder>(m, "NativeDecoder", py::module_local())   // local: another build may load beside it
       .def(py::init<std::vector<c10::optional<at::Tensor>>, std::vector<std::vector<at::Tensor>>,
                     std::vector<std::vector<int64_t>>, std::vector<int64_t>, std::vector<int64_t>, at::Tensor, int64_t,
                     int64_t, int64_t, double, double, double, bool>())

@@ -1141,8 +1141,10 @@ inline void fold_super(__m256 acc[R], const __m256i sum[R], const __m256i mn[4],
 }
 
 // R rows of x quantized per 256 (from row m) against a panel of Q4_K / Q5_K, the mins included.
+// noinline here and in q4k_panel_tile: inlined into quant_linear's parallel loop, gcc kept the tile's int16
+// sums on the stack, and the tiles ran 1.2x (Q4_K in panels) to 2x (Q5_K) slower at 16-64 rows.
 template <int R, int64_t Type>
-inline void panel_super_tile(const Panel& p, const QuantizedRows& a, int64_t m, __m256 acc[R], PanelAhead& ahead) {
+__attribute__((noinline)) void panel_super_tile(const Panel& p, const QuantizedRows& a, int64_t m, __m256 acc[R], PanelAhead& ahead) {
   PanelAhead lines = ahead;   // in a register (the loads below may alias it)
   constexpr int S = int16_steps<Type>();
   const int64_t K = a.K, supers = K / 256;
@@ -1217,7 +1219,7 @@ inline void quant_panel(const uint8_t* blocks, int64_t row_bytes, int64_t n0, in
 // each pair of steps' weights decoded from one load in registers. Where `ahead` < `ahead_end` (the first
 // tile of a panel), one line of the thread's next panel is asked for into L2 per pair of steps.
 template <int R>
-inline void q4k_panel_tile(const uint8_t* panel, const QuantizedRows& a, int64_t m, __m256 acc[R], const char* ahead,
+__attribute__((noinline)) void q4k_panel_tile(const uint8_t* panel, const QuantizedRows& a, int64_t m, __m256 acc[R], const char* ahead,
                            const char* ahead_end) {
   const int64_t K = a.K, supers = K / 256;
   const __m256i mask = _mm256_set1_epi8(0x0F);
