@@ -335,6 +335,64 @@ inline void dequantize_column(DecodedColumn& c, int64_t K) {
 #endif
 }
 
+#if ASYNCSERVE_QUANT_AVX2
+inline __m256 floats8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 floats8(const bf16* x) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))), 16));
+}
+
+inline int sum_lanes_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+#endif
+
+// One block of x (32 or 256 values): d = max |x| / 127 (returned), q = x / d rounded to nearest even, and
+// sums[h] = the sum of q over each `part` values (16 or 32). The vector path gives the scalar one's bits: the
+// same lanes of maxima (a NaN skipped, as std::max(lane, NaN) does), products and rounding (cvtps's default).
+template <typename T>
+inline float quantize_block(const T* x, int block, int part, int8_t* q, int* sums) {
+#if ASYNCSERVE_QUANT_AVX2
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 lanes = _mm256_setzero_ps();
+  for (int i = 0; i < block; i += 8) lanes = _mm256_max_ps(_mm256_and_ps(floats8(x + i), magnitude), lanes);
+  float lane[8];
+  _mm256_storeu_ps(lane, lanes);
+#else
+  float lane[8] = {};   // max |x| per lane: a max in 8 lanes vectorises, its value is the same
+  for (int i = 0; i < block; i += 8)
+    for (int l = 0; l < 8; ++l) lane[l] = std::max(lane[l], std::fabs(to_float(x[i + l])));
+#endif
+  float amax = 0.0f;
+  for (float l : lane) amax = std::max(amax, l);
+  const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+#if ASYNCSERVE_QUANT_AVX2
+  const __m256 scale = _mm256_set1_ps(inv);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);   // packs interleave the lanes' halves
+  for (int i = 0; i < block; i += 32) {
+    __m256i v[4];   // |v| <= 127: see dot_bytes
+    for (int j = 0; j < 4; ++j) v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(floats8(x + i + 8 * j), scale));
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), _mm256_permutevar8x32_epi32(bytes, order));
+    const __m256i first = _mm256_add_epi32(v[0], v[1]), second = _mm256_add_epi32(v[2], v[3]);
+    if (part == 16) {
+      sums[i / 16] = sum_lanes_epi32(first);
+      sums[i / 16 + 1] = sum_lanes_epi32(second);
+    } else {
+      sums[i / 32] = sum_lanes_epi32(_mm256_add_epi32(first, second));
+    }
+  }
+#else
+  for (int i = 0; i < block; ++i) q[i] = int8_t(std::nearbyint(to_float(x[i]) * inv));   // |q| <= 127: see dot_bytes
+  for (int h = 0; h < block / part; ++h) {
+    sums[h] = 0;
+    for (int i = 0; i < part; ++i) sums[h] += q[part * h + i];
+  }
+#endif
+  return d;
+}
+
 // x quantized per `block` (32 or 256) into a: per 32 q, d, the sums of q per 16 (q16) and s16 = d * them;
 // per 256 q256, d256 and the sums sum32. Rows split over the threads from 4 each (a decode step's 16 rows:
 // both cores).
@@ -350,36 +408,22 @@ inline void quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K, int64_t
   } else {
     a.sum32.resize(M * K / 32);
   }
+  const int part = block == 32 ? 16 : 32;   // the sums' span
   at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> v(block);
-    for (int64_t m = begin; m < end; ++m) {
-      const T* xr = x + m * ldx;
+    int sums[16];
+    for (int64_t m = begin; m < end; ++m)
       for (int64_t b = 0; b < K / block; ++b) {
-        float lanes[8] = {};   // max |x| per lane: a max in 8 lanes vectorises, its value is the same
-        for (int i = 0; i < block; i += 8)
-          for (int l = 0; l < 8; ++l) {
-            v[i + l] = to_float(xr[b * block + i + l]);
-            lanes[l] = std::max(lanes[l], std::fabs(v[i + l]));
-          }
-        float amax = 0.0f;
-        for (float l : lanes) amax = std::max(amax, l);
-        const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
-        int8_t* q = qs.data() + m * K + b * block;
-        for (int i = 0; i < block; ++i) q[i] = int8_t(std::nearbyint(v[i] * inv));   // |q| <= 127: see dot_bytes
+        const float d = quantize_block(x + m * ldx + b * block, int(block), part, qs.data() + m * K + b * block, sums);
         ds[m * (K / block) + b] = d;
-        const int part = block == 32 ? 16 : 32;   // the sums' span
         for (int h = 0; h < block / part; ++h) {
-          int sum = 0;
-          for (int i = 0; i < part; ++i) sum += q[part * h + i];
           if (block == 32) {
-            a.s16[m * (K / 16) + 2 * b + h] = d * float(sum);
-            a.q16[m * (K / 16) + 2 * b + h] = int16_t(sum);
+            a.s16[m * (K / 16) + 2 * b + h] = d * float(sums[h]);
+            a.q16[m * (K / 16) + 2 * b + h] = int16_t(sums[h]);
           } else {
-            a.sum32[m * (K / 32) + 8 * b + h] = int16_t(sum);
+            a.sum32[m * (K / 32) + 8 * b + h] = int16_t(sums[h]);
           }
         }
       }
-    }
   });
 }
 
