@@ -13,7 +13,7 @@ the native LoRA kernel against the backend's eager plans, alternated. System our
 the LoRA backend kept on its eager plans where the native lora_segments kernel would run; ours-no-amx
 is ours with the native GEMM kept on its vdpbf16ps tiles where it would run AMX tiles (kernels/cpu/gemm.h);
 with --rounds, ours, ours-eager-lora, ours-no-amx and ours-base alternate in one process. With
---panel-steps, decode steps with Q4_K/Q6_K in panels against GGUF's blocks; with --build-steps --against
+--panel-steps, decode steps with Q4_0/Q4_1/Q4_K/Q6_K in panels against GGUF's blocks; with --build-steps --against
 CHECKOUT, this checkout's native kernels against that checkout's (scripts/kernel_builds.py); both alternate
 step by step in one engine at batches 1, 4 and 16.
 """
@@ -263,18 +263,28 @@ def alternated_decode_steps(llm, prompts, variants, args) -> None:
 
 
 def bench_panel_steps(prompts, adapters, args) -> None:
-    """Decode steps with the Q4_K and Q6_K projections in panels of 8 columns (as QuantLinear repacks them
-    on AVX2 builds without VNNI) and in GGUF's blocks, swapped step by step in one engine (the native layer
-    loop rebuilt over each): --model a GGUF file with such tensors, kept quantized."""
+    """Decode steps with the Q4_0, Q4_1, Q4_K, Q5_K and Q6_K projections in panels of 8 columns (as QuantLinear
+    repacks them on AVX2 builds without VNNI) and with those of --blocks-types (default: all) in GGUF's blocks,
+    swapped step by step in one engine (the native layer loop rebuilt over each): --model a GGUF file with
+    such tensors, kept quantized."""
+    import gguf
+
+    import kernels.cpu as cpu_kernels
     from asyncserve.model.linear import QuantizedWeight, QuantLinear
 
     llm = build_ours(adapters, args)
     weights = llm.engine.runner.weights
     linears = [p for p in weights.linears() if isinstance(p, QuantLinear)]
-    layouts = {"in panels": [p.weight for p in linears],
-               "in GGUF blocks": [QuantizedWeight(p.weight.gguf_parts(), p.in_features) for p in linears]}
+    chosen = {cpu_kernels.PANEL_TYPES[int(gguf.GGMLQuantizationType[name])] for name in args.blocks_types.split(",")}
+    ggml = {panels: qtype for qtype, panels in cpu_kernels.PANEL_TYPES.items()}
+
+    def in_blocks(weight: QuantizedWeight) -> QuantizedWeight:
+        return QuantizedWeight([(cpu_kernels.from_panels(b, t, weight.in_features), ggml[t]) if t in chosen else (b, t)
+                                for b, t in weight.parts], weight.in_features)
+
+    layouts = {"in panels": [p.weight for p in linears], "in GGUF blocks": [in_blocks(p.weight) for p in linears]}
     if all(a is b for a, b in zip(*layouts.values())) or not linears:
-        raise SystemExit("no projection in panels here: a Q4_K/Q6_K file, kept quantized, on a build with panels")
+        raise SystemExit("no projection in panels here: a Q4_0/Q4_1/Q4_K/Q6_K file, kept quantized, on a build with panels")
 
     def use(layout: str):
         def switch() -> None:
@@ -384,7 +394,9 @@ def main() -> None:
     ap.add_argument("--merge", action="store_true", help="time dLoRA's merged mode instead (see bench_merge)")
     ap.add_argument("--lora-steps", action="store_true", help="decode steps, native LoRA against eager, alternated")
     ap.add_argument("--panel-steps", action="store_true",
-                    help="decode steps, Q4_K/Q6_K in panels against GGUF blocks, alternated (see bench_panel_steps)")
+                    help="decode steps, Q4_0/Q4_1/Q4_K/Q6_K in panels against GGUF blocks, alternated (see bench_panel_steps)")
+    ap.add_argument("--blocks-types", default="Q4_0,Q4_1,Q4_K,Q5_K,Q6_K",
+                    help="--panel-steps: the ggml types its second layout holds in GGUF's blocks")
     ap.add_argument("--build-steps", action="store_true",
                     help="decode steps, this checkout's kernels against --against CHECKOUT's, alternated")
     ap.add_argument("--against", type=Path, default=None, help="the other checkout of --build-steps")

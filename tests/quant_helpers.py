@@ -89,10 +89,20 @@ def dequantized(blocks: np.ndarray, qtype: Q) -> np.ndarray:
     return gguf.quants.dequantize(blocks, qtype)
 
 
+EXACT_TIE = 0.01   # logits: a random tiny model's top two are this close a few times in a test's tokens
+
+
+def divergence_gap(ours: list[int], ref) -> float:
+    """The reference's logit gap between its token and ours where they first differ."""
+    i = next(i for i, (a, b) in enumerate(zip(ours, ref.tokens)) if a != b)
+    return float(ref.logits[i][ref.tokens[i]] - ref.logits[i][ours[i]])
+
+
 def assert_quantized_generate_matches(llm, reference, adapters: dict, new_tokens: int, tie_tol: float) -> None:
     """Base and each adapter on two prompts in one generate call: greedy tokens equal reference's
-    (transformers+PEFT on the blocks' values) but for at most one near-tie, and the adapters' LoRA
-    changes the tokens (it runs on top of the quantized base)."""
+    (transformers+PEFT on the blocks' values) but for at most one near-tie (besides exact ties, where
+    the reference's top two logits are within EXACT_TIE: the int8 activations' rounding decides those),
+    and the adapters' LoRA changes the tokens (it runs on top of the quantized base)."""
     from asyncserve import SamplingParams
     from reference import assert_greedy_matches, peft_references
 
@@ -103,6 +113,7 @@ def assert_quantized_generate_matches(llm, reference, adapters: dict, new_tokens
                                                                   ignore_eos=True), adapters=[a for _, a in cases])
     equal = [assert_greedy_matches(o.token_ids, ref, tie_tol, f"case {i} ({cases[i][1]})")
              for i, (o, ref) in enumerate(zip(outs, refs))]
-    assert sum(equal) >= len(cases) - 1, equal
+    near_ties = [i for i, same in enumerate(equal) if not same and divergence_gap(outs[i].token_ids, refs[i]) > EXACT_TIE]
+    assert len(near_ties) <= 1, (equal, near_ties)
     step = 1 + len(adapters)
     assert any(outs[i].token_ids != outs[i + 1].token_ids for i in range(0, len(cases), step))

@@ -25,6 +25,7 @@ NEW_TOKENS = 6
 TIE_TOL = 0.2
 Q4_K_M = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q4_K, "ffn_gate": Q.Q4_K,
           "ffn_up": Q.Q4_K, "ffn_down": Q.Q6_K, "output": Q.Q6_K}
+Q5_K_M = {**Q4_K_M, "attn_q": Q.Q5_K, "attn_k": Q.Q5_K, "attn_output": Q.Q5_K, "ffn_gate": Q.Q5_K, "ffn_up": Q.Q5_K}
 LEGACY = {"attn_q": Q.Q8_0, "attn_k": Q.Q4_0, "attn_v": Q.Q4_1, "attn_output": Q.Q8_0, "ffn_gate": Q.Q4_0,
           "ffn_up": Q.Q4_0, "ffn_down": Q.Q4_1, "output": Q.Q8_0}
 SHAPES = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * 64, HIDDEN), "attn_v": (KV_HEADS * 64, HIDDEN),
@@ -78,13 +79,15 @@ def write_pair(folder, types: dict[str, Q], seed: int, embed_std: float = 1.0):
 
 
 def held_bytes(blocks: np.ndarray, qtype: Q) -> int:
-    """What the engine holds of a file's quantized tensor: its blocks, Q4_K and Q6_K repacked into panels of 8
-    columns where the build runs them and its rows are a multiple of 8 (Q4_K's 148 bytes per 144)."""
-    panels = qtype in (Q.Q4_K, Q.Q6_K) and len(blocks) % 8 == 0 and cpu_kernels.quant_panels()
-    return blocks.nbytes * 148 // 144 if panels and qtype == Q.Q4_K else blocks.nbytes
+    """What the engine holds of a file's quantized tensor: its blocks, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K repacked
+    into panels of 8 columns where the build runs them and its rows are a multiple of 8 (Q4_K's 148 bytes per
+    144, Q5_K's 180 per 176)."""
+    panels = qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K) and len(blocks) % 8 == 0 and cpu_kernels.quant_panels()
+    grown = {Q.Q4_K: (148, 144), Q.Q5_K: (180, 176)}.get(qtype) if panels else None
+    return blocks.nbytes * grown[0] // grown[1] if grown else blocks.nbytes
 
 
-@pytest.mark.parametrize("types", [Q4_K_M, LEGACY], ids=["q4_k_m", "q8_0-q4_0-q4_1"])
+@pytest.mark.parametrize("types", [Q4_K_M, Q5_K_M, LEGACY], ids=["q4_k_m", "q5_k_m", "q8_0-q4_0-q4_1"])
 def test_quantized_engine_matches_dequantized_reference(tmp_path, types):
     from transformers import AutoModelForCausalLM
 
@@ -153,7 +156,8 @@ def test_native_layer_loop_gives_the_python_loops_logits(tmp_path, monkeypatch, 
         qkv = weights.layers[0].qkv.weight
         assert [t for _, t in qkv.gguf_parts()] == [types["attn_q"], types["attn_k"], types["attn_v"]]
         assert [t in cpu_kernels.PANEL_TYPES.values() for _, t in qkv.parts] == [
-            cpu_kernels.quant_panels() and types[name] in (Q.Q4_K, Q.Q6_K) for name in ("attn_q", "attn_k", "attn_v")]
+            cpu_kernels.quant_panels() and types[name] in (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+            for name in ("attn_q", "attn_k", "attn_v")]
         prompts = [llm.tokenizer.encode(p) for p in ["The quick brown fox", "def add(a, b):"]]
         cases = [(ids, a) for ids in prompts for a in [None, *adapters]]
         outs = llm.generate([ids for ids, _ in cases], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
@@ -324,7 +328,7 @@ def test_tied_head_keeps_one_quantized_copy(tmp_path, embed_type):
     weights = llm.engine.runner.weights
     assert isinstance(weights.embed, QuantEmbedding) and isinstance(weights.lm_head, QuantLinear)
     assert weights.lm_head.weight is weights.embed.weight            # the same blocks, not a copy
-    in_panels = cpu_kernels.quant_panels() and embed_type in (Q.Q4_K, Q.Q6_K) and weights.embed.shape[0] % 8 == 0
+    in_panels = cpu_kernels.quant_panels() and embed_type != Q.Q8_0 and weights.embed.shape[0] % 8 == 0
     assert (weights.embed.qtype in cpu_kernels.PANEL_TYPES.values()) == in_panels, weights.embed.qtype
     assert weights.nbytes() == kept + 4 * HIDDEN * (2 * LAYERS + 1)  # counted once; the norms in float32
 

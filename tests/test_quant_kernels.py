@@ -56,8 +56,8 @@ def assert_within(y: torch.Tensor, ref: np.ndarray, tol: np.ndarray, what: str) 
 
 
 def check(x: torch.Tensor, parts: list[tuple[np.ndarray, Q]], panels: bool = False) -> None:
-    """quant_linear over parts against the references; panels: its Q4_K and Q6_K parts repacked into panels
-    of 8 columns first (QuantizedWeight.in_panels: those whose rows are a multiple of 8)."""
+    """quant_linear over parts against the references; panels: its Q4_0, Q4_1, Q4_K, Q5_K and Q6_K parts repacked
+    into panels of 8 columns first (QuantizedWeight.in_panels: those whose rows are a multiple of 8)."""
     held = QuantizedWeight([(torch.from_numpy(b), int(t)) for b, t in parts], x.shape[1])
     held = held.in_panels() if panels else held
     y = cpu_kernels.quant_linear(x, [b for b, _ in held.parts], [t for _, t in held.parts])
@@ -167,25 +167,28 @@ def test_panels_of_each_type_match_columns_on_any_threads(qtype, panel_rows):
 
 @pytest.fixture
 def panels():
-    """Q4_K and Q6_K in panels of 8 columns run where the build runs panels (AVX2 without VNNI)."""
+    """Q4_0, Q4_1, Q4_K, Q5_K and Q6_K in panels of 8 columns run where the build runs panels (AVX2 without VNNI)."""
     if not cpu_kernels.quant_panels():
         pytest.skip("this build runs no panels (no AVX2, or VNNI): the blocks stay GGUF's")
 
 
-PANEL_KINDS = [Q.Q4_K, Q.Q6_K]
+PANEL_KINDS = [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+BLOCK_BYTES = {Q.Q4_0: (32, 18, 18), Q.Q4_1: (32, 20, 20), Q.Q4_K: (256, 144, 148), Q.Q5_K: (256, 176, 180),
+               Q.Q6_K: (256, 210, 210)}  # weights,
+# bytes per block and per column's share of a panel
 
 
 @pytest.mark.parametrize("qtype", PANEL_KINDS, ids=lambda t: t.name)
 @pytest.mark.parametrize("out, fan_in", [(8, 256), (24, 768), (64, 512)])
 def test_panels_give_the_blocks_back_bit_for_bit(qtype, out, fan_in):
-    """to_panels then from_panels: the same bytes, for blocks of any bits (every bit of a Q4_K or Q6_K block
-    is some value's); Q4_K's panels hold 148 bytes per 144, Q6_K's as many as its blocks."""
+    """to_panels then from_panels: the same bytes, for blocks of any bits (every bit of these blocks is some
+    value's); Q4_K's panels hold 148 bytes per 144, Q5_K's 180 per 176, the others as many as their blocks."""
     rng = np.random.default_rng(out + fan_in + int(qtype))
-    size = 144 if qtype == Q.Q4_K else 210
+    weights, size, panel_size = BLOCK_BYTES[qtype]
     blocks = torch.from_numpy(random_blocks((out, fan_in), qtype, rng))
-    for held in (blocks, torch.randint(0, 256, (out, fan_in // 256 * size), dtype=torch.uint8)):
+    for held in (blocks, torch.randint(0, 256, (out, fan_in // weights * size), dtype=torch.uint8)):
         panels = cpu_kernels.to_panels(held, int(qtype), fan_in)
-        assert panels.shape == (out, fan_in // 256 * (148 if qtype == Q.Q4_K else 210))
+        assert panels.shape == (out, fan_in // weights * panel_size)
         assert not torch.equal(panels[:, :size], held[:, :size])
         assert torch.equal(cpu_kernels.from_panels(panels, cpu_kernels.PANEL_TYPES[qtype], fan_in), held)
     weight = QuantizedWeight([(blocks, int(qtype))], fan_in)
@@ -193,41 +196,67 @@ def test_panels_give_the_blocks_back_bit_for_bit(qtype, out, fan_in):
 
 
 def test_panels_against_references_at_any_rows(panels):
-    """Q4_K and Q6_K in panels at row counts around the tiles (4) and the GGUF paths' panel threshold (8),
-    fp32 and bf16, 1 and 2 super-blocks, stacked with parts that stay in blocks (a Q8_0; a Q4_K of 12 rows)
-    as a Q4_K_M qkv has, against the references."""
+    """Each type in panels at row counts around the tiles (4) and the GGUF paths' panel threshold (8), fp32
+    and bf16, 1 and 2 super-blocks (Q4_0 and Q4_1 also 3 and 18 blocks of 32, SmolLM2's 576), stacked with
+    parts that stay in blocks (a Q8_0; a Q4_K of 12 rows) as a Q4_K_M qkv has, against the references."""
     rng = np.random.default_rng(40)
-    for fan_in in (256, 512):
-        parts = [(random_blocks((out, fan_in), t, rng), t) for out, t in [(16, Q.Q4_K), (8, Q.Q6_K), (9, Q.Q8_0),
-                                                                          (12, Q.Q4_K), (24, Q.Q6_K)]]
+    k_quants = [(16, Q.Q4_K), (8, Q.Q6_K), (9, Q.Q8_0), (12, Q.Q4_K), (24, Q.Q6_K), (8, Q.Q4_1), (16, Q.Q4_0),
+                (16, Q.Q5_K), (12, Q.Q5_K)]
+    block32 = [(16, Q.Q4_1), (9, Q.Q8_0), (8, Q.Q4_0), (12, Q.Q4_1), (24, Q.Q4_0)]
+    for fan_in, kinds in [(256, k_quants), (512, k_quants), (96, block32), (576, block32)]:
+        parts = [(random_blocks((out, fan_in), t, rng), t) for out, t in kinds]
         x = torch.from_numpy(rng.standard_normal((max(PANEL_ROWS), fan_in)).astype(np.float32))
         for rows in PANEL_ROWS:
             for dtype in (torch.float32, torch.bfloat16):
                 check(x[:rows].to(dtype), parts, panels=True)
 
 
-def test_q4k_panels_give_the_gguf_panels_bits(panels, panel_rows):
-    """From the GGUF paths' panel threshold on, Q4_K in panels sums the same integers in the same float order
-    as the panels built per call: the same bits, on 1 and 2 threads; below it (the fused kernels there)
-    within fp32 rounding."""
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K], ids=lambda t: t.name)
+def test_panels_give_the_gguf_panels_bits(panels, panel_rows, qtype):
+    """From the GGUF paths' panel threshold on, Q4_0, Q4_1, Q4_K and Q5_K in panels sum the same integers in
+    the same float order as the panels built per call: the same bits, on 1 and 2 threads; below it (the fused
+    kernels there) within fp32 rounding."""
     rng = np.random.default_rng(41)
-    blocks = torch.from_numpy(random_blocks((40, 1024), Q.Q4_K, rng))
-    held = cpu_kernels.to_panels(blocks, int(Q.Q4_K), 1024)
+    blocks = torch.from_numpy(random_blocks((40, 1024), qtype, rng))
+    held = cpu_kernels.to_panels(blocks, int(qtype), 1024)
     threads = torch.get_num_threads()
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
             for rows in (1, 5, 8, 9, 64, 70):
                 x = torch.randn(rows, 1024)
-                gguf_y = cpu_kernels.quant_linear(x, [blocks], [int(Q.Q4_K)])
-                panel_y = cpu_kernels.quant_linear(x, [held], [cpu_kernels.PANEL_TYPES[Q.Q4_K]])
+                gguf_y = cpu_kernels.quant_linear(x, [blocks], [int(qtype)])
+                panel_y = cpu_kernels.quant_linear(x, [held], [cpu_kernels.PANEL_TYPES[qtype]])
                 if rows >= 8:
                     assert torch.equal(panel_y, gguf_y), (n, rows)
                 else:
-                    scale = x.abs() @ torch.from_numpy(dequantized(blocks.numpy(), Q.Q4_K)).abs().T
+                    scale = x.abs() @ torch.from_numpy(dequantized(blocks.numpy(), qtype)).abs().T
                     assert ((panel_y - gguf_y).abs() <= scale * 1e-5 + 1e-6).all(), (n, rows)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_q5k_panels_decoded_per_call_or_per_tile_alike(panels):
+    """Q5_K in panels: its fifth bits decoded in every tile or the panel decoded once per call (from
+    set_quant_q5k_decoded_rows rows) give the same bits, at rows around the tiles, against the blocks'
+    per-call panels' bits from 8 rows."""
+    rng = np.random.default_rng(45)
+    blocks = torch.from_numpy(random_blocks((24, 768), Q.Q5_K, rng))
+    held = cpu_kernels.to_panels(blocks, int(Q.Q5_K), 768)
+    before = cpu_kernels.set_quant_q5k_decoded_rows(1)
+    try:
+        for rows in (1, 4, 5, 8, 13, 40):
+            x = torch.randn(rows, 768)
+            per_call = cpu_kernels.quant_linear(x, [held], [cpu_kernels.PANEL_TYPES[Q.Q5_K]])
+            cpu_kernels.set_quant_q5k_decoded_rows(1 << 40)
+            per_tile = cpu_kernels.quant_linear(x, [held], [cpu_kernels.PANEL_TYPES[Q.Q5_K]])
+            cpu_kernels.set_quant_q5k_decoded_rows(1)
+            assert torch.equal(per_call, per_tile), rows
+            if rows >= 8:
+                assert torch.equal(per_call, cpu_kernels.quant_linear(x, [blocks], [int(Q.Q5_K)])), rows
+    finally:
+        cpu_kernels.set_quant_q5k_decoded_rows(before)
+    assert before == 8
 
 
 def test_q6k_panels_split_over_threads_alike(panels):
@@ -260,16 +289,20 @@ def test_rows_of_panels_are_the_blocks_rows(qtype):
 
 
 def test_panels_refuse_what_they_cannot_hold():
-    """Rows not a multiple of 8, in_features not of 256 or another type are refused by the repacking; rows
-    not a multiple of 8 by quant_linear and quant_rows; a weight with such parts keeps them in blocks."""
+    """Rows not a multiple of 8, in_features not a multiple of the blocks or a type without panels (Q8_0)
+    are refused by the repacking; rows not a multiple of 8 by quant_linear and quant_rows; a weight
+    with such parts keeps them in blocks."""
     rng = np.random.default_rng(42)
     blocks = torch.from_numpy(random_blocks((12, 256), Q.Q4_K, rng))
     with pytest.raises(RuntimeError, match="multiple of 8 rows"):
         cpu_kernels.to_panels(blocks, int(Q.Q4_K), 256)
     with pytest.raises(RuntimeError, match="not a multiple of the 256"):
         cpu_kernels.to_panels(blocks[:8].contiguous(), int(Q.Q4_K), 128)
-    with pytest.raises(RuntimeError, match="has no panels"):
-        cpu_kernels.to_panels(blocks[:8].contiguous(), int(Q.Q5_K), 256)
+    with pytest.raises(RuntimeError, match="not a multiple of the 32"):
+        cpu_kernels.to_panels(torch.zeros(8, 36, dtype=torch.uint8), int(Q.Q4_0), 48)
+    for kind in (Q.Q8_0,):
+        with pytest.raises(RuntimeError, match="has no panels"):
+            cpu_kernels.to_panels(blocks[:8].contiguous(), int(kind), 256)
     with pytest.raises(RuntimeError, match="has no panels"):
         cpu_kernels.from_panels(blocks[:8].contiguous(), int(Q.Q4_K), 256)
     with pytest.raises(RuntimeError, match="multiple of 8"):
@@ -468,7 +501,7 @@ def test_int8_peak_script_prints_each_instructions_rate():
 def test_bench_quant_times_another_checkouts_kernels_beside_these():
     """scripts/bench_quant.py --against CHECKOUT builds that checkout's kernels under another extension name
     (here: this checkout's again), loads them beside this process's own as a distinct module, and times each
-    variant of them right after this build's."""
+    variant of them right after this build's, each with a time."""
     import os
     import re
     import subprocess
@@ -480,11 +513,11 @@ def test_bench_quant_times_another_checkouts_kernels_beside_these():
                           "--types", types, "--dtypes", "float32", "--rounds", "1", "--seconds", "0.01",
                           "--against", str(root)], capture_output=True, text=True, check=True, timeout=600,
                          env={**os.environ, "PYTHONPATH": str(root)}).stdout
-    rates = re.findall(r"(\S+) [\d.]+ ms ([\d.]+) GFLOP/s", out)
-    names = [name for name, _ in rates]
+    times = re.findall(r"(\S+) ([\d.]+) ms [\d.]+ GFLOP/s", out)
+    names = [name for name, _ in times]
     for rows in (1, 5):
         assert f"64x512 float32 rows {rows}:" in out, out
     for name in types.split(","):
         assert names.count(name) == 2 and names.count(f"{name}@{root.name}") == 2, out
         assert names.index(f"{name}@{root.name}") == names.index(name) + 1, out   # interleaved: right after
-    assert all(float(rate) > 0 for _, rate in rates), out
+    assert all(float(ms) > 0 for _, ms in times), out   # (a rate prints 0.0 when a loaded box stalls a call)

@@ -162,7 +162,7 @@ class QuantizedWeight:
         return count
 
     def in_panels(self) -> QuantizedWeight:
-        """The same weight with its Q4_K and Q6_K parts (out a multiple of 8) repacked into panels of 8
+        """The same weight with its Q4_0, Q4_1, Q4_K, Q5_K and Q6_K parts (out a multiple of 8) repacked into panels of 8
         columns (cpu_kernels.PANEL_TYPES) where the build runs them: the same bits, which quant_linear's
         tiles read without building a panel per call, at any row count; the other parts as they are."""
         if not cpu_kernels.quant_panels():
@@ -188,7 +188,7 @@ class QuantizedWeight:
 class QuantLinear(Linear):
     """W kept in its GGUF blocks (QuantizedWeight), applied by kernels/cpu/quant.h with int8 activations;
     ``nbytes`` is the blocks' size. x and y in the activation dtype (fp32 or bf16). Where the build runs
-    panels (AVX2 without VNNI), Q4_K and Q6_K parts are repacked into them once here
+    panels (AVX2 without VNNI), Q4_0, Q4_1, Q4_K, Q5_K and Q6_K parts are repacked into them once here
     (QuantizedWeight.in_panels), unless ``panels`` is False (a head tied to the embedding table: it holds
     the one copy of the bits, in panels already where they run)."""
 

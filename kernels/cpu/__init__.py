@@ -307,20 +307,27 @@ def set_quant_panel_rows(rows: int) -> int:
     return _lib().set_quant_panel_rows(rows)
 
 
+def set_quant_q5k_decoded_rows(rows: int) -> int:
+    """Rows from which quant_linear decodes each Q5_K panel (PANEL_TYPES) once per call into a buffer that
+    its row tiles read, instead of decoding the fifth bits in every tile (default 8); returns the previous
+    setting."""
+    return _lib().set_quant_q5k_decoded_rows(rows)
+
+
 def quant_panels() -> bool:
     """Whether quant_linear runs panels on this build (AVX2 without VNNI)."""
     return _lib().quant_panels()
 
 
-# The type ids quant_linear takes for a Q4_K or Q6_K part repacked into panels of 8 columns (quant.h's
-# kQ4_K_Panels and kQ6_K_Panels: not ggml types), by the ggml type; they run where quant_panels() holds.
-PANEL_TYPES = {12: 0x10C, 14: 0x10E}
+# The type ids quant_linear takes for a Q4_0, Q4_1, Q4_K, Q5_K or Q6_K part repacked into panels of 8 columns
+# (quant.h's kQ4_0_Panels .. kQ6_K_Panels: not ggml types), by the ggml type; they run where quant_panels() holds.
+PANEL_TYPES = {2: 0x102, 3: 0x103, 12: 0x10C, 13: 0x10D, 14: 0x10E}
 
 
 def to_panels(blocks: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
-    """One weight's blocks [out, in/256 * bytes] uint8 of ggml type qtype (Q4_K or Q6_K; out a multiple of 8)
-    repacked into panels of 8 columns, [out, in/256 * (148 or 210)] uint8 of type PANEL_TYPES[qtype]: the
-    same bits in the order quant_linear's tiles read them (and quant_rows reads rows of)."""
+    """One weight's blocks [out, in/block * bytes] uint8 of ggml type qtype (Q4_0, Q4_1, Q4_K, Q5_K or Q6_K; out a
+    multiple of 8) repacked into panels of 8 columns, [out, in/block * (18, 20, 148, 180 or 210)] uint8 of type
+    PANEL_TYPES[qtype]: the same bits in the order quant_linear's tiles read them (and quant_rows reads rows of)."""
     return _lib().panels(blocks, qtype, in_features, True)
 
 

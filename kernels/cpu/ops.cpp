@@ -414,20 +414,20 @@ at::Tensor quant_linear_op(at::Tensor x, std::vector<at::Tensor> parts, std::vec
   return y;
 }
 
-// blocks: one weight's [out, K / 256 * bytes] uint8 rows (out % 8 == 0) of ggml type Q4_K or Q6_K -> its
-// panels (quant.h's kQ4_K_Panels, kQ6_K_Panels), [out, K / 256 * panel bytes / 8] uint8; or, given panels
-// and their type, back to the blocks (to_panels false), bit for bit.
+// blocks: one weight's [out, K / block * bytes] uint8 rows (out % 8 == 0) of ggml type Q4_0, Q4_1, Q4_K, Q5_K
+// or Q6_K -> its panels (quant.h's kQ4_0_Panels .. kQ6_K_Panels), [out, K / block * panel bytes / 8] uint8; or,
+// given panels and their type, back to the blocks (to_panels false), bit for bit.
 at::Tensor panels_op(at::Tensor blocks, int64_t type, int64_t in_features, bool to_panels) {
   const int64_t K = in_features, block_type = to_panels ? type : type - 0x100;
-  TORCH_CHECK((block_type == kQ4_K || block_type == kQ6_K) && (to_panels || panel_type(type)),
-              "type ", type, " has no panels (Q4_K, Q6_K)");
-  const int64_t panel = to_panels ? type + 0x100 : type;
+  TORCH_CHECK(has_panels(block_type) && (to_panels || panel_type(type)),
+              "type ", type, " has no panels (Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)");
+  const int64_t panel = to_panels ? type + 0x100 : type, block = quant_format(block_type).block;
   const int64_t from = part_format(to_panels ? type : panel).bytes, to = part_format(to_panels ? panel : block_type).bytes;
-  TORCH_CHECK(K > 0 && K % 256 == 0, "in_features ", K, " is not a multiple of the 256-weight blocks");
+  TORCH_CHECK(K > 0 && K % block == 0, "in_features ", K, " is not a multiple of the ", block, "-weight blocks");
   TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
-                  blocks.dim() == 2 && blocks.size(0) % 8 == 0 && blocks.size(1) == K / 256 * from,
-              "blocks must be a contiguous uint8 [a multiple of 8 rows, ", K / 256 * from, "] tensor");
-  at::Tensor out = at::empty({blocks.size(0), K / 256 * to}, blocks.options());
+                  blocks.dim() == 2 && blocks.size(0) % 8 == 0 && blocks.size(1) == K / block * from,
+              "blocks must be a contiguous uint8 [a multiple of 8 rows, ", K / block * from, "] tensor");
+  at::Tensor out = at::empty({blocks.size(0), K / block * to}, blocks.options());
   uint8_t* in = blocks.data_ptr<uint8_t>();   // read only
   uint8_t* o = out.data_ptr<uint8_t>();
   repack_panels(block_type, to_panels ? in : o, blocks.size(0), K, to_panels ? o : in, to_panels);
@@ -495,10 +495,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether quant_linear quantizes x to int8 (on at start) or runs fp32 x against fp32-dequantized columns");
   m.def("set_quant_panel_rows", [](int64_t rows) { return quant_panel_rows.exchange(rows); },
         "rows from which quant_linear's int8 strategy runs panels of 8 columns (quant.h); returns the previous setting");
+  m.def("set_quant_q5k_decoded_rows", [](int64_t rows) { return quant_q5k_decoded_rows.exchange(rows); },
+        "rows from which quant_linear decodes a Q5_K panel once per call, not per tile (quant.h); returns the previous setting");
   m.def("quant_panels", [] { return bool(ASYNCSERVE_QUANT_PANEL); }, "whether quant_linear runs panels on this build");
-  m.def("panels", &panels_op, no_gil, "Q4_K or Q6_K blocks repacked into panels of 8 columns, or back (quant.h)");
-  m.def("panel_types", [] { return std::vector<int64_t>{kQ4_K_Panels, kQ6_K_Panels}; },
-        "the type ids quant_linear takes for Q4_K and Q6_K in panels");
+  m.def("panels", &panels_op, no_gil, "Q4_0, Q4_1, Q4_K, Q5_K or Q6_K blocks repacked into panels of 8 columns, or back (quant.h)");
+  m.def("panel_types", [] { return std::vector<int64_t>{kQ4_0_Panels, kQ4_1_Panels, kQ4_K_Panels, kQ5_K_Panels, kQ6_K_Panels}; },
+        "the type ids quant_linear takes for Q4_0, Q4_1, Q4_K, Q5_K and Q6_K in panels");
   m.def("quant_path", [] { return std::string(quant_path()); }, "the integer dot products quant_linear runs here");
   m.def("lora_segments", &lora_segments_op, no_gil, "y += each run's LoRA, read from the pool rows");
   m.def("lora_prefetch_lines", &lora_prefetch_lines_op, "the lines a GEMM asks for ahead of lora_segments, by thread");

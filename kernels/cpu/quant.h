@@ -16,8 +16,9 @@
 // vpmaddubsw + vpmaddwd, or one vpdpbusd where the CPU has AVX512-VNNI (+VL) or AVX-VNNI; a scalar
 // loop runs where the build has no AVX2. From quant_panel_rows rows (a prefill's) an AVX2 build without
 // VNNI runs a GEMM over panels of 8 columns instead (see "Many rows" below): the per-column tiles
-// there cost a float conversion, two multiplies and a broadcast per 32 products of each row. There, Q4_K
-// repacked at load into such panels (kQ4_K_Panels, below) runs q4k_panel_tile at every row count.
+// there cost a float conversion, two multiplies and a broadcast per 32 products of each row. There, Q4_0,
+// Q4_1, Q4_K and Q6_K repacked at load into such panels (kQ4_K_Panels .., below) run their tiles at every
+// row count.
 //
 // Q4_K and Q5_K run as llama.cpp's ggml_vec_dot_q4_K_q8_K does: their activations quantized per
 // super-block of 256 instead (one scale each, as its q8_K), so that the 8 chunks' integer dot products,
@@ -88,6 +89,9 @@ constexpr QuantFormat quant_format(int64_t type) {
 //   [1024, 1088)  the chunks' 6-bit scales, [j][n]
 //   [1088, 1152)  their 6-bit mins, [i][n][2]: chunks 2i and 2i + 1 (an int16 pair per column, widened)
 //   [1152, 1184)  d, then dmin, of the 8 columns (fp16)
+// Q5_K as Q4_K (the weights' low 4 bits in its nibbles), kQ5KPanelBytes, and their fifth bits after:
+//   [1184, 1440)  8 vectors of 32 bytes; vector j (chunk j): byte 4n + i holds in bit five_bit(p, 0) the fifth
+//                 bit of column n's weight 32j + 8p + i, in bit five_bit(p, 1) that of 32j + 8p + 4 + i
 // Q6_K likewise (repack_panels, q6k_panel_tile), kQ6KPanelBytes per 8 columns and 256 weights, as many
 // bytes as its blocks:
 //   [0, 1024)     the weights' low 4 bits, as Q4_K's nibbles above
@@ -95,18 +99,42 @@ constexpr QuantFormat quant_format(int64_t type) {
 //                 bit 0 up in 2-bit fields, column n's weights 32j + 16h + i, + 4, + 8 and + 12
 //   [1536, 1664)  the 16 groups' int8 scales, [j][n][2]: groups 2j and 2j + 1 (an int16 pair per column)
 //   [1664, 1680)  d of the 8 columns (fp16)
-constexpr int64_t kQ4_K_Panels = 0x100 + kQ4_K, kQ6_K_Panels = 0x100 + kQ6_K;   // the ggml type + 0x100
-constexpr int64_t kQ4KPanelBytes = 1184, kQ6KPanelBytes = 1680;
+// Q4_0 and Q4_1 likewise per block of 32 weights (block32_column, block32_panel_tile), as many bytes as
+// their blocks:
+//   [0, 128)      4 vectors of 32 bytes: vector p, byte 4n + i holds column n's weight 8p + i in its low
+//                 nibble, 8p + 4 + i in its high one (Q4_K's nibbles, one chunk)
+//   [128, 144)    d of the 8 columns (fp16); Q4_1: [144, 160) their m (fp16)
+constexpr int64_t kQ4_0_Panels = 0x100 + kQ4_0, kQ4_1_Panels = 0x100 + kQ4_1;   // the ggml type + 0x100
+constexpr int64_t kQ4_K_Panels = 0x100 + kQ4_K, kQ5_K_Panels = 0x100 + kQ5_K, kQ6_K_Panels = 0x100 + kQ6_K;
+constexpr int64_t kQ4KPanelBytes = 1184, kQ5KPanelBytes = 1440, kQ6KPanelBytes = 1680;
+
+// Where Q5_K's panels keep the fifth bit of pair p's low (high = 0) or high nibbles' weights: pairs 0 and 1
+// in bits 4-7, 2 and 3 in bits 0-3, so that a tile reads pairs 0-1 at bit 4 with right shifts and pairs 2-3
+// after one left shift by 4 (16-bit shifts: no bit crosses into the other byte's bit 4).
+constexpr int five_bit(int p, int high) { return (2 * p + 4) % 8 + high; }
 
 // The blocks quant_linear and quant_rows take for a part of `type`: a ggml type's, or a panel type's (a
-// column's share of its panels per 256 weights).
+// column's share of its panels per block of the ggml type).
 constexpr QuantFormat part_format(int64_t type) {
   return type == kQ4_K_Panels   ? QuantFormat{256, kQ4KPanelBytes / 8}
+         : type == kQ5_K_Panels ? QuantFormat{256, kQ5KPanelBytes / 8}
          : type == kQ6_K_Panels ? QuantFormat{256, kQ6KPanelBytes / 8}
+         : type == kQ4_0_Panels || type == kQ4_1_Panels ? quant_format(type - 0x100)
                                 : quant_format(type);
 }
 
-constexpr bool panel_type(int64_t type) { return type == kQ4_K_Panels || type == kQ6_K_Panels; }
+constexpr bool panel_type(int64_t type) {
+  return type == kQ4_0_Panels || type == kQ4_1_Panels || type == kQ4_K_Panels || type == kQ5_K_Panels ||
+         type == kQ6_K_Panels;
+}
+
+// The ggml types repack_panels takes.
+constexpr bool has_panels(int64_t type) {
+  return type == kQ4_0 || type == kQ4_1 || type == kQ4_K || type == kQ5_K || type == kQ6_K;
+}
+
+// The bytes of a panel (8 columns) per block of a panel type.
+constexpr int64_t panel_block_bytes(int64_t type) { return part_format(type).bytes * 8; }
 
 // Q4_K and Q5_K's 6-bit scales and mins of the 8 chunks of 32 (gguf's Q4_K.get_scale_min).
 inline void k_scales(const uint8_t* s, int sc[8], int mn[8]) {
@@ -118,10 +146,10 @@ inline void k_scales(const uint8_t* s, int sc[8], int mn[8]) {
   }
 }
 
-// Column col's 256 values q of one panel's super-block (src), Q4_K's 4-bit or, with `high` (Q6_K's high bit
-// pairs), Q6_K's 6-bit ones: the values gguf's blocks hold, in order.
-inline void panel_values(const uint8_t* src, int col, bool high, uint8_t q[256]) {
-  for (int j = 0; j < 8; ++j)
+// Column col's 32 * chunks values q of one panel's block (src), 4-bit (Q4_0, Q4_1: 1 chunk; Q4_K: 8) or, with
+// `high` (Q6_K's high bit pairs), Q6_K's 6-bit ones: the values gguf's blocks hold, in order.
+inline void panel_values(const uint8_t* src, int col, int chunks, bool high, uint8_t* q) {
+  for (int j = 0; j < chunks; ++j)
     for (int p = 0; p < 4; ++p)
       for (int i = 0; i < 4; ++i) {
         const uint8_t low = src[32 * (4 * j + p) + 4 * col + i];
@@ -146,8 +174,8 @@ inline void q6k_values(const uint8_t* block, uint8_t q[256]) {
 }
 
 // panel_values undone for column col: q's low 4 bits into the nibbles and, with `high`, its high bit pairs.
-inline void put_panel_values(const uint8_t q[256], int col, bool high, uint8_t* dst) {
-  for (int j = 0; j < 8; ++j)
+inline void put_panel_values(const uint8_t* q, int col, int chunks, bool high, uint8_t* dst) {
+  for (int j = 0; j < chunks; ++j)
     for (int p = 0; p < 4; ++p)
       for (int i = 0; i < 4; ++i)
         dst[32 * (4 * j + p) + 4 * col + i] = uint8_t((q[32 * j + 8 * p + i] & 0x0F) | (q[32 * j + 8 * p + 4 + i] & 0x0F) << 4);
@@ -160,18 +188,31 @@ inline void put_panel_values(const uint8_t q[256], int col, bool high, uint8_t* 
         }
 }
 
-// One Q4_K block (column col of a panel's super-block at dst) into the panel, or back (to_panel false).
-inline void q4k_column(uint8_t* block, uint8_t* dst, int col, bool to_panel) {
+// One Q4_K or Q5_K block (column col of a panel's super-block at dst) into the panel, or back (to_panel
+// false). Q5_K's fifth bits: bit c of its qh byte i is that of chunk c's weight i.
+inline void kquant_column(int64_t type, uint8_t* block, uint8_t* dst, int col, bool to_panel) {
+  const bool five = type == kQ5_K;
+  uint8_t* qs = block + (five ? 48 : 16);
+  uint8_t* qh = block + 16;
+  uint8_t* high = dst + kQ4KPanelBytes;
   uint8_t q[256];   // chunk c's weights at 32c.. (the block's 128 bytes: chunk 2j low nibbles, 2j + 1 high)
   if (to_panel) {
     int sc[8], mn[8];
     k_scales(block + 4, sc, mn);
     for (int j = 0; j < 4; ++j)
       for (int i = 0; i < 32; ++i) {
-        q[64 * j + i] = block[16 + 32 * j + i] & 0x0F;
-        q[64 * j + 32 + i] = block[16 + 32 * j + i] >> 4;
+        q[64 * j + i] = qs[32 * j + i] & 0x0F;
+        q[64 * j + 32 + i] = qs[32 * j + i] >> 4;
       }
-    put_panel_values(q, col, false, dst);
+    put_panel_values(q, col, 8, false, dst);
+    if (five)
+      for (int j = 0; j < 8; ++j)
+        for (int i = 0; i < 4; ++i) {
+          uint8_t bits = 0;
+          for (int p = 0; p < 4; ++p)
+            bits |= uint8_t(((qh[8 * p + i] >> j) & 1) << five_bit(p, 0) | ((qh[8 * p + 4 + i] >> j) & 1) << five_bit(p, 1));
+          high[32 * j + 4 * col + i] = bits;
+        }
     for (int j = 0; j < 8; ++j) dst[1024 + 8 * j + col] = uint8_t(sc[j]);
     for (int j = 0; j < 8; ++j) dst[1088 + 16 * (j / 2) + 2 * col + j % 2] = uint8_t(mn[j]);
     std::memcpy(dst + 1152 + 2 * col, block, 2);
@@ -190,9 +231,19 @@ inline void q4k_column(uint8_t* block, uint8_t* dst, int col, bool to_panel) {
     block[8 + j] = uint8_t(mn[j] | ((mn[4 + j] >> 4) << 6));
     block[12 + j] = uint8_t((sc[4 + j] & 0x0F) | ((mn[4 + j] & 0x0F) << 4));
   }
-  panel_values(dst, col, false, q);
+  panel_values(dst, col, 8, false, q);
   for (int j = 0; j < 4; ++j)
-    for (int i = 0; i < 32; ++i) block[16 + 32 * j + i] = uint8_t(q[64 * j + i] | (q[64 * j + 32 + i] << 4));
+    for (int i = 0; i < 32; ++i) qs[32 * j + i] = uint8_t(q[64 * j + i] | (q[64 * j + 32 + i] << 4));
+  if (five) {
+    std::memset(qh, 0, 32);
+    for (int j = 0; j < 8; ++j)
+      for (int i = 0; i < 4; ++i)
+        for (int p = 0; p < 4; ++p) {
+          const uint8_t bits = high[32 * j + 4 * col + i];
+          qh[8 * p + i] |= uint8_t(((bits >> five_bit(p, 0)) & 1) << j);
+          qh[8 * p + 4 + i] |= uint8_t(((bits >> five_bit(p, 1)) & 1) << j);
+        }
+  }
 }
 
 // One Q6_K block likewise.
@@ -200,12 +251,12 @@ inline void q6k_column(uint8_t* block, uint8_t* dst, int col, bool to_panel) {
   uint8_t q[256];
   if (to_panel) {
     q6k_values(block, q);
-    put_panel_values(q, col, true, dst);
+    put_panel_values(q, col, 8, true, dst);
     for (int g = 0; g < 16; ++g) dst[1536 + 16 * (g / 2) + 2 * col + g % 2] = block[192 + g];
     std::memcpy(dst + 1664 + 2 * col, block + 208, 2);
     return;
   }
-  panel_values(dst, col, true, q);
+  panel_values(dst, col, 8, true, q);
   for (int h = 0; h < 2; ++h)   // q6k_values' inverse
     for (int l = 0; l < 32; ++l) {
       const uint8_t* w = q + 128 * h + l;
@@ -217,19 +268,41 @@ inline void q6k_column(uint8_t* block, uint8_t* dst, int col, bool to_panel) {
   std::memcpy(block + 208, dst + 1664 + 2 * col, 2);
 }
 
-// blocks [N][K/256 * bytes] of Q4_K or Q6_K (N % 8 == 0) <-> panels [N/8][K/256][panel bytes], the way
-// to_panel says; every block is one column of one panel's super-block.
+// One Q4_0 or Q4_1 block (weight i in byte i's low nibble, i + 16 in its high one, after d and Q4_1's m)
+// likewise.
+inline void block32_column(int64_t type, uint8_t* block, uint8_t* dst, int col, bool to_panel) {
+  const int head = type == kQ4_1 ? 4 : 2;   // the fp16 d (and m) before the nibbles
+  uint8_t q[32];
+  if (to_panel) {
+    for (int i = 0; i < 16; ++i) {
+      q[i] = block[head + i] & 0x0F;
+      q[i + 16] = block[head + i] >> 4;
+    }
+    put_panel_values(q, col, 1, false, dst);
+    std::memcpy(dst + 128 + 2 * col, block, 2);
+    if (type == kQ4_1) std::memcpy(dst + 144 + 2 * col, block + 2, 2);
+    return;
+  }
+  panel_values(dst, col, 1, false, q);
+  for (int i = 0; i < 16; ++i) block[head + i] = uint8_t(q[i] | q[i + 16] << 4);
+  std::memcpy(block, dst + 128 + 2 * col, 2);
+  if (type == kQ4_1) std::memcpy(block + 2, dst + 144 + 2 * col, 2);
+}
+
+// blocks [N][K/block * bytes] of a type with panels (has_panels; N % 8 == 0) <-> panels [N/8][K/block][panel
+// bytes], the way to_panel says; every block is one column of one panel's block.
 inline void repack_panels(int64_t type, uint8_t* blocks, int64_t N, int64_t K, uint8_t* panels, bool to_panel) {
-  const int64_t supers = K / 256, block_bytes = quant_format(type).bytes;
-  const int64_t panel_bytes = part_format(0x100 + type).bytes * 8;
+  const QuantFormat f = quant_format(type);
+  const int64_t count = K / f.block, panel_bytes = panel_block_bytes(0x100 + type);
   at::parallel_for(0, N / 8, 16, [&](int64_t begin, int64_t end) {
     for (int64_t panel = begin; panel < end; ++panel)
-      for (int64_t s = 0; s < supers; ++s)
+      for (int64_t s = 0; s < count; ++s)
         for (int n = 0; n < 8; ++n) {
-          uint8_t* block = blocks + ((8 * panel + n) * supers + s) * block_bytes;
-          uint8_t* dst = panels + (panel * supers + s) * panel_bytes;
-          if (type == kQ4_K) q4k_column(block, dst, n, to_panel);
-          else q6k_column(block, dst, n, to_panel);
+          uint8_t* block = blocks + ((8 * panel + n) * count + s) * f.bytes;
+          uint8_t* dst = panels + (panel * count + s) * panel_bytes;
+          if (type == kQ4_K || type == kQ5_K) kquant_column(type, block, dst, n, to_panel);
+          else if (type == kQ6_K) q6k_column(block, dst, n, to_panel);
+          else block32_column(type, block, dst, n, to_panel);
         }
   });
 }
@@ -263,6 +336,11 @@ inline std::atomic<bool> quant_int8_on{true};
 // AVX2, or VNNI) it changes nothing. 8: on a Zen 3 core panels won from 4 rows (Q4_1, Q8_0) or 6 (Q4_K,
 // Q6_K), at 8 rows by 1.1-1.9x; at 2 rows columns mostly won.
 inline std::atomic<int64_t> quant_panel_rows{8};
+
+// The rows from which a panel of Q5_K is decoded once per call (decode_q5k_panel) instead of in every tile;
+// read per call, set_quant_q5k_decoded_rows changes it to compare the two. 8: on a Zen 3 core (2 threads,
+// a 1B model's MLP shapes) once per call ran 0.83x at 4 rows, 1.03-1.09x at 8-16 and 1.1-1.2x from 32.
+inline std::atomic<int64_t> quant_q5k_decoded_rows{8};
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t bits;
@@ -1259,24 +1337,35 @@ inline void quant_panel(const uint8_t* blocks, int64_t row_bytes, int64_t n0, in
   }
 }
 
-// R rows of x quantized per 256 (from row m) against one panel of kQ4_K_Panels: panel_super_tile's sums,
-// each pair of steps' weights decoded from one load in registers. Where `ahead` < `ahead_end` (the first
-// tile of a panel), one line of the thread's next panel is asked for into L2 per pair of steps.
-template <int R>
+// R rows of x quantized per 256 (from row m) against one panel of kQ4_K_Panels (or kQ5_K_Panels): panel_
+// super_tile's sums, each pair of steps' weights decoded from one load in registers (Q5_K's fifth bits from
+// one more load per chunk, or its weights read from the panel decoded per call; its products into int32
+// every two pairs: <= 4 * 2 * 31 * 127 in int16). Where `ahead` < `ahead_end` (the first tile of a panel), one line of the thread's next panel is
+// asked for into L2 per pair of steps.
+enum FifthBits { kNoFifth, kFifthInRegisters, kFifthDecoded };   // Q4_K; Q5_K decoded per tile, or per call
+
+template <int R, FifthBits Fifth>
 __attribute__((noinline)) void q4k_panel_tile(const uint8_t* panel, const QuantizedRows& a, int64_t m, __m256 acc[R], const char* ahead,
-                           const char* ahead_end) {
+                           const char* ahead_end, const uint8_t* decoded) {
+  constexpr bool Five = Fifth != kNoFifth;
+  constexpr int64_t kBytes = Five ? kQ5KPanelBytes : kQ4KPanelBytes;
   const int64_t K = a.K, supers = K / 256;
-  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i mask = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
   const int8_t* x[R];
   for (int r = 0; r < R; ++r) {
     acc[r] = _mm256_setzero_ps();
     x[r] = a.q256.data() + (m + r) * K;
   }
   for (int64_t s = 0; s < supers; ++s) {
-    const uint8_t* block = panel + s * kQ4KPanelBytes;
+    const uint8_t* block = panel + s * kBytes;
     __m256i sum[R];
     for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
     for (int j = 0; j < 8; ++j) {   // chunks of 32: the 8 steps' products add up in int16 (<= 2 * 8 * 15 * 127)
+      const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 1024 + 8 * j)));
+      const __m256i scale = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));   // column n's in int16 lanes 2n, 2n + 1
+      // Q5_K: the fifth bits (five_bit): pairs 0-1 at bits 4-7, then pairs 2-3 moved there
+      __m256i high = Fifth == kFifthInRegisters ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kQ4KPanelBytes + 32 * j))
+                          : _mm256_setzero_si256();
       __m256i part[R];
       for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_si256();
 #pragma GCC unroll 4
@@ -1285,8 +1374,22 @@ __attribute__((noinline)) void q4k_panel_tile(const uint8_t* panel, const Quanti
           __builtin_prefetch(ahead, 0, 2);
           ahead += 64;
         }
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * (4 * j + p)));
-        const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        __m256i lo, hi;
+        if constexpr (Fifth == kFifthDecoded) {
+          const uint8_t* pair = decoded + 2048 * s + 64 * (4 * j + p);
+          lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair));
+          hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 32));
+        } else {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * (4 * j + p)));
+          lo = _mm256_and_si256(v, mask);
+          hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        }
+        if constexpr (Fifth == kFifthInRegisters) {
+          if (p == 2) high = _mm256_slli_epi16(high, 4);
+          const __m256i at = p % 2 ? _mm256_srli_epi16(high, 2) : high;   // this pair's bits at 4 and 5
+          lo = _mm256_or_si256(lo, _mm256_and_si256(at, bit4));
+          hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi16(at, 1), bit4));
+        }
         const int64_t k = 256 * s + 32 * j + 8 * p;
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
@@ -1294,10 +1397,14 @@ __attribute__((noinline)) void q4k_panel_tile(const uint8_t* panel, const Quanti
           part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(hi, broadcast4(x[r] + k + 4)));
         }
         in_order(part);
+        if (Five && p % 2 == 1)
+          for (int r = 0; r < R; ++r) {
+            sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(part[r], scale));
+            part[r] = _mm256_setzero_si256();
+          }
       }
-      const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 1024 + 8 * j)));
-      const __m256i scale = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));   // column n's in int16 lanes 2n, 2n + 1
-      for (int r = 0; r < R; ++r) sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(part[r], scale));
+      if constexpr (!Five)
+        for (int r = 0; r < R; ++r) sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(part[r], scale));
     }
     __m256i mn[4];
     for (int i = 0; i < 4; ++i)
@@ -1368,22 +1475,101 @@ inline void q6k_panel_tile(const uint8_t* panel, const QuantizedRows& a, int64_t
   }
 }
 
-// Panels [begin, end) of one part in panels (blocks: its panels; Type kQ4_K_Panels or kQ6_K_Panels) for
-// every row of a, in tiles of kPanelRows rows; the first tile of each panel asks for the next one.
+// R rows of x quantized per 32 (from row m) against one panel of kQ4_0_Panels or kQ4_1_Panels: per block of
+// 32 the 4 steps' products add up in int16 (<= 2 * 4 * 15 * 127), into int32 (vpmaddwd by ones) and to float
+// with the columns' d times the rows' scales, plus the offsets (Q4_1's m, Q4_0's -8 d) times the rows' sums;
+// `ahead` as Q4_K's (a block's 144 or 160 bytes over its 4 steps: under a line a step).
+template <int R, int64_t Type>
+__attribute__((noinline)) void block32_panel_tile(const uint8_t* panel, const QuantizedRows& a, int64_t m, __m256 acc[R],
+                                                  const char* ahead, const char* ahead_end) {
+  constexpr int64_t kBytes = panel_block_bytes(Type);
+  const int64_t K = a.K;
+  const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int8_t* x[R];
+  const float *d[R], *s16[R];   // the rows' scales per 32 and d times their sums per 16
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    x[r] = a.q.data() + (m + r) * K;
+    d[r] = a.d.data() + (m + r) * (K / 32);
+    s16[r] = a.s16.data() + (m + r) * (K / 16);
+  }
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* block = panel + b * kBytes;
+    __m256i part[R];
+    for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      if (ahead < ahead_end) {
+        __builtin_prefetch(ahead, 0, 2);
+        ahead += 64;
+      }
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * p));
+      const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      const int64_t k = 32 * b + 8 * p;
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(lo, broadcast4(x[r] + k)));
+        part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(hi, broadcast4(x[r] + k + 4)));
+      }
+      in_order(part);
+    }
+    const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 128)));
+    const __m256 offset = Type == kQ4_1_Panels
+                              ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 144)))
+                              : _mm256_mul_ps(scale, _mm256_set1_ps(-8.0f));
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(part[r], ones)), _mm256_mul_ps(scale, _mm256_set1_ps(d[r][b])),
+                               acc[r]);
+      acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(s16[r][2 * b] + s16[r][2 * b + 1]), acc[r]);
+    }
+  }
+}
+
+// A panel of kQ5_K_Panels (K/256 super-blocks) decoded as q4k_panel_tile decodes it: per super-block and pair
+// of steps, the low nibbles' and the high nibbles' 5-bit weights as 32 bytes each, [K/256][32][2][32].
+inline void decode_q5k_panel(const uint8_t* panel, int64_t supers, uint8_t* out) {
+  const __m256i mask = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
+  for (int64_t s = 0; s < supers; ++s) {
+    const uint8_t* block = panel + s * kQ5KPanelBytes;
+    for (int j = 0; j < 8; ++j) {
+      __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kQ4KPanelBytes + 32 * j));
+      for (int p = 0; p < 4; ++p) {
+        if (p == 2) high = _mm256_slli_epi16(high, 4);
+        const __m256i at = p % 2 ? _mm256_srli_epi16(high, 2) : high;
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * (4 * j + p)));
+        __m256i* o = reinterpret_cast<__m256i*>(out + 2048 * s + 64 * (4 * j + p));
+        _mm256_storeu_si256(o, _mm256_or_si256(_mm256_and_si256(v, mask), _mm256_and_si256(at, bit4)));
+        _mm256_storeu_si256(o + 1, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask),
+                                                   _mm256_and_si256(_mm256_srli_epi16(at, 1), bit4)));
+      }
+    }
+  }
+}
+
+// Panels [begin, end) of one part in panels (blocks: its panels; Type a panel type) for every row of a, in
+// tiles of kPanelRows rows; the first tile of each panel asks for the next one.
 template <int64_t Type, typename T>
 inline void part_panels(const uint8_t* blocks, int64_t begin, int64_t end, const QuantizedRows& a, int64_t M, T* y,
                         int64_t ldy, int64_t col0) {
-  const int64_t panel_bytes = a.K / 256 * (Type == kQ4_K_Panels ? kQ4KPanelBytes : kQ6KPanelBytes);
+  const int64_t panel_bytes = a.K / part_format(Type).block * panel_block_bytes(Type);
+  thread_local std::vector<uint8_t> decoded;   // Q5_K from quant_q5k_decoded_rows rows
+  const bool decode = Type == kQ5_K_Panels && M >= quant_q5k_decoded_rows.load(std::memory_order_relaxed);
+  if (decode) decoded.resize(a.K / 256 * 2048);
   for (int64_t i = begin; i < end; ++i) {
     const uint8_t* panel = blocks + i * panel_bytes;
     const char* next = reinterpret_cast<const char*>(panel + panel_bytes);
+    if (decode) decode_q5k_panel(panel, a.K / 256, decoded.data());
     for (int64_t m = 0; m < M; m += kPanelRows) {
       __m256 acc[kPanelRows];
       const int64_t rows = std::min<int64_t>(kPanelRows, M - m);
       const char* ahead_end = m == 0 && i + 1 < end ? next + panel_bytes : next;
       with_rows<kPanelRows>(int(rows), [&](auto R) {
-        if constexpr (Type == kQ4_K_Panels) q4k_panel_tile<decltype(R)::value>(panel, a, m, acc, next, ahead_end);
-        else q6k_panel_tile<decltype(R)::value>(panel, a, m, acc, next, ahead_end);
+        if constexpr (Type == kQ4_K_Panels || Type == kQ5_K_Panels)
+          if constexpr (Type == kQ4_K_Panels) q4k_panel_tile<decltype(R)::value, kNoFifth>(panel, a, m, acc, next, ahead_end, nullptr);
+          else if (decode) q4k_panel_tile<decltype(R)::value, kFifthDecoded>(panel, a, m, acc, next, ahead_end, decoded.data());
+          else q4k_panel_tile<decltype(R)::value, kFifthInRegisters>(panel, a, m, acc, next, ahead_end, nullptr);
+        else if constexpr (Type == kQ6_K_Panels) q6k_panel_tile<decltype(R)::value>(panel, a, m, acc, next, ahead_end);
+        else block32_panel_tile<decltype(R)::value, Type>(panel, a, m, acc, next, ahead_end);
       });
       for (int64_t r = 0; r < rows; ++r) {
         T* out = y + (m + r) * ldy + col0 + 8 * i;
@@ -1420,7 +1606,7 @@ inline void quant_linear(const T* x, int64_t ldx, int64_t M, int64_t K, const st
   for (const QuantPart& p : parts) {
     if (panel_type(p.type)) {
       in_panels = true;
-      (p.type == kQ4_K_Panels ? panels256 : panels32) = true;
+      (p.type == kQ4_K_Panels || p.type == kQ5_K_Panels ? panels256 : panels32) = true;
       continue;
     }
     rest.push_back(p);
@@ -1441,7 +1627,10 @@ inline void quant_linear(const T* x, int64_t ldx, int64_t M, int64_t K, const st
         if (!panel_type(p.type)) continue;
         const int64_t count = p.out / kPanel;
         const int64_t b = std::max<int64_t>(begin - first, 0), e = std::min<int64_t>(end - first, count);
+        if (b < e && p.type == kQ4_0_Panels) part_panels<kQ4_0_Panels>(p.blocks, b, e, rows, M, y, ldy, p.col0);
+        if (b < e && p.type == kQ4_1_Panels) part_panels<kQ4_1_Panels>(p.blocks, b, e, rows, M, y, ldy, p.col0);
         if (b < e && p.type == kQ4_K_Panels) part_panels<kQ4_K_Panels>(p.blocks, b, e, rows, M, y, ldy, p.col0);
+        if (b < e && p.type == kQ5_K_Panels) part_panels<kQ5_K_Panels>(p.blocks, b, e, rows, M, y, ldy, p.col0);
         if (b < e && p.type == kQ6_K_Panels) part_panels<kQ6_K_Panels>(p.blocks, b, e, rows, M, y, ldy, p.col0);
         first += count;
       }
@@ -1504,15 +1693,27 @@ inline void quant_linear(const T* x, int64_t ldx, int64_t M, int64_t K, const st
 // decodes the same column's GGUF blocks: the same q, scales and offsets, so the same dequantized bits.
 template <int64_t Type>
 inline void decode_panel_column(const uint8_t* panels, int64_t n, int64_t K, DecodedColumn& c) {
-  constexpr int64_t kBytes = Type == kQ4_K_Panels ? kQ4KPanelBytes : kQ6KPanelBytes;
-  const int64_t supers = K / 256, col = n % 8;
-  for (int64_t s = 0; s < supers; ++s) {
-    const uint8_t* src = panels + (n / 8 * supers + s) * kBytes;
-    uint8_t* q = c.q.data() + 256 * s;
-    float* scale = c.scale.data() + 16 * s;
-    float* offset = c.offset.data() + 16 * s;
-    panel_values(src, int(col), Type == kQ6_K_Panels, q);
-    if constexpr (Type == kQ4_K_Panels) {
+  constexpr int64_t kBytes = panel_block_bytes(Type), kBlock = part_format(Type).block;
+  const int64_t count = K / kBlock, col = n % 8;
+  for (int64_t s = 0; s < count; ++s) {
+    const uint8_t* src = panels + (n / 8 * count + s) * kBytes;
+    uint8_t* q = c.q.data() + kBlock * s;
+    float* scale = c.scale.data() + kBlock / 16 * s;
+    float* offset = c.offset.data() + kBlock / 16 * s;
+    panel_values(src, int(col), int(kBlock / 32), Type == kQ6_K_Panels, q);
+    if constexpr (Type == kQ4_0_Panels || Type == kQ4_1_Panels) {
+      const float d = half_to_float(src + 128 + 2 * col);
+      scale[0] = scale[1] = d;
+      offset[0] = offset[1] = Type == kQ4_1_Panels ? half_to_float(src + 144 + 2 * col) : -8.0f * d;
+    } else if constexpr (Type == kQ4_K_Panels || Type == kQ5_K_Panels) {
+      if constexpr (Type == kQ5_K_Panels)
+        for (int j = 0; j < 8; ++j)
+          for (int p = 0; p < 4; ++p)
+            for (int i = 0; i < 4; ++i) {
+              const uint8_t bits = src[kQ4KPanelBytes + 32 * j + 4 * col + i];
+              q[32 * j + 8 * p + i] |= uint8_t(((bits >> five_bit(p, 0)) & 1) << 4);
+              q[32 * j + 8 * p + 4 + i] |= uint8_t(((bits >> five_bit(p, 1)) & 1) << 4);
+            }
       const float d = half_to_float(src + 1152 + 2 * col), dmin = half_to_float(src + 1168 + 2 * col);
       for (int j = 0; j < 8; ++j) {
         scale[2 * j] = scale[2 * j + 1] = d * float(src[1024 + 8 * j + col]);
@@ -1541,7 +1742,10 @@ inline void quant_rows(const uint8_t* blocks, int64_t type, int64_t row_bytes, i
     for (int64_t i = begin; i < end; ++i) {
       const uint8_t* row = blocks + ids[i] * row_bytes;
       switch (type) {
+        case kQ4_0_Panels: decode_panel_column<kQ4_0_Panels>(blocks, ids[i], K, c); dequantize_column<false>(c, K); break;
+        case kQ4_1_Panels: decode_panel_column<kQ4_1_Panels>(blocks, ids[i], K, c); dequantize_column<false>(c, K); break;
         case kQ4_K_Panels: decode_panel_column<kQ4_K_Panels>(blocks, ids[i], K, c); dequantize_column<false>(c, K); break;
+        case kQ5_K_Panels: decode_panel_column<kQ5_K_Panels>(blocks, ids[i], K, c); dequantize_column<false>(c, K); break;
         case kQ6_K_Panels: decode_panel_column<kQ6_K_Panels>(blocks, ids[i], K, c); dequantize_column<false>(c, K); break;
 #define ASYNCSERVE_QUANT_CASE(TYPE) \
   case TYPE: decode_column<TYPE>(row, K, c); dequantize_column<TYPE == kQ8_0>(c, K); break;
