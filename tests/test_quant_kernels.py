@@ -256,7 +256,7 @@ def test_q5k_panels_decoded_per_call_or_per_tile_alike(panels):
                 assert torch.equal(per_call, cpu_kernels.quant_linear(x, [blocks], [int(Q.Q5_K)])), rows
     finally:
         cpu_kernels.set_quant_q5k_decoded_rows(before)
-    assert before == 8
+    assert before == 12
 
 
 def test_q6k_panels_split_over_threads_alike(panels):

@@ -309,7 +309,7 @@ def set_quant_panel_rows(rows: int) -> int:
 
 def set_quant_q5k_decoded_rows(rows: int) -> int:
     """Rows from which quant_linear decodes each Q5_K panel (PANEL_TYPES) once per call into a buffer that
-    its row tiles read, instead of decoding the fifth bits in every tile (default 8); returns the previous
+    its row tiles read, instead of decoding the fifth bits in every tile (default 12); returns the previous
     setting."""
     return _lib().set_quant_q5k_decoded_rows(rows)
 

@@ -338,9 +338,10 @@ inline std::atomic<bool> quant_int8_on{true};
 inline std::atomic<int64_t> quant_panel_rows{8};
 
 // The rows from which a panel of Q5_K is decoded once per call (decode_q5k_panel) instead of in every tile;
-// read per call, set_quant_q5k_decoded_rows changes it to compare the two. 8: on a Zen 3 core (2 threads,
-// a 1B model's MLP shapes) once per call ran 0.83x at 4 rows, 1.03-1.09x at 8-16 and 1.1-1.2x from 32.
-inline std::atomic<int64_t> quant_q5k_decoded_rows{8};
+// read per call, set_quant_q5k_decoded_rows changes it to compare the two. 12: on a Zen 3 core (2 threads,
+// a 1B model's MLP shapes) once per call ran 0.80-0.83x at 4 rows, 0.92-1.04x at 8, 1.02-1.09x at 12-16 and
+// 1.0-1.2x from 32.
+inline std::atomic<int64_t> quant_q5k_decoded_rows{12};
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t bits;
@@ -1337,11 +1338,20 @@ inline void quant_panel(const uint8_t* blocks, int64_t row_bytes, int64_t n0, in
   }
 }
 
-// R rows of x quantized per 256 (from row m) against one panel of kQ4_K_Panels (or kQ5_K_Panels): panel_
-// super_tile's sums, each pair of steps' weights decoded from one load in registers (Q5_K's fifth bits from
-// one more load per chunk, or its weights read from the panel decoded per call; its products into int32
-// every two pairs: <= 4 * 2 * 31 * 127 in int16). Where `ahead` < `ahead_end` (the first tile of a panel), one line of the thread's next panel is
-// asked for into L2 per pair of steps.
+// The fifth bits of pair p of a Q5_K panel's chunk (five_bit) ored in at bit 4: those of the low nibbles'
+// weights into lo, of the high ones' into hi; `high` the chunk's bit bytes, shifted left by 4 from pair 2 on.
+inline void or_fifth_bits(__m256i high, int p, __m256i& lo, __m256i& hi) {
+  const __m256i bit4 = _mm256_set1_epi8(0x10);
+  const __m256i at = p % 2 ? _mm256_srli_epi16(high, 2) : high;   // this pair's bits at 4 and 5
+  lo = _mm256_or_si256(lo, _mm256_and_si256(at, bit4));
+  hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi16(at, 1), bit4));
+}
+
+// R rows of x quantized per 256 (from row m) against one panel of kQ4_K_Panels (or kQ5_K_Panels):
+// panel_super_tile's sums, each pair of steps' weights decoded from one load in registers (Q5_K's fifth
+// bits from one more load per chunk, or its weights read from the panel decoded per call; its products
+// into int32 every two pairs: <= 4 * 2 * 31 * 127 in int16). Where `ahead` < `ahead_end` (the first tile
+// of a panel), one line of the thread's next panel is asked for into L2 per pair of steps.
 enum FifthBits { kNoFifth, kFifthInRegisters, kFifthDecoded };   // Q4_K; Q5_K decoded per tile, or per call
 
 template <int R, FifthBits Fifth>
@@ -1350,7 +1360,7 @@ __attribute__((noinline)) void q4k_panel_tile(const uint8_t* panel, const Quanti
   constexpr bool Five = Fifth != kNoFifth;
   constexpr int64_t kBytes = Five ? kQ5KPanelBytes : kQ4KPanelBytes;
   const int64_t K = a.K, supers = K / 256;
-  const __m256i mask = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
+  const __m256i mask = _mm256_set1_epi8(0x0F);
   const int8_t* x[R];
   for (int r = 0; r < R; ++r) {
     acc[r] = _mm256_setzero_ps();
@@ -1364,8 +1374,9 @@ __attribute__((noinline)) void q4k_panel_tile(const uint8_t* panel, const Quanti
       const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 1024 + 8 * j)));
       const __m256i scale = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));   // column n's in int16 lanes 2n, 2n + 1
       // Q5_K: the fifth bits (five_bit): pairs 0-1 at bits 4-7, then pairs 2-3 moved there
-      __m256i high = Fifth == kFifthInRegisters ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kQ4KPanelBytes + 32 * j))
-                          : _mm256_setzero_si256();
+      __m256i high = Fifth == kFifthInRegisters
+                         ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kQ4KPanelBytes + 32 * j))
+                         : _mm256_setzero_si256();
       __m256i part[R];
       for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_si256();
 #pragma GCC unroll 4
@@ -1386,9 +1397,7 @@ __attribute__((noinline)) void q4k_panel_tile(const uint8_t* panel, const Quanti
         }
         if constexpr (Fifth == kFifthInRegisters) {
           if (p == 2) high = _mm256_slli_epi16(high, 4);
-          const __m256i at = p % 2 ? _mm256_srli_epi16(high, 2) : high;   // this pair's bits at 4 and 5
-          lo = _mm256_or_si256(lo, _mm256_and_si256(at, bit4));
-          hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi16(at, 1), bit4));
+          or_fifth_bits(high, p, lo, hi);
         }
         const int64_t k = 256 * s + 32 * j + 8 * p;
 #pragma GCC unroll 8
@@ -1528,19 +1537,19 @@ __attribute__((noinline)) void block32_panel_tile(const uint8_t* panel, const Qu
 // A panel of kQ5_K_Panels (K/256 super-blocks) decoded as q4k_panel_tile decodes it: per super-block and pair
 // of steps, the low nibbles' and the high nibbles' 5-bit weights as 32 bytes each, [K/256][32][2][32].
 inline void decode_q5k_panel(const uint8_t* panel, int64_t supers, uint8_t* out) {
-  const __m256i mask = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
+  const __m256i mask = _mm256_set1_epi8(0x0F);
   for (int64_t s = 0; s < supers; ++s) {
     const uint8_t* block = panel + s * kQ5KPanelBytes;
     for (int j = 0; j < 8; ++j) {
       __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kQ4KPanelBytes + 32 * j));
       for (int p = 0; p < 4; ++p) {
         if (p == 2) high = _mm256_slli_epi16(high, 4);
-        const __m256i at = p % 2 ? _mm256_srli_epi16(high, 2) : high;
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * (4 * j + p)));
+        __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        or_fifth_bits(high, p, lo, hi);
         __m256i* o = reinterpret_cast<__m256i*>(out + 2048 * s + 64 * (4 * j + p));
-        _mm256_storeu_si256(o, _mm256_or_si256(_mm256_and_si256(v, mask), _mm256_and_si256(at, bit4)));
-        _mm256_storeu_si256(o + 1, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask),
-                                                   _mm256_and_si256(_mm256_srli_epi16(at, 1), bit4)));
+        _mm256_storeu_si256(o, lo);
+        _mm256_storeu_si256(o + 1, hi);
       }
     }
   }
