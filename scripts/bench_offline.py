@@ -264,7 +264,7 @@ def alternated_decode_steps(llm, prompts, variants, args) -> None:
 
 def bench_panel_steps(prompts, adapters, args) -> None:
     """Decode steps with the Q4_0, Q4_1, Q4_K, Q5_K and Q6_K projections in panels of 8 columns (as QuantLinear
-    repacks them on AVX2 builds without VNNI) and with those of --blocks-types (default: all) in GGUF's blocks,
+    repacks them on AVX2 builds) and with those of --blocks-types (default: all) in GGUF's blocks,
     swapped step by step in one engine (the native layer loop rebuilt over each): --model a GGUF file with
     such tensors, kept quantized."""
     import gguf

@@ -167,9 +167,9 @@ def test_panels_of_each_type_match_columns_on_any_threads(qtype, panel_rows):
 
 @pytest.fixture
 def panels():
-    """Q4_0, Q4_1, Q4_K, Q5_K and Q6_K in panels of 8 columns run where the build runs panels (AVX2 without VNNI)."""
+    """Q4_0, Q4_1, Q4_K, Q5_K and Q6_K in panels of 8 columns run where the build runs panels (AVX2 and F16C)."""
     if not cpu_kernels.quant_panels():
-        pytest.skip("this build runs no panels (no AVX2, or VNNI): the blocks stay GGUF's")
+        pytest.skip("this build runs no panels (no AVX2 or F16C): the blocks stay GGUF's")
 
 
 PANEL_KINDS = [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]

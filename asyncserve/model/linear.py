@@ -188,7 +188,7 @@ class QuantizedWeight:
 class QuantLinear(Linear):
     """W kept in its GGUF blocks (QuantizedWeight), applied by kernels/cpu/quant.h with int8 activations;
     ``nbytes`` is the blocks' size. x and y in the activation dtype (fp32 or bf16). Where the build runs
-    panels (AVX2 without VNNI), Q4_0, Q4_1, Q4_K, Q5_K and Q6_K parts are repacked into them once here
+    panels (AVX2), Q4_0, Q4_1, Q4_K, Q5_K and Q6_K parts are repacked into them once here
     (QuantizedWeight.in_panels), unless ``panels`` is False (a head tied to the embedding table: it holds
     the one copy of the bits, in panels already where they run)."""
 

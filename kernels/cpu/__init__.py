@@ -302,7 +302,7 @@ def set_quant_int8(on: bool) -> bool:
 
 def set_quant_panel_rows(rows: int) -> int:
     """Rows from which quant_linear's int8 strategy runs the panel GEMM (8 columns decoded once, tiles of
-    rows x 8 columns) instead of a column at a time (default 8; AVX2 builds without VNNI, see
+    rows x 8 columns) instead of a column at a time (default 8; AVX2 builds, see
     quant_panels); returns the previous setting. Parts in panels (PANEL_TYPES) take them at any row count."""
     return _lib().set_quant_panel_rows(rows)
 
@@ -315,7 +315,7 @@ def set_quant_q5k_decoded_rows(rows: int) -> int:
 
 
 def quant_panels() -> bool:
-    """Whether quant_linear runs panels on this build (AVX2 without VNNI)."""
+    """Whether quant_linear runs panels on this build (AVX2 and F16C; vpdpbusd in them with VNNI)."""
     return _lib().quant_panels()
 
 

@@ -14,11 +14,10 @@
 // every row of x over it in tiles of kQuantTile rows whose fp32 accumulators stay in registers:
 // the decoding is paid once per column, not once per row. The integer dot products are AVX2's
 // vpmaddubsw + vpmaddwd, or one vpdpbusd where the CPU has AVX512-VNNI (+VL) or AVX-VNNI; a scalar
-// loop runs where the build has no AVX2. From quant_panel_rows rows (a prefill's) an AVX2 build without
-// VNNI runs a GEMM over panels of 8 columns instead (see "Many rows" below): the per-column tiles
-// there cost a float conversion, two multiplies and a broadcast per 32 products of each row. There, Q4_0,
-// Q4_1, Q4_K and Q6_K repacked at load into such panels (kQ4_K_Panels .., below) run their tiles at every
-// row count.
+// loop runs where the build has no AVX2. From quant_panel_rows rows (a prefill's) an AVX2 build runs a
+// GEMM over panels of 8 columns instead (see "Many rows" below): the per-column tiles there cost a float
+// conversion, two multiplies and a broadcast per 32 products of each row. Q4_0, Q4_1, Q4_K, Q5_K and Q6_K
+// repacked at load into such panels (kQ4_K_Panels .., below) run their tiles at every row count.
 //
 // Q4_K and Q5_K run as llama.cpp's ggml_vec_dot_q4_K_q8_K does: their activations quantized per
 // super-block of 256 instead (one scale each, as its q8_K), so that the 8 chunks' integer dot products,
@@ -1019,8 +1018,8 @@ inline void quant_columns(const uint8_t* blocks, int64_t row_bytes, int64_t n0, 
 // super-block of 256 after the 6-bit scales multiply in int32 (vpmaddwd by the scale) and the mins
 // likewise multiply the activations' per-32 sums. The activations are quantized as for the few-row
 // path. While a panel's tiles run, the thread asks for its next panel's blocks (PanelAhead). AVX2 (and
-// F16C) without VNNI only (this build's dispatch): VNNI CPUs keep the per-column path, unmeasured.
-#if ASYNCSERVE_QUANT_AVX2 && !ASYNCSERVE_QUANT_VNNI && defined(__F16C__)
+// F16C), with vpdpbusd in place of vpmaddubsw where the CPU has VNNI (add_products below).
+#if ASYNCSERVE_QUANT_AVX2 && defined(__F16C__)
 #define ASYNCSERVE_QUANT_PANEL 1
 
 constexpr int kPanel = 8;              // columns per panel: the int32 lanes of a vector
@@ -1191,9 +1190,37 @@ inline void in_order(__m256i (&v)[R]) {
   for (int r = 0; r < R; ++r) asm("" : "+x"(v[r]));
 }
 
-// Steps of 4 weights whose byte products can add up in int16 (2 products of <= max * 127 per step each).
+// The panels' dot products, added up by step (4 weights) in `part`: without VNNI the byte products add in
+// int16 (vpmaddubsw, 2 per lane: the callers keep them within its range, then vpmaddwd), with VNNI in int32
+// (vpdpbusd, 4 per lane: no range to keep, one instruction where AVX2 takes two).
+constexpr bool kVnniPanels = ASYNCSERVE_QUANT_VNNI != 0;
+
+// part + the products of w's unsigned bytes and x's signed ones.
+inline __m256i add_products(__m256i part, __m256i w, __m256i x) {
+#if ASYNCSERVE_QUANT_VNNI == 1
+  return _mm256_dpbusd_epi32(part, w, x);
+#elif ASYNCSERVE_QUANT_VNNI == 2
+  return _mm256_dpbusd_avx_epi32(part, w, x);
+#else
+  return _mm256_add_epi16(part, _mm256_maddubs_epi16(w, x));
+#endif
+}
+
+// part's sums in int32 lanes times each lane's scale (given in both int16 halves of the lane).
+inline __m256i scaled_sums(__m256i part, __m256i scale) {
+  return kVnniPanels ? _mm256_mullo_epi32(part, _mm256_srai_epi32(scale, 16)) : _mm256_madd_epi16(part, scale);
+}
+
+// part's sums in int32 lanes.
+inline __m256i summed(__m256i part) {
+  return kVnniPanels ? part : _mm256_madd_epi16(part, _mm256_set1_epi16(1));
+}
+
+// Steps of 4 weights whose products can add up in one part (without VNNI: in int16, 2 products of <= max * 127
+// per step each; with VNNI all of a group's, 8 steps or Q6_K's 4).
 template <int64_t Type>
 constexpr int int16_steps() {
+  if (kVnniPanels) return Type == kQ6_K ? 4 : 8;
   return Type == kQ8_0 ? 1 : Type == kQ6_K ? 2 : Type == kQ5_K ? 4 : 8;
 }
 
@@ -1204,7 +1231,6 @@ inline void panel_group_tile(const Panel& p, const QuantizedRows& a, int64_t m, 
   constexpr bool kSigned = Type == kQ8_0;
   constexpr int G = Type == kQ6_K ? 16 : 32, S = int16_steps<Type>();
   const int64_t K = a.K;
-  const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* x[R];
   const float *d[R], *s16[R];   // the rows' scales per 32 and offsets' sums per 16
   for (int r = 0; r < R; ++r) {
@@ -1228,10 +1254,10 @@ inline void panel_group_tile(const Panel& p, const QuantizedRows& a, int64_t m, 
         for (int r = 0; r < R; ++r) {
           __m256i xb = broadcast4(x[r] + k);
           if constexpr (kSigned) xb = _mm256_sign_epi8(xb, w);
-          part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(wu, xb));
+          part[r] = add_products(part[r], wu, xb);
         }
       }
-      for (int r = 0; r < R; ++r) sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(part[r], ones));
+      for (int r = 0; r < R; ++r) sum[r] = _mm256_add_epi32(sum[r], summed(part[r]));
     }
     const __m256 scale = _mm256_loadu_ps(p.scale.data() + kPanel * g);
     const __m256 offset = _mm256_loadu_ps(p.offset.data() + kPanel * g);
@@ -1290,10 +1316,10 @@ __attribute__((noinline)) void panel_super_tile(const Panel& p, const QuantizedR
           const int64_t k = 32 * j + 4 * (h + t);
           const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.q.data() + 8 * k));
 #pragma GCC unroll 8
-          for (int r = 0; r < R; ++r) part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(w, broadcast4(x[r] + k)));
+          for (int r = 0; r < R; ++r) part[r] = add_products(part[r], w, broadcast4(x[r] + k));
           in_order(part);
         }
-        for (int r = 0; r < R; ++r) sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(part[r], scale));
+        for (int r = 0; r < R; ++r) sum[r] = _mm256_add_epi32(sum[r], scaled_sums(part[r], scale));
       }
     }
     __m256i mn[4];   // the mins of chunk pairs, times the rows' sums of them (|sum| <= 32 * 127: int16)
@@ -1402,18 +1428,18 @@ __attribute__((noinline)) void q4k_panel_tile(const uint8_t* panel, const Quanti
         const int64_t k = 256 * s + 32 * j + 8 * p;
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
-          part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(lo, broadcast4(x[r] + k)));
-          part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(hi, broadcast4(x[r] + k + 4)));
+          part[r] = add_products(part[r], lo, broadcast4(x[r] + k));
+          part[r] = add_products(part[r], hi, broadcast4(x[r] + k + 4));
         }
         in_order(part);
-        if (Five && p % 2 == 1)
+        if (Five && !kVnniPanels && p % 2 == 1)
           for (int r = 0; r < R; ++r) {
-            sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(part[r], scale));
+            sum[r] = _mm256_add_epi32(sum[r], scaled_sums(part[r], scale));
             part[r] = _mm256_setzero_si256();
           }
       }
-      if constexpr (!Five)
-        for (int r = 0; r < R; ++r) sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(part[r], scale));
+      if constexpr (!Five || kVnniPanels)
+        for (int r = 0; r < R; ++r) sum[r] = _mm256_add_epi32(sum[r], scaled_sums(part[r], scale));
     }
     __m256i mn[4];
     for (int i = 0; i < 4; ++i)
@@ -1456,6 +1482,8 @@ inline void q6k_panel_tile(const uint8_t* panel, const QuantizedRows& a, int64_t
       for (int h = 0; h < 2; ++h) {
         const __m256i scale = _mm256_shuffle_epi8(scales, h ? odd : even);
         const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 1024 + 32 * (2 * j + h)));
+        __m256i part[R];   // with VNNI: the group's 16 weights' products (without: each half's, to int32 at once)
+        for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_si256();
 #pragma GCC unroll 2
         for (int half = 0; half < 2; ++half) {
           if (ahead < ahead_end) {
@@ -1471,11 +1499,17 @@ inline void q6k_panel_tile(const uint8_t* panel, const QuantizedRows& a, int64_t
           const int64_t k = 256 * s + 32 * j + 8 * p;
 #pragma GCC unroll 8
           for (int r = 0; r < R; ++r) {
-            const __m256i part = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(x[r] + k)),
-                                                  _mm256_maddubs_epi16(hi, broadcast4(x[r] + k + 4)));
-            sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(part, scale));
+            if constexpr (kVnniPanels) {
+              part[r] = add_products(add_products(part[r], lo, broadcast4(x[r] + k)), hi, broadcast4(x[r] + k + 4));
+            } else {
+              const __m256i half_part = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(x[r] + k)),
+                                                         _mm256_maddubs_epi16(hi, broadcast4(x[r] + k + 4)));
+              sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(half_part, scale));
+            }
           }
         }
+        if constexpr (kVnniPanels)
+          for (int r = 0; r < R; ++r) sum[r] = _mm256_add_epi32(sum[r], scaled_sums(part[r], scale));
       }
       for (int r = 0; r < R; ++r)
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(d, _mm256_set1_ps(a.d[(m + r) * (K / 32) + 8 * s + j])),
@@ -1493,7 +1527,7 @@ __attribute__((noinline)) void block32_panel_tile(const uint8_t* panel, const Qu
                                                   const char* ahead, const char* ahead_end) {
   constexpr int64_t kBytes = panel_block_bytes(Type);
   const int64_t K = a.K;
-  const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i mask = _mm256_set1_epi8(0x0F);
   const int8_t* x[R];
   const float *d[R], *s16[R];   // the rows' scales per 32 and d times their sums per 16
   for (int r = 0; r < R; ++r) {
@@ -1517,8 +1551,8 @@ __attribute__((noinline)) void block32_panel_tile(const uint8_t* panel, const Qu
       const int64_t k = 32 * b + 8 * p;
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(lo, broadcast4(x[r] + k)));
-        part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(hi, broadcast4(x[r] + k + 4)));
+        part[r] = add_products(part[r], lo, broadcast4(x[r] + k));
+        part[r] = add_products(part[r], hi, broadcast4(x[r] + k + 4));
       }
       in_order(part);
     }
@@ -1527,7 +1561,7 @@ __attribute__((noinline)) void block32_panel_tile(const uint8_t* panel, const Qu
                               ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 144)))
                               : _mm256_mul_ps(scale, _mm256_set1_ps(-8.0f));
     for (int r = 0; r < R; ++r) {
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(part[r], ones)), _mm256_mul_ps(scale, _mm256_set1_ps(d[r][b])),
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(summed(part[r])), _mm256_mul_ps(scale, _mm256_set1_ps(d[r][b])),
                                acc[r]);
       acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(s16[r][2 * b] + s16[r][2 * b + 1]), acc[r]);
     }
