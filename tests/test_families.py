@@ -137,6 +137,15 @@ def test_prefix_cache_keeps_reference_tokens(family_model):
     assert llm.engine.load_snapshot().prefix_hit_tokens >= 4 * 32
 
 
+def test_triton_lora_backend_keeps_reference_tokens(family_model):
+    """The Triton LoRA kernels (MBGMM prefill, MBGMV decode; on CPU in Triton's interpreter) on the family's
+    projections, Phi-3's fused qkv_proj and gate_up_proj slices included: transformers+PEFT's tokens."""
+    model, cases, refs = family_model
+    llm, tokens = generate(model, cases, lora_backend="triton")
+    assert llm.engine.lora_backend_name == "triton"
+    check(tokens, cases, refs, f"{model.family} triton")
+
+
 def test_merged_mode_keeps_reference_tokens(family_model):
     """dLoRA's merged mode: the adapter on every projection folded into the base weights (Phi-3: the
     fused modules' slices of each projection; Qwen2: beside the q/k/v biases, which stay apart)."""
