@@ -12,6 +12,7 @@ turns the advice off (to measure without it).
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import sys
@@ -44,6 +45,16 @@ def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     except OSError:          # a kernel without THP: ordinary pages
         pass
     return raw[start:start + nbytes].view(dtype)
+
+
+def return_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's malloc_trim): building the weights frees the
+    file's tensors as it goes, and glibc keeps such memory resident for reuse, while the weights on huge
+    pages live in mappings of their own and never reuse it. No-op without glibc."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class Arena:

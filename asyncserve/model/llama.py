@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels.cpu as cpu_kernels
+from asyncserve.model import hugepages
 from asyncserve.model.config import GROUPS, ModelConfig
 from asyncserve.model.linear import (Linear, QuantEmbedding, QuantizedWeight, QuantLinear, make_embedding,
                                      make_linear, make_weight_linear)
@@ -185,6 +186,8 @@ def build_weights(config: ModelConfig, weights: dict[str, torch.Tensor | Quantiz
         lm_head = linear("lm_head.weight")
     _check_shapes(config, embed, layers[0], lm_head)
     embed_scale = float(torch.tensor(config.hidden_size ** 0.5, dtype=dtype)) if family.scaled_embeddings else None
+    if device.type == "cpu":
+        hugepages.return_freed_memory()
     return LlamaWeights(embed=embed, layers=layers, norm=norm("model.norm.weight"), lm_head=lm_head,
                         embed_scale=embed_scale)
 

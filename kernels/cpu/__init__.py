@@ -322,13 +322,22 @@ def quant_panels() -> bool:
 # The type ids quant_linear takes for a Q4_0, Q4_1, Q4_K, Q5_K or Q6_K part repacked into panels of 8 columns
 # (quant.h's kQ4_0_Panels .. kQ6_K_Panels: not ggml types), by the ggml type; they run where quant_panels() holds.
 PANEL_TYPES = {2: 0x102, 3: 0x103, 12: 0x10C, 13: 0x10D, 14: 0x10E}
+# per type: the weights of a block, and one column's bytes per block in panels
+PANEL_BLOCKS = {2: (32, 18), 3: (32, 20), 12: (256, 148), 13: (256, 180), 14: (256, 210)}
 
 
-def to_panels(blocks: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
+def to_panels(blocks: torch.Tensor, qtype: int, in_features: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """One weight's blocks [out, in/block * bytes] uint8 of ggml type qtype (Q4_0, Q4_1, Q4_K, Q5_K or Q6_K; out a
     multiple of 8) repacked into panels of 8 columns, [out, in/block * (18, 20, 148, 180 or 210)] uint8 of type
-    PANEL_TYPES[qtype]: the same bits in the order quant_linear's tiles read them (and quant_rows reads rows of)."""
-    return _lib().panels(blocks, qtype, in_features, True)
+    PANEL_TYPES[qtype]: the same bits in the order quant_linear's tiles read them (and quant_rows reads rows of);
+    written into ``out`` where given (a contiguous uint8 tensor of that shape)."""
+    return _lib().panels(blocks, qtype, in_features, True, out)
+
+
+def panel_bytes(qtype: int, in_features: int) -> int:
+    """The bytes of one output column of a qtype weight in panels (to_panels' row length)."""
+    block, nbytes = PANEL_BLOCKS[qtype]
+    return in_features // block * nbytes
 
 
 def from_panels(panels: torch.Tensor, panel_type: int, in_features: int) -> torch.Tensor:

@@ -416,8 +416,8 @@ at::Tensor quant_linear_op(at::Tensor x, std::vector<at::Tensor> parts, std::vec
 
 // blocks: one weight's [out, K / block * bytes] uint8 rows (out % 8 == 0) of ggml type Q4_0, Q4_1, Q4_K, Q5_K
 // or Q6_K -> its panels (quant.h's kQ4_0_Panels .. kQ6_K_Panels), [out, K / block * panel bytes / 8] uint8; or,
-// given panels and their type, back to the blocks (to_panels false), bit for bit.
-at::Tensor panels_op(at::Tensor blocks, int64_t type, int64_t in_features, bool to_panels) {
+// given panels and their type, back to the blocks (to_panels false), bit for bit; into `out` where given.
+at::Tensor panels_op(at::Tensor blocks, int64_t type, int64_t in_features, bool to_panels, c10::optional<at::Tensor> out_given) {
   const int64_t K = in_features, block_type = to_panels ? type : type - 0x100;
   TORCH_CHECK(has_panels(block_type) && (to_panels || panel_type(type)),
               "type ", type, " has no panels (Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)");
@@ -427,7 +427,10 @@ at::Tensor panels_op(at::Tensor blocks, int64_t type, int64_t in_features, bool 
   TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
                   blocks.dim() == 2 && blocks.size(0) % 8 == 0 && blocks.size(1) == K / block * from,
               "blocks must be a contiguous uint8 [a multiple of 8 rows, ", K / block * from, "] tensor");
-  at::Tensor out = at::empty({blocks.size(0), K / block * to}, blocks.options());
+  at::Tensor out = out_given.has_value() ? *out_given : at::empty({blocks.size(0), K / block * to}, blocks.options());
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kByte && out.is_contiguous() &&
+                  out.sizes() == at::IntArrayRef({blocks.size(0), K / block * to}) && !out.is_same(blocks),
+              "out must be a contiguous uint8 [", blocks.size(0), ", ", K / block * to, "] tensor apart from blocks");
   uint8_t* in = blocks.data_ptr<uint8_t>();   // read only
   uint8_t* o = out.data_ptr<uint8_t>();
   repack_panels(block_type, to_panels ? in : o, blocks.size(0), K, to_panels ? o : in, to_panels);
@@ -498,7 +501,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_quant_q5k_decoded_rows", [](int64_t rows) { return quant_q5k_decoded_rows.exchange(rows); },
         "rows from which quant_linear decodes a Q5_K panel once per call, not per tile (quant.h); returns the previous setting");
   m.def("quant_panels", [] { return bool(ASYNCSERVE_QUANT_PANEL); }, "whether quant_linear runs panels on this build");
-  m.def("panels", &panels_op, no_gil, "Q4_0, Q4_1, Q4_K, Q5_K or Q6_K blocks repacked into panels of 8 columns, or back (quant.h)");
+  m.def("panels", &panels_op, no_gil, "Q4_0, Q4_1, Q4_K, Q5_K or Q6_K blocks repacked into panels of 8 columns, or back (quant.h)",
+        py::arg("blocks"), py::arg("type"), py::arg("in_features"), py::arg("to_panels"), py::arg("out") = py::none());
   m.def("panel_types", [] { return std::vector<int64_t>{kQ4_0_Panels, kQ4_1_Panels, kQ4_K_Panels, kQ5_K_Panels, kQ6_K_Panels}; },
         "the type ids quant_linear takes for Q4_0, Q4_1, Q4_K, Q5_K and Q6_K in panels");
   m.def("quant_path", [] { return std::string(quant_path()); }, "the integer dot products quant_linear runs here");
