@@ -1364,6 +1364,27 @@ inline void quant_panel(const uint8_t* blocks, int64_t row_bytes, int64_t n0, in
   }
 }
 
+// One line of the thread's next panel asked for into L2, while any is left (during a panel's first tile).
+inline void ask_ahead(const char*& ahead, const char* ahead_end) {
+  if (ahead < ahead_end) {
+    __builtin_prefetch(ahead, 0, 2);
+    ahead += 64;
+  }
+}
+
+// A pair of steps of a panel tile: the 8 columns' weights k..k+3 (lo) and k+4..k+7 (hi) times R rows of x,
+// added to part in order (in_order).
+template <int R>
+__attribute__((always_inline)) inline void add_pair(__m256i (&part)[R], __m256i lo, __m256i hi, const int8_t* const (&x)[R],
+                                                    int64_t k) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    part[r] = add_products(part[r], lo, broadcast4(x[r] + k));
+    part[r] = add_products(part[r], hi, broadcast4(x[r] + k + 4));
+  }
+  in_order(part);
+}
+
 // The fifth bits of pair p of a Q5_K panel's chunk (five_bit) ored in at bit 4: those of the low nibbles'
 // weights into lo, of the high ones' into hi; `high` the chunk's bit bytes, shifted left by 4 from pair 2 on.
 inline void or_fifth_bits(__m256i high, int p, __m256i& lo, __m256i& hi) {
@@ -1407,10 +1428,7 @@ __attribute__((noinline)) void q4k_panel_tile(const uint8_t* panel, const Quanti
       for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_si256();
 #pragma GCC unroll 4
       for (int p = 0; p < 4; ++p) {
-        if (ahead < ahead_end) {
-          __builtin_prefetch(ahead, 0, 2);
-          ahead += 64;
-        }
+        ask_ahead(ahead, ahead_end);
         __m256i lo, hi;
         if constexpr (Fifth == kFifthDecoded) {
           const uint8_t* pair = decoded + 2048 * s + 64 * (4 * j + p);
@@ -1425,13 +1443,7 @@ __attribute__((noinline)) void q4k_panel_tile(const uint8_t* panel, const Quanti
           if (p == 2) high = _mm256_slli_epi16(high, 4);
           or_fifth_bits(high, p, lo, hi);
         }
-        const int64_t k = 256 * s + 32 * j + 8 * p;
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-          part[r] = add_products(part[r], lo, broadcast4(x[r] + k));
-          part[r] = add_products(part[r], hi, broadcast4(x[r] + k + 4));
-        }
-        in_order(part);
+        add_pair<R>(part, lo, hi, x, 256 * s + 32 * j + 8 * p);
         if (Five && !kVnniPanels && p % 2 == 1)
           for (int r = 0; r < R; ++r) {
             sum[r] = _mm256_add_epi32(sum[r], scaled_sums(part[r], scale));
@@ -1486,10 +1498,7 @@ inline void q6k_panel_tile(const uint8_t* panel, const QuantizedRows& a, int64_t
         for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_si256();
 #pragma GCC unroll 2
         for (int half = 0; half < 2; ++half) {
-          if (ahead < ahead_end) {
-            __builtin_prefetch(ahead, 0, 2);
-            ahead += 64;
-          }
+          ask_ahead(ahead, ahead_end);
           const int p = 2 * h + half;
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * (4 * j + p)));
           const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, mask),
@@ -1542,19 +1551,10 @@ __attribute__((noinline)) void block32_panel_tile(const uint8_t* panel, const Qu
     for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) {
-      if (ahead < ahead_end) {
-        __builtin_prefetch(ahead, 0, 2);
-        ahead += 64;
-      }
+      ask_ahead(ahead, ahead_end);
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * p));
       const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-      const int64_t k = 32 * b + 8 * p;
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        part[r] = add_products(part[r], lo, broadcast4(x[r] + k));
-        part[r] = add_products(part[r], hi, broadcast4(x[r] + k + 4));
-      }
-      in_order(part);
+      add_pair<R>(part, lo, hi, x, 32 * b + 8 * p);
     }
     const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 128)));
     const __m256 offset = Type == kQ4_1_Panels
