@@ -181,15 +181,18 @@ BLOCK_BYTES = {Q.Q4_0: (32, 18, 18), Q.Q4_1: (32, 20, 20), Q.Q4_K: (256, 144, 14
 @pytest.mark.parametrize("qtype", PANEL_KINDS, ids=lambda t: t.name)
 @pytest.mark.parametrize("out, fan_in", [(8, 256), (24, 768), (64, 512)])
 def test_panels_give_the_blocks_back_bit_for_bit(qtype, out, fan_in):
-    """to_panels then from_panels: the same bytes, for blocks of any bits (every bit of these blocks is some
-    value's); Q4_K's panels hold 148 bytes per 144, Q5_K's 180 per 176, the others as many as their blocks."""
+    """to_panels (into a new tensor or a given one) then from_panels: the same bytes, for blocks of any bits
+    (every bit of these blocks is some value's); Q4_K's panels hold 148 bytes per 144, Q5_K's 180 per 176,
+    the others as many as their blocks."""
     rng = np.random.default_rng(out + fan_in + int(qtype))
     weights, size, panel_size = BLOCK_BYTES[qtype]
     blocks = torch.from_numpy(random_blocks((out, fan_in), qtype, rng))
     for held in (blocks, torch.randint(0, 256, (out, fan_in // weights * size), dtype=torch.uint8)):
         panels = cpu_kernels.to_panels(held, int(qtype), fan_in)
-        assert panels.shape == (out, fan_in // weights * panel_size)
+        assert panels.shape == (out, fan_in // weights * panel_size) == (out, cpu_kernels.panel_bytes(int(qtype), fan_in))
         assert not torch.equal(panels[:, :size], held[:, :size])
+        into = torch.zeros_like(panels)   # written in place (QuantizedWeight.in_panels: onto huge pages)
+        assert torch.equal(cpu_kernels.to_panels(held, int(qtype), fan_in, out=into), panels) and torch.equal(into, panels)
         assert torch.equal(cpu_kernels.from_panels(panels, cpu_kernels.PANEL_TYPES[qtype], fan_in), held)
     weight = QuantizedWeight([(blocks, int(qtype))], fan_in)
     assert torch.equal(weight.in_panels().dequantize(), weight.dequantize())
