@@ -28,7 +28,7 @@ import torch
 
 import kernels.cpu as cpu_kernels
 from asyncserve.lora.backend import PACK_AFTER_STEPS
-from asyncserve.model.linear import NativeLinear
+from asyncserve.model.linear import NativeLinear, QuantLinear
 from asyncserve.perf_model import (STEP_TIME_PRIOR, PerfCoefficients, StepChunk, StepSample, fit, sample_seconds,
                                    step_sample)
 from asyncserve.model.config import ModelConfig
@@ -225,8 +225,9 @@ class ProfileKey(msgspec.Struct, frozen=True):
     dtype: str
     threads: int                 # torch threads on a CPU device (0 on a GPU, where they barely count)
     lora_backend: str
-    # the projections' GEMM (linear.py's class; "+amx": the native one on AMX tiles): one CPU model
-    # name covers VMs with and without AMX exposed, 3x apart in step time (BENCHMARKS.md, "Box E")
+    # the projections' GEMM (linear.py's class; "+amx": the native one, or the quantized one's, on AMX
+    # tiles): one CPU model name covers VMs with and without AMX exposed, 3x apart in step time
+    # (BENCHMARKS.md, "Box E")
     gemm: str = ""
 
     def slug(self) -> str:
@@ -257,7 +258,8 @@ def profile_key(engine: ProfiledEngine) -> ProfileKey:
     mc, device = engine.model_config, engine.device
     cpu = device.type == "cpu"
     lm_head = engine.lm_head
-    amx = isinstance(lm_head, NativeLinear) and cpu_kernels.amx_gemm_available()
+    amx = ((isinstance(lm_head, NativeLinear) and cpu_kernels.amx_gemm_available())
+           or (isinstance(lm_head, QuantLinear) and cpu_kernels.quant_amx_available()))
     return ProfileKey(device=cpu_model() if cpu else torch.cuda.get_device_name(device),
                       model=f"{mc.name} {mc.num_layers}x{mc.hidden_size}",
                       dtype=str(engine.dtype).removeprefix("torch."), threads=torch.get_num_threads() if cpu else 0,

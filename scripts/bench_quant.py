@@ -75,8 +75,8 @@ def main() -> None:
                     help="ggml types to time; Q4_K_PANELS, Q6_K_PANELS: those repacked into panels of 8 columns, as "
                          "QuantLinear holds them on builds that run panels")
     ap.add_argument("--strategies", default="int8",
-                    help="int8 (as served), columns (int8 without panels: set_quant_panel_rows) and/or fp32 "
-                         "(kernels.cpu.set_quant_int8)")
+                    help="int8 (as served), vnni (panels without AMX tiles: set_quant_amx_rows), columns (int8 "
+                         "without panels: set_quant_panel_rows) and/or fp32 (kernels.cpu.set_quant_int8)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--against", type=Path, default=None,
                     help="another checkout whose kernels are timed beside these, interleaved in this process")
@@ -87,8 +87,11 @@ def main() -> None:
         raise SystemExit(f"native kernels unavailable: {cpu_kernels.error()}")
     print(f"CPU: {cpu_name()}; threads {torch.get_num_threads()}; quant path {cpu_kernels.quant_path()}; "
           f"panels {cpu_kernels.quant_panels()}; bf16 GEMM {cpu_kernels.bf16_gemm_available()}; load average {os.getloadavg()}")
-    panel_rows = cpu_kernels.set_quant_panel_rows(8)   # reads the setting, restored below
+    panel_rows = cpu_kernels.set_quant_panel_rows(8)   # reads the settings, restored below
     cpu_kernels.set_quant_panel_rows(panel_rows)
+    amx_rows = cpu_kernels.set_quant_amx_rows(8)
+    cpu_kernels.set_quant_amx_rows(amx_rows)
+    print(f"AMX tiles for Q4_K / Q5_K / Q6_K panels: {cpu_kernels.quant_amx_available()} (from {amx_rows} rows)")
     libraries = {"": cpu_kernels.library()}   # variant suffix -> kernels
     if args.against:
         libraries[f"@{args.against.resolve().name}"] = other_build(args.against)
@@ -115,17 +118,21 @@ def main() -> None:
                     variants.update({f"{name}{'' if strategy == 'int8' else '/' + strategy}":
                                      (strategy, lambda lib=lib, b=b, t=t: lib.quant_linear(x, [b], [t]))
                                      for name, (lib, t, b) in blocks.items()
-                                     if strategy == "int8" or "_PANELS" not in name})
+                                     if strategy == "int8" or ("_PANELS" in name) == (strategy == "vnni")})
                 times = {name: [] for name in variants}
                 for _ in range(args.rounds):
                     for name, (strategy, fn) in variants.items():
                         for lib in libraries.values():
                             lib.set_quant_int8(strategy != "fp32")
                             lib.set_quant_panel_rows(2 ** 62 if strategy == "columns" else panel_rows)
+                            if hasattr(lib, "set_quant_amx_rows"):
+                                lib.set_quant_amx_rows(2 ** 62 if strategy == "vnni" else amx_rows)
                         times[name].append(timed(fn, args.seconds))
                 for lib in libraries.values():
                     lib.set_quant_int8(True)
                     lib.set_quant_panel_rows(panel_rows)
+                    if hasattr(lib, "set_quant_amx_rows"):
+                        lib.set_quant_amx_rows(amx_rows)
                 base = statistics.median(times[next(iter(variants))])
                 cells = []
                 for name, ts in times.items():

@@ -247,6 +247,7 @@ def test_q5k_panels_decoded_per_call_or_per_tile_alike(panels):
     blocks = torch.from_numpy(random_blocks((24, 768), Q.Q5_K, rng))
     held = cpu_kernels.to_panels(blocks, int(Q.Q5_K), 768)
     before = cpu_kernels.set_quant_q5k_decoded_rows(1)
+    amx_rows = cpu_kernels.set_quant_amx_rows(2 ** 62)   # the vpdpbusd tiles at every row count
     try:
         for rows in (1, 4, 5, 8, 13, 40):
             x = torch.randn(rows, 768)
@@ -259,6 +260,7 @@ def test_q5k_panels_decoded_per_call_or_per_tile_alike(panels):
                 assert torch.equal(per_call, cpu_kernels.quant_linear(x, [blocks], [int(Q.Q5_K)])), rows
     finally:
         cpu_kernels.set_quant_q5k_decoded_rows(before)
+        cpu_kernels.set_quant_amx_rows(amx_rows)
     assert before == 12
 
 
@@ -276,6 +278,59 @@ def test_q6k_panels_split_over_threads_alike(panels):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(results[0], results[1])
+
+
+@pytest.fixture
+def amx_rows():
+    """Q4_K, Q5_K and Q6_K panels on AMX's int8 tiles (quant_amx.h) where this CPU and build have them; the setting
+    (kernels.cpu.set_quant_amx_rows) restored after."""
+    if not cpu_kernels.quant_panels() or not cpu_kernels.quant_amx_available():
+        pytest.skip("no AMX int8 tiles here (the CPU, the build or Linux's permission)")
+    previous = cpu_kernels.set_quant_amx_rows(12)
+    yield cpu_kernels.set_quant_amx_rows
+    cpu_kernels.set_quant_amx_rows(previous)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
+def test_amx_tiles_give_the_vpdpbusd_tiles_bits(amx_rows, qtype):
+    """Q4_K, Q5_K and Q6_K panels on AMX tiles (16 rows x 2 panels per product; the K-quants' chunk scales inside
+    B, Q6_K's weights signed) sum the same integers as the vpdpbusd tiles and fold them alike: the same bits, for row
+    counts around the 16-row tiles, an odd count of panels (a lone last one), 1 to 8 super-blocks, fp32 and
+    bf16, 1 and 2 threads; and the default threshold runs them from 12 rows."""
+    assert amx_rows(12) == 12
+    rng = np.random.default_rng(46 + int(qtype))
+    threads = torch.get_num_threads()
+    try:
+        for out, fan_in in [(8, 256), (24, 768), (40, 2048), (64, 512)]:
+            blocks = torch.from_numpy(random_blocks((out, fan_in), qtype, rng))
+            held = cpu_kernels.to_panels(blocks, int(qtype), fan_in)
+            for rows in (1, 12, 15, 16, 17, 33, 70):
+                x = torch.from_numpy(rng.standard_normal((rows, fan_in)).astype(np.float32))
+                for dtype, n in [(torch.float32, 1), (torch.bfloat16, 2), (torch.float32, 2)]:
+                    torch.set_num_threads(n)
+                    amx_rows(1)
+                    tiles = cpu_kernels.quant_linear(x.to(dtype), [held], [cpu_kernels.PANEL_TYPES[qtype]])
+                    amx_rows(2 ** 62)
+                    vnni = cpu_kernels.quant_linear(x.to(dtype), [held], [cpu_kernels.PANEL_TYPES[qtype]])
+                    assert torch.equal(tiles, vnni), (out, fan_in, rows, dtype, n)
+                    assert tiles.abs().sum() > 0
+            amx_rows(1)
+            check(torch.from_numpy(rng.standard_normal((17, fan_in)).astype(np.float32)), [(blocks.numpy(), qtype)], panels=True)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_amx_tiles_beside_other_parts_and_fewer_rows_after_more(amx_rows):
+    """A Q4_K_M qkv's parts (Q4_K, Q5_K and Q6_K on the tiles, Q4_1 panels and Q8_0 blocks on their own
+    kernels) against the references at a prefill's rows, then a call with fewer rows than the one before
+    (the padded row buffers keep the last call's rows: no tile row reads past them into the results)."""
+    amx_rows(1)
+    rng = np.random.default_rng(47)
+    parts = [(random_blocks((out, 512), t, rng), t)
+             for out, t in [(24, Q.Q4_K), (8, Q.Q6_K), (16, Q.Q5_K), (9, Q.Q8_0), (8, Q.Q4_1), (40, Q.Q6_K)]]
+    x = torch.from_numpy(rng.standard_normal((70, 512)).astype(np.float32))
+    for rows in (70, 3, 33, 1, 16):
+        check(x[:rows], parts, panels=True)
 
 
 @pytest.mark.parametrize("qtype", PANEL_KINDS, ids=lambda t: t.name)

@@ -314,6 +314,19 @@ def set_quant_q5k_decoded_rows(rows: int) -> int:
     return _lib().set_quant_q5k_decoded_rows(rows)
 
 
+def set_quant_amx_rows(rows: int) -> int:
+    """Rows from which quant_linear runs Q4_K, Q5_K and Q6_K panels (PANEL_TYPES) on AMX's int8 tiles where
+    quant_amx_available (the vpdpbusd tiles below, and at any row count with 2**62); returns the previous
+    setting."""
+    return _lib().set_quant_amx_rows(rows)
+
+
+def quant_amx_available() -> bool:
+    """Whether quant_linear has AMX tiles here: the build has them (a CPU with AMX-INT8) and Linux granted
+    the process their state."""
+    return _lib().quant_amx_available()
+
+
 def quant_panels() -> bool:
     """Whether quant_linear runs panels on this build (AVX2 and F16C; vpdpbusd in them with VNNI)."""
     return _lib().quant_panels()

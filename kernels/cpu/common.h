@@ -10,6 +10,11 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace asyncserve {
 
 using bf16 = c10::BFloat16;
@@ -22,6 +27,17 @@ inline float to_float(bf16 x) {
   std::memcpy(&f, &bits, 4);
   return f;
 }
+
+#if defined(__AMX_TILE__)
+// Linux hands a process AMX's tile state only once asked (else the first tile instruction faults).
+inline bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
+#endif
 
 template <typename T>
 inline T from_float(float f);

@@ -53,8 +53,6 @@
 #endif
 
 #if ASYNCSERVE_BF16_GEMM && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
 #define ASYNCSERVE_AMX_GEMM 1
 #else
 #define ASYNCSERVE_AMX_GEMM 0
@@ -218,15 +216,6 @@ inline void gemm_rows(const uint32_t* x, int64_t M, int64_t k_pairs, const __m51
 constexpr int64_t kWideFromRows = 96;
 
 #if ASYNCSERVE_AMX_GEMM
-
-// Linux hands a process AMX's tile state only once asked (else the first tile instruction faults).
-inline bool amx_permitted() {
-  static const bool permitted = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return permitted;
-}
 
 // Whether packed_linear_bf16 runs the AMX tiles for this K (= 2 * k_pairs).
 inline bool amx_tiles_run(int64_t k_pairs) {

@@ -1,6 +1,8 @@
 // Python bindings of the native CPU kernels (one translation unit: torch's headers are slow to
 // compile). Each op checks shapes, dtypes and every index it will follow; the bindings release the
 // GIL around the whole call, so the ops also run inside the decoder's layer loop (decoder.h).
+#include <limits>
+
 #include <torch/extension.h>
 
 #include "activation.h"
@@ -500,6 +502,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rows from which quant_linear's int8 strategy runs panels of 8 columns (quant.h); returns the previous setting");
   m.def("set_quant_q5k_decoded_rows", [](int64_t rows) { return quant_q5k_decoded_rows.exchange(rows); },
         "rows from which quant_linear decodes a Q5_K panel once per call, not per tile (quant.h); returns the previous setting");
+  m.def("set_quant_amx_rows", [](int64_t rows) { return quant_amx_rows.exchange(rows); },
+        "rows from which quant_linear runs Q4_K, Q5_K and Q6_K panels on AMX tiles (quant_amx.h); returns the previous setting");
+  m.def("quant_amx_available", [] { return quant_amx_runs(std::numeric_limits<int64_t>::max()); },
+        "whether quant_linear has AMX tiles here (the build and the process's tile state)");
   m.def("quant_panels", [] { return bool(ASYNCSERVE_QUANT_PANEL); }, "whether quant_linear runs panels on this build");
   m.def("panels", &panels_op, no_gil, "Q4_0, Q4_1, Q4_K, Q5_K or Q6_K blocks repacked into panels of 8 columns, or back (quant.h)",
         py::arg("blocks"), py::arg("type"), py::arg("in_features"), py::arg("to_panels"), py::arg("out") = py::none());

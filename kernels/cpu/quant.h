@@ -17,7 +17,8 @@
 // loop runs where the build has no AVX2. From quant_panel_rows rows (a prefill's) an AVX2 build runs a
 // GEMM over panels of 8 columns instead (see "Many rows" below): the per-column tiles there cost a float
 // conversion, two multiplies and a broadcast per 32 products of each row. Q4_0, Q4_1, Q4_K, Q5_K and Q6_K
-// repacked at load into such panels (kQ4_K_Panels .., below) run their tiles at every row count.
+// repacked at load into such panels (kQ4_K_Panels .., below) run their tiles at every row count; Q4_K, Q5_K
+// and Q6_K panels on AMX's int8 tiles instead where the CPU has them, from quant_amx_rows rows (quant_amx.h).
 //
 // Q4_K and Q5_K run as llama.cpp's ggml_vec_dot_q4_K_q8_K does: their activations quantized per
 // super-block of 256 instead (one scale each, as its q8_K), so that the 8 chunks' integer dot products,
@@ -1632,6 +1633,12 @@ inline void part_panels(const uint8_t* blocks, int64_t begin, int64_t end, const
 #define ASYNCSERVE_QUANT_PANEL 0
 #endif
 
+}  // namespace asyncserve
+
+#include "quant_amx.h"
+
+namespace asyncserve {
+
 struct QuantPart {
   const uint8_t* blocks;   // [out, row_bytes]
   int64_t type, out, row_bytes, col0;
@@ -1662,14 +1669,31 @@ inline void quant_linear(const T* x, int64_t ldx, int64_t M, int64_t K, const st
   const QuantizedRows& rows = a;  // the calling thread's buffer, not the pool threads' own
 #if ASYNCSERVE_QUANT_PANEL
   if (in_panels) {   // int8 whatever set_quant_int8 says: panels have no other kernel
-    int64_t panels = 0;
-    for (const QuantPart& p : parts) panels += panel_type(p.type) ? p.out / kPanel : 0;
-    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    // Q4_K, Q5_K and Q6_K on AMX tiles: units of two panels, over x's rows padded to whole tiles of 16
+    const bool amx = quant_amx_runs(M);
+    const int64_t padded = (M + 15) / 16 * 16 * K;
+    if (amx && panels32 && int64_t(a.q.size()) < padded) a.q.resize(padded);
+    if (amx && panels256 && int64_t(a.q256.size()) < padded) a.q256.resize(padded);
+    const auto units_of = [&](const QuantPart& p) {   // a part's units of work: panels, or AMX's pairs of them
+      return amx && amx_panel_type(p.type) ? (p.out / kPanel + 1) / 2 : p.out / kPanel;
+    };
+    int64_t units = 0;
+    for (const QuantPart& p : parts) units += panel_type(p.type) ? units_of(p) : 0;
+    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
       int64_t first = 0;
       for (const QuantPart& p : parts) {
         if (!panel_type(p.type)) continue;
-        const int64_t count = p.out / kPanel;
+        const int64_t count = units_of(p);
         const int64_t b = std::max<int64_t>(begin - first, 0), e = std::min<int64_t>(end - first, count);
+#if ASYNCSERVE_QUANT_AMX
+        if (b < e && amx && amx_panel_type(p.type)) {
+          if (p.type == kQ4_K_Panels) amx_part_panels<kQ4_K_Panels>(p.blocks, p.out / kPanel, b, e, rows, M, y, ldy, p.col0);
+          else if (p.type == kQ5_K_Panels) amx_part_panels<kQ5_K_Panels>(p.blocks, p.out / kPanel, b, e, rows, M, y, ldy, p.col0);
+          else amx_part_panels<kQ6_K_Panels>(p.blocks, p.out / kPanel, b, e, rows, M, y, ldy, p.col0);
+          first += count;
+          continue;
+        }
+#endif
         if (b < e && p.type == kQ4_0_Panels) part_panels<kQ4_0_Panels>(p.blocks, b, e, rows, M, y, ldy, p.col0);
         if (b < e && p.type == kQ4_1_Panels) part_panels<kQ4_1_Panels>(p.blocks, b, e, rows, M, y, ldy, p.col0);
         if (b < e && p.type == kQ4_K_Panels) part_panels<kQ4_K_Panels>(p.blocks, b, e, rows, M, y, ldy, p.col0);
