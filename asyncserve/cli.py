@@ -43,7 +43,8 @@ def _engine_args(p: argparse.ArgumentParser, step_profile: str = "off") -> None:
                    help="on CPU, keep a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K tensors in their blocks (the "
                         "file's size in memory, int8 dot products; merged mode refuses them); "
                         "--no-keep-quantized dequantizes them to --dtype at load (default: auto: kept on a CPU "
-                        "running float32, one rank and a policy that never merges; dequantized otherwise)")
+                        "running float32, and for a file of mostly K-quants (Q4_K_M, Q5_K_M) on a CPU with AMX "
+                        "int8 tiles, with one rank and a policy that never merges; dequantized otherwise)")
     p.add_argument("--quantize", default=None, choices=["q8_0", "q4_0"],
                    help="on CPU, quantize an HF folder's projections at load into GGUF blocks of this type (the "
                         "embeddings and head Q8_0), bit for bit as llama.cpp's converter would: their size in "

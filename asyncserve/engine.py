@@ -27,7 +27,7 @@ from asyncserve.cpus import describe as describe_cpus
 from asyncserve.model import hub
 from asyncserve.model.config import ModelLoadError
 from asyncserve.model.llama import build_weights
-from asyncserve.model.loader import load_model
+from asyncserve.model.loader import gguf_k_quants, load_model
 from asyncserve.model.shard import Shard, shard_config
 from asyncserve.pager.adapters import (AdapterError, PeftFolder, build_host_adapter, check_adapter_name,
                                       inspect_peft_folder, printable, read_peft_folder)
@@ -123,8 +123,10 @@ class Engine:
         loading = Progress(f"loading {config.model or 'the default model'}", "tensors")
         try:
             # GGUF blocks stay blocks on CPU (build_weights dequantizes them where the quantized kernels don't run)
-            loaded = load_model(model_path, loading, keep_quantized=config.resolved_keep_quantized(self.device, self.dtype),
-                                quantize=config.quantize, shard=Shard(0, tp) if tp > 1 else None)
+            k_quants = self.device.type == "cpu" and config.keep_quantized is None and gguf_k_quants(model_path)
+            keep = config.resolved_keep_quantized(self.device, self.dtype, k_quants=k_quants)
+            loaded = load_model(model_path, loading, keep_quantized=keep, quantize=config.quantize,
+                                shard=Shard(0, tp) if tp > 1 else None)
         finally:
             loading.close()
         if model_path != config.model:        # a Hub id names the model, not its snapshot's commit folder

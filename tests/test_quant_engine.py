@@ -11,6 +11,7 @@ import kernels.cpu as cpu_kernels
 from asyncserve import LLM, SamplingParams
 from asyncserve.config import Config
 from asyncserve.model.linear import QuantLinear
+from asyncserve.model.loader import gguf_k_quants
 from asyncserve.stepper.merge import MergeError, unmergeable_reason
 from model_io_helpers import backend_vocab, write_gguf
 from quant_helpers import Q, assert_quantized_generate_matches, dequantized, quantize, random_blocks
@@ -194,6 +195,27 @@ def test_keep_quantized_auto_keeps_blocks_on_float32_cpus_and_off_gives_dense_me
     assert not Config(model=str(q_path), tensor_parallel=2).resolved_keep_quantized(cpu, f32)
     assert Config(model=str(q_path), keep_quantized=True).resolved_keep_quantized(cpu, torch.bfloat16)
     assert not Config(model=str(q_path), keep_quantized=False).resolved_keep_quantized(cpu, f32)
+
+
+def test_keep_quantized_auto_keeps_k_quant_files_in_bf16_where_amx_int8_tiles_run(tmp_path):
+    """A file of mostly K-quants (Q4_K_M, Q5_K_M) keeps its blocks under --dtype bfloat16 too where the K-quants
+    run on AMX int8 tiles (kernels.cpu.quant_amx_available), and is dequantized where they do not; legacy
+    types stay dense in bf16 everywhere; one rank and non-merging policies only, as for float32."""
+    (tmp_path / "k").mkdir()
+    (tmp_path / "legacy").mkdir()
+    k_path, _, _ = write_pair(tmp_path / "k", Q4_K_M, seed=6)
+    legacy_path, _, _ = write_pair(tmp_path / "legacy", LEGACY, seed=6)
+    assert gguf_k_quants(str(k_path)) and not gguf_k_quants(str(legacy_path))
+    assert not gguf_k_quants(None)   # the default model: Q4_1
+    cpu, bf16, amx = torch.device("cpu"), torch.bfloat16, cpu_kernels.quant_amx_available()
+    assert Config(model=str(k_path)).resolved_keep_quantized(cpu, bf16, k_quants=True) == amx
+    assert not Config(model=str(legacy_path)).resolved_keep_quantized(cpu, bf16, k_quants=False)
+    assert not Config(model=str(k_path), tensor_parallel=2).resolved_keep_quantized(cpu, bf16, k_quants=True)
+    assert not Config(model=str(k_path), policy="dlora").resolved_keep_quantized(cpu, bf16, k_quants=True)
+    assert not Config(model=str(k_path), keep_quantized=False).resolved_keep_quantized(cpu, bf16, k_quants=True)
+    llm = LLM(model=str(k_path), dtype="bfloat16", device="cpu", pool_mem="16MiB")   # auto
+    kept = isinstance(llm.engine.runner.weights.layers[0].gate_up, QuantLinear)
+    assert kept == amx
 
 
 def test_resident_memory_after_loading_is_the_files_size(tmp_path):

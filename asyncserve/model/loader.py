@@ -9,6 +9,16 @@ from asyncserve.model.shard import Shard, shard_config, shard_weights
 __all__ = ["load_model", "check_model_path", "default_model_path"]
 
 
+def gguf_k_quants(path: str | None) -> bool:
+    """Whether the model is a GGUF file whose weights are mostly K-quants (loader_gguf.mostly_k_quants);
+    False for an HF folder."""
+    target = check_model_path(path)
+    if target.is_dir():
+        return False
+    from asyncserve.model.loader_gguf import mostly_k_quants
+    return mostly_k_quants(target)
+
+
 def load_model(path: str | None = None, progress: ProgressCallback | None = None,
                keep_quantized: bool = False, quantize: str | None = None, shard: Shard | None = None) -> LoadedModel:
     """A `.gguf` file, an HF folder (config.json + safetensors + tokenizer.json), or None for the default model.

@@ -203,6 +203,19 @@ def _dequantize(tensor: gguf.ReaderTensor, config: ModelConfig, path: Path) -> t
     return weight
 
 
+K_QUANTS = {gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K, gguf.GGMLQuantizationType.Q6_K}
+
+
+def mostly_k_quants(path: Path) -> bool:
+    """Whether most of a GGUF file's weights (by count, its 2-D tensors) are Q4_K, Q5_K or Q6_K, the types
+    the AMX int8 tiles run (a Q4_K_M or Q5_K_M file); reads the header only."""
+    counts = {True: 0, False: 0}
+    for tensor in gguf.GGUFReader(path).tensors:
+        if len(tensor.shape) == 2:
+            counts[tensor.tensor_type in K_QUANTS] += int(tensor.n_elements)
+    return counts[True] > counts[False]
+
+
 def _keeps(tensor: gguf.ReaderTensor) -> bool:
     """Projections, the output head and the embeddings (rows dequantized at lookup; a tied model's head
     too) of a kernel type."""
