@@ -49,11 +49,15 @@ _REQUIRED = object()
 KEPT_QUANTIZED = {gguf.GGMLQuantizationType(t) for t in QUANT_BLOCKS}
 
 
-def load_gguf_file(path: Path, progress: ProgressCallback | None = None, keep_quantized: bool = False) -> LoadedModel:
+def _reader(path: Path) -> gguf.GGUFReader:
     try:
-        reader = gguf.GGUFReader(path)
+        return gguf.GGUFReader(path)
     except Exception as e:       # the reader raises ValueError, struct errors, ... on a bad file
         raise ModelLoadError(f"cannot read {path} as a GGUF file (truncated or corrupt?): {e}") from None
+
+
+def load_gguf_file(path: Path, progress: ProgressCallback | None = None, keep_quantized: bool = False) -> LoadedModel:
+    reader = _reader(path)
     fields = reader.fields
     architecture = _value(fields, "general.architecture", path)
     family = _ARCHITECTURES.get(architecture)
@@ -210,7 +214,7 @@ def mostly_k_quants(path: Path) -> bool:
     """Whether most of a GGUF file's weights (by count, its 2-D tensors) are Q4_K, Q5_K or Q6_K, the types
     the AMX int8 tiles run (a Q4_K_M or Q5_K_M file); reads the header only."""
     counts = {True: 0, False: 0}
-    for tensor in gguf.GGUFReader(path).tensors:
+    for tensor in _reader(path).tensors:
         if len(tensor.shape) == 2:
             counts[tensor.tensor_type in K_QUANTS] += int(tensor.n_elements)
     return counts[True] > counts[False]
