@@ -92,9 +92,9 @@ inline void ask_ahead_lines(const char*& ahead, const char* ahead_end, int lines
   for (int i = 0; i < lines; ++i) ask_ahead(ahead, ahead_end);
 }
 
-// Q4_K: each chunk's 6-bit scales go into B, so that a super-block's products add up in the tile and are stored
-// once (not once per chunk, the tile store being what bounds the tiles): sc = 8 hi + lo (hi, lo < 8), and
-// B_hi = q hi, B_lo = q lo (<= 105, bytes), whose sums give 8 C_hi + C_lo = the sum of sc times each chunk's
+// Q4_K and Q5_K: each chunk's 6-bit scales go into B, so that a super-block's products add up in the tile and
+// are stored once (not once per chunk, the tile store being what bounds the tiles): sc = 8 hi + lo (hi, lo < 8),
+// and B_hi = q hi, B_lo = q lo (<= 31 * 7, unsigned bytes), whose sums give 8 C_hi + C_lo = the sum of sc times each chunk's
 // products, the same integers as q4k_panel_tile's. Per super-block: 4 steps of 64 weights, each A (16 rows x
 // 64 bytes of x) against B_hi and B_lo (16 rows: chunks 2i and 2i + 1).
 //
@@ -277,16 +277,17 @@ inline void amx_part_panels(const uint8_t* blocks, int64_t panels, int64_t begin
     const char* ahead = reinterpret_cast<const char*>(a + 2 * panel_bytes);
     const char* ahead_end = u + 1 < end ? ahead + std::min<int64_t>(2, panels - first - 2) * panel_bytes : ahead;
     acc.assign(tiles * kAmxRows * 16, 0.0f);
-    int64_t step = 0, folded_s = 0, folded_tile = 0;   // the steps run, and the next one to fold: (s, tile, j)
-    int folded_j = 0;
-    const auto fold_next = [&] {
-      const int64_t s = folded_s, m = kAmxRows * folded_tile;
+    struct Step { int64_t s, tile; int j; };
+    const auto fold = [&](const Step& done, const int32_t* products) {
+      const int64_t m = kAmxRows * done.tile;
       const int rows = int(std::min<int64_t>(kAmxRows, M - m));
-      const int32_t* products = c[step & 1];   // step - 2's: fold_next runs after step counts the one issued
-      float* tile_acc = acc.data() + folded_tile * kAmxRows * 16;
-      if constexpr (amx_super_type(Type)) q4k_fold(a + s * kBytes, b + s * kBytes, products, x, m, rows, s, tile_acc);
-      else q6k_fold(a + s * kBytes, b + s * kBytes, products, x, m, rows, s, folded_j, tile_acc);
+      float* tile_acc = acc.data() + done.tile * kAmxRows * 16;
+      const int64_t at = done.s * kBytes;
+      if constexpr (amx_super_type(Type)) q4k_fold(a + at, b + at, products, x, m, rows, done.s, tile_acc);
+      else q6k_fold(a + at, b + at, products, x, m, rows, done.s, done.j, tile_acc);
     };
+    int64_t step = 0;   // steps issued; each is folded once the next one is issued
+    Step last{};
     stage_super<Type>(a, b, stage[0]);
     for (int64_t s = 0; s < supers; ++s) {
       if (s + 1 < supers) stage_super<Type>(a + (s + 1) * kBytes, b + (s + 1) * kBytes, stage[(s + 1) & 1]);
@@ -296,12 +297,12 @@ inline void amx_part_panels(const uint8_t* blocks, int64_t panels, int64_t begin
           if (step % 2 == 0) step_products<Type, 0>(stage[s & 1], xs, K, j, c[0]);
           else step_products<Type, 1>(stage[s & 1], xs, K, j, c[1]);
           if (t == 0 && j == 0) ask_ahead_lines(ahead, ahead_end, kLines);
-          if (step++ > 0) fold_next();
-          folded_s = s, folded_tile = t, folded_j = j;
+          if (step > 0) fold(last, c[(step - 1) & 1]);
+          last = {s, t, j};
+          ++step;
         }
     }
-    ++step;
-    fold_next();
+    fold(last, c[(step - 1) & 1]);
     for (int64_t r = 0; r < M; ++r) {
       T* out = y + r * ldy + col0 + 8 * first;
       for (int n = 0; n < 8 * count; ++n) out[n] = from_float<T>(acc[16 * r + n]);
