@@ -56,6 +56,22 @@ def test_library_compiles_for_a_cpu_without_avx512():
     assert result.returncode == 0, "\n".join(errors[:10])
 
 
+@pytest.mark.skipif(shutil.which("nm") is None, reason="no nm (binutils)")
+def test_library_exports_no_unique_symbols():
+    """Two builds loaded in one process (kernel_builds.other_build, bench_quant.py --against) keep their own
+    inline variables and statics: gcc makes those unique symbols by default, which the loader merges across
+    libraries, so the two builds shared settings and thread-local buffers, and a build whose structs differed
+    crashed. -fno-gnu-unique keeps them per library."""
+    from reference import require_native_kernels
+
+    require_native_kernels()
+    symbols = subprocess.run(["nm", "-D", "--defined-only", cpu_kernels.library().__file__], capture_output=True,
+                             text=True, timeout=60, check=True).stdout.splitlines()
+    assert any(" T " in line for line in symbols), "nm listed no functions: the check would be empty"
+    unique = [line for line in symbols if line.split()[-2:-1] == ["u"]]
+    assert not unique, f"{len(unique)} unique symbols, e.g. {unique[:3]}"
+
+
 def test_a_killed_builds_lock_is_removed_once_stale(tmp_path, monkeypatch, caplog):
     """A build killed mid-way leaves cpp_extension's lock, on which torch waits forever: library() waits
     while a lock is fresh (a live build) and removes one older than STALE_BUILD_LOCK_S, then builds."""

@@ -29,7 +29,11 @@ SOURCES = ("ops.cpp",)
 # -fno-trapping-math: without AVX-512's masked ops, gcc will not turn a select next to FP arithmetic into
 # a blend while FP traps count, so every loop over exp_nonpositive (softmax, SiLU, GELU, soft-capping)
 # stayed scalar on AVX2 (SiLU * mul 4x slower than torch's). Nothing here reads FP exception flags.
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
+# -fno-gnu-unique: the headers' inline variables and function statics (settings such as quant_amx_rows, the
+# thread-local row buffers) would otherwise be unique symbols, which the dynamic loader merges across every
+# library loaded, so two builds in one process (scripts/kernel_builds.py's --against) shared them, and crashed
+# where their layouts differed.
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fno-gnu-unique")
 # -fopenmp links libgomp.so.1, which resolves to the copy torch has loaded: one OpenMP pool
 LDFLAGS = ("-fopenmp",)
 DTYPES = (torch.float32, torch.bfloat16)
