@@ -356,7 +356,7 @@ inline float half_to_float(const uint8_t* p) {
 // sum32 [M][K/32] the sums of q256 over each 32 (|sum| <= 32 * 127: int16); q16 [M][K/16] the integer sums
 // of q (per 32) over each 16, for Q6_K's panels.
 struct QuantizedRows {
-  std::vector<int8_t> q, q256;
+  LineVector<int8_t> q, q256;   // line-aligned: the AMX tiles load 64-byte rows of them
   std::vector<float> d, s16, xf, d256;
   std::vector<int16_t> sum32, q16;
   int64_t K = 0;
@@ -477,7 +477,7 @@ inline float quantize_block(const T* x, int block, int part, int8_t* q, int* sum
 // both cores).
 template <typename T>
 inline void quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K, int64_t block, QuantizedRows& a) {
-  std::vector<int8_t>& qs = block == 32 ? a.q : a.q256;
+  LineVector<int8_t>& qs = block == 32 ? a.q : a.q256;
   std::vector<float>& ds = block == 32 ? a.d : a.d256;
   qs.resize(M * K);
   ds.resize(M * K / block);
@@ -1689,6 +1689,7 @@ inline void quant_linear(const T* x, int64_t ldx, int64_t M, int64_t K, const st
         if (b < e && amx && amx_panel_type(p.type)) {
           if (p.type == kQ4_K_Panels) amx_part_panels<kQ4_K_Panels>(p.blocks, p.out / kPanel, b, e, rows, M, y, ldy, p.col0);
           else if (p.type == kQ5_K_Panels) amx_part_panels<kQ5_K_Panels>(p.blocks, p.out / kPanel, b, e, rows, M, y, ldy, p.col0);
+          else if (M >= kQ6kChunksFromRows) amx_part_panels<kQ6_K_Chunks>(p.blocks, p.out / kPanel, b, e, rows, M, y, ldy, p.col0);
           else amx_part_panels<kQ6_K_Panels>(p.blocks, p.out / kPanel, b, e, rows, M, y, ldy, p.col0);
           first += count;
           continue;

@@ -13,7 +13,8 @@
 // into B (kquant_chunk_b): a super-block's 256 weights add up in two tiles and are stored once, not per
 // chunk.
 // Q6_K's int8 scales times 6-bit weights do not fit a byte: its products (signed weights, TDPBSSD) are
-// stored per group of 16 and scaled as q6k_panel_tile scales them.
+// stored per group of 16 and scaled as q6k_panel_tile scales them; from kQ6kChunksFromRows rows, each weight
+// times its scale is split as 64 hi + lo into two B tiles, stored per chunk of 32 (its rows' scale's span).
 //
 // Each sums the same integers as the vpdpbusd tiles (q4k_panel_tile, q6k_panel_tile) and folds them to
 // float with the same operations per column: the same bits (test_quant_kernels' AMX tests).
@@ -41,6 +42,16 @@ inline bool quant_amx_runs(int64_t M) { return M >= quant_amx_rows.load(std::mem
 constexpr bool amx_panel_type(int64_t type) {
   return type == kQ4_K_Panels || type == kQ5_K_Panels || type == kQ6_K_Panels;
 }
+
+// Q6_K's panels (kQ6_K_Panels' bytes) on the tiles with each chunk's scales inside B (q6k_chunk_b), from
+// kQ6kChunksFromRows rows; below, each group's products scaled as they are folded (q6k_group_b). Measured on box G
+// (bench_quant.py, 2 threads, a 1B model's shapes, bf16 x), chunks against groups: 0.89-0.97x at 12-16 rows (writing
+// B takes three times the work, once per 16 rows there), even at 24-48, 1.1x at 64, 1.2-1.26x at 256.
+constexpr int64_t kQ6_K_Chunks = 0x200 + kQ6_K;
+constexpr int64_t kQ6kChunksFromRows = 32;
+
+// The bytes of Type's panels per super-block.
+constexpr int64_t amx_block_bytes(int64_t type) { return panel_block_bytes(type == kQ6_K_Chunks ? kQ6_K_Panels : type); }
 
 // Q4_K and Q5_K: their activations per 256, one fold per super-block (q4k_fold).
 constexpr bool amx_super_type(int64_t type) { return type == kQ4_K_Panels || type == kQ5_K_Panels; }
@@ -144,13 +155,55 @@ inline void q6k_group_b(const uint8_t* a, const uint8_t* b, int j, int h, uint8_
   }
 }
 
+// Chunk j (32 weights, groups 2j and 2j + 1) of the super-block at a / b (kQ6_K_Panels) as two B tiles of 8 rows, hi
+// and lo: each weight times its group's int8 scale, w = sc (q - 32) in [-4064, 4096], split as 64 hi + lo (hi in
+// [-64, 64], lo in [0, 63]: signed bytes both), so that a chunk's two groups add up in one pair of tiles whose sum
+// 64 C_hi + C_lo is q6k_panel_tile's integer for the chunk. Rows 4h .. 4h + 3 are group 2j + h's: the low and high
+// nibbles' weights of pair 2h, then of pair 2h + 1, each with its 2 high bits.
+inline void q6k_chunk_b(const uint8_t* a, const uint8_t* b, int j, uint8_t* stage) {
+  const __m512i mask = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(0x03), bias = _mm512_set1_epi8(32);
+  const __m512i low6 = _mm512_set1_epi16(63), low_byte = _mm512_set1_epi16(0xFF);
+  // the scales of groups 2j, 2j + 1 per column (bytes [n][2] per panel)
+  const __m128i sa = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 1536 + 16 * j));
+  const __m128i sb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 1536 + 16 * j));
+  for (int h = 0; h < 2; ++h) {
+    // group 2j + h's scale of column n in int16 lanes 2n and 2n + 1 (a B row's 4 bytes of the column)
+    const __m128i pick = _mm_setr_epi8(h, h, 2 + h, 2 + h, 4 + h, 4 + h, 6 + h, 6 + h, 8 + h, 8 + h, 10 + h, 10 + h, 12 + h,
+                                       12 + h, 14 + h, 14 + h);
+    const __m512i scale = _mm512_cvtepi8_epi16(_mm256_setr_m128i(_mm_shuffle_epi8(sa, pick), _mm_shuffle_epi8(sb, pick)));
+    const __m512i qh = two_panels(a + 1024 + 32 * (2 * j + h), b + 1024 + 32 * (2 * j + h));
+    for (int half = 0; half < 2; ++half) {
+      const int p = 2 * h + half;
+      const __m512i v = two_panels(a + 32 * (4 * j + p), b + 32 * (4 * j + p));
+      const __m512i nibbles[2] = {
+          _mm512_or_si512(_mm512_and_si512(v, mask),
+                          _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 4 * half), three), 4)),
+          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), mask),
+                          _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 4 * half + 2), three), 4))};
+      for (int n = 0; n < 2; ++n) {
+        const __m512i q = _mm512_sub_epi8(nibbles[n], bias);
+        // the even and odd bytes as int16 (sign-extended) times their column's scale
+        const __m512i even = _mm512_mullo_epi16(_mm512_srai_epi16(_mm512_slli_epi16(q, 8), 8), scale);
+        const __m512i odd = _mm512_mullo_epi16(_mm512_srai_epi16(q, 8), scale);
+        const int row = 4 * h + 2 * half + n;
+        _mm512_storeu_si512(stage + 64 * row, _mm512_or_si512(_mm512_and_si512(_mm512_srai_epi16(even, 6), low_byte),
+                                                              _mm512_slli_epi16(_mm512_srai_epi16(odd, 6), 8)));
+        _mm512_storeu_si512(stage + 512 + 64 * row, _mm512_or_si512(_mm512_and_si512(even, low6),
+                                                                    _mm512_slli_epi16(_mm512_and_si512(odd, low6), 8)));
+      }
+    }
+  }
+}
+
 // Super-block s of a unit as B tiles into stage, 8 KiB: Q4_K's and Q5_K's [4][2][16][64]; Q6_K's 16 groups of [4][64], as
-// 16 of 512 bytes (the second half unused).
+// 16 of 512 bytes (the second half unused), or its 8 chunks' [2][8][64].
 template <int64_t Type>
 inline void stage_super(const uint8_t* a, const uint8_t* b, uint8_t* stage) {
   for (int j = 0; j < 8; ++j) {
     if constexpr (amx_super_type(Type)) {
       kquant_chunk_b<Type == kQ5_K_Panels>(a, b, j, stage);
+    } else if constexpr (Type == kQ6_K_Chunks) {
+      q6k_chunk_b(a, b, j, stage + 1024 * j);
     } else {
       q6k_group_b(a, b, j, 0, stage + 1024 * j);
       q6k_group_b(a, b, j, 1, stage + 1024 * j + 512);
@@ -172,7 +225,7 @@ inline void stage_super(const uint8_t* a, const uint8_t* b, uint8_t* stage) {
   _tile_stored(HI, c, 64);                                            \
   _tile_stored(LO, c + 256, 64);
 
-#define ASYNCSERVE_Q6K_PRODUCTS(C0, C1)                               \
+#define ASYNCSERVE_Q6K_GROUP_PRODUCTS(C0, C1)                               \
   _tile_loadd(2, xs + 32 * j, K);                                     \
   _tile_loadd(3, xs + 32 * j + 16, K);                                \
   _tile_loadd(4, stage + 1024 * j, 64);                               \
@@ -184,8 +237,20 @@ inline void stage_super(const uint8_t* a, const uint8_t* b, uint8_t* stage) {
   _tile_stored(C0, c, 64);                                            \
   _tile_stored(C1, c + 256, 64);
 
+#define ASYNCSERVE_Q6K_CHUNK_PRODUCTS(HI, LO)                               \
+  _tile_loadd(2, xs + 32 * j, K);                                     \
+  _tile_loadd(4, stage + 1024 * j, 64);                               \
+  _tile_loadd(5, stage + 1024 * j + 512, 64);                         \
+  _tile_zero(HI);                                                     \
+  _tile_zero(LO);                                                     \
+  _tile_dpbssd(HI, 2, 4);                                             \
+  _tile_dpbssd(LO, 2, 5);                                             \
+  _tile_stored(HI, c, 64);                                            \
+  _tile_stored(LO, c + 256, 64);
+
 // The products run in steps, each stored into c [2][16][16] and folded while the next step's run: Q4_K's one
-// (and Q5_K's) per super-block (C_hi, C_lo), Q6_K's one per chunk j of 32 (groups 2j and 2j + 1), kSteps per super-block.
+// (and Q5_K's) per super-block (C_hi, C_lo), Q6_K's one per chunk j of 32 (groups 2j and 2j + 1, or C_hi and C_lo),
+// kSteps per super-block.
 template <int64_t Type>
 constexpr int kSteps = amx_super_type(Type) ? 1 : 8;
 
@@ -198,16 +263,23 @@ inline void step_products(const uint8_t* stage, const int8_t* xs, int64_t K, int
     } else {
       ASYNCSERVE_Q4K_PRODUCTS(6, 7)
     }
+  } else if constexpr (Type == kQ6_K_Chunks) {
+    if constexpr (Pair == 0) {
+      ASYNCSERVE_Q6K_CHUNK_PRODUCTS(0, 1)
+    } else {
+      ASYNCSERVE_Q6K_CHUNK_PRODUCTS(6, 7)
+    }
   } else {
     if constexpr (Pair == 0) {
-      ASYNCSERVE_Q6K_PRODUCTS(0, 1)
+      ASYNCSERVE_Q6K_GROUP_PRODUCTS(0, 1)
     } else {
-      ASYNCSERVE_Q6K_PRODUCTS(6, 7)
+      ASYNCSERVE_Q6K_GROUP_PRODUCTS(6, 7)
     }
   }
 }
 #undef ASYNCSERVE_Q4K_PRODUCTS
-#undef ASYNCSERVE_Q6K_PRODUCTS
+#undef ASYNCSERVE_Q6K_GROUP_PRODUCTS
+#undef ASYNCSERVE_Q6K_CHUNK_PRODUCTS
 
 // acc [16][16] += super-block s of rows m.. (rows of them x's) from its products c (C_hi, C_lo): fold_super per
 // column lane; a / b the two panels' super-block.
@@ -252,6 +324,20 @@ inline void q6k_fold(const uint8_t* a, const uint8_t* b, const int32_t* c, const
   }
 }
 
+// The same for Q6_K's chunk j in chunks (kQ6_K_Chunks): q6k_panel_tile's integer (its offsets -32 sc sum(x) are in the
+// signed weights here, its scales in B: 64 C_hi + C_lo), folded with the rows' scales of the chunk.
+inline void q6k_chunk_fold(const uint8_t* a, const uint8_t* b, const int32_t* c, const QuantizedRows& x, int64_t m,
+                     int rows, int64_t s, int j, float* acc) {
+  const int64_t K = x.K;
+  const __m512 d = two_panels_halves(a + 1664, b + 1664);
+  for (int r = 0; r < rows; ++r) {
+    const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c + 16 * r), 6), _mm512_load_si512(c + 256 + 16 * r));
+    const __m512 dx = _mm512_set1_ps(x.d[(m + r) * (K / 32) + 8 * s + j]);
+    _mm512_storeu_ps(acc + 16 * r, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, dx),
+                                                  _mm512_loadu_ps(acc + 16 * r)));
+  }
+}
+
 // Units [begin, end) of one part in panels of Type (amx_panel_type; unit u: panels 2u and
 // 2u + 1, or the last panel alone) for every row of x in tiles of 16; x's row buffers hold whole tiles
 // (quant_linear pads them). Per super-block s of a unit, its B is written once for all the row tiles, while
@@ -261,14 +347,15 @@ inline void q6k_fold(const uint8_t* a, const uint8_t* b, const int32_t* c, const
 template <int64_t Type, typename T>
 inline void amx_part_panels(const uint8_t* blocks, int64_t panels, int64_t begin, int64_t end, const QuantizedRows& x,
                             int64_t M, T* y, int64_t ldy, int64_t col0) {
-  constexpr int64_t kBytes = panel_block_bytes(Type);
+  constexpr int64_t kBytes = amx_block_bytes(Type);
   constexpr int kLines = int(2 * kBytes + 63) / 64;   // a unit's lines per super-block
   const int64_t K = x.K, supers = K / 256, panel_bytes = supers * kBytes, tiles = (M + kAmxRows - 1) / kAmxRows;
   const int8_t* xq = amx_super_type(Type) ? x.q256.data() : x.q.data();
-  alignas(64) static thread_local uint8_t stage[2][8192];
-  alignas(64) static thread_local int32_t c[2][2 * 256];   // a step's products, two in flight
-  thread_local std::vector<float> acc;                     // [tiles][16 rows][16 columns]
-  const QuantTileConfig config(amx_super_type(Type) ? 64 : 16);
+  alignas(64) uint8_t stage[2][8192];   // on the stack: a thread_local costs a call to find it, each time
+  alignas(64) int32_t c[2][2 * 256];     // a step's products, two in flight
+  thread_local LineVector<float> kept_acc;   // kept between calls
+  LineVector<float>& acc = kept_acc;          // [tiles][16 rows][16 columns] (its thread-local address found once)
+  const QuantTileConfig config(amx_super_type(Type) ? 64 : Type == kQ6_K_Chunks ? 32 : 16);
   _tile_loadconfig(&config);
   for (int64_t u = begin; u < end; ++u) {
     const int64_t first = 2 * u, count = std::min<int64_t>(2, panels - first);
@@ -284,6 +371,7 @@ inline void amx_part_panels(const uint8_t* blocks, int64_t panels, int64_t begin
       float* tile_acc = acc.data() + done.tile * kAmxRows * 16;
       const int64_t at = done.s * kBytes;
       if constexpr (amx_super_type(Type)) q4k_fold(a + at, b + at, products, x, m, rows, done.s, tile_acc);
+      else if constexpr (Type == kQ6_K_Chunks) q6k_chunk_fold(a + at, b + at, products, x, m, rows, done.s, done.j, tile_acc);
       else q6k_fold(a + at, b + at, products, x, m, rows, done.s, done.j, tile_acc);
     };
     int64_t step = 0;   // steps issued; each is folded once the next one is issued
