@@ -225,7 +225,7 @@ inline void stage_super(const uint8_t* a, const uint8_t* b, uint8_t* stage) {
   _tile_stored(HI, c, 64);                                            \
   _tile_stored(LO, c + 256, 64);
 
-#define ASYNCSERVE_Q6K_GROUP_PRODUCTS(C0, C1)                               \
+#define ASYNCSERVE_Q6K_GROUP_PRODUCTS(C0, C1)                         \
   _tile_loadd(2, xs + 32 * j, K);                                     \
   _tile_loadd(3, xs + 32 * j + 16, K);                                \
   _tile_loadd(4, stage + 1024 * j, 64);                               \
@@ -237,7 +237,7 @@ inline void stage_super(const uint8_t* a, const uint8_t* b, uint8_t* stage) {
   _tile_stored(C0, c, 64);                                            \
   _tile_stored(C1, c + 256, 64);
 
-#define ASYNCSERVE_Q6K_CHUNK_PRODUCTS(HI, LO)                               \
+#define ASYNCSERVE_Q6K_CHUNK_PRODUCTS(HI, LO)                         \
   _tile_loadd(2, xs + 32 * j, K);                                     \
   _tile_loadd(4, stage + 1024 * j, 64);                               \
   _tile_loadd(5, stage + 1024 * j + 512, 64);                         \
@@ -327,7 +327,7 @@ inline void q6k_fold(const uint8_t* a, const uint8_t* b, const int32_t* c, const
 // The same for Q6_K's chunk j in chunks (kQ6_K_Chunks): q6k_panel_tile's integer (its offsets -32 sc sum(x) are in the
 // signed weights here, its scales in B: 64 C_hi + C_lo), folded with the rows' scales of the chunk.
 inline void q6k_chunk_fold(const uint8_t* a, const uint8_t* b, const int32_t* c, const QuantizedRows& x, int64_t m,
-                     int rows, int64_t s, int j, float* acc) {
+                           int rows, int64_t s, int j, float* acc) {
   const int64_t K = x.K;
   const __m512 d = two_panels_halves(a + 1664, b + 1664);
   for (int r = 0; r < rows; ++r) {
