@@ -225,28 +225,19 @@ inline void stage_super(const uint8_t* a, const uint8_t* b, uint8_t* stage) {
   _tile_stored(HI, c, 64);                                            \
   _tile_stored(LO, c + 256, 64);
 
-#define ASYNCSERVE_Q6K_GROUP_PRODUCTS(C0, C1)                         \
+// Q6_K's chunk j: A2 the tile holding the second product's x, 3 in groups (x's second 16 bytes, kQ6_K_Panels), 2 in
+// chunks (one load of 32 bytes against B_hi and B_lo, kQ6_K_Chunks).
+#define ASYNCSERVE_Q6K_PRODUCTS(C0, C1, A2)                           \
   _tile_loadd(2, xs + 32 * j, K);                                     \
-  _tile_loadd(3, xs + 32 * j + 16, K);                                \
+  if constexpr (A2 == 3) _tile_loadd(3, xs + 32 * j + 16, K);         \
   _tile_loadd(4, stage + 1024 * j, 64);                               \
   _tile_loadd(5, stage + 1024 * j + 512, 64);                         \
   _tile_zero(C0);                                                     \
   _tile_zero(C1);                                                     \
   _tile_dpbssd(C0, 2, 4);                                             \
-  _tile_dpbssd(C1, 3, 5);                                             \
+  _tile_dpbssd(C1, A2, 5);                                            \
   _tile_stored(C0, c, 64);                                            \
   _tile_stored(C1, c + 256, 64);
-
-#define ASYNCSERVE_Q6K_CHUNK_PRODUCTS(HI, LO)                         \
-  _tile_loadd(2, xs + 32 * j, K);                                     \
-  _tile_loadd(4, stage + 1024 * j, 64);                               \
-  _tile_loadd(5, stage + 1024 * j + 512, 64);                         \
-  _tile_zero(HI);                                                     \
-  _tile_zero(LO);                                                     \
-  _tile_dpbssd(HI, 2, 4);                                             \
-  _tile_dpbssd(LO, 2, 5);                                             \
-  _tile_stored(HI, c, 64);                                            \
-  _tile_stored(LO, c + 256, 64);
 
 // The products run in steps, each stored into c [2][16][16] and folded while the next step's run: Q4_K's one
 // (and Q5_K's) per super-block (C_hi, C_lo), Q6_K's one per chunk j of 32 (groups 2j and 2j + 1, or C_hi and C_lo),
@@ -265,21 +256,20 @@ inline void step_products(const uint8_t* stage, const int8_t* xs, int64_t K, int
     }
   } else if constexpr (Type == kQ6_K_Chunks) {
     if constexpr (Pair == 0) {
-      ASYNCSERVE_Q6K_CHUNK_PRODUCTS(0, 1)
+      ASYNCSERVE_Q6K_PRODUCTS(0, 1, 2)
     } else {
-      ASYNCSERVE_Q6K_CHUNK_PRODUCTS(6, 7)
+      ASYNCSERVE_Q6K_PRODUCTS(6, 7, 2)
     }
   } else {
     if constexpr (Pair == 0) {
-      ASYNCSERVE_Q6K_GROUP_PRODUCTS(0, 1)
+      ASYNCSERVE_Q6K_PRODUCTS(0, 1, 3)
     } else {
-      ASYNCSERVE_Q6K_GROUP_PRODUCTS(6, 7)
+      ASYNCSERVE_Q6K_PRODUCTS(6, 7, 3)
     }
   }
 }
 #undef ASYNCSERVE_Q4K_PRODUCTS
-#undef ASYNCSERVE_Q6K_GROUP_PRODUCTS
-#undef ASYNCSERVE_Q6K_CHUNK_PRODUCTS
+#undef ASYNCSERVE_Q6K_PRODUCTS
 
 // acc [16][16] += super-block s of rows m.. (rows of them x's) from its products c (C_hi, C_lo): fold_super per
 // column lane; a / b the two panels' super-block.
