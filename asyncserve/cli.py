@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -120,6 +121,43 @@ def _engine_args(p: argparse.ArgumentParser, step_profile: str = "off") -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="on CUDA, run every step eagerly instead of replaying decode steps from CUDA graphs "
                         "(default: decode steps of up to --max-running sequences replay from graphs)")
+    p.add_argument("--speculative-config", type=_speculative_config, default={}, metavar="JSON",
+                   help="speculative decoding by prompt lookup, as vLLM's: '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4}', optionally with prompt_lookup_max (4), prompt_lookup_min "
+                        "(2) and disable_by_batch_size (4: no drafts while more sequences decode). Each decoding "
+                        "sequence drafts up to that many tokens from the latest earlier occurrence of its last "
+                        "n tokens and keeps those the model samples itself: the same output, several tokens a "
+                        "step where text repeats its context (default: off)")
+
+
+_SPECULATIVE_KEYS = {"num_speculative_tokens": "speculative_tokens", "prompt_lookup_max": "prompt_lookup_max",
+                     "prompt_lookup_min": "prompt_lookup_min", "disable_by_batch_size": "speculative_max_batch"}
+
+
+def _speculative_config(text: str) -> dict:
+    """--speculative-config's JSON -> Config's speculative fields."""
+    try:
+        spec = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(spec, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"method\": \"ngram\", "
+                                         "\"num_speculative_tokens\": 4}'")
+    method = spec.pop("method", None)
+    if method != "ngram":
+        raise argparse.ArgumentTypeError(f"method {method!r}: asyncserve drafts by prompt lookup only; use "
+                                         "\"method\": \"ngram\"")
+    unknown = sorted(set(spec) - set(_SPECULATIVE_KEYS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown keys {unknown}; the ngram method takes {sorted(_SPECULATIVE_KEYS)}")
+    if "num_speculative_tokens" not in spec:
+        raise argparse.ArgumentTypeError("num_speculative_tokens is required")
+    if not all(type(v) is int and v >= 1 for v in spec.values()):
+        raise argparse.ArgumentTypeError(f"values must be positive integers, got {spec}")
+    fields = {_SPECULATIVE_KEYS[k]: v for k, v in spec.items()}
+    if "prompt_lookup_max" in fields and "prompt_lookup_min" not in fields:
+        fields["prompt_lookup_min"] = min(2, fields["prompt_lookup_max"])
+    return fields
 
 
 class _MarkdownHelp(argparse.Action):
@@ -175,7 +213,8 @@ def _config(args):
                   prefix_caching=args.prefix_caching, cpu_workers=args.cpu_workers, cpu_assist=args.cpu_assist,
                   cpu_profile_dir=args.cpu_profile_dir, step_profile=args.step_profile,
                   step_profile_dir=args.step_profile_dir, enforce_eager=args.enforce_eager,
-                  tensor_parallel=args.tensor_parallel, tp_cores=args.tp_cores, tp_backend=args.tp_backend)
+                  tensor_parallel=args.tensor_parallel, tp_cores=args.tp_cores, tp_backend=args.tp_backend,
+                  **args.speculative_config)
 
 
 def main(argv: list[str] | None = None) -> None:

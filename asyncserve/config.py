@@ -52,6 +52,13 @@ class Config:
     prefix_caching: bool = True              # reuse the KV of full blocks of earlier prompts (per adapter)
     seed: int | None = None                  # seeds drawn for requests without one
     enforce_eager: bool = False              # CUDA: no decode steps replayed from CUDA graphs (stepper/cuda_graphs.py)
+    # speculative decoding by prompt lookup (scheduler/drafts.py, vLLM's "ngram" method): tokens drafted per
+    # sequence and step at most, 0: off; from the latest earlier occurrence of the last n tokens, n from
+    # prompt_lookup_max down to prompt_lookup_min; only while at most speculative_max_batch sequences decode
+    speculative_tokens: int = 0
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    speculative_max_batch: int = 4
     # tensor parallelism (docs/tensor-parallel.md): the model sharded over this many rank processes, on CPU
     # cores or one GPU each
     tensor_parallel: int = 1
@@ -145,6 +152,8 @@ class Config:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
+        if self.speculative_tokens:
+            self.validate_speculative()
         if self.cpu_workers is not None and self.cpu_workers < 0:
             raise ValueError(f"cpu_workers must not be negative, got {self.cpu_workers}")
         if self.cpu_assist not in ("auto", "on", "off"):
@@ -195,6 +204,15 @@ class Config:
         if self.threads is not None:
             raise ValueError("under tensor_parallel each rank runs one torch thread per core of its own (tp_cores); "
                              "threads does not apply")
+
+    def validate_speculative(self) -> None:
+        if self.speculative_tokens < 0:
+            raise ValueError(f"speculative_tokens must not be negative, got {self.speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.speculative_max_batch < 1:
+            raise ValueError(f"speculative_max_batch must be at least 1, got {self.speculative_max_batch}")
 
     def validate_quantize(self) -> None:
         if self.quantize not in ("q8_0", "q4_0"):

@@ -36,6 +36,7 @@ from asyncserve.pager.pool import PagedPool
 from asyncserve.perf_model import STEP_TIME_PRIOR, PerfCoefficients, StepChunk, StepLatencyModel, adapter_load_seconds
 from asyncserve.progress import Progress
 from asyncserve.sampling_params import SamplingParams
+from asyncserve.scheduler.drafts import NgramDrafter
 from asyncserve.scheduler.policies import make_policy
 from asyncserve.scheduler.policy import PolicySettings
 from asyncserve.scheduler.scheduler import Scheduler
@@ -93,6 +94,8 @@ class LoadSnapshot:
     cpu_workers: int = 0               # live CPU LoRA workers
     cpu_assist_tokens: int = 0         # tokens whose LoRA the CPU workers computed so far
     cpu_worker_restarts: int = 0       # workers replaced after dying or missing a deadline
+    spec_draft_tokens: int = 0         # speculative decoding: tokens drafted so far
+    spec_accepted_tokens: int = 0      # of those, tokens kept
 
 
 @dataclass(frozen=True)
@@ -206,9 +209,11 @@ class Engine:
             max_running=config.max_running, max_step_tokens=max_step_tokens, latency=self.latency,
             max_step_adapters=config.max_step_adapters, slo_ttft_s=config.slo_ttft_s, slo_tpot_s=config.slo_tpot_s,
             switch_seconds=self.merge_seconds, merge_refusal=self.merge_refusal))
+        drafter = NgramDrafter(config.speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max,
+                               config.speculative_max_batch) if config.speculative_tokens else None
         self.scheduler = Scheduler(self.pool, self.pager, self.tokenizer, policy, max_running=config.max_running,
                                    max_step_tokens=max_step_tokens, max_model_len=self.max_model_len,
-                                   prefix_caching=config.prefix_caching)
+                                   prefix_caching=config.prefix_caching, drafter=drafter)
         self._seeds = random.Random(config.seed)
         self.guides = GuideCompiler(self.tokenizer, self.device)
         log.info("model %s: %d layers, %s on %s, LoRA backend %s; pool %d pages x %.1f KiB = %.2f GiB",
@@ -833,6 +838,8 @@ class Engine:
                             adapter_loads_total=self.pager.loads_total,
                             prefix_queried_tokens=blocks.prefix_queried_tokens,
                             prefix_hit_tokens=blocks.prefix_hit_tokens,
+                            **({} if s.drafter is None else dict(
+                                spec_draft_tokens=s.drafter.drafted, spec_accepted_tokens=s.drafter.accepted)),
                             **({} if self.assist is None else dict(
                                 cpu_workers=self.assist.live, cpu_assist_tokens=self.assist.tokens_total,
                                 cpu_worker_restarts=self.assist.restarts)))

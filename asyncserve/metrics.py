@@ -139,6 +139,11 @@ class Metrics:
         self.cpu_worker_restarts = Counter("asyncserve_cpu_worker_restarts", "CPU LoRA workers replaced after "
                                            "dying or missing a job's deadline", registry=r)
         self._cpu_seen = (0, 0)
+        self.spec_draft_tokens = Counter("asyncserve_spec_decode_draft_tokens", "Speculative decoding: tokens "
+                                         "drafted by prompt lookup", registry=r)
+        self.spec_accepted_tokens = Counter("asyncserve_spec_decode_accepted_tokens", "Speculative decoding: "
+                                            "drafted tokens that matched the model's and were kept", registry=r)
+        self._spec_seen = (0, 0)
         # cluster mode
         self.peers_alive = Gauge("asyncserve_peers_alive", "Peers heard from lately (cluster mode)", registry=r)
         self.requests_forwarded = Counter("asyncserve_requests_forwarded",
@@ -186,6 +191,9 @@ class Metrics:
         self.cpu_assist_tokens.inc(load.cpu_assist_tokens - self._cpu_seen[0])
         self.cpu_worker_restarts.inc(load.cpu_worker_restarts - self._cpu_seen[1])
         self._cpu_seen = (load.cpu_assist_tokens, load.cpu_worker_restarts)
+        self.spec_draft_tokens.inc(load.spec_draft_tokens - self._spec_seen[0])
+        self.spec_accepted_tokens.inc(load.spec_accepted_tokens - self._spec_seen[1])
+        self._spec_seen = (load.spec_draft_tokens, load.spec_accepted_tokens)
         self._observe_merge(engine.merge_stats())
 
     def observe_loads(self, engine) -> None:

@@ -45,6 +45,8 @@ class Sequence:
     cache_root: tuple | None = None
     block_keys: list[tuple] = field(default_factory=list)
     num_registered_blocks: int = 0
+    # speculative decoding: where its n-grams occurred (scheduler/drafts.NgramIndex), built on first draft
+    ngram_index: object | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -27,16 +27,30 @@ class EngineFailed(RuntimeError):
 class ScheduledChunk:
     seq: Sequence
     num_tokens: int
+    # speculative decoding (scheduler/drafts.py): tokens guessed to follow the sequence's last one; the
+    # chunk is that token and these, each position sampled, kept while the draft matches the samples
+    draft: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the sequence's known tokens (so a token is sampled)."""
-        return self.seq.num_computed + self.num_tokens == self.seq.num_tokens
+        return self.seq.num_computed + self.num_tokens == self.seq.num_tokens + len(self.draft)
+
+    @property
+    def num_sampled(self) -> int:
+        """Rows of the step's SampleOutput that are this chunk's: one per drafted token and one more."""
+        return len(self.draft) + 1 if self.samples else 0
+
+    def token_at(self, pos: int) -> int:
+        """The chunk's token at position pos: the sequence's, then the draft's."""
+        known = self.seq.num_tokens
+        return self.seq.token_at(pos) if pos < known else self.draft[pos - known]
 
 
 @dataclass
 class StepPlan:
-    decodes: list[ScheduledChunk] = field(default_factory=list)    # one token each, grouped by adapter
+    # grouped by adapter; one token each, or with a draft its last token and the draft (a decode row each)
+    decodes: list[ScheduledChunk] = field(default_factory=list)
     prefills: list[ScheduledChunk] = field(default_factory=list)   # grouped by adapter
     # dLoRA's merged mode: the adapter whose weights are merged into the base weights for this step
     # (its chunks then need no LoRA compute, and the plan holds no other adapter's or base chunks);

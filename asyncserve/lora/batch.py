@@ -31,7 +31,7 @@ class LoraBatch:
     seg_adapter: list[int]           # [S] index into adapters, -1 = no device LoRA
     num_tokens: int
     device: torch.device
-    num_decode: int = 0              # tokens [0, num_decode) are single-token decodes, one per sequence
+    num_decode: int = 0              # tokens [0, num_decode) are decode rows (a drafted decode has several)
     _tensors: dict = field(default_factory=dict, repr=False)
 
     @property

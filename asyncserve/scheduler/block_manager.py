@@ -50,6 +50,22 @@ class BlockManager:
         seq.block_table += self.pool.allocate(need, "kv")
         return True
 
+    def reserve_free(self, seq: Sequence, num_tokens: int) -> bool:
+        """Like reserve, but only from pages free beyond the watermark: evicts nothing."""
+        need = self.pool.pages_for_tokens(num_tokens) - len(seq.block_table)
+        if need > 0:
+            if self.pool.num_free - need < self.watermark:
+                return False
+            seq.block_table += self.pool.allocate(need, "kv")
+        return True
+
+    def trim(self, seq: Sequence) -> None:
+        """Release seq's pages past those its tokens need (held for a draft's rejected tokens)."""
+        keep = self.pool.pages_for_tokens(seq.num_tokens)
+        if len(seq.block_table) > keep:
+            self.pool.release(seq.block_table[keep:])
+            del seq.block_table[keep:]
+
     def free(self, seq: Sequence) -> None:
         self.pool.release(seq.block_table)
         seq.block_table = []

@@ -29,6 +29,7 @@ from asyncserve.model.tokenizer import Tokenizer
 from asyncserve.pager.pager import AdapterPager
 from asyncserve.pager.pool import PagedPool
 from asyncserve.scheduler.block_manager import BlockManager
+from asyncserve.scheduler.drafts import NgramDrafter
 from asyncserve.scheduler.output import OutputProcessor
 from asyncserve.scheduler.policy import ANY, SchedulingPolicy, StepRule
 from asyncserve.sequence import SeqStatus, Sequence
@@ -39,8 +40,10 @@ log = logging.getLogger("asyncserve.scheduler")
 
 class Scheduler:
     def __init__(self, pool: PagedPool, pager: AdapterPager, tokenizer: Tokenizer, policy: SchedulingPolicy,
-                 max_running: int, max_step_tokens: int, max_model_len: int, prefix_caching: bool = True):
+                 max_running: int, max_step_tokens: int, max_model_len: int, prefix_caching: bool = True,
+                 drafter: NgramDrafter | None = None):
         self.pager = pager
+        self.drafter = drafter                       # speculative decoding's drafts (drafts.py), None: off
         # set by the engine when it has CPU workers: cold_admission(seq, tokens), whether to admit seq,
         # whose adapter is not on the device, with CPU assist for a first chunk of about ``tokens``
         self.cold_admission: Callable[[Sequence, int], bool] | None = None
@@ -101,14 +104,17 @@ class Scheduler:
                 self._assisted.add(seq.adapter_load)
         # 1. decodes of running sequences the rule allows, preempting the newest when pages run out
         prefilling = []
+        drafting = self.drafter is not None and sum(not s.in_prefill for s in self.running) <= self.drafter.max_batch
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING or not rule.allows(seq.adapter):
                 continue
             if seq.in_prefill:
                 prefilling.append(seq)
             elif self._grow(seq, seq.num_computed + 1):   # else seq itself was preempted
-                plan.decodes.append(ScheduledChunk(seq, 1))
                 budget -= 1
+                draft = self._draft(seq, budget) if drafting else []
+                plan.decodes.append(ScheduledChunk(seq, 1 + len(draft), draft))
+                budget -= len(draft)
         # 2. running sequences mid-prefill continue their chunks (unless preempted by a decode above)
         for seq in prefilling:
             if budget <= 0:
@@ -135,6 +141,20 @@ class Scheduler:
         plan.prefills.sort(key=key)
         plan.assisted = frozenset(self._assisted)
         return plan
+
+    def _draft(self, seq: Sequence, budget: int) -> list[int]:
+        """Tokens drafted to follow a decoding seq, within the step's budget, its max_tokens and the context
+        length, whose KV fits in free pages (a draft never evicts or preempts); [] for none."""
+        if seq.guide is not None:        # the guide's state would have to follow each drafted token
+            return []
+        room = min(budget, seq.params.max_tokens - len(seq.output_ids), self.output.max_model_len - seq.num_tokens) - 1
+        if room <= 0:
+            return []
+        draft = self.drafter.propose(seq, room)
+        if draft and not self.blocks.reserve_free(seq, seq.num_computed + 1 + len(draft)):
+            self.drafter.drafted -= len(draft)
+            return []
+        return draft
 
     def _warm_up(self, seq: Sequence) -> bool:
         """Page a cold sequence's adapter in if it fits now (not if its name was reloaded since: it keeps
@@ -217,6 +237,11 @@ class Scheduler:
         i = 0
         for chunk in plan.chunks:
             seq = chunk.seq
+            if chunk.draft:
+                if not seq.finished:           # else aborted while the step ran
+                    updates.append(self._verify(chunk, sampled, i))
+                i += chunk.num_sampled
+                continue
             samples = chunk.samples
             seq.num_computed += chunk.num_tokens
             if not seq.finished:
@@ -241,6 +266,37 @@ class Scheduler:
                 continue
             updates.append(self._append(seq, token))
         return updates
+
+    def _verify(self, chunk: ScheduledChunk, sampled: SampleOutput, row: int) -> SeqUpdate:
+        """A drafted decode's tokens: the sampled ones from ``row`` on while each drafted token equals the
+        one sampled before it, then the first that differs (or follows the whole draft). A row with no
+        token ends the run before it; the first row's fails the request, as a decode's does."""
+        seq, draft = chunk.seq, chunk.draft
+        tokens, text, reason = [], "", None
+        for j in range(len(draft) + 1):
+            token, error = sampled.token_ids[row + j], sampled.errors.get(row + j)
+            if error is not None:
+                if j > 0:                      # the next step samples that position again, as a decode
+                    break
+                log.warning("request %s: %s", seq.request_id, error.message)
+                self._finish(seq, "error")
+                return SeqUpdate(seq, [], "", True, "error", error)
+            if sampled.logprobs is not None:
+                seq.logprobs.append(sampled.logprobs[row + j])
+                seq.top_logprobs.append(sampled.top_logprobs[row + j] if sampled.top_logprobs else [])
+            seq.num_computed += 1              # the KV of the token before it is kept
+            tokens.append(token)
+            delta, reason = self.output.append(seq, token)
+            text += delta
+            if reason is not None or j == len(draft) or token != draft[j]:
+                break
+        self.drafter.accepted += len(tokens) - 1
+        if reason is not None:
+            self._finish(seq, reason)
+        else:
+            self.blocks.trim(seq)              # the pages past its tokens held only rejected drafts' KV
+            self.blocks.register_blocks(seq)
+        return SeqUpdate(seq, tokens, text, reason is not None, reason)
 
     def _append(self, seq: Sequence, token: int) -> SeqUpdate:
         text, reason = self.output.append(seq, token)

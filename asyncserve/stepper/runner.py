@@ -82,7 +82,7 @@ class ModelRunner:
         """The step's sequences and rows for DecodeGraphs and whether it has LoRA, or None where it runs eagerly."""
         g, decodes = self.graphs, plan.decodes
         if (g is None or not decodes or plan.prefills or plan.assisted or plan.merged is not None
-                or g.bucket(len(decodes)) is None or not all(c.samples for c in decodes)):
+                or g.bucket(len(decodes)) is None or not all(c.samples and not c.draft for c in decodes)):
             return None
         seqs = [c.seq for c in decodes]
         loads = [s.adapter_load if s.adapter is not None else None for s in seqs]
@@ -110,11 +110,14 @@ class ModelRunner:
         return plain_columns(plain, outputs), any(p.ranked for p in plain)
 
     def _sampling_rows(self, plan: StepPlan) -> list[SamplingRow]:
-        return [self._sampling_row(c.seq) for c in plan.chunks if c.samples]
+        return [row for c in plan.chunks for row in self._chunk_rows(c)]
 
-    def _sampling_row(self, seq) -> SamplingRow:
-        return SamplingRow(seq.params, seq.prompt_ids, seq.output_ids, self.eos_token_ids, seq.seed, seq.guide,
-                           seq.bad_words_ids)
+    def _chunk_rows(self, chunk) -> list[SamplingRow]:
+        """A chunk's rows to sample: none mid-prompt, else one, and one per drafted token, each as if the
+        draft before it had been sampled (its penalties, min_tokens and seed position)."""
+        seq = chunk.seq
+        return [SamplingRow(seq.params, seq.prompt_ids, seq.output_ids + chunk.draft[:j], self.eos_token_ids,
+                            seq.seed, seq.guide, seq.bad_words_ids) for j in range(chunk.num_sampled)]
 
     def _replay(self, plan: StepPlan, seqs: list[Sequence], batch: DecodeBatch, lora: bool) -> SampleOutput:
         """A decode step from its graph, sampled there where every row is plain (one copy of the tokens back)."""
@@ -175,17 +178,17 @@ class ModelRunner:
         prefills = []
         seg_starts, seg_adapter, adapters, adapter_index = [0], [], [], {}
         cold_tasks, cold_rows = [], []
-        nd = len(plan.decodes)
+        num_decode_chunks = len(plan.decodes)
         for i, chunk in enumerate(plan.chunks):
             seq = chunk.seq
             start = len(ids)
             for pos in range(seq.num_computed, seq.num_computed + chunk.num_tokens):
-                ids.append(seq.token_at(pos))
+                ids.append(chunk.token_at(pos))
                 positions.append(pos)
                 write_rows.append(seq.block_table[pos // bs] * self._row_stride + pos % bs)
-            if chunk.samples:
-                sample_index.append(len(ids) - 1)
-                rows.append(self._sampling_row(seq))
+            chunk_rows = self._chunk_rows(chunk)
+            sample_index += range(len(ids) - len(chunk_rows), len(ids))
+            rows += chunk_rows
             if seq.params.prompt_logprobs is not None:
                 # each position's logits score the next prompt token; a sequence recomputed after a
                 # preemption skips the tokens it already has
@@ -195,7 +198,7 @@ class ModelRunner:
                     prompt_index += range(start + first - seq.num_computed, start + last - seq.num_computed)
                     prompt_rows.targets += seq.prompt_ids[first + 1:last + 1]
                     prompt_rows.owners.append((seq.request_id, last - first, seq.params.prompt_logprobs))
-            if i >= nd:
+            if i >= num_decode_chunks:
                 prefills.append(PrefillChunk(start, len(ids), seq.num_computed,
                                              torch.tensor(seq.block_table, dtype=torch.int64, device=self.device)))
             # LoRA segments: consecutive chunks of one adapter merge into one segment
@@ -215,14 +218,18 @@ class ModelRunner:
                 seg_adapter.append(a)
                 seg_starts.append(len(ids))
 
+        # one decode row per token of the decodes: a drafted decode's rows attend as the decodes that
+        # would have sampled its tokens one by one (so the same kernels give the same logits)
+        nd = sum(c.num_tokens for c in plan.decodes)
         if nd:
             max_pages = max(len(c.seq.block_table) for c in plan.decodes)
-            tables = [c.seq.block_table + [0] * (max_pages - len(c.seq.block_table)) for c in plan.decodes]
+            tables = [c.seq.block_table + [0] * (max_pages - len(c.seq.block_table))
+                      for c in plan.decodes for _ in range(c.num_tokens)]
             decode_pages = torch.tensor(tables, dtype=torch.int64).flatten()
         else:
             decode_pages = torch.zeros(0, dtype=torch.int64)
-        mask, decode_padding = decode_masks(torch.tensor([c.seq.num_computed + 1 for c in plan.decodes],
-                                                         dtype=torch.int64), len(decode_pages) // max(nd, 1), bs)
+        mask, decode_padding = decode_masks(torch.tensor(positions[:nd], dtype=torch.int64) + 1,
+                                            len(decode_pages) // max(nd, 1), bs)
         dev = self.device
         inputs = StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),

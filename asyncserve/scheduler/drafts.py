@@ -1,0 +1,62 @@
+"""Speculative decoding's drafts by prompt lookup (vLLM's "ngram" method; Saxena's prompt lookup
+decoding): the tokens that followed the latest earlier occurrence of a sequence's last n tokens
+(n from prompt_lookup_max down to prompt_lookup_min) are guessed to follow again. No draft model:
+text that repeats its context (code edits, quoting, summaries, extraction) gets several tokens
+per step, any other text gets none and pays nothing but the lookup.
+
+The scheduler verifies a draft as one chunk of the last token and the drafted ones (a prefill
+chunk over the sequence's cached KV), whose every position is sampled as the step without drafts
+would sample it (the sampler's draw depends only on the row's logits, seed and output position):
+a drafted token is kept while it equals the token sampled before it, so a request's output is the
+one it gets without speculation, for greedy and seeded sampling alike.
+"""
+from __future__ import annotations
+
+# n-gram ends indexed per sequence per schedule() at most: a long prompt's index is built over a
+# few steps instead of stalling the event loop in one (lookups meanwhile see the part indexed)
+INDEX_PER_STEP = 2048
+
+
+class NgramIndex:
+    """One sequence's n-grams (n in [n_min, n_max]) -> where the latest occurrence indexed ends."""
+
+    def __init__(self, n_min: int, n_max: int):
+        self.sizes = range(n_max, n_min - 1, -1)          # longest first
+        self.ends: dict[tuple[int, ...], int] = {}
+        self.indexed = 0                                   # n-grams ending at or before this are indexed
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of tokens' longest indexed suffix
+        n-gram; [] where none occurred. Indexes the n-grams ending before the last token first."""
+        last = len(tokens) - 1       # the suffix itself ends at len(tokens): never its own match
+        stop = min(last, self.indexed + INDEX_PER_STEP)
+        ends = self.ends
+        for end in range(self.indexed + 1, stop + 1):
+            for n in self.sizes:
+                if n <= end:
+                    ends[tuple(tokens[end - n:end])] = end
+        self.indexed = max(self.indexed, stop)
+        for n in self.sizes:
+            end = ends.get(tuple(tokens[-n:])) if n <= last else None
+            if end is not None:
+                return tokens[end:end + k]
+        return []
+
+
+class NgramDrafter:
+    """The scheduler's drafts: each sequence's NgramIndex lives on it (Sequence.ngram_index)."""
+
+    def __init__(self, num_tokens: int, n_min: int, n_max: int, max_batch: int):
+        self.num_tokens = num_tokens       # drafted tokens per sequence and step at most
+        self.n_min, self.n_max = n_min, n_max
+        self.max_batch = max_batch         # draft only while at most this many sequences decode
+        self.drafted = 0                   # tokens drafted so far
+        self.accepted = 0                  # of those, tokens kept
+
+    def propose(self, seq, limit: int) -> list[int]:
+        """At most min(num_tokens, limit) drafted tokens to follow seq's tokens."""
+        if seq.ngram_index is None:
+            seq.ngram_index = NgramIndex(self.n_min, self.n_max)
+        draft = seq.ngram_index.propose(seq.prompt_ids + seq.output_ids, min(self.num_tokens, limit))
+        self.drafted += len(draft)
+        return draft
