@@ -2,6 +2,7 @@
 force search, and the engine's and the server's output with drafts against the output without them
 and against transformers+PEFT, on the tiny random Llama in fp32."""
 import argparse
+import os
 import random
 
 import pytest
@@ -13,7 +14,7 @@ from asyncserve.sampling_params import StructuredOutputs
 from asyncserve.scheduler.block_manager import BlockManager
 from asyncserve.scheduler import drafts
 from asyncserve.scheduler.drafts import NgramIndex
-from reference import ADAPTERS, assert_greedy_matches, peft_references
+from reference import ADAPTERS, assert_greedy_matches, peft_references, record_steps
 from server_harness import ServerThread
 
 NEW_TOKENS = 24
@@ -45,7 +46,7 @@ def test_draft_prefers_the_longest_then_the_latest_match():
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
-@pytest.mark.parametrize("per_step", [2048, 3])
+@pytest.mark.parametrize("per_step", [1024, 3])
 def test_draft_as_tokens_grow_equals_a_brute_force_search(monkeypatch, seed, per_step):
     """Token by token over random low-entropy sequences (so that n-grams repeat), as a decode grows its
     output; per_step 3: a long prompt indexed a few n-gram ends per step, the lookups meanwhile only
@@ -242,3 +243,44 @@ def test_server_streams_drafted_tokens_and_counts_them(tiny_model):
             "asyncserve_spec_decode_accepted_tokens_total")
     finally:
         st.stop()
+
+
+def _shm_names() -> set[str]:
+    from ipc import leftovers
+
+    return set(leftovers(f"/asyncserve-{os.getpid()}-"))
+
+
+@pytest.mark.parametrize("kind", ["tensor parallel", "cpu assist"])
+def test_drafted_decodes_on_tp_ranks_and_cpu_workers(tiny_model, engines, kind):
+    """Two ranks over shared memory run the drafted decode rows over their shards; with CPU assist, an
+    adapter kept off the device for its first steps has its drafted decode rows' LoRA computed on the
+    workers. Both give the engine's tokens without drafts, and leave nothing in /dev/shm."""
+    plain, _ = engines
+    prompts = repetitive_prompts(tiny_model.tokenizer, 4, seed=23)
+    adapters = ["r8_attn_rs", None, "r64_all", "r8_attn_rs"]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    before = _shm_names()
+    extra = dict(tensor_parallel=2, tp_backend="shm") if kind == "tensor parallel" else dict(cpu_workers=2, cpu_assist="on")
+    llm = LLM(model=str(tiny_model.root), adapters={k: str(v) for k, v in tiny_model.adapters.items()},
+              dtype="float32", device="cpu", max_step_tokens=48, speculative_tokens=4, prompt_lookup_min=1,
+              speculative_max_batch=64, **extra)
+    engine = llm.engine
+    try:
+        cold_drafted = []
+        if kind == "cpu assist":
+            ensure_resident, steps = engine.pager.ensure_resident, record_steps(engine)
+
+            def no_room_at_first(name, admission=True):
+                return None if name == "r8_attn_rs" and len(steps) < 10 else ensure_resident(name, admission)
+            engine.pager.ensure_resident = no_room_at_first
+        outs = llm.generate(prompts, params, adapters=adapters)
+        if kind == "cpu assist":
+            cold_drafted = [c for p in steps for c in p.decodes if c.draft and c.seq.adapter_load in p.assisted]
+            assert cold_drafted, "no drafted decode ran on the workers"
+            assert engine.assist.fallbacks == 0
+        assert engine.scheduler.drafter.accepted > 0
+    finally:
+        engine.close()
+    assert sorted(_shm_names() - before) == []
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(prompts, params, adapters=adapters)]
