@@ -24,6 +24,10 @@ def parse_size(text: str | int | None) -> int | None:
     return int(number * base ** " KMGT".index(unit or " "))
 
 
+# drafted tokens per step at most: a structured-output guide walks a draft and back (outlines' rollback of 32)
+MAX_SPECULATIVE_TOKENS = 32
+
+
 @dataclass
 class Config:
     model: str | None = None                 # HF folder, .gguf file, Hub id (org/name), or None for the default SmolLM2
@@ -206,8 +210,8 @@ class Config:
                              "threads does not apply")
 
     def validate_speculative(self) -> None:
-        if self.speculative_tokens < 0:
-            raise ValueError(f"speculative_tokens must not be negative, got {self.speculative_tokens}")
+        if not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_tokens must be 0 to {MAX_SPECULATIVE_TOKENS}, got {self.speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")

@@ -176,6 +176,36 @@ class SequenceGuide:
         """[vocab] float32: 0 for the tokens allowed next, -inf for the others."""
         return self._biases.get((self._key, self._guide.get_state(), vocab), self._guide)
 
+    # speculative decoding: a draft's rows are sampled under the states the draft walks to
+    def accepted(self, tokens: list[int]) -> int:
+        """How many of tokens, from the first, the constraint allows to follow what it has seen."""
+        n = 0
+        while n < len(tokens) and self._guide.accepts_tokens(tokens[:n + 1]):
+            n += 1
+        return n
+
+    def after(self, tokens: list[int]) -> SequenceGuide | GuideAfter:
+        """The guide as it will be once ``tokens`` (which it accepts) follow, for the sampler's bias."""
+        return GuideAfter(self, tokens) if tokens else self
+
+    def bias_after(self, tokens: list[int], vocab: int) -> torch.Tensor:
+        for token in tokens:
+            self._guide.advance(token, return_tokens=False)
+        try:
+            return self.bias(vocab)
+        finally:
+            self._guide.rollback_state(len(tokens))
+
+
+class GuideAfter:
+    """SequenceGuide.after: reads as the guide would after some tokens, leaving its walk where it is."""
+
+    def __init__(self, guide: SequenceGuide, tokens: list[int]):
+        self.guide, self.tokens = guide, tokens
+
+    def bias(self, vocab: int) -> torch.Tensor:
+        return self.guide.bias_after(self.tokens, vocab)
+
 
 class BiasCache:
     """Logit biases by (constraint, automaton state, vocab size), least recently used dropped past

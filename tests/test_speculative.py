@@ -2,6 +2,7 @@
 force search, and the engine's and the server's output with drafts against the output without them
 and against transformers+PEFT, on the tiny random Llama in fp32."""
 import argparse
+import json
 import os
 import random
 
@@ -96,7 +97,8 @@ def test_speculative_config_flag_maps_vllm_keys_to_config():
     for fields, why in ((dict(prompt_lookup_min=3, prompt_lookup_max=2), "prompt_lookup_min <= prompt_lookup_max"),
                         (dict(prompt_lookup_min=0), "prompt_lookup_min"),
                         (dict(speculative_max_batch=0), "speculative_max_batch"),
-                        (dict(speculative_tokens=-1), "must not be negative")):
+                        (dict(speculative_tokens=-1), "must be 0 to 32"),
+                        (dict(speculative_tokens=33), "must be 0 to 32")):
         with pytest.raises(ValueError, match=why):
             Config(speculative_tokens=fields.pop("speculative_tokens", 4), **fields).validate()
 
@@ -194,8 +196,8 @@ def test_stop_strings_and_tokens_end_a_drafted_decode_where_they_would(tiny_mode
 
 def test_drafts_stay_within_pages_the_context_and_the_batch_limit(tiny_model, monkeypatch):
     """A pool too small for every draft (drafts never evict or preempt), a context limit drafts would
-    pass, structured output (never drafted) beside drafted requests, and a batch above
-    speculative_max_batch (no drafts at all)."""
+    pass, structured output beside unconstrained requests, and a batch above speculative_max_batch (no
+    drafts at all)."""
     root = str(tiny_model.root)
     prompts = repetitive_prompts(tiny_model.tokenizer, 6, seed=17)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -284,3 +286,32 @@ def test_drafted_decodes_on_tp_ranks_and_cpu_workers(tiny_model, engines, kind):
         engine.close()
     assert sorted(_shm_names() - before) == []
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(prompts, params, adapters=adapters)]
+
+
+@pytest.mark.parametrize("constraint", [
+    StructuredOutputs(choice=("the fox jumps over the lazy dog and the adapters serve many models", "rank")),
+    StructuredOutputs(regex=r"(fox|dog|rank|the|over)( (fox|dog|rank|the|over)){6,14}"),
+    StructuredOutputs(json={"type": "object", "properties": {"animal": {"enum": ["the lazy dog", "the fox"]},
+                                                             "count": {"enum": [3, 12]}},
+                            "required": ["animal", "count"]}),
+])
+def test_structured_output_drafts_walk_the_guide(tiny_model, engines, constraint):
+    """A constrained request is drafted too: the draft is cut where its constraint refuses a token (or
+    ends), and each drafted row is sampled under the state the draft walks its guide to (the guide
+    itself is walked back): the text is the one without drafts, valid, and drafted tokens were kept."""
+    plain, _ = engines
+    tok = tiny_model.tokenizer
+    spec = LLM(model=str(tiny_model.root), dtype="float32", device="cpu", speculative_tokens=4, prompt_lookup_min=1)
+    prompts = [tok.encode(t) for t in ("the fox jumps over the lazy dog and the adapters serve many models " * 3,
+                                       '{"animal": "the fox", "count": 3} {"animal": "the lazy dog", "count": 12} ' * 2,
+                                       "fox dog rank the over fox dog rank the over fox dog")]
+    params = SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=constraint)
+    ours, without = spec.generate(prompts, params), plain.generate(prompts, params)
+    assert [o.text for o in ours] == [o.text for o in without]
+    assert [o.token_ids for o in ours] == [o.token_ids for o in without]
+    if constraint.choice:
+        assert all(o.text in constraint.choice for o in ours)
+    elif constraint.json:           # a complete object where it ended (else max_tokens cut it)
+        done = [o for o in ours if o.finish_reason == "stop"]
+        assert done and all(json.loads(o.text)["animal"] in ("the lazy dog", "the fox") for o in done)
+    assert spec.engine.scheduler.drafter.accepted > 0

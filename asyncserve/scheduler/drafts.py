@@ -50,13 +50,11 @@ class NgramDrafter:
         self.num_tokens = num_tokens       # drafted tokens per sequence and step at most
         self.n_min, self.n_max = n_min, n_max
         self.max_batch = max_batch         # draft only while at most this many sequences decode
-        self.drafted = 0                   # tokens drafted so far
+        self.drafted = 0                   # tokens drafted so far (counted by the scheduler)
         self.accepted = 0                  # of those, tokens kept
 
     def propose(self, seq, limit: int) -> list[int]:
         """At most min(num_tokens, limit) drafted tokens to follow seq's tokens."""
         if seq.ngram_index is None:
             seq.ngram_index = NgramIndex(self.n_min, self.n_max)
-        draft = seq.ngram_index.propose(seq.prompt_ids + seq.output_ids, min(self.num_tokens, limit))
-        self.drafted += len(draft)
-        return draft
+        return seq.ngram_index.propose(seq.prompt_ids + seq.output_ids, min(self.num_tokens, limit))

@@ -145,15 +145,17 @@ class Scheduler:
     def _draft(self, seq: Sequence, budget: int) -> list[int]:
         """Tokens drafted to follow a decoding seq, within the step's budget, its max_tokens and the context
         length, whose KV fits in free pages (a draft never evicts or preempts); [] for none."""
-        if seq.guide is not None:        # the guide's state would have to follow each drafted token
-            return []
         room = min(budget, seq.params.max_tokens - len(seq.output_ids), self.output.max_model_len - seq.num_tokens) - 1
         if room <= 0:
             return []
         draft = self.drafter.propose(seq, room)
-        if draft and not self.blocks.reserve_free(seq, seq.num_computed + 1 + len(draft)):
-            self.drafter.drafted -= len(draft)
+        if seq.guide is not None:        # up to what its constraint allows, short of an end
+            eos = self.output.tokenizer.eos_token_ids
+            draft = draft[:next((i for i, t in enumerate(draft) if t in eos), len(draft))]
+            draft = draft[:seq.guide.accepted(draft)]
+        if not draft or not self.blocks.reserve_free(seq, seq.num_computed + 1 + len(draft)):
             return []
+        self.drafter.drafted += len(draft)
         return draft
 
     def _warm_up(self, seq: Sequence) -> bool:

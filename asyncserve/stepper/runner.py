@@ -117,7 +117,8 @@ class ModelRunner:
         draft before it had been sampled (its penalties, min_tokens and seed position)."""
         seq = chunk.seq
         return [SamplingRow(seq.params, seq.prompt_ids, seq.output_ids + chunk.draft[:j], self.eos_token_ids,
-                            seq.seed, seq.guide, seq.bad_words_ids) for j in range(chunk.num_sampled)]
+                            seq.seed, seq.guide and seq.guide.after(chunk.draft[:j]), seq.bad_words_ids)
+                for j in range(chunk.num_sampled)]
 
     def _replay(self, plan: StepPlan, seqs: list[Sequence], batch: DecodeBatch, lora: bool) -> SampleOutput:
         """A decode step from its graph, sampled there where every row is plain (one copy of the tokens back)."""
