@@ -4,11 +4,11 @@ decoding): the tokens that followed the latest earlier occurrence of a sequence'
 text that repeats its context (code edits, quoting, summaries, extraction) gets several tokens
 per step, any other text gets none and pays nothing but the lookup.
 
-The scheduler verifies a draft as one chunk of the last token and the drafted ones (a prefill
-chunk over the sequence's cached KV), whose every position is sampled as the step without drafts
-would sample it (the sampler's draw depends only on the row's logits, seed and output position):
-a drafted token is kept while it equals the token sampled before it, so a request's output is the
-one it gets without speculation, for greedy and seeded sampling alike.
+The step verifies a draft as one decode row per token, the last known one and the drafted ones, each
+attending and sampled as the decode of its position would be (the sampler's draw depends only on the
+row's logits, seed and output position); the scheduler keeps a drafted token while it equals the
+token sampled at the row before it, so a request's output is the one it gets without speculation,
+for greedy and seeded sampling alike (up to the kernels' rounding in batches of other shapes).
 """
 from __future__ import annotations
 
