@@ -124,7 +124,7 @@ def _engine_args(p: argparse.ArgumentParser, step_profile: str = "off") -> None:
     p.add_argument("--speculative-config", type=_speculative_config, default={}, metavar="JSON",
                    help="speculative decoding by prompt lookup, as vLLM's: '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": 4}', optionally with prompt_lookup_max (4), prompt_lookup_min "
-                        "(2) and disable_by_batch_size (4: no drafts while more sequences decode). Each decoding "
+                        "(2) and disable_by_batch_size (8: no drafts while more sequences decode). Each decoding "
                         "sequence drafts up to that many tokens from the latest earlier occurrence of its last "
                         "n tokens and keeps those the model samples itself: the same output, several tokens a "
                         "step where text repeats its context (default: off)")

@@ -62,7 +62,7 @@ class Config:
     speculative_tokens: int = 0
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
-    speculative_max_batch: int = 4
+    speculative_max_batch: int = 8
     # tensor parallelism (docs/tensor-parallel.md): the model sharded over this many rank processes, on CPU
     # cores or one GPU each
     tensor_parallel: int = 1

@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server binary (default: asyncserve alone)")
     ap.add_argument("--draft-tokens", type=int, default=4, help="num_speculative_tokens, and llama-server's draft length")
     ap.add_argument("--disable-by-batch-size", type=int, default=None,
-                    help="asyncserve's disable_by_batch_size (default: its own, 4)")
+                    help="asyncserve's disable_by_batch_size (default: its own, 8)")
     ap.add_argument("--llama-lookup", type=int, default=3,
                     help="llama-server's --spec-ngram-simple-size-n, the n-gram it looks up (its default, 12, rarely "
                          "matches; ours tries 4, 3, then 2)")
