@@ -123,11 +123,12 @@ def _engine_args(p: argparse.ArgumentParser, step_profile: str = "off") -> None:
                         "(default: decode steps of up to --max-running sequences replay from graphs)")
     p.add_argument("--speculative-config", type=_speculative_config, default={}, metavar="JSON",
                    help="speculative decoding by prompt lookup, as vLLM's: '{\"method\": \"ngram\", "
-                        "\"num_speculative_tokens\": 4}', optionally with prompt_lookup_max (4), prompt_lookup_min "
-                        "(2) and disable_by_batch_size (8: no drafts while more sequences decode). Each decoding "
-                        "sequence drafts up to that many tokens from the latest earlier occurrence of its last "
-                        "n tokens and keeps those the model samples itself: the same output, several tokens a "
-                        "step where text repeats its context (default: off)")
+                        "\"num_speculative_tokens\": 4}' (0: off), optionally with prompt_lookup_max (4), "
+                        "prompt_lookup_min (2) and disable_by_batch_size (8: no drafts while more sequences "
+                        "decode). Each decoding sequence drafts up to that many tokens from the latest earlier "
+                        "occurrence of its last n tokens and keeps those the model samples itself: the same "
+                        "output, several tokens a step where text repeats its context (default: 4 tokens on CPU, "
+                        "off on CUDA)")
 
 
 _SPECULATIVE_KEYS = {"num_speculative_tokens": "speculative_tokens", "prompt_lookup_max": "prompt_lookup_max",
@@ -152,8 +153,8 @@ def _speculative_config(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"unknown keys {unknown}; the ngram method takes {sorted(_SPECULATIVE_KEYS)}")
     if "num_speculative_tokens" not in spec:
         raise argparse.ArgumentTypeError("num_speculative_tokens is required")
-    if not all(type(v) is int and v >= 1 for v in spec.values()):
-        raise argparse.ArgumentTypeError(f"values must be positive integers, got {spec}")
+    if not all(type(v) is int and v >= (0 if k == "num_speculative_tokens" else 1) for k, v in spec.items()):
+        raise argparse.ArgumentTypeError(f"values must be positive integers (num_speculative_tokens 0: off), got {spec}")
     fields = {_SPECULATIVE_KEYS[k]: v for k, v in spec.items()}
     if "prompt_lookup_max" in fields and "prompt_lookup_min" not in fields:
         fields["prompt_lookup_min"] = min(2, fields["prompt_lookup_max"])

@@ -57,9 +57,10 @@ class Config:
     seed: int | None = None                  # seeds drawn for requests without one
     enforce_eager: bool = False              # CUDA: no decode steps replayed from CUDA graphs (stepper/cuda_graphs.py)
     # speculative decoding by prompt lookup (scheduler/drafts.py, vLLM's "ngram" method): tokens drafted per
-    # sequence and step at most, 0: off; from the latest earlier occurrence of the last n tokens, n from
-    # prompt_lookup_max down to prompt_lookup_min; only while at most speculative_max_batch sequences decode
-    speculative_tokens: int = 0
+    # sequence and step at most, 0: off, None: resolved_speculative_tokens; from the latest earlier occurrence
+    # of the last n tokens, n from prompt_lookup_max down to prompt_lookup_min; only while at most
+    # speculative_max_batch sequences decode
+    speculative_tokens: int | None = None
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     speculative_max_batch: int = 8
@@ -156,7 +157,7 @@ class Config:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
-        if self.speculative_tokens:
+        if self.speculative_tokens is not None:
             self.validate_speculative()
         if self.cpu_workers is not None and self.cpu_workers < 0:
             raise ValueError(f"cpu_workers must not be negative, got {self.cpu_workers}")
@@ -284,6 +285,14 @@ class Config:
         if self.tensor_parallel != 1 or self.policy in ("dlora", "merged-only"):
             return False
         return dtype == torch.float32 or (k_quants and _quant_amx_available())
+
+    def resolved_speculative_tokens(self, device: torch.device) -> int:
+        """auto drafts 4 tokens on CPU, where one stream's step is weight-bandwidth bound and a step of 5 rows
+        costs ~10% more than one of 1 (one stream 2.1-3.1x, BENCHMARKS.md); none on CUDA, where a drafted
+        step would run eagerly instead of replaying its decode graph."""
+        if self.speculative_tokens is not None:
+            return self.speculative_tokens
+        return 4 if device.type == "cpu" else 0
 
     def resolved_lora_backend(self, device: torch.device) -> str:
         if self.lora_backend == "auto":

@@ -209,8 +209,9 @@ class Engine:
             max_running=config.max_running, max_step_tokens=max_step_tokens, latency=self.latency,
             max_step_adapters=config.max_step_adapters, slo_ttft_s=config.slo_ttft_s, slo_tpot_s=config.slo_tpot_s,
             switch_seconds=self.merge_seconds, merge_refusal=self.merge_refusal))
-        drafter = NgramDrafter(config.speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max,
-                               config.speculative_max_batch) if config.speculative_tokens else None
+        draft_tokens = config.resolved_speculative_tokens(self.device)
+        drafter = NgramDrafter(draft_tokens, config.prompt_lookup_min, config.prompt_lookup_max,
+                               config.speculative_max_batch) if draft_tokens else None
         self.scheduler = Scheduler(self.pool, self.pager, self.tokenizer, policy, max_running=config.max_running,
                                    max_step_tokens=max_step_tokens, max_model_len=self.max_model_len,
                                    prefix_caching=config.prefix_caching, drafter=drafter)

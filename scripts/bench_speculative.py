@@ -1,5 +1,5 @@
 """Speculative decoding by prompt lookup over HTTP: one stream (where a CPU user waits most), asyncserve
-without and with --speculative-config, and llama.cpp's llama-server without and with its ngram-simple
+without and with drafts (--speculative-config), and llama.cpp's llama-server without and with its ngram-simple
 speculation, same client, the systems alternating round by round.
 
 Two chat workloads of greedy requests, one at a time (--in-flight: more), from W1's prompts (make_w1.py):
@@ -92,7 +92,9 @@ def main() -> None:
     speculative = {"method": "ngram", "num_speculative_tokens": args.draft_tokens}
     if args.disable_by_batch_size is not None:
         speculative["disable_by_batch_size"] = args.disable_by_batch_size
-    systems = {"asyncserve": ours, "asyncserve-ngram": ours + ["--speculative-config", json.dumps(speculative)]}
+    off = {"method": "ngram", "num_speculative_tokens": 0}          # drafting is the CPU default
+    systems = {"asyncserve": ours + ["--speculative-config", json.dumps(off)],
+               "asyncserve-ngram": ours + ["--speculative-config", json.dumps(speculative)]}
     if args.llama_server:
         llama = [str(args.llama_server), "-m", str(args.gguf), "-t", str(args.threads), "-np", "1", "-c", "4096",
                  "--no-cache-prompt", "--host", "127.0.0.1", "--port", str(args.port)]

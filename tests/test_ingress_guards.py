@@ -27,7 +27,8 @@ pytestmark = pytest.mark.timeout(300)
 def srv(tiny_model):
     st = ServerThread(Config(model=str(tiny_model.root), dtype="float32", device="cpu", served_model_name="tiny",
                              adapters={"r8_attn_rs": str(tiny_model.adapters["r8_attn_rs"])}, api_key=KEY,
-                             max_body_bytes=8 * 2**20, max_prompt_bytes="8MiB"))
+                             max_body_bytes=8 * 2**20, max_prompt_bytes="8MiB",
+                             speculative_tokens=0))    # one token per event: the stalls show between them
     yield st
     st.stop()
 

@@ -7,6 +7,7 @@ import os
 import random
 
 import pytest
+import torch
 
 from asyncserve import LLM, SamplingParams
 from asyncserve.cli import _speculative_config
@@ -78,7 +79,7 @@ def test_draft_as_tokens_grow_equals_a_brute_force_search(monkeypatch, seed, per
     ('{"method": "eagle", "num_speculative_tokens": 4}', "method 'eagle'"),
     ('{"method": "ngram", "num_speculative_tokens": 4, "model": "x"}', "unknown keys"),
     ('{"method": "ngram", "prompt_lookup_max": 4}', "num_speculative_tokens is required"),
-    ('{"method": "ngram", "num_speculative_tokens": 0}', "positive integers"),
+    ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 0}', "positive integers"),
     ('{"method": "ngram", "num_speculative_tokens": -2}', "positive integers"),
     ('{"method": "ngram", "num_speculative_tokens": 2.5}', "positive integers"),
     ('{"method": "ngram", "num_speculative_tokens": true}', "positive integers"),
@@ -103,6 +104,15 @@ def test_speculative_config_flag_maps_vllm_keys_to_config():
             Config(speculative_tokens=fields.pop("speculative_tokens", 4), **fields).validate()
 
 
+def test_drafts_are_on_by_default_on_cpu_and_off_on_cuda(tiny_model):
+    assert Config().resolved_speculative_tokens(torch.device("cpu")) == 4
+    assert Config().resolved_speculative_tokens(torch.device("cuda")) == 0
+    off = _speculative_config('{"method": "ngram", "num_speculative_tokens": 0}')
+    assert off == dict(speculative_tokens=0) and Config(**off).resolved_speculative_tokens(torch.device("cpu")) == 0
+    assert LLM(model=str(tiny_model.root), dtype="float32", device="cpu").engine.scheduler.drafter.num_tokens == 4
+    assert LLM(model=str(tiny_model.root), dtype="float32", device="cpu", **off).engine.scheduler.drafter is None
+
+
 def repetitive_prompts(tok, n: int, seed: int) -> list[list[int]]:
     """Prompts that repeat a phrase, as code edits and quotes do, so that drafts find matches early."""
     rng = random.Random(seed)
@@ -119,7 +129,7 @@ def engines(tiny_model):
     adapters = {k: str(v) for k, v in tiny_model.adapters.items()}
     make = lambda **kw: LLM(model=str(tiny_model.root), adapters=adapters, dtype="float32", device="cpu",  # noqa: E731
                             max_step_tokens=48, **kw)
-    return make(), make(speculative_tokens=4, prompt_lookup_min=1, speculative_max_batch=64)
+    return make(speculative_tokens=0), make(speculative_tokens=4, prompt_lookup_min=1, speculative_max_batch=64)
 
 
 def test_greedy_with_drafts_is_the_output_without_and_peft_s(tiny_model, engines):
@@ -201,7 +211,7 @@ def test_drafts_stay_within_pages_the_context_and_the_batch_limit(tiny_model, mo
     root = str(tiny_model.root)
     prompts = repetitive_prompts(tiny_model.tokenizer, 6, seed=17)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    plain = LLM(model=root, dtype="float32", device="cpu", pool_mem=160 * 1024, max_model_len=96)
+    plain = LLM(model=root, dtype="float32", device="cpu", pool_mem=160 * 1024, max_model_len=96, speculative_tokens=0)
     spec = LLM(model=root, dtype="float32", device="cpu", pool_mem=160 * 1024, max_model_len=96,
                speculative_tokens=6, prompt_lookup_min=1, speculative_max_batch=64)
     refused = []
@@ -237,7 +247,7 @@ def test_server_streams_drafted_tokens_and_counts_them(tiny_model):
                 "stream": True}
         events = st.stream("/v1/completions", body)
         text = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
-        offline = LLM(model=str(tiny_model.root), dtype="float32", device="cpu")
+        offline = LLM(model=str(tiny_model.root), dtype="float32", device="cpu", speculative_tokens=0)
         want = offline.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))[0]
         assert text == want.text
         assert st.metric("asyncserve_spec_decode_accepted_tokens_total") > 0
