@@ -18,11 +18,13 @@ INDEX_PER_STEP = 1024
 
 
 class NgramIndex:
-    """One sequence's n-grams (n in [n_min, n_max]) -> where the latest occurrence indexed ends."""
+    """One sequence's n-grams (n in [n_min, n_max]) -> where the latest occurrence indexed ends. Keyed by
+    the n-gram's hash (an int, not the tuple: ~half the memory of a long context's index); a lookup
+    checks the tokens it finds, so a collision costs a miss, never a wrong draft."""
 
     def __init__(self, n_min: int, n_max: int):
         self.sizes = range(n_max, n_min - 1, -1)          # longest first
-        self.ends: dict[tuple[int, ...], int] = {}
+        self.ends: dict[int, int] = {}
         self.indexed = 0                                   # n-grams ending at or before this are indexed
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
@@ -34,11 +36,14 @@ class NgramIndex:
         for end in range(self.indexed + 1, stop + 1):
             for n in self.sizes:
                 if n <= end:
-                    ends[tuple(tokens[end - n:end])] = end
+                    ends[hash(tuple(tokens[end - n:end]))] = end
         self.indexed = max(self.indexed, stop)
         for n in self.sizes:
-            end = ends.get(tuple(tokens[-n:])) if n <= last else None
-            if end is not None:
+            if n > last:
+                continue
+            suffix = tokens[-n:]
+            end = ends.get(hash(tuple(suffix)))
+            if end is not None and tokens[end - n:end] == suffix:
                 return tokens[end:end + k]
         return []
 
