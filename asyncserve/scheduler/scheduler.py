@@ -238,24 +238,41 @@ class Scheduler:
         updates = []
         i = 0
         for chunk in plan.chunks:
-            seq, rows = chunk.seq, chunk.num_sampled      # (before num_computed moves: it reads it)
-            # the KV of every token before the chunk's sampled rows; each token kept adds its row's
-            seq.num_computed += chunk.num_tokens - rows
+            seq = chunk.seq
+            if chunk.draft:
+                if not seq.finished:           # else aborted while the step ran
+                    updates.append(self._verify(chunk, sampled, i))
+                i += chunk.num_sampled
+                continue
+            samples = chunk.samples
+            seq.num_computed += chunk.num_tokens
+            if not seq.finished:
+                self.blocks.register_blocks(seq)
             if prompt_logprobs and seq.request_id in prompt_logprobs:
                 lps, tops = prompt_logprobs[seq.request_id]
                 seq.prompt_logprobs += lps
                 seq.prompt_top_logprobs += tops
-            if rows and not seq.finished:      # else aborted while the step ran
-                updates.append(self._take_samples(chunk, sampled, i))
-            elif not seq.finished:
-                self.blocks.register_blocks(seq)
-            i += rows
+            if not samples:
+                continue
+            token, error = sampled.token_ids[i], sampled.errors.get(i)
+            if sampled.logprobs is not None and error is None:
+                seq.logprobs.append(sampled.logprobs[i])
+                seq.top_logprobs.append(sampled.top_logprobs[i] if sampled.top_logprobs else [])
+            i += 1
+            if seq.finished:                   # aborted while the step ran
+                continue
+            if error is not None:              # nothing to sample from: this request fails, the others go on
+                log.warning("request %s: %s", seq.request_id, error.message)
+                self._finish(seq, "error")
+                updates.append(SeqUpdate(seq, [], "", True, "error", error))
+                continue
+            updates.append(self._append(seq, token))
         return updates
 
-    def _take_samples(self, chunk: ScheduledChunk, sampled: SampleOutput, row: int) -> SeqUpdate:
-        """A chunk's sampled tokens, from ``row`` on: the first, then, for a drafted decode, the next while
-        each drafted token equals the one sampled before it. A row with no token ends the run before it;
-        the first row's fails the request (nothing to sample from), the other requests go on."""
+    def _verify(self, chunk: ScheduledChunk, sampled: SampleOutput, row: int) -> SeqUpdate:
+        """A drafted decode's tokens: the sampled ones from ``row`` on while each drafted token equals the
+        one sampled before it, then the first that differs (or follows the whole draft). A row with no
+        token ends the run before it; the first row's fails the request, as a decode's does."""
         seq, draft = chunk.seq, chunk.draft
         tokens, text, reason = [], "", None
         for j in range(len(draft) + 1):
@@ -264,8 +281,6 @@ class Scheduler:
                 if j > 0:                      # the next step samples that position again, as a decode
                     break
                 log.warning("request %s: %s", seq.request_id, error.message)
-                seq.num_computed += 1          # its row's KV was computed: its blocks may be cached
-                self.blocks.register_blocks(seq)
                 self._finish(seq, "error")
                 return SeqUpdate(seq, [], "", True, "error", error)
             if sampled.logprobs is not None:
@@ -277,10 +292,16 @@ class Scheduler:
             text += delta
             if reason is not None or j == len(draft) or token != draft[j]:
                 break
-        if draft:
-            self.drafter.accepted += len(tokens) - 1
-            self.blocks.trim(seq)              # the pages past its tokens held only rejected drafts' KV
-        self.blocks.register_blocks(seq)       # before a finish frees them: a later prompt may reuse them
+        self.drafter.accepted += len(tokens) - 1
         if reason is not None:
             self._finish(seq, reason)
+        else:
+            self.blocks.trim(seq)              # the pages past its tokens held only rejected drafts' KV
+            self.blocks.register_blocks(seq)
         return SeqUpdate(seq, tokens, text, reason is not None, reason)
+
+    def _append(self, seq: Sequence, token: int) -> SeqUpdate:
+        text, reason = self.output.append(seq, token)
+        if reason is not None:
+            self._finish(seq, reason)
+        return SeqUpdate(seq, [token], text, reason is not None, reason)

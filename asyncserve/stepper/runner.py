@@ -116,9 +116,8 @@ class ModelRunner:
         """A chunk's rows to sample: none mid-prompt, else one, and one per drafted token, each as if the
         draft before it had been sampled (its penalties, min_tokens and seed position)."""
         seq = chunk.seq
-        return [SamplingRow(seq.params, seq.prompt_ids, seq.output_ids + chunk.draft[:j] if j else seq.output_ids,
-                            self.eos_token_ids, seq.seed, seq.guide and seq.guide.after(chunk.draft[:j]),
-                            seq.bad_words_ids)
+        return [SamplingRow(seq.params, seq.prompt_ids, seq.output_ids + chunk.draft[:j], self.eos_token_ids,
+                            seq.seed, seq.guide and seq.guide.after(chunk.draft[:j]), seq.bad_words_ids)
                 for j in range(chunk.num_sampled)]
 
     def _replay(self, plan: StepPlan, seqs: list[Sequence], batch: DecodeBatch, lora: bool) -> SampleOutput:
