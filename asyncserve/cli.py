@@ -33,8 +33,17 @@ def _engine_args(p: argparse.ArgumentParser, step_profile: str = "off") -> None:
                         "online; HF_HOME, HF_HUB_OFFLINE) (default: SmolLM2-135M-Instruct)")
     p.add_argument("--revision", default=None, help="the --model Hub id's branch, tag or commit (default: main)")
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
-                   help="serve the PEFT LoRA folder or Hub id (org/name) PATH as model NAME, read into host memory "
-                        "at start; repeat for several (default: none)")
+                   help="serve the PEFT LoRA folder, Hub id (org/name) or URL (https://, s3://; a folder or a "
+                        ".tar/.tar.gz/.zip archive, pinned by #sha256=HEX) PATH as model NAME, read into host "
+                        "memory at start; repeat for several (default: none)")
+    p.add_argument("--adapter-cache-dir", default=None, metavar="DIR",
+                   help="where adapters fetched from URLs are kept, by their content's sha256 (default: "
+                        "~/.cache/asyncserve/adapters)")
+    p.add_argument("--max-adapter-size", default="4GiB", metavar="SIZE",
+                   help="most bytes one adapter fetched from a URL may download, and as many unpacked from an "
+                        "archive (default: 4GiB)")
+    p.add_argument("--adapter-fetch-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="longest one fetch of an adapter from a URL may take, start to end (default: 300)")
     p.add_argument("--device", default="auto",
                    help="auto (the CUDA GPU if torch sees one, else the CPU), cpu, cuda or cuda:N (default: auto)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
@@ -215,7 +224,8 @@ def _config(args):
                   cpu_profile_dir=args.cpu_profile_dir, step_profile=args.step_profile,
                   step_profile_dir=args.step_profile_dir, enforce_eager=args.enforce_eager,
                   tensor_parallel=args.tensor_parallel, tp_cores=args.tp_cores, tp_backend=args.tp_backend,
-                  **args.speculative_config)
+                  adapter_cache_dir=args.adapter_cache_dir, max_adapter_size=args.max_adapter_size,
+                  adapter_fetch_timeout_s=args.adapter_fetch_timeout, **args.speculative_config)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -239,6 +249,13 @@ def main(argv: list[str] | None = None) -> None:
                         "(default: off)")
     s.add_argument("--adapter-root", default=None, metavar="DIR",
                    help="allow /v1/load_lora_adapter for folders inside DIR (default: none, no runtime loads)")
+    s.add_argument("--adapter-resolver", default=None, metavar="TEMPLATE",
+                   help="a request for a model that is not loaded fetches the adapter at TEMPLATE with {name} "
+                        "filled in (e.g. s3://bucket/adapters/{name}, https://host/adapters/{name}.tar.gz), "
+                        "loads and serves it, as LoRAX does; names the template lacks get 404 (default: none)")
+    s.add_argument("--adapter-url-prefix", action="append", default=[], metavar="URL",
+                   help="allow /v1/load_lora_adapter for URLs under this folder URL, e.g. s3://bucket/adapters/ "
+                        "or https://host/adapters/; repeat for several (default: none, no runtime loads from URLs)")
     s.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; 0.0.0.0 for every interface (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default: 8000)")
@@ -315,6 +332,7 @@ def main(argv: list[str] | None = None) -> None:
         config = _config(args)
         config.served_model_name = args.served_model_name
         config.adapter_dir, config.adapter_root = args.adapter_dir, args.adapter_root
+        config.adapter_url_prefixes, config.adapter_resolver = args.adapter_url_prefix, args.adapter_resolver
         config.preload_adapters = args.preload_adapters
         config.host, config.port, config.api_key = args.host, args.port, args.api_key
         config.tokenize_public, config.metrics_public = args.tokenize_public, args.metrics_public

@@ -90,6 +90,12 @@ class Config:
     max_prompt_bytes: int | str | None = None   # longest text prompt tokenized; default max_model_len * 32 bytes
     adapter_root: str | None = None          # runtime load_lora_adapter only below this folder
     adapter_dir: str | None = None           # register every adapter folder in it (read on demand)
+    # adapters from URLs and S3 (pager/remote.py): runtime loads only from sources under these prefixes
+    adapter_url_prefixes: list[str] = field(default_factory=list)
+    adapter_resolver: str | None = None      # URL template with {name}: a request's unknown adapter is fetched from it
+    adapter_cache_dir: str | None = None     # fetched adapters; default ~/.cache/asyncserve/adapters
+    max_adapter_size: int | str = "4GiB"     # most bytes one fetch downloads (and as many unpacked)
+    adapter_fetch_timeout_s: float = 300.0   # one fetch, start to end
     preload_adapters: bool = False           # read the registered adapters into the host tier's free room at start
     host_adapter_mem: int | str | None = None   # bytes of the host tier (shared memory); default: RAM / 4
     pinned_adapters: list[str] = field(default_factory=list)   # kept on the device for good
@@ -115,9 +121,24 @@ class Config:
         # a Hub id (org/name) is resolved, from the cache or downloaded, when the engine loads
         if not is_remote(self.model):
             check_model_path(self.model)    # exists, is a model folder or starts like a GGUF file
+        from asyncserve.pager.remote import check_prefix, is_url, parse_source, template_source
+
         for name, path in self.adapters.items():
-            if not (Path(path).expanduser() / "adapter_config.json").is_file() and not is_remote(path):
+            if is_url(path):
+                parse_source(path)        # a FetchError is a ValueError
+            elif not (Path(path).expanduser() / "adapter_config.json").is_file() and not is_remote(path):
                 raise ValueError(f"adapter {name!r}: {path} is not a PEFT adapter folder (no adapter_config.json)")
+        for prefix in self.adapter_url_prefixes:
+            check_prefix(prefix)
+        if self.adapter_resolver is not None:
+            if "{name}" not in self.adapter_resolver:
+                raise ValueError(f"adapter_resolver {self.adapter_resolver!r} must hold {{name}}, e.g. "
+                                 "s3://bucket/adapters/{name} or https://host/adapters/{name}.tar.gz")
+            parse_source(template_source(self.adapter_resolver, "name"))
+        if not parse_size(self.max_adapter_size) > 0:
+            raise ValueError(f"max_adapter_size must be positive, got {self.max_adapter_size!r}")
+        if not self.adapter_fetch_timeout_s > 0:
+            raise ValueError(f"adapter_fetch_timeout_s must be positive, got {self.adapter_fetch_timeout_s}")
         for flag, folder in (("adapter_dir", self.adapter_dir), ("adapter_root", self.adapter_root)):
             if folder is not None and not Path(folder).expanduser().is_dir():
                 raise ValueError(f"{flag} {folder} is not a folder")
@@ -333,6 +354,13 @@ class Config:
 
     def resolved_cpu_profile_dir(self) -> Path:
         return Path(self.cpu_profile_dir or "~/.cache/asyncserve/cpu-profiles").expanduser()
+
+    def fetch_limits(self):
+        """What one fetch of an adapter from a URL may take (pager/remote.py)."""
+        from asyncserve.pager.remote import FetchLimits
+
+        return FetchLimits(Path(self.adapter_cache_dir or "~/.cache/asyncserve/adapters").expanduser(),
+                           parse_size(self.max_adapter_size), self.adapter_fetch_timeout_s)
 
     def resolved_step_profile_dir(self) -> Path:
         return Path(self.step_profile_dir or "~/.cache/asyncserve/step-profiles").expanduser()

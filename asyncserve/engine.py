@@ -33,6 +33,8 @@ from asyncserve.pager.adapters import (AdapterError, PeftFolder, build_host_adap
                                       inspect_peft_folder, printable, read_peft_folder)
 from asyncserve.pager.pager import AdapterPager, Registration
 from asyncserve.pager.pool import PagedPool
+from asyncserve.pager.remote import FetchError, is_url
+from asyncserve.pager.remote import fetch as fetch_adapter      # beside the pager's own fetches, disk -> host
 from asyncserve.perf_model import STEP_TIME_PRIOR, PerfCoefficients, StepChunk, StepLatencyModel, adapter_load_seconds
 from asyncserve.progress import Progress
 from asyncserve.sampling_params import SamplingParams
@@ -221,10 +223,6 @@ class Engine:
                  self.model_name, mc.num_layers, self.dtype, self.device, self.lora_backend_name,
                  num_pages, page_bytes / 1024, num_pages * page_bytes / 2**30)
         for name, path in config.adapters.items():
-            try:
-                path = hub.resolve(path, files=hub.ADAPTER_FILES, what="adapter")
-            except ModelLoadError as e:
-                raise AdapterError(f"adapter {name!r}: {e}") from None
             self.load_adapter(name, path)
         if config.adapter_dir:
             self.register_adapter_dir(config.adapter_dir)
@@ -285,9 +283,17 @@ class Engine:
         return count
 
     def load_adapter(self, name: str, path: str, pinned: bool = False) -> None:
-        """Read an adapter into the host tier now, in the calling thread; ``pinned``: and onto the device
-        for good."""
+        """Read an adapter (a folder, a Hub id, a URL) into the host tier now, in the calling thread;
+        ``pinned``: and onto the device for good."""
         self.check_adapter_name(name)
+        try:
+            if is_url(path):
+                path = fetch_adapter(path, self.config.fetch_limits())
+                log.info("adapter %s: fetched into %s", name, path)
+            else:
+                path = hub.resolve(path, files=hub.ADAPTER_FILES, what="adapter")
+        except (ModelLoadError, FetchError) as e:
+            raise AdapterError(f"adapter {name!r}: {e}") from None
         self.pager.add(build_host_adapter(read_peft_folder(name, path, self.model_config), self.dtype))
         if pinned:
             self.pin_adapter(name)

@@ -24,9 +24,11 @@ from asyncserve.actors.scheduler import SchedulerActor
 from asyncserve.actors.stepper import StepperActor
 from asyncserve.config import Config
 from asyncserve.engine import Engine
+from asyncserve.ingress.resolver import AdapterResolver
 from asyncserve.ingress.routes import build_app
 from asyncserve.ingress.tokenizing import new_executor
 from asyncserve.messages import Abort, Shutdown
+from asyncserve.pager.remote import AdapterFetcher
 from asyncserve.metrics import Metrics
 from asyncserve.step import Failure
 
@@ -44,6 +46,9 @@ class Server:
         self.cluster: ClusterActor | None = None       # cluster mode (config.peers)
         self.stepper = StepperActor()
         self.tokenizer_executor = new_executor()       # large inputs' tokenizing (ingress/tokenizing.py)
+        self.adapter_fetcher = AdapterFetcher(config.fetch_limits())    # runtime loads from URLs
+        self.adapter_resolver = None if config.adapter_resolver is None else \
+            AdapterResolver(config.adapter_resolver, self.adapter_fetcher)
         self.ready = False
         self.failed: str | None = None
         self.stopping = False
@@ -140,6 +145,7 @@ class Server:
         if not self.ready:                 # the stepper actor never ran; its thread may hold a failed load
             self.stepper.shutdown()
         self.tokenizer_executor.shutdown(wait=False, cancel_futures=True)
+        self.adapter_fetcher.close()
         if self.engine is not None:
             self.engine.close()            # the host tier's shared memory, now that no thread uses it
         if self.ready:

@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-if ! .venv/bin/python -c "import asyncserve, ipc, torch, transformers, peft, openai, outlines_core, scipy, ninja, posix_ipc" 2>/dev/null; then
+if ! .venv/bin/python -c "import asyncserve, ipc, torch, transformers, peft, openai, outlines_core, scipy, ninja, posix_ipc, boto3, moto" 2>/dev/null; then
     .venv/bin/pip install -q --upgrade pip
     if ! .venv/bin/python -c "import torch" 2>/dev/null; then
         mapfile -t TORCH_INDEX < <(.venv/bin/python scripts/torch_index.py)

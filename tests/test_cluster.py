@@ -5,6 +5,8 @@ Every output is checked against the offline engine: forwarded, migrated and resu
 give the tokens and text of an unmoved run."""
 from __future__ import annotations
 
+import functools
+import http.server
 import json
 import re
 import socket
@@ -362,6 +364,44 @@ def test_forwarded_requests_stream_what_a_local_run_gives(nodes, offline):
     # in turn a, b, c, a, b, c: b and c each got one completion (n=2: two sequences) and one chat
     assert a.metric("asyncserve_requests_forwarded_total", 'to="b"') == after["b"] + 3
     assert a.metric("asyncserve_requests_forwarded_total", 'to="c"') == after["c"] + 3
+
+
+class _QuietFiles(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+def test_peers_with_one_adapter_resolver_serve_adapters_none_of_them_had(tiny_model, offline, tmp_path):
+    """--adapter-resolver on both nodes: a request for an adapter no node loaded, forwarded from a to b,
+    is fetched on b as on a, with the tokens of a local run."""
+    files = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(_QuietFiles, directory=str(tiny_model.adapters["r2_mlp"].parent)))
+    threading.Thread(target=files.serve_forever, daemon=True).start()
+    port = free_port()
+    template = f"http://127.0.0.1:{files.server_address[1]}/{{name}}"
+    pair = {}
+    try:
+        for name, other, dispatch in (("a", "b", "round-robin"), ("b", "a", "local")):
+            pair[name] = Node(Config(model=str(tiny_model.root), dtype="float32", device="cpu", threads=1,
+                                     served_model_name="tiny", host=HOSTS[name], port=port, api_key=API_KEY,
+                                     peers=f"http://{HOSTS[other]}:{port}", node_id=name, cluster_key=KEY,
+                                     gossip_interval_s=0.1, dispatch=dispatch, migration_threshold_s=0.0,
+                                     adapter_resolver=template, adapter_cache_dir=str(tmp_path / name)))
+        for node in pair.values():
+            node.wait_ready()
+        assert all(node.peers_alive_soon(1) for node in pair.values())
+        b = body("r2_mlp", 12)
+        for _ in range(2):             # round-robin: one runs on a, one on b
+            ids, text, _ = streamed(pair["a"].stream(b))
+            assert (ids, text) == expected(offline, b)
+        assert pair["a"].metric("asyncserve_requests_forwarded_total", 'to="b"') == 1
+        for node in pair.values():
+            assert "r2_mlp" in {m["id"] for m in node.request("GET", "/v1/models", headers=AUTH)[1]["data"]}
+    finally:
+        for node in pair.values():
+            node.stop()
+        files.shutdown()
+        files.server_close()
 
 
 # ---- migration -------------------------------------------------------------------------------------

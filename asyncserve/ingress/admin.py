@@ -14,6 +14,7 @@ from asyncserve.ingress.protocol import (ApiError, DetokenizeRequest, LoadLoraRe
 from asyncserve.ingress.tokenizing import chat_ids, decode, encode
 from asyncserve.messages import LoadAdapter, UnloadAdapter
 from asyncserve.pager.adapters import AdapterError
+from asyncserve.pager.remote import FetchError, is_url, parse_source, under_prefix
 
 MAX_PATH_CHARS = 4096         # PATH_MAX
 
@@ -64,6 +65,36 @@ def _inside_root(server, path: str) -> str:
     return str(real)
 
 
+def _allowed_source(server, text: str):
+    """A URL lora_path, parsed, if it lies under one of --adapter-url-prefix's prefixes (a tenant must not
+    make the server fetch from anywhere: an internal address, a cloud's metadata service)."""
+    prefixes = server.config.adapter_url_prefixes
+    if not prefixes:
+        raise ApiError(403, "runtime adapter loading from URLs is disabled; start the server with "
+                            "--adapter-url-prefix URL", param="lora_path", code="forbidden")
+    if len(text) > MAX_PATH_CHARS or not text.isprintable():
+        raise ApiError(400, f"lora_path must be at most {MAX_PATH_CHARS} printable characters", param="lora_path",
+                       code="invalid_value")
+    try:
+        source = parse_source(text)
+    except FetchError as e:
+        raise ApiError(400, str(e), param="lora_path", code="invalid_value") from None
+    if not any(under_prefix(source, prefix) for prefix in prefixes):
+        raise ApiError(403, f"lora_path {source} is not under an allowed adapter URL prefix", param="lora_path",
+                       code="forbidden")
+    return source
+
+
+async def _fetched(server, text: str) -> str:
+    """The local folder of an allowed URL's adapter, fetched in a worker thread (or found in the cache)."""
+    _allowed_source(server, text)
+    try:
+        return await server.adapter_fetcher.fetch(text)
+    except FetchError as e:
+        raise ApiError(e.status, str(e), param="lora_path",
+                       code={404: "not_found", 504: "timeout"}.get(e.status, "invalid_value")) from None
+
+
 async def load_lora_adapter(request: web.Request) -> web.Response:
     server = ready_server(request)
     req = decode_body(await request.read(), LoadLoraRequest)
@@ -71,7 +102,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
         server.engine.check_adapter_name(req.lora_name)
     except AdapterError as e:
         raise ApiError(400, str(e), param="lora_name", code="invalid_value") from None
-    path = _inside_root(server, req.lora_path)
+    path = await _fetched(server, req.lora_path) if is_url(req.lora_path) else _inside_root(server, req.lora_path)
     reply = asyncio.get_running_loop().create_future()
     server.pager.mailbox.put_nowait(LoadAdapter(req.lora_name, path, reply, pinned=req.pinned))
     try:

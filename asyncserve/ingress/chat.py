@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from asyncserve.ingress.prepare import (adapter_for, max_tokens, new_sequence, num_samples, ready_server,
-                                        sample_params, structured_outputs)
+from asyncserve.ingress.prepare import (max_tokens, new_sequence, num_samples, ready_server, sample_params,
+                                        served_adapter, structured_outputs)
 from asyncserve.ingress.protocol import (ApiError, ChatCompletionRequest, decode_body, refuse_unsupported,
                                          sampling_params, truncated_prompt)
 from asyncserve.ingress.relay import Choice, Collected, Reply
@@ -27,7 +27,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     tools = tool_plan(req)
     if tools is not None and req.logprobs:
         raise ApiError(400, "logprobs are not supported with tool calls", param="logprobs", code="invalid_value")
-    adapter = adapter_for(server, req.model)
+    adapter = await served_adapter(server, req.model)
     prompt_ids = truncated_prompt(await chat_ids(server, req, req.add_special_tokens, template_tools(req)), req,
                                   server.engine.max_model_len)
     if req.top_logprobs is not None and not req.logprobs:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from asyncserve.ingress.prepare import (adapter_for, max_tokens, new_sequence, num_samples, ready_server,
-                                        sample_params, structured_outputs)
+from asyncserve.ingress.prepare import (max_tokens, new_sequence, num_samples, ready_server, sample_params,
+                                        served_adapter, structured_outputs)
 from asyncserve.ingress.protocol import (ApiError, CompletionRequest, decode_body, prompts_of, refuse_unsupported,
                                          sampling_params, truncated_prompt)
 from asyncserve.ingress.relay import Choice, Collected, Reply
@@ -28,7 +28,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if req.suffix:
         raise ApiError(400, "suffix is not supported", param="suffix", code="invalid_value")
     refuse_unsupported(req)
-    adapter = adapter_for(server, req.model)
+    adapter = await served_adapter(server, req.model)
     n = num_samples(req)
     structured = await structured_outputs(server, req)
     choices, prompt_tokens = [], 0

@@ -17,7 +17,7 @@ from aiohttp import web
 from asyncserve.cluster.auth import AuthError, WrongDestination
 from asyncserve.cluster.messages import Digest, ForwardedRequest, ForwardLine, Moved
 from asyncserve.engine import RequestError
-from asyncserve.ingress.prepare import SERVER_KEY, ready_server
+from asyncserve.ingress.prepare import SERVER_KEY, ready_server, served_adapter
 from asyncserve.ingress.protocol import ApiError
 from asyncserve.messages import Abort, Submit
 from asyncserve.structured import StructuredOutputError
@@ -90,6 +90,8 @@ async def forward(request: web.Request) -> web.StreamResponse:
                                                              fwd.params.structured_outputs)
         except StructuredOutputError as e:
             raise ApiError(400, str(e), param="structured_outputs", code="invalid_value") from None
+    if fwd.adapter is not None:      # with --adapter-resolver, fetched here as for a client's request
+        await served_adapter(server, fwd.adapter)
     try:
         seq = engine.adopt(fwd.prompt_ids, fwd.output_ids, fwd.params, fwd.adapter, rid, fwd.seed,
                            arrival=time.monotonic())

@@ -41,6 +41,17 @@ def adapter_for(server, model: str) -> str | None:
                    code="model_not_found")
 
 
+async def served_adapter(server, model: str) -> str | None:
+    """adapter_for a request to run; with --adapter-resolver, an adapter not loaded is fetched and loaded
+    first."""
+    resolver = server.adapter_resolver
+    if resolver is None or model == server.engine.model_name or server.engine.has_adapter(model) \
+            or not resolver.resolvable(model):
+        return adapter_for(server, model)
+    await resolver.resolve(server, model)
+    return adapter_for(server, model)
+
+
 def new_sequence(server, prompt_ids: list[int], params, adapter: str | None):
     try:
         return server.engine.make_sequence(prompt_ids, params, adapter, request_id=uuid.uuid4().hex,

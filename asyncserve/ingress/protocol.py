@@ -18,7 +18,8 @@ class ApiError(Exception):
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
              404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
-             429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+             429: "rate_limit_error", 500: "server_error", 502: "server_error", 503: "server_error",
+             504: "server_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict | None = None):
