@@ -39,6 +39,9 @@ def _engine_args(p: argparse.ArgumentParser, step_profile: str = "off") -> None:
     p.add_argument("--adapter-cache-dir", default=None, metavar="DIR",
                    help="where adapters fetched from URLs are kept, by their content's sha256 (default: "
                         "~/.cache/asyncserve/adapters)")
+    p.add_argument("--adapter-cache-size", default="20GiB", metavar="SIZE",
+                   help="bound of that cache: past it, the adapters least recently fetched go, except registered "
+                        "ones' (0: no bound; default: 20GiB)")
     p.add_argument("--max-adapter-size", default="4GiB", metavar="SIZE",
                    help="most bytes one adapter fetched from a URL may download, and as many unpacked from an "
                         "archive (default: 4GiB)")
@@ -225,7 +228,8 @@ def _config(args):
                   step_profile_dir=args.step_profile_dir, enforce_eager=args.enforce_eager,
                   tensor_parallel=args.tensor_parallel, tp_cores=args.tp_cores, tp_backend=args.tp_backend,
                   adapter_cache_dir=args.adapter_cache_dir, max_adapter_size=args.max_adapter_size,
-                  adapter_fetch_timeout_s=args.adapter_fetch_timeout, **args.speculative_config)
+                  adapter_fetch_timeout_s=args.adapter_fetch_timeout, adapter_cache_size=args.adapter_cache_size,
+                  **args.speculative_config)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -251,7 +255,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="allow /v1/load_lora_adapter for folders inside DIR (default: none, no runtime loads)")
     s.add_argument("--adapter-resolver", default=None, metavar="TEMPLATE",
                    help="a request for a model that is not loaded fetches the adapter at TEMPLATE with {name} "
-                        "filled in (e.g. s3://bucket/adapters/{name}, https://host/adapters/{name}.tar.gz), "
+                        "filled in (e.g. s3://bucket/adapters/{name}, https://host/adapters/{name}.tar.gz, "
+                        "https://huggingface.co/{name}/resolve/main with HF_TOKEN for private repositories), "
                         "loads and serves it, as LoRAX does; names the template lacks get 404 (default: none)")
     s.add_argument("--adapter-url-prefix", action="append", default=[], metavar="URL",
                    help="allow /v1/load_lora_adapter for URLs under this folder URL, e.g. s3://bucket/adapters/ "

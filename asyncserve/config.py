@@ -96,6 +96,7 @@ class Config:
     adapter_cache_dir: str | None = None     # fetched adapters; default ~/.cache/asyncserve/adapters
     max_adapter_size: int | str = "4GiB"     # most bytes one fetch downloads (and as many unpacked)
     adapter_fetch_timeout_s: float = 300.0   # one fetch, start to end
+    adapter_cache_size: int | str = "20GiB"  # the fetched adapters' cache: least recently used go past it (0: no bound)
     preload_adapters: bool = False           # read the registered adapters into the host tier's free room at start
     host_adapter_mem: int | str | None = None   # bytes of the host tier (shared memory); default: RAM / 4
     pinned_adapters: list[str] = field(default_factory=list)   # kept on the device for good
@@ -137,6 +138,8 @@ class Config:
             parse_source(template_source(self.adapter_resolver, "name"))
         if not parse_size(self.max_adapter_size) > 0:
             raise ValueError(f"max_adapter_size must be positive, got {self.max_adapter_size!r}")
+        if not parse_size(self.adapter_cache_size) >= 0:
+            raise ValueError(f"adapter_cache_size must be 0 (no bound) or positive, got {self.adapter_cache_size!r}")
         if not self.adapter_fetch_timeout_s > 0:
             raise ValueError(f"adapter_fetch_timeout_s must be positive, got {self.adapter_fetch_timeout_s}")
         for flag, folder in (("adapter_dir", self.adapter_dir), ("adapter_root", self.adapter_root)):
@@ -360,7 +363,8 @@ class Config:
         from asyncserve.pager.remote import FetchLimits
 
         return FetchLimits(Path(self.adapter_cache_dir or "~/.cache/asyncserve/adapters").expanduser(),
-                           parse_size(self.max_adapter_size), self.adapter_fetch_timeout_s)
+                           parse_size(self.max_adapter_size), self.adapter_fetch_timeout_s,
+                           parse_size(self.adapter_cache_size))
 
     def resolved_step_profile_dir(self) -> Path:
         return Path(self.step_profile_dir or "~/.cache/asyncserve/step-profiles").expanduser()

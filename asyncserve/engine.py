@@ -24,6 +24,7 @@ import torch
 
 from asyncserve.config import Config
 from asyncserve.cpus import describe as describe_cpus
+from asyncserve.lora.dora import DoraBase
 from asyncserve.model import hub
 from asyncserve.model.config import ModelLoadError
 from asyncserve.model.llama import build_weights
@@ -288,13 +289,14 @@ class Engine:
         self.check_adapter_name(name)
         try:
             if is_url(path):
-                path = fetch_adapter(path, self.config.fetch_limits())
+                path = fetch_adapter(path, self.config.fetch_limits(), keep=self.adapter_paths().values())
                 log.info("adapter %s: fetched into %s", name, path)
             else:
                 path = hub.resolve(path, files=hub.ADAPTER_FILES, what="adapter")
         except (ModelLoadError, FetchError) as e:
             raise AdapterError(f"adapter {name!r}: {e}") from None
-        self.pager.add(build_host_adapter(read_peft_folder(name, path, self.model_config), self.dtype))
+        self.pager.add(build_host_adapter(read_peft_folder(name, path, self.model_config), self.dtype,
+                                          self.dora_base))
         if pinned:
             self.pin_adapter(name)
 
@@ -398,7 +400,7 @@ class Engine:
         load, handle = pager.registry[name].load, pager.host_allocate(name)
         try:
             _, folder = self.read_adapter(name)
-            view = pager.host_write(handle, build_host_adapter(folder, self.dtype))
+            view = pager.host_write(handle, build_host_adapter(folder, self.dtype, self.dora_base))
         except BaseException:
             pager.host_abandon(handle)
             raise
@@ -447,6 +449,11 @@ class Engine:
     @property
     def adapter_names(self) -> list[str]:
         return list(self.pager.registry)
+
+    @property
+    def dora_base(self) -> DoraBase:
+        """What builds a DoRA adapter's scales from the base weights (build_in_pieces' ``dora``)."""
+        return self.runner.dora_base
 
     # ---- requests ----------------------------------------------------------------------------
     def make_sequence(self, prompt_ids: list[int], params: SamplingParams, adapter: str | None,

@@ -46,7 +46,9 @@ class Server:
         self.cluster: ClusterActor | None = None       # cluster mode (config.peers)
         self.stepper = StepperActor()
         self.tokenizer_executor = new_executor()       # large inputs' tokenizing (ingress/tokenizing.py)
-        self.adapter_fetcher = AdapterFetcher(config.fetch_limits())    # runtime loads from URLs
+        # runtime loads from URLs; trimming the cache leaves the registered adapters' folders
+        self.adapter_fetcher = AdapterFetcher(
+            config.fetch_limits(), lambda: self.engine.adapter_paths().values() if self.engine is not None else ())
         self.adapter_resolver = None if config.adapter_resolver is None else \
             AdapterResolver(config.adapter_resolver, self.adapter_fetcher)
         self.ready = False

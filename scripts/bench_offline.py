@@ -12,7 +12,9 @@ and unmerge's time, and decode steps merged against unmerged; with --lora-steps,
 the native LoRA kernel against the backend's eager plans, alternated. System ours-eager-lora is ours with
 the LoRA backend kept on its eager plans where the native lora_segments kernel would run; ours-no-amx
 is ours with the native GEMM kept on its vdpbf16ps tiles where it would run AMX tiles (kernels/cpu/gemm.h);
-with --rounds, ours, ours-eager-lora, ours-no-amx and ours-base alternate in one process. With
+ours-dora serves W1's adapters as DoRA adapters (make_adapters.dora_copy: magnitudes as PEFT initializes
+them, so the same tokens, DoRA's work on top); with --rounds, ours, ours-eager-lora, ours-no-amx,
+ours-dora and ours-base alternate in one process. With
 --panel-steps, decode steps with Q4_0/Q4_1/Q4_K/Q6_K in panels against GGUF's blocks; with --build-steps --against
 CHECKOUT, this checkout's native kernels against that checkout's (scripts/kernel_builds.py); both alternate
 step by step in one engine at batches 1, 4 and 16.
@@ -40,9 +42,28 @@ def load_w1(args):
     return prompts, adapters
 
 
-def adapter_of(i: int, adapters: dict) -> str:
-    """Request i's adapter: a{i % n}, as W1 prescribes."""
-    return f"a{i % len(adapters)}"
+def adapter_of(i: int, adapters: dict, prefix: str = "") -> str:
+    """Request i's adapter: a{i % n}, as W1 prescribes (prefix: its DoRA copy's name, ours-dora)."""
+    return f"{prefix}a{i % len(adapters)}"
+
+
+DORA_PREFIX = "dora-"
+
+
+def load_dora_copies(llm, adapters: dict, args) -> None:
+    """W1's adapters again as DoRA adapters (make_adapters.dora_copy: the same tokens, DoRA's work on
+    top), loaded as dora-a0, dora-a1, ... beside them."""
+    import tempfile
+
+    from make_adapters import dora_copy
+
+    from asyncserve.model.loader import load_model
+
+    base_weights = load_model(args.model).weights
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, path in adapters.items():
+            dora_copy(Path(path), Path(tmp) / name, base_weights)
+            llm.load_adapter(DORA_PREFIX + name, str(Path(tmp) / name))
 
 
 def build_ours(adapters, args):
@@ -83,10 +104,11 @@ def time_loading(adapters, args) -> tuple[object, dict]:
     return llm, times
 
 
-def run_ours(llm, prompts, adapters, use_adapters: bool, args, eager_lora: bool = False, amx: bool = True) -> dict:
+def run_ours(llm, prompts, adapters, use_adapters: bool, args, eager_lora: bool = False, amx: bool = True,
+             prefix: str = "") -> dict:
     """eager_lora: the torch LoRA backend on its eager plans (stacks, oneDNN) even where its native
     lora_segments plan runs; amx=False: the native GEMM on its vdpbf16ps tiles where it would run AMX
-    tiles; each to measure one against the other in one process."""
+    tiles; each to measure one against the other in one process. prefix: the adapters' DoRA copies."""
     import kernels.cpu as cpu_kernels
 
     lora = llm.engine.runner.lora
@@ -95,7 +117,7 @@ def run_ours(llm, prompts, adapters, use_adapters: bool, args, eager_lora: bool 
         lora.native = False
     amx_was = cpu_kernels.set_amx_gemm(amx) if cpu_kernels.bf16_gemm_available() else None
     try:
-        return _timed_generate(llm, prompts, adapters, use_adapters, args)
+        return _timed_generate(llm, prompts, adapters, use_adapters, args, prefix)
     finally:
         if native is not None:
             lora.native = native
@@ -103,11 +125,11 @@ def run_ours(llm, prompts, adapters, use_adapters: bool, args, eager_lora: bool 
             cpu_kernels.set_amx_gemm(amx_was)
 
 
-def _timed_generate(llm, prompts, adapters, use_adapters: bool, args) -> dict:
+def _timed_generate(llm, prompts, adapters, use_adapters: bool, args, prefix: str = "") -> dict:
     from asyncserve import SamplingParams
 
     ids = [llm.tokenizer.encode(p) for p in prompts]
-    names = [adapter_of(i, adapters) for i in range(len(prompts))] if use_adapters else None
+    names = [adapter_of(i, adapters, prefix) for i in range(len(prompts))] if use_adapters else None
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(ids[:4], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
                  adapters=names[:4] if names else None)            # warm-up
@@ -428,13 +450,16 @@ def main() -> None:
         return
     print(f"load average before: {os.getloadavg()}")
     systems = args.systems.split(",")
-    ours = [name for name in systems if name in ("ours", "ours-eager-lora", "ours-no-amx", "ours-base")]
+    ours = [name for name in systems if name in ("ours", "ours-eager-lora", "ours-no-amx", "ours-base", "ours-dora")]
     llm, load_times = time_loading(adapters, args) if ours else (None, None)
+    if "ours-dora" in systems:
+        load_dora_copies(llm, adapters, args)
     runners = {
         "ours": lambda: run_ours(llm, prompts, adapters, True, args),
         "ours-base": lambda: run_ours(llm, prompts, adapters, False, args),
         "ours-eager-lora": lambda: run_ours(llm, prompts, adapters, True, args, eager_lora=True),
         "ours-no-amx": lambda: run_ours(llm, prompts, adapters, True, args, amx=False),
+        "ours-dora": lambda: run_ours(llm, prompts, adapters, True, args, prefix=DORA_PREFIX),
         "hf-grouped": lambda: run_hf(prompts, adapters, False, args),
         "hf-mixed": lambda: run_hf(prompts, adapters, True, args),
     }

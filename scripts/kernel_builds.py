@@ -28,8 +28,9 @@ def other_build(checkout: Path) -> ModuleType:
     folder = cpu_kernels.build_dir().parent / "against" / hashlib.sha256(str(source).encode()).hexdigest()[:16]
     folder.mkdir(parents=True, exist_ok=True)
     from torch.utils import cpp_extension
-    other = cpp_extension.load(name="asyncserve_cpu_kernels_against", sources=[str(source)], extra_cflags=cflags,
-                               extra_ldflags=ldflags, build_directory=str(folder), verbose=False)
+    with cpu_kernels.environment_ninja():
+        other = cpp_extension.load(name="asyncserve_cpu_kernels_against", sources=[str(source)], extra_cflags=cflags,
+                                   extra_ldflags=ldflags, build_directory=str(folder), verbose=False)
     own = cpu_kernels.library()
     assert own is not None and other is not own and other.__file__ != own.__file__
     return other

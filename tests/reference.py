@@ -37,6 +37,27 @@ def record_calls(monkeypatch, owner, name: str, note) -> None:
     monkeypatch.setattr(owner, name, recorded)
 
 
+def bf16_runs_by_layer_loop(folder, adapters: dict, cases, monkeypatch, new_tokens: int) -> dict[str, tuple]:
+    """Greedy (prompt ids, adapter) cases in bf16 on CPU with the one-call native layer loop
+    (ASYNCSERVE_NATIVE_DECODER "1") and the Python loop ("0"): per mode, (each case's tokens, logprobs and
+    top-5 logprobs; how many steps ran the native loop)."""
+    from asyncserve import LLM, SamplingParams
+    from asyncserve.model import llama
+
+    loop_steps = []
+    record_calls(monkeypatch, llama, "_forward_native", lambda *a: loop_steps.append(1))
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, logprobs=5)
+    runs = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("ASYNCSERVE_NATIVE_DECODER", mode)
+        before = len(loop_steps)
+        llm = LLM(model=str(folder), adapters={k: str(v) for k, v in adapters.items()}, dtype="bfloat16",
+                  device="cpu", max_step_tokens=16)
+        outs = llm.generate([c[0] for c in cases], params, adapters=[c[1] for c in cases])
+        runs[mode] = ([(o.token_ids, o.logprobs, o.top_logprobs) for o in outs], len(loop_steps) - before)
+    return runs
+
+
 def record_steps(engine) -> list:
     """The plans the engine runs, in order; each gets ``copies_waiting``: per CPU-assisted load already
     paged in, whether its copy to the device was still pending after the step (off its path)."""
@@ -134,7 +155,22 @@ def save_random_adapter(base_model, folder: Path, *, r: int, targets: list[str],
         for name, p in peft_model.named_parameters():
             if "lora_" in name:
                 p.normal_(0, 0.3 / max(1, r) ** 0.5)
+        if extra.get("use_dora"):
+            _trained_magnitudes(peft_model)
     peft_model.save_pretrained(folder)
+
+
+def _trained_magnitudes(peft_model) -> None:
+    """DoRA's magnitudes as training leaves them: near the norms of the adapted rows (PEFT starts them
+    there), each row's moved by up to 40%, a few rows' sign flipped."""
+    for module in peft_model.modules():
+        if hasattr(module, "lora_magnitude_vector") and "default" in module.lora_magnitude_vector:
+            w = module.get_base_layer().weight.float()
+            delta = module.lora_B["default"].weight.float() @ module.lora_A["default"].weight.float()
+            norm = torch.linalg.norm(w + module.scaling["default"] * delta, dim=1)
+            factor = torch.empty_like(norm).uniform_(0.6, 1.4)
+            factor[torch.rand_like(norm) < 0.05] *= -1
+            module.lora_magnitude_vector["default"].weight.copy_(norm * factor)
 
 
 @dataclass

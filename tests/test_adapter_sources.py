@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import http.server
 import io
+import os
 import shutil
 import tarfile
 import threading
@@ -18,6 +19,8 @@ from pathlib import Path
 import pytest
 
 from asyncserve.config import Config
+from asyncserve.pager import remote
+from asyncserve.pager.adapters import AdapterError
 from asyncserve.llm import LLM
 from asyncserve.pager.remote import (ADAPTER_FILES, FetchError, FetchLimits, fetch, parse_source, template_source,
                                      under_prefix)
@@ -38,6 +41,7 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
 
     def do_GET(self):
         self.server.gets[self.path] = self.server.gets.get(self.path, 0) + 1
+        self.server.auth.append(self.headers.get("Authorization"))
         if self.path.startswith("/drip/"):
             self.send_response(200)
             self.send_header("Content-Length", "1000000")
@@ -116,7 +120,7 @@ def site(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def web(site):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), lambda *a: _Handler(*a, directory=str(site)))
-    server.gets = {}
+    server.gets, server.auth = {}, []
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -520,3 +524,172 @@ def test_past_the_resolves_at_once_requests_get_429(resolving, monkeypatch):
         assert first.result(30)
     status, body, _ = resolving.request("POST", "/v1/completions", {"model": "another", "prompt": "x", "max_tokens": 2})
     assert status == 404
+
+
+# ---- the cache's bound --------------------------------------------------------------------------------
+
+def _cached(cache: Path, size: int, age_s: float, pinned: bool = False) -> Path:
+    """A cache folder of ``size`` bytes last used ``age_s`` ago, with a pin naming it if ``pinned``."""
+    folder = cache / hashlib.sha256(f"{size}:{age_s}".encode()).hexdigest()
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text("{}")
+    (folder / "adapter_model.safetensors").write_bytes(b"x" * (size - 2))
+    when = time.time() - age_s
+    os.utime(folder, (when, when))
+    if pinned:
+        (cache / "pins").mkdir(exist_ok=True)
+        (cache / "pins" / hashlib.sha256(folder.name.encode()).hexdigest()).write_text(folder.name)
+    return folder
+
+
+@pytest.mark.parametrize("bound, keep, gone", [    # 12 kB in all: d 1, c 2, b 3, a 4 and the recent one 2
+    (0, [], []),                               # no bound
+    (20_000, [], []),                          # under it
+    (9_500, [], ["d", "c"]),                   # least recently used first, until it fits
+    (3_000, [], ["d", "c", "b", "a"]),         # never the one just used
+    (3_000, ["d"], ["c", "b", "a"]),           # nor a registered adapter's
+    (3_000, ["d", "c", "b", "a"], []),         # over the bound with nothing it may remove
+    (9_500, ["c"], ["d", "b"]),
+])
+def test_trimming_removes_the_least_recently_used_folders_but_no_kept_or_recent_one(tmp_path, bound, keep, gone):
+    cache = tmp_path / "cache"
+    folders = {name: _cached(cache, 1_000 * (i + 1), age_s=3_600 * (4 - i), pinned=True)
+               for i, name in enumerate("dcba")}           # d: 1 kB, used 4 h ago ... a: 4 kB, 1 h ago
+    recent = _cached(cache, 2_000, age_s=1.0)                # fetched a moment ago: on its way to a load
+    (cache / ".fetching-x").mkdir()                          # a fetch under way: not the trim's
+    removed = remote.trim_cache(cache, bound, [str(folders[n]) for n in keep])
+    assert sorted(removed) == sorted(folders[n] for n in gone)
+    assert all(folders[n].is_dir() != (n in gone) for n in folders) and recent.is_dir()
+    assert (cache / ".fetching-x").is_dir()
+    pins = {p.read_text() for p in (cache / "pins").iterdir()}
+    assert pins == {folders[n].name for n in folders if n not in gone}
+
+
+def test_fetches_keep_the_cache_bounded_but_never_drop_what_is_registered(web, site, tmp_path, monkeypatch):
+    """The folder just fetched and the registered adapters' (keep) stay; the least recently used other ones
+    go; a pinned source whose folder went is downloaded again."""
+    monkeypatch.setattr(remote, "EVICT_GRACE_S", 0.0)
+    size = sum((site / "adapters" / "r2_mlp" / name).stat().st_size for name in ADAPTER_FILES)
+    limits = FetchLimits(tmp_path / "cache", 64 * MiB, 30.0, cache_bytes=size + 1)
+    weights = site / "adapters" / "r2_mlp" / "adapter_model.safetensors"
+    pinned = f"{web.base}/adapters/r2_mlp#sha256={_sha(weights)}"
+    first = fetch(pinned, limits)
+    second = fetch(f"{web.base}/adapters/r8_attn_rs", limits, keep=[first])
+    assert Path(first).is_dir() and Path(second).is_dir()          # over the bound: both kept
+    third = fetch(f"{web.base}/adapters/nan", limits, keep=[second])
+    assert not Path(first).exists() and Path(second).is_dir() and Path(third).is_dir()
+    gets = web.gets.get("/adapters/r2_mlp/adapter_model.safetensors", 0)
+    assert fetch(pinned, limits) == first and Path(first).is_dir()
+    assert web.gets["/adapters/r2_mlp/adapter_model.safetensors"] == gets + 1   # its pin went with it
+    assert not Path(second).exists() and not Path(third).exists()
+
+
+def test_the_server_keeps_its_adapters_folders_and_trims_the_others(tiny_model, web, site, tmp_path, monkeypatch):
+    """--adapter-cache-size 1: runtime loads from URLs keep every registered adapter's folder (the disk
+    tier reads them again); an unloaded one's folder goes at the next fetch."""
+    monkeypatch.setattr(remote, "EVICT_GRACE_S", 0.0)
+    st = ServerThread(Config(model=str(tiny_model.root), dtype="float32", device="cpu", served_model_name="tiny",
+                             adapter_url_prefixes=[f"{web.base}/adapters/"], adapter_cache_dir=str(tmp_path),
+                             adapter_cache_size=1, speculative_tokens=0))
+    try:
+        for name in ("r2_mlp", "r8_attn_rs"):
+            status, body, _ = st.request("POST", "/v1/load_lora_adapter",
+                                         {"lora_name": name, "lora_path": f"{web.base}/adapters/{name}"})
+            assert status == 200, body
+        assert _cached_names(tmp_path, site) == {"r2_mlp", "r8_attn_rs"}      # over the bound: both stay
+        assert st.request("POST", "/v1/unload_lora_adapter", {"lora_name": "r2_mlp"})[0] == 200
+        status, body, _ = st.request("POST", "/v1/load_lora_adapter",       # fetched, then refused (a NaN)
+                                     {"lora_name": "nan", "lora_path": f"{web.base}/adapters/nan"})
+        assert status == 400, body
+        assert _cached_names(tmp_path, site) == {"r8_attn_rs", "nan"}          # r2_mlp's went
+        status, out, _ = st.request("POST", "/v1/completions", {"model": "r8_attn_rs", "prompt": "the fox",
+                                                                "max_tokens": 3, "temperature": 0})
+        assert status == 200, out
+    finally:
+        st.stop()
+
+
+def _cached_names(cache: Path, site: Path) -> set[str]:
+    """The site's adapters whose files are in the cache's folders."""
+    by_weights = {_sha(f / "adapter_model.safetensors"): f.name for f in (site / "adapters").iterdir() if f.is_dir()}
+    return {by_weights[_sha(folder / "adapter_model.safetensors")] for folder in cache.glob("[0-9a-f]" * 64)}
+
+
+def test_offline_loads_from_urls_keep_the_adapters_already_registered(tiny_model, web, site, tmp_path, monkeypatch):
+    """LLM(adapters=URLs) with a one-byte cache: each fetch keeps the folders of the adapters loaded before
+    it, so both adapters stay servable from disk (an unload then frees its folder for the next trim)."""
+    monkeypatch.setattr(remote, "EVICT_GRACE_S", 0.0)
+    llm = LLM(model=str(tiny_model.root), dtype="float32", device="cpu", adapter_cache_dir=str(tmp_path),
+              adapter_cache_size=1, adapters={name: f"{web.base}/adapters/{name}" for name in ("r2_mlp", "r8_attn_rs")})
+    assert _cached_names(tmp_path, site) == {"r2_mlp", "r8_attn_rs"}
+    llm.unload_adapter("r2_mlp")
+    with pytest.raises(AdapterError, match="NaN"):
+        llm.load_adapter("nan", f"{web.base}/adapters/nan")
+    assert _cached_names(tmp_path, site) == {"r8_attn_rs", "nan"}
+
+
+# ---- private Hub repositories -------------------------------------------------------------------------
+
+class _PrivateHub(http.server.BaseHTTPRequestHandler):
+    """A Hub that serves /private/NAME/resolve/main/FILE to the bearer of TOKEN only, redirecting the
+    weights to ``cdn`` (another host: the web fixture) as the Hub sends large files to its CDN."""
+    token, cdn = "hf_secret", ""
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        if self.headers.get("Authorization") != f"Bearer {self.token}":
+            self.send_response(401)
+            self.end_headers()
+            return
+        name, file = self.path.split("/")[2], self.path.rsplit("/", 1)[1]
+        self.send_response(302)
+        self.send_header("Location", f"{self.cdn}/adapters/{name}/{file}")
+        self.end_headers()
+
+
+@pytest.fixture
+def private_hub(web, monkeypatch, tmp_path):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _PrivateHub)
+    server.daemon_threads = True
+    _PrivateHub.cdn = web.base
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setenv("HF_ENDPOINT", base)              # a Hub mirror: the one non-Hub host given the token
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))   # no stored token from `hf auth login`
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    yield base
+    server.shutdown()
+    server.server_close()
+
+
+def test_private_hub_repositories_take_the_hf_token_which_no_other_host_sees(private_hub, web, site, tmp_path,
+                                                                            monkeypatch):
+    url = f"{private_hub}/private/r2_mlp/resolve/main"
+    with pytest.raises(FetchError) as refused:               # no token: 401, a missing adapter to the client
+        fetch(url, _limits(tmp_path))
+    assert refused.value.status == 404
+    monkeypatch.setenv("HF_TOKEN", _PrivateHub.token)
+    seen = len(web.auth)
+    folder = Path(fetch(url, _limits(tmp_path)))
+    assert (folder / "adapter_model.safetensors").read_bytes() == \
+        (site / "adapters" / "r2_mlp" / "adapter_model.safetensors").read_bytes()
+    fetch(f"{web.base}/adapters/r8_attn_rs", _limits(tmp_path))     # another host, asked directly
+    assert len(web.auth) - seen == 4 and set(web.auth[seen:]) == {None}   # the CDN's two and the host's two
+    _assert_clean(tmp_path / "cache")
+
+
+@pytest.mark.parametrize("url, sent", [
+    ("https://huggingface.co/org/private/resolve/main", True),
+    ("https://hf.co/org/private/resolve/main", True),
+    ("http://huggingface.co/org/private/resolve/main", False),          # never in clear text
+    ("https://huggingface.co.example.com/org/a", False),
+    ("https://example.com/huggingface.co/org/a", False),
+    ("https://cdn-lfs.huggingface.co/repos/x", False),                   # the CDN: signed URLs, no token
+    ("https://models.example.com/adapters/a", False),
+])
+def test_the_hub_token_goes_to_the_hub_alone(url, sent, monkeypatch):
+    monkeypatch.delenv("HF_ENDPOINT", raising=False)
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    assert remote._hub_token(url) == ("hf_secret" if sent else None)

@@ -20,8 +20,9 @@ from asyncserve.model import llama
 from asyncserve.model.config import GROUPS
 from asyncserve.pager.adapters import AdapterError
 from family_models import ALL, FAMILIES, FamilyModel, build_family_model, write_family_gguf
-from reference import (TEST_DEVICE, assert_greedy_matches, make_tiny_tokenizer, peft_references, record_calls,
-                       require_native_kernels, run_merged, save_random_adapter, save_tiny_model)
+from reference import (TEST_DEVICE, assert_greedy_matches, bf16_runs_by_layer_loop, make_tiny_tokenizer,
+                       peft_references, record_calls, require_native_kernels, run_merged, save_random_adapter,
+                       save_tiny_model)
 
 NEW_TOKENS = 8
 # Phi-3 served no longer than its pretraining context rotates with longrope's short factors, as
@@ -102,21 +103,10 @@ def test_native_layer_loop_gives_the_python_loops_logits(family_model, monkeypat
     each, base and both adapters in one generate call, prompts chunked beside decodes."""
     require_native_kernels()
     model, cases, _ = family_model
-    loop_steps = []
-    record_calls(monkeypatch, llama, "_forward_native", lambda *a: loop_steps.append(1))
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=5)
-    runs = {}
-    for mode in ("1", "0"):
-        monkeypatch.setenv("ASYNCSERVE_NATIVE_DECODER", mode)
-        llm = LLM(model=str(model.folder), adapters={k: str(v) for k, v in model.adapters.items()},
-                  dtype="bfloat16", device="cpu", max_step_tokens=16)
-        outs = llm.generate([c[0] for c in cases], params, adapters=[c[1] for c in cases])
-        runs[mode] = [(o.token_ids, o.logprobs, o.top_logprobs) for o in outs]
-        if mode == "1":
-            assert loop_steps, "the native layer loop did not run"
-            used = len(loop_steps)
-    assert len(loop_steps) == used, "ASYNCSERVE_NATIVE_DECODER=0 must run the Python loop"
-    assert runs["1"] == runs["0"]
+    runs = bf16_runs_by_layer_loop(model.folder, model.adapters, cases, monkeypatch, NEW_TOKENS)
+    assert runs["1"][1], "the native layer loop did not run"
+    assert not runs["0"][1], "ASYNCSERVE_NATIVE_DECODER=0 must run the Python loop"
+    assert runs["1"][0] == runs["0"][0]
 
 
 def test_prefix_cache_keeps_reference_tokens(family_model):

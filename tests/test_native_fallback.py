@@ -111,3 +111,33 @@ def test_a_killed_builds_lock_is_removed_once_stale(tmp_path, monkeypatch, caplo
     t0 = time.perf_counter()
     cpu_kernels.wait_for_build_lock(tmp_path, stale_s=0.5, poll_s=0.05)
     assert not lock.exists() and 0.45 <= time.perf_counter() - t0 < 5
+
+
+def test_the_build_runs_the_environments_ninja_whatever_path_finds_first(tmp_path, monkeypatch):
+    """A ninja earlier on PATH (a system one, here a fake) is not the one the build runs: two ninja
+    versions distrust each other's logs, and a venv activated or not rebuilt the library each time
+    (~50 s). The build sees the ninja package's binary first; PATH is restored after, also on errors."""
+    import os
+
+    import ninja
+    from torch.utils import cpp_extension
+
+    fake = tmp_path / "ninja"
+    fake.write_text("#!/bin/sh\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    path = os.environ["PATH"]
+    seen = []
+
+    def load(**kwargs):
+        seen.append(shutil.which("ninja"))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    monkeypatch.setattr(cpu_kernels, "build_dir", lambda: tmp_path / "build")
+    for name, value in (("_library", None), ("_error", None), ("_tried", False)):
+        monkeypatch.setattr(cpu_kernels, name, value)
+    assert shutil.which("ninja") == str(fake)
+    assert cpu_kernels.library() is None
+    assert seen == [os.path.join(ninja.BIN_DIR, "ninja")]
+    assert os.environ["PATH"] == path

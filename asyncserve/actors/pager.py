@@ -123,7 +123,7 @@ class PagerActor:
         return admitted
 
     async def _build(self, folder: PeftFolder) -> HostAdapter:
-        pieces = build_in_pieces(folder, self.engine.dtype)
+        pieces = build_in_pieces(folder, self.engine.dtype, self.engine.dora_base)
         adapter = None
         while adapter is None:          # each call queues behind the step already submitted, if any
             adapter = await self.stepper.call(next, pieces)

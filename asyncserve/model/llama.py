@@ -57,6 +57,11 @@ class NativeStepLora:
     projections: list[torch.Tensor]
     flat: torch.Tensor
     tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    # DoRA adapters' rows (lora/dora.py): runs [n, 3] (first row, end row, index into dora_scales), the
+    # scales [L, all groups' outputs] float32, and group g's columns dora_columns[g]..dora_columns[g + 1]
+    dora_runs: torch.Tensor | None = None
+    dora_scales: list[torch.Tensor] = field(default_factory=list)
+    dora_columns: list[int] = field(default_factory=list)
 
 
 # Projections are Linear objects over the checkpoint's [out, in] weights (model/linear.py picks
@@ -450,9 +455,10 @@ def _forward_native(decoder, h: torch.Tensor, rope: Rope, kv: torch.Tensor, inp:
     """_forward_layers in one native call (kernels/cpu/decoder.h): the same kernels, the same logits."""
     n = inp.num_decode
     if step_lora is None:
-        lora = (None, [], [], None, None, None, None)
+        lora = (None, [], [], None, None, None, None, None, [], [])
     else:
-        lora = (step_lora.flat, step_lora.runs, step_lora.projections, *step_lora.tables)
+        lora = (step_lora.flat, step_lora.runs, step_lora.projections, *step_lora.tables, step_lora.dora_runs,
+                step_lora.dora_scales, step_lora.dora_columns)
     decode_tables = a.decode_pages.view(n, -1) if n else a.decode_pages.view(0, 0)
     return decoder.forward(h, inp.positions, rope.cos, rope.sin, rope.local_cos, rope.local_sin, kv, inp.write_rows,
                            n, decode_tables, a.decode_lens, a.prefill_tables, a.prefill_starts, a.prefill_first_pos,

@@ -12,7 +12,8 @@ Loading is two halves so that a large adapter never holds up the steps: ``read_p
 the files and checks everything the safetensors header and the config tell (no torch; the server
 runs it in a worker thread), and ``build_in_pieces`` lays the tensors out one layer per piece (the
 server runs each piece in the torch thread between two steps). Weights that are not finite in the
-serving dtype are refused: one NaN would reach every sequence batched with the adapter.
+serving dtype are refused: one NaN would reach every sequence batched with the adapter. A DoRA
+adapter's magnitudes become its per-output scales as it is built (lora/dora.py, given the base weights).
 
 A folder is untrusted input: whatever is wrong with it is an AdapterError that says why, never
 another exception. adapter_config.json is read as a typed, bounded AdapterConfig, and its
@@ -43,8 +44,10 @@ class AdapterError(ValueError):
     """An adapter that cannot be served with this base model; the message says why."""
 
 
-# a decoder layer's module: which ones the base model has is its family's (Family.peft_modules)
-_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+# a decoder layer's module: which ones the base model has is its family's (Family.peft_modules); its
+# tensor: lora_A, lora_B, or DoRA's magnitude ("M" below)
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\."
+                  r"(?:lora_([AB])(?:\.[\w-]+)?\.weight|(lora_magnitude_vector)(?:\.[\w-]+)?(?:\.weight)?)$")
 
 # safetensors dtype -> (torch dtype, bytes per element); adapters are float tensors
 _DTYPES = {"F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2),
@@ -110,6 +113,7 @@ class HostAdapter:
     scaling: torch.Tensor                # [L, P] float32
     a_rows: dict[tuple[int, int], torch.Tensor]   # (layer, proj) -> [r_p, in]
     b_rows: dict[tuple[int, int], torch.Tensor]   # (layer, proj) -> [r_p, out] (B transposed)
+    dora_scale: torch.Tensor | None = None        # DoRA's g, [L, all projections' outputs] float32 (lora/dora.py)
 
     @property
     def nbytes(self) -> int:
@@ -149,9 +153,10 @@ class PeftFolder:
     config: ModelConfig
     ranks: list[int]                     # per projection, the largest rank over the layers
     scaling: list[list[float]]           # [L][P]
-    modules: dict[tuple[int, int], dict[str, StoredTensor]]   # (layer, proj) -> {"A": .., "B": ..}
+    modules: dict[tuple[int, int], dict[str, StoredTensor]]   # (layer, proj) -> {"A", "B", DoRA's "M"}
     fan_in_fan_out: bool
     weights: bytearray                   # adapter_model.safetensors
+    dora: bool = False                   # use_dora: every module has a magnitude "M"
 
 
 @dataclass
@@ -163,8 +168,9 @@ class AdapterInfo:
     file_bytes: int                      # adapter_model.safetensors
 
 
-def load_peft_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.dtype) -> HostAdapter:
-    return build_host_adapter(read_peft_folder(name, path, config), dtype)
+def load_peft_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.dtype,
+                      dora=None) -> HostAdapter:
+    return build_host_adapter(read_peft_folder(name, path, config), dtype, dora)
 
 
 def inspect_peft_folder(name: str, path: str | Path, config: ModelConfig) -> AdapterInfo:
@@ -190,7 +196,7 @@ def read_peft_folder(name: str, path: str | Path, config: ModelConfig) -> PeftFo
         if f.readinto(weights) != size:
             raise AdapterError(f"adapter {name!r}: adapter_model.safetensors changed while it was read")
     ranks, scaling, modules, fan_in_fan_out = _check_against_model(name, str(folder), acfg, stored, config)
-    return PeftFolder(name, str(folder), config, ranks, scaling, modules, fan_in_fan_out, weights)
+    return PeftFolder(name, str(folder), config, ranks, scaling, modules, fan_in_fan_out, weights, acfg.use_dora)
 
 
 def _peft_files(name: str, path: str | Path) -> tuple[Path, AdapterConfig, Path]:
@@ -212,9 +218,8 @@ def _peft_files(name: str, path: str | Path) -> tuple[Path, AdapterConfig, Path]
     acfg = _read_config(name, cfg_file)
     if acfg.peft_type.upper() != "LORA":
         raise AdapterError(f"adapter {name!r}: peft_type {acfg.peft_type!r} is not LORA")
-    for flag, what in ((acfg.use_dora, "DoRA"), (acfg.lora_bias, "LoRA bias")):
-        if flag:
-            raise AdapterError(f"adapter {name!r}: {what} adapters are not supported")
+    if acfg.lora_bias:
+        raise AdapterError(f"adapter {name!r}: LoRA bias adapters are not supported")
     if acfg.bias not in ("none", None):
         raise AdapterError(f"adapter {name!r}: bias={acfg.bias!r} is not supported (only 'none')")
     if acfg.modules_to_save:
@@ -326,7 +331,10 @@ def _check_against_model(name: str, path: str, acfg: AdapterConfig, stored: list
             raise AdapterError(f"adapter {name!r}: tensor {t.key!r} targets a module that {config.family.name} "
                                f"models do not have (their LoRA targets: {', '.join(peft_modules)} of the "
                                "decoder layers)")
-        layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
+        layer, module, ab = int(m.group(1)), m.group(2), m.group(3) or "M"
+        if ab == "M" and not acfg.use_dora:
+            raise AdapterError(f"adapter {name!r}: {t.key!r} is a DoRA magnitude but adapter_config.json does "
+                               "not set use_dora")
         if layer >= config.num_layers:
             raise AdapterError(f"adapter {name!r}: {t.key!r} is for layer {layer}, the base model has "
                                f"{config.num_layers} layers")
@@ -339,9 +347,17 @@ def _check_against_model(name: str, path: str, acfg: AdapterConfig, stored: list
     scaling = [[0.0] * len(PROJECTIONS) for _ in range(config.num_layers)]
     for (layer, p), ab in modules.items():
         proj = PROJECTIONS[p]
-        if set(ab) != {"A", "B"}:
-            raise AdapterError(f"adapter {name!r}: layer {layer} {proj} has lora_{''.join(ab)} but not both A and B")
+        if set(ab) - {"M"} != {"A", "B"}:
+            raise AdapterError(f"adapter {name!r}: layer {layer} {proj} has lora_{''.join(sorted(set(ab) - {'M'}))} "
+                               "but not both A and B")
         fan_in, fan_out = shapes[proj]
+        if acfg.use_dora:
+            if "M" not in ab:
+                raise AdapterError(f"adapter {name!r}: use_dora is set but layer {layer} {proj} has no "
+                                   "lora_magnitude_vector")
+            if ab["M"].shape != (fan_out,):
+                raise AdapterError(f"adapter {name!r}: layer {layer} {proj}'s lora_magnitude_vector is "
+                                   f"{list(ab['M'].shape)}; this base model needs [{fan_out}]")
         a_shape, b_shape = (s.shape[::-1] if fan_in_fan_out else s.shape for s in (ab["A"], ab["B"]))
         r = a_shape[0] if a_shape else 0
         if a_shape != (r, fan_in) or b_shape != (fan_out, r) or r == 0:
@@ -373,9 +389,10 @@ def _split_fused_modules(name: str, found: dict[tuple[int, str], dict[str, Store
         if len(parts) == 1:
             modules[(layer, PROJ_INDEX[parts[0]])] = ab
             continue
-        a, b = ab.get("A"), ab.get("B")
+        a, b, magnitude = ab.get("A"), ab.get("B"), ab.get("M")
         if a is None or b is None:
-            raise AdapterError(f"adapter {name!r}: layer {layer} {module} has lora_{''.join(ab)} but not both A and B")
+            raise AdapterError(f"adapter {name!r}: layer {layer} {module} has lora_{''.join(sorted(set(ab) - {'M'}))} "
+                               "but not both A and B")
         if fan_in_fan_out:
             raise AdapterError(f"adapter {name!r}: fan_in_fan_out is not supported on the fused module {module}")
         widths = [shapes[p][1] for p in parts]
@@ -383,12 +400,20 @@ def _split_fused_modules(name: str, found: dict[tuple[int, str], dict[str, Store
         if b.shape != (sum(widths), r):
             raise AdapterError(f"adapter {name!r}: layer {layer} {module} has lora_B {b.shape}; this base model "
                                f"needs [{sum(widths)}, r] — was it trained for a different base model?")
+        if magnitude is not None and magnitude.shape != (sum(widths),):
+            raise AdapterError(f"adapter {name!r}: layer {layer} {module} has lora_magnitude_vector "
+                               f"{list(magnitude.shape)}; this base model needs [{sum(widths)}]")
         row_bytes = r * _DTYPES[b.dtype][1]
         offset = 0
         for proj, width in zip(parts, widths):
             rows = StoredTensor(b.key, b.dtype, (width, r), b.begin + offset * row_bytes,
                                 b.begin + (offset + width) * row_bytes)
             modules[(layer, PROJ_INDEX[proj])] = {"A": a, "B": rows}
+            if magnitude is not None:
+                size = _DTYPES[magnitude.dtype][1]
+                modules[(layer, PROJ_INDEX[proj])]["M"] = StoredTensor(
+                    magnitude.key, magnitude.dtype, (width,), magnitude.begin + offset * size,
+                    magnitude.begin + (offset + width) * size)
             offset += width
     return modules
 
@@ -398,8 +423,8 @@ def _peft_name(config: ModelConfig, proj: str) -> str:
     return next(module for module, parts in config.family.peft_modules().items() if proj in parts)
 
 
-def build_host_adapter(folder: PeftFolder, dtype: torch.dtype) -> HostAdapter:
-    for adapter in build_in_pieces(folder, dtype):
+def build_host_adapter(folder: PeftFolder, dtype: torch.dtype, dora=None) -> HostAdapter:
+    for adapter in build_in_pieces(folder, dtype, dora):
         pass
     return adapter
 
@@ -410,13 +435,17 @@ def build_host_adapter(folder: PeftFolder, dtype: torch.dtype) -> HostAdapter:
 PIECE_BYTES = 8 << 20
 
 
-def build_in_pieces(folder: PeftFolder, dtype: torch.dtype) -> Iterator[HostAdapter | None]:
+def build_in_pieces(folder: PeftFolder, dtype: torch.dtype, dora=None) -> Iterator[HostAdapter | None]:
     """Lay the tensors out as pool rows, whole layers at a time: yields None after each run of
     layers that built PIECE_BYTES or more, then the adapter. The server runs one piece per call in
-    the torch thread, so steps run in between."""
+    the torch thread, so steps run in between. A DoRA adapter's scales are worked out per layer by
+    ``dora`` (lora/dora.py's DoraBase: it reads the base weights)."""
     config, ranks = folder.config, folder.ranks
     shapes = config.projection_shapes()
     a_rows, b_rows = {}, {}
+    dora_scale = []
+    if folder.dora and dora is None:
+        raise AdapterError(f"adapter {folder.name!r} is a DoRA adapter, whose scales need the base weights")
     built = 0
     for layer in range(config.num_layers):
         for p, proj in enumerate(PROJECTIONS):
@@ -435,12 +464,24 @@ def build_in_pieces(folder: PeftFolder, dtype: torch.dtype) -> Iterator[HostAdap
             a_rows[(layer, p)] = _rows(folder, ab["A"], a, ranks[p], dtype)
             b_rows[(layer, p)] = _rows(folder, ab["B"], b.t(), ranks[p], dtype)
             built += a_rows[(layer, p)].nbytes + b_rows[(layer, p)].nbytes
+        if folder.dora:
+            dora_scale.append(dora.layer_scales(folder.name, layer, {
+                p: (a_rows[key], b_rows[key], folder.scaling[layer][p], _magnitude(folder, ab["M"]))
+                for p in range(len(PROJECTIONS)) if (ab := folder.modules.get(key := (layer, p))) is not None}))
         if built >= PIECE_BYTES:
             built = 0
             yield None
     scaling = torch.tensor(folder.scaling, dtype=torch.float32)      # [L, P]
     yield HostAdapter(name=folder.name, path=folder.path, ranks=list(ranks), scaling=scaling,
-                      a_rows=a_rows, b_rows=b_rows)
+                      a_rows=a_rows, b_rows=b_rows, dora_scale=torch.stack(dora_scale) if dora_scale else None)
+
+
+def _magnitude(folder: PeftFolder, t: StoredTensor) -> torch.Tensor:
+    """A DoRA magnitude [out] in float32, refused unless finite."""
+    m = _stored(folder, t).float()
+    if not all_finite(m):
+        raise AdapterError(f"adapter {folder.name!r}: tensor {t.key!r} holds NaN or infinite values")
+    return m
 
 
 def _stored(folder: PeftFolder, t: StoredTensor) -> torch.Tensor:

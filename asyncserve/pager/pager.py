@@ -57,6 +57,7 @@ class DeviceAdapter:
     # [2, L, P, r_max], and scaling [L, P] (a CPU tensor); filling a table slot then reads no device memory
     host_ptr: np.ndarray | None = None
     host_scaling: torch.Tensor | None = None
+    dora_scale: torch.Tensor | None = None   # DoRA's g [L, all projections' outputs] float32 (lora/dora.py)
 
     def __post_init__(self):
         if self.host_ptr is None:
@@ -130,7 +131,7 @@ def row_plan(ranks: list[int], config: ModelConfig, page_numel: int) -> RowPlan:
 
 
 def place(name: str, ranks: list[int], scaling: torch.Tensor, pages: list[int], plan: RowPlan, pool: PagedPool,
-          generation: int) -> DeviceAdapter:
+          generation: int, dora_scale: torch.Tensor | None = None) -> DeviceAdapter:
     """The DeviceAdapter of rows placed by ``plan`` in ``pages``: each row's offset in the pool (0 past a
     projection's rank)."""
     page_start = np.asarray(pages, dtype=np.int64) * pool.page_numel
@@ -138,7 +139,8 @@ def place(name: str, ranks: list[int], scaling: torch.Tensor, pages: list[int], 
     dev = pool.device
     return DeviceAdapter(name=name, ranks=list(ranks), a_ptr=torch.from_numpy(np.ascontiguousarray(ptr[0])).to(dev),
                          b_ptr=torch.from_numpy(np.ascontiguousarray(ptr[1])).to(dev), scaling=scaling.to(dev),
-                         pages=pages, generation=generation, host_ptr=ptr, host_scaling=scaling)
+                         pages=pages, generation=generation, host_ptr=ptr, host_scaling=scaling,
+                         dora_scale=None if dora_scale is None else dora_scale.to(dev))
 
 
 def shard_rows(a_rows: dict, b_rows: dict, ranks: list[int], config: ModelConfig, shard: Shard) -> torch.Tensor:
@@ -184,6 +186,7 @@ class AdapterPager:
         self.host: OrderedDict[str, HostAdapter] = OrderedDict()
         self._blocks: dict[int, AdapterHandle] = {}
         self._ranks: dict[int, list[int]] = {}                           # by load, until its block goes
+        self._dora_scales: dict[int, torch.Tensor] = {}                  # DoRA loads' g, while in the host tier
         # device tier
         self.resident: OrderedDict[int, DeviceAdapter] = OrderedDict()   # by load; LRU order: oldest first
         self.refs: dict[int, int] = {}                                   # by load: running sequences using it
@@ -302,7 +305,8 @@ class AdapterPager:
         self.arena.write(handle, adapter.ranks, adapter.scaling, adapter.a_rows, adapter.b_rows)
         view = self.arena.view(handle)
         return HostAdapter(name=adapter.name, path=adapter.path, ranks=list(adapter.ranks),
-                           scaling=adapter.scaling, a_rows=view.a_rows, b_rows=view.b_rows)
+                           scaling=adapter.scaling, a_rows=view.a_rows, b_rows=view.b_rows,
+                           dora_scale=adapter.dora_scale)
 
     def host_admit(self, name: str, load: int, handle: AdapterHandle, adapter: HostAdapter) -> bool:
         """The written block joins the host tier, unless the name was unloaded (or reloaded) meanwhile:
@@ -313,6 +317,8 @@ class AdapterPager:
             return False
         self._blocks[load] = handle
         self.host[name] = adapter
+        if adapter.dora_scale is not None:
+            self._dora_scales[load] = adapter.dora_scale.to(self.pool.device)
         return True
 
     def host_abandon(self, handle: AdapterHandle) -> None:
@@ -328,9 +334,14 @@ class AdapterPager:
         """The ranks of a load (PROJECTIONS order), also after its name was unloaded or reloaded."""
         return self._ranks[load]
 
+    def load_dora_scale(self, load: int) -> torch.Tensor | None:
+        """A DoRA load's g (HostAdapter.dora_scale) while its host block lives, for its CPU-assisted rows."""
+        return self._dora_scales.get(load)
+
     def _release_block(self, load: int) -> None:
         if load not in self._live:
             self._ranks.pop(load, None)
+        self._dora_scales.pop(load, None)
         handle = self._blocks.pop(load, None)
         if handle is not None:
             self.arena.release(handle)
@@ -465,7 +476,8 @@ class AdapterPager:
     def _place(self, adapter: HostAdapter, pages: list[int], plan: RowPlan) -> DeviceAdapter:
         """Each row's offset in the pool; the rows are copied later by ``write_pending``."""
         self._generation += 1
-        return place(adapter.name, adapter.ranks, adapter.scaling, pages, plan, self.pool, self._generation)
+        return place(adapter.name, adapter.ranks, adapter.scaling, pages, plan, self.pool, self._generation,
+                     adapter.dora_scale)
 
     def write_pending(self, hold: frozenset[int] = frozenset()) -> list[PageIn]:
         """Copy the rows of adapters paged in since the last call. Runs in the stepper's thread before

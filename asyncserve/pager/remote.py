@@ -12,6 +12,13 @@ their headers declare them, so a decompression bomb stops before it is unpacked)
 The files land in ``cache_dir/<sha256 over the adapter files>/``, named by their content: a name reloaded
 from a URL whose file changed gets a new folder, and the weights an older adapter reads lazily from its own
 folder never change under it. A pinned source fetched before is served from the cache, with no download.
+
+URLs of the Hugging Face Hub (or of the mirror HF_ENDPOINT names) are fetched with the Hub's token, so
+private repositories' files load; no other host sees it (``_hub_token``).
+
+The cache is bounded by ``cache_bytes``: after each fetch the folders least recently fetched go until it
+fits, except the folders of registered adapters (the disk tier reads their weights from there again) and
+those fetched in the last EVICT_GRACE_S (on their way to a load); pins to a removed folder go with it.
 """
 from __future__ import annotations
 
@@ -29,7 +36,7 @@ import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Iterator
+from typing import Callable, Collection, Iterator
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 SCHEMES = ("http", "https", "s3")
@@ -38,6 +45,7 @@ CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 CHUNK_BYTES = 1 << 20
 MAX_READ_WAIT_S = 30.0        # one socket read waits at most this long (the whole fetch: timeout_s)
+EVICT_GRACE_S = 600.0         # a folder fetched this recently is never evicted: a load may be reading it
 FETCHERS = 2                  # fetches at once; more wait their turn
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -133,6 +141,7 @@ class FetchLimits:
     cache_dir: Path
     max_bytes: int
     timeout_s: float
+    cache_bytes: int = 0          # the cache's bound (trim_cache); 0: none
 
 
 class _Budget:
@@ -158,13 +167,34 @@ class _Budget:
         return max(0.1, min(MAX_READ_WAIT_S, self.deadline - time.monotonic()))
 
 
+HF_HOSTS = ("huggingface.co", "hf.co")
+
+
+def _hub_token(url: str) -> str | None:
+    """The Hugging Face token (HF_TOKEN, or `hf auth login`'s) for a URL of the Hub over https, or of the
+    Hub mirror HF_ENDPOINT names: a private repository's files, `https://huggingface.co/ORG/NAME/resolve/main`.
+    No other host is ever sent it."""
+    parts = urlsplit(url)
+    endpoint = urlsplit(os.environ.get("HF_ENDPOINT", ""))
+    hub = parts.scheme == "https" and parts.hostname in HF_HOSTS
+    mirror = bool(endpoint.hostname) and (parts.scheme, parts.netloc) == (endpoint.scheme, endpoint.netloc)
+    if not (hub or mirror):
+        return None
+    from huggingface_hub import get_token
+
+    return get_token()
+
+
 def _http_chunks(url: str, budget: _Budget) -> Iterator[bytes]:
     request = urllib.request.Request(url, headers={"User-Agent": "asyncserve"})
+    if token := _hub_token(url):
+        # unredirected: the Hub redirects large files to a CDN with signed URLs, which must not see it
+        request.add_unredirected_header("Authorization", f"Bearer {token}")
     try:
         response = urllib.request.urlopen(request, timeout=budget.read_wait_s())
     except urllib.error.HTTPError as e:
         e.close()
-        raise FetchError(f"{url}: {e.code} {e.reason}", status=404 if e.code in (403, 404, 410) else 502) from None
+        raise FetchError(f"{url}: {e.code} {e.reason}", status=404 if e.code in (401, 403, 404, 410) else 502) from None
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)
         status = 504 if isinstance(reason, TimeoutError) else 502
@@ -306,12 +336,15 @@ def _pinned(cache_dir: Path, source: Source) -> str | None:
     return str(folder) if _SHA256.fullmatch(key) and all((folder / f).is_file() for f in ADAPTER_FILES) else None
 
 
-def fetch(text: str, limits: FetchLimits) -> str:
+def fetch(text: str, limits: FetchLimits, keep: Collection[str] = ()) -> str:
     """The adapter ``text`` names, fetched and checked into the cache; its folder there. Blocking: run it
-    in a worker thread. FetchError says what went wrong; nothing partial is left behind."""
+    in a worker thread. FetchError says what went wrong; nothing partial is left behind. Then the cache
+    is trimmed to ``limits.cache_bytes``, never removing the folders in ``keep`` (registered adapters')."""
     source = parse_source(text)
     cache = limits.cache_dir
     if source.sha256 and (hit := _pinned(cache, source)):
+        _touch(Path(hit))
+        trim_cache(cache, limits.cache_bytes, {*keep, hit})
         return hit
     budget = _Budget(limits, source)
     cache.mkdir(parents=True, exist_ok=True)
@@ -332,19 +365,66 @@ def fetch(text: str, limits: FetchLimits) -> str:
         try:
             work.rename(folder)           # atomic; a folder of the same content already there stays
         except OSError:
+            _touch(folder)
             if not all((folder / f).is_file() for f in ADAPTER_FILES):
                 raise
+        _touch(folder)
         if source.sha256:
             pin = _pin_path(cache, source)
             pin.parent.mkdir(exist_ok=True)
             tmp = pin.with_name(f".{pin.name}.{os.getpid()}")
             tmp.write_text(key)
             tmp.replace(pin)
+        trim_cache(cache, limits.cache_bytes, {*keep, str(folder)})
         return str(folder)
     except OSError as e:
         raise FetchError(f"adapter source {source}: cannot write the cache {cache}: {e}", status=500) from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _touch(folder: Path) -> None:
+    """Mark a cache folder used now: the cache keeps the most recently used (trim_cache)."""
+    try:
+        os.utime(folder)
+    except OSError:
+        pass
+
+
+def trim_cache(cache_dir: Path, max_bytes: int, keep: Collection[str] = ()) -> list[Path]:
+    """Remove the least recently used adapter folders until the cache holds at most ``max_bytes`` (0: no
+    bound), never one in ``keep`` nor one used in the last EVICT_GRACE_S; pins to removed folders go too.
+    Returns the folders removed. (If what must stay is larger, the cache stays over its bound.)"""
+    if max_bytes <= 0:
+        return []
+    folders, total = [], 0
+    try:
+        for entry in cache_dir.iterdir():
+            if _SHA256.fullmatch(entry.name) and entry.is_dir():
+                size = sum(f.stat().st_size for f in entry.iterdir() if f.is_file())
+                folders.append((entry.stat().st_mtime, size, entry))
+                total += size
+    except OSError:               # another fetch removed one meanwhile: trim next time
+        return []
+    kept = {os.path.realpath(p) for p in keep}
+    now, removed = time.time(), []
+    for mtime, size, folder in sorted(folders):
+        if total <= max_bytes:
+            break
+        if os.path.realpath(folder) in kept or now - mtime < EVICT_GRACE_S:
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        total -= size
+        removed.append(folder)
+    if removed:
+        gone = {folder.name for folder in removed}
+        for pin in (cache_dir / "pins").glob("*"):
+            try:
+                if pin.read_text().strip() in gone:
+                    pin.unlink()
+            except OSError:
+                pass
+    return removed
 
 
 def _check_pin(source: Source, digest: str, what: str) -> None:
@@ -359,17 +439,20 @@ def template_source(template: str, name: str) -> str:
 
 class AdapterFetcher:
     """Fetches on the event loop's behalf: each in one of FETCHERS worker threads, one fetch per source
-    at a time however many ask for it (they all get its result)."""
+    at a time however many ask for it (they all get its result). ``in_use()`` (on the event loop): the
+    folders of registered adapters, which trimming the cache leaves."""
 
-    def __init__(self, limits: FetchLimits):
+    def __init__(self, limits: FetchLimits, in_use: Callable[[], Collection[str]] = tuple):
         self.limits = limits
+        self.in_use = in_use
         self._pool = ThreadPoolExecutor(FETCHERS, thread_name_prefix="adapter-fetch")
         self._running: dict[str, asyncio.Future] = {}
 
     async def fetch(self, text: str) -> str:
         future = self._running.get(text)
         if future is None:
-            future = asyncio.get_running_loop().run_in_executor(self._pool, fetch, text, self.limits)
+            future = asyncio.get_running_loop().run_in_executor(self._pool, fetch, text, self.limits,
+                                                                frozenset(self.in_use()))
             self._running[text] = future
             future.add_done_callback(lambda _: self._running.pop(text, None))
         return await asyncio.shield(future)

@@ -1,5 +1,6 @@
 """dLoRA's merged mode (§4): one adapter folded into the base weights, W' = W + s·B·A for every
-projection it targets, so its tokens run the base GEMMs alone, with no LoRA compute.
+projection it targets (a DoRA adapter's rows times its scale g: lora/dora.py), so its tokens run the
+base GEMMs alone, with no LoRA compute.
 
 Merging builds new Linear objects for the projection groups the adapter targets (of the same kind:
 on CPU oneDNN's packed layout is rebuilt from the merged dense weight) and keeps the original
@@ -19,6 +20,7 @@ from collections.abc import Mapping
 import torch
 
 from asyncserve.lora.backend import LoraBackend, _rows, group_layout
+from asyncserve.lora.dora import group_columns
 from asyncserve.model.checkpoint import all_finite
 from asyncserve.model.config import GROUPS, PROJ_INDEX, ModelConfig
 from asyncserve.model.linear import Linear, NativeLinear, OneDnnLinear, QuantLinear
@@ -81,6 +83,7 @@ class WeightMerger:
         self.pool = pool
         self.lora = lora
         self.layout = group_layout(config)
+        self.columns = group_columns(config)
         self.num_layers = config.num_layers
         self.merged: DeviceAdapter | None = None
         self.merged_load: int | None = None
@@ -139,6 +142,10 @@ class WeightMerger:
         self.seconds[kind] += time.perf_counter() - t0
         self.elements[kind] += self.elements_of(adapter.ranks)
 
+    def original(self, layer: int, group: str) -> Linear:
+        """The base projection as loaded, also while an adapter is merged into it."""
+        return self._originals.get((layer, group)) or getattr(self.weights.layers[layer], group)
+
     def refusal(self, load: int) -> str | None:
         """Why the adapter load cannot be merged: the base weights take no merge, or it overflowed them."""
         return self.unsupported or self.refused.get(load)
@@ -164,6 +171,9 @@ class WeightMerger:
                     a = _rows(flat, adapter.a_ptr[li, p, :r], fan_in).float()      # [r, in]
                     bt = _rows(flat, adapter.b_ptr[li, p, :r], fan_out).float()    # [r, out] (B^T)
                     w[col:col + fan_out].addmm_(bt.t(), a, alpha=scaling[li][p])
+                if adapter.dora_scale is not None:          # DoRA: each output row times its g
+                    c0, c1 = self.columns[group]
+                    w.mul_(adapter.dora_scale[li, c0:c1, None])
                 w = w.to(dense.dtype)
                 if not all_finite(w):
                     self.refused[load] = f"it overflows layer {li}'s {group} weights in {w.dtype}"

@@ -13,6 +13,7 @@ import torch
 
 from asyncserve.lora.backend import LoraBackend, TorchLoraBackend
 from asyncserve.lora.batch import LoraBatch
+from asyncserve.lora.dora import DoraBase, DoraLora, add_dora_run
 from asyncserve.model.config import ModelConfig
 from asyncserve.model.llama import LlamaWeights, PrefillChunk, Rope, StepInputs, decode_masks, forward
 from asyncserve.pager.pager import AdapterPager
@@ -57,6 +58,8 @@ class ModelRunner:
         self.rope = Rope(config, self.device, pool.dtype)
         self._row_stride = 2 * config.num_layers * pool.block_size   # kv rows per page
         self.merger = WeightMerger(config, weights, pool, lora)      # dLoRA's merged mode
+        # DoRA adapters' scales are worked out from the base weights as loaded, never merged ones
+        self.dora_base = DoraBase(config, self.merger.original, self._dora_refusal)
         # decodes read their KV through kernels.paged_attention on CUDA (ASYNCSERVE_TRITON_ATTENTION=0: SDPA)
         self.paged_attention = self.device.type == "cuda" and os.environ.get("ASYNCSERVE_TRITON_ATTENTION") != "0"
         self.graphs: DecodeGraphs | None = None                    # enable_graphs
@@ -78,6 +81,10 @@ class ModelRunner:
             make_inputs, fixed, (lambda: tables.tensors[1].shape[-1]) if tables else None,
             (lambda: (tables.version, self.merger.switches)) if tables else (lambda: self.merger.switches))
 
+    def _dora_refusal(self) -> str | None:
+        return ("DoRA is not served with --tensor-parallel (each rank would need the whole base rows' norms)"
+                if self.tp is not None else None)
+
     def _graph_batch(self, plan: StepPlan) -> tuple[list[Sequence], DecodeBatch, bool] | None:
         """The step's sequences and rows for DecodeGraphs and whether it has LoRA, or None where it runs eagerly."""
         g, decodes = self.graphs, plan.decodes
@@ -87,7 +94,7 @@ class ModelRunner:
         seqs = [c.seq for c in decodes]
         loads = [s.adapter_load if s.adapter is not None else None for s in seqs]
         distinct = [load for load in dict.fromkeys(loads) if load is not None]
-        if distinct and g.lora_step is None:
+        if distinct and (g.lora_step is None or any(self.pager.resident[a].dora_scale is not None for a in distinct)):
             return None
         slot_of = {None: -1}
         if distinct:
@@ -137,7 +144,7 @@ class ModelRunner:
         if graph_step is not None:
             sampled = self._replay(plan, *graph_step)
             return StepResult(sampled, time.perf_counter() - t0 - switch_s, plan.num_tokens, {})
-        inputs, lora_batch, rows, prompt_rows, cold = self._prepare(plan)
+        inputs, lora_batch, rows, prompt_rows, cold, dora_runs = self._prepare(plan)
         self.lora.begin_step(lora_batch)
         lora = self.lora
         workers = 0
@@ -146,6 +153,8 @@ class ModelRunner:
             self.assist.begin_step(*cold, workers)
             if self.assist.active:
                 lora = AssistedLora(self.assist, self.lora)
+        if dora_runs:
+            lora = DoraLora(lora, dora_runs, self.dora_base.columns)
         reduce = None
         if self.tp is not None:          # the other ranks run the same step over their shards
             merged = self.merger.merged.generation if self.merger.merged is not None else None
@@ -170,15 +179,18 @@ class ModelRunner:
             i += count
         return out
 
-    def _prepare(self, plan: StepPlan) -> tuple[StepInputs, LoraBatch | None, list[SamplingRow], PromptRows, tuple]:
+    def _prepare(self, plan: StepPlan) -> tuple[StepInputs, LoraBatch | None, list[SamplingRow], PromptRows, tuple,
+                                                 list]:
         """Also returns the CPU-assisted rows: (tasks [(host block, row0, row1, ranks)] over the cold
-        rows, the cold rows' indices in the step)."""
+        rows, the cold rows' indices in the step), and the DoRA adapters' runs of rows (DoraLora), cold
+        ones included."""
         bs = self.pool.block_size
         ids, positions, write_rows, sample_index, rows = [], [], [], [], []
         prompt_index, prompt_rows = [], PromptRows()
         prefills = []
         seg_starts, seg_adapter, adapters, adapter_index = [0], [], [], {}
         cold_tasks, cold_rows = [], []
+        dora_runs = []
         num_decode_chunks = len(plan.decodes)
         for i, chunk in enumerate(plan.chunks):
             seq = chunk.seq
@@ -207,12 +219,15 @@ class ModelRunner:
             if seq.adapter_load in plan.assisted:          # the workers add its LoRA: no device LoRA
                 _add_cold_rows(cold_tasks, cold_rows, self.pager.host_block(seq.adapter_load), start, len(ids),
                                self.pager.load_ranks(seq.adapter_load))
+                add_dora_run(dora_runs, start, len(ids), self.pager.load_dora_scale(seq.adapter_load),
+                             self.pager.load_ranks(seq.adapter_load))
             # by load: a reloaded name may run old and new weights at once; a merged one needs no LoRA
             elif seq.adapter is not None and plan.merged is None:
                 if seq.adapter_load not in adapter_index:
                     adapter_index[seq.adapter_load] = len(adapters)
                     adapters.append(self.pager.resident[seq.adapter_load])
                 a = adapter_index[seq.adapter_load]
+                add_dora_run(dora_runs, start, len(ids), adapters[a].dora_scale, adapters[a].ranks)
             if seg_adapter and seg_adapter[-1] == a:
                 seg_starts[-1] = len(ids)
             else:
@@ -248,7 +263,7 @@ class ModelRunner:
         if adapters:
             lora_batch = LoraBatch(adapters=adapters, seg_starts=seg_starts, seg_adapter=seg_adapter,
                                    num_tokens=len(ids), device=dev, num_decode=nd)
-        return inputs, lora_batch, rows, prompt_rows, (cold_tasks, cold_rows)
+        return inputs, lora_batch, rows, prompt_rows, (cold_tasks, cold_rows), dora_runs
 
 
 def _add_cold_rows(tasks: list, rows: list[int], handle, start: int, end: int, ranks: list[int]) -> None:

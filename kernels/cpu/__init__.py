@@ -11,6 +11,7 @@ keeps the native kernels but runs the layer loop in Python (``decoder_loop_enabl
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -87,15 +88,39 @@ def library() -> ModuleType | None:
         folder.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
         wait_for_build_lock(folder)
-        _library = cpp_extension.load(
-            name="asyncserve_cpu_kernels", sources=[str(SOURCE_DIR / s) for s in SOURCES],
-            extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), build_directory=str(folder),
-            verbose=False)
+        with environment_ninja():
+            _library = cpp_extension.load(
+                name="asyncserve_cpu_kernels", sources=[str(SOURCE_DIR / s) for s in SOURCES],
+                extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), build_directory=str(folder),
+                verbose=False)
         log.info("native CPU kernels loaded from %s in %.1f s", folder, time.perf_counter() - start)
     except Exception as e:   # no compiler, no ninja, a failed build: the eager path runs
         _error = f"{type(e).__name__}: {e}".strip()
         log.warning("native CPU kernels unavailable, using eager torch ops (%s)", _error.splitlines()[0])
     return _library
+
+
+@contextlib.contextmanager
+def environment_ninja():
+    """PATH with this Python environment's ninja (the ninja package, a dependency) first, for a build.
+    cpp_extension runs whichever ninja PATH finds; a system ninja and the environment's are different
+    versions whose logs each distrust, so a caller with the venv activated and one without (setup.sh,
+    .venv/bin/asyncserve) each rebuilt what the other had built: ~50 s at every such start, box G."""
+    try:
+        import ninja
+        bin_dir = ninja.BIN_DIR
+    except (ImportError, AttributeError):      # no ninja package: whichever PATH has
+        yield
+        return
+    path = os.environ.get("PATH")
+    os.environ["PATH"] = bin_dir + (os.pathsep + path if path else "")
+    try:
+        yield
+    finally:
+        if path is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = path
 
 
 def wait_for_build_lock(folder: Path, stale_s: float = STALE_BUILD_LOCK_S, poll_s: float = 1.0) -> None:

@@ -70,11 +70,17 @@ struct DecoderLayer {
 
 // The step's LoRA as lora_segments takes it: flat pool, adapter tables and, per group, its runs
 // (undefined: no step adapter targets the group) and projections. No flat: no LoRA this step.
+// DoRA adapters' rows (asyncserve/lora/dora.py): dora_runs [n, 4] (first row, end row, index into
+// dora_scales, bit g set where the adapter has DoRA projections in group g), each scale [layers, all
+// groups' outputs] float32, group g's columns from dora_columns[g] to dora_columns[g + 1].
 struct StepLora {
   c10::optional<at::Tensor> flat;
   std::vector<c10::optional<at::Tensor>> runs;
   std::vector<at::Tensor> projections;
   at::Tensor ranks, a_ptr, b_ptr, scaling;
+  c10::optional<at::Tensor> dora_runs;
+  std::vector<at::Tensor> dora_scales;
+  std::vector<int64_t> dora_columns;
 };
 
 // Per layer, in this order, the tensors that NativeDecoder's constructor takes in `norms`.
@@ -130,7 +136,8 @@ class NativeDecoder {
                      c10::optional<at::Tensor> flat, std::vector<c10::optional<at::Tensor>> runs,
                      std::vector<at::Tensor> projections, c10::optional<at::Tensor> ranks,
                      c10::optional<at::Tensor> a_ptr, c10::optional<at::Tensor> b_ptr,
-                     c10::optional<at::Tensor> scaling) const {
+                     c10::optional<at::Tensor> scaling, c10::optional<at::Tensor> dora_runs,
+                     std::vector<at::Tensor> dora_scales, std::vector<int64_t> dora_columns) const {
     const int64_t T = h.size(0), layers = int64_t(layers_.size());
     TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2 && kv.size(2) == layers, "kv must be [pages, 2, layers, block, kv_size]");
     TORCH_CHECK(num_decode >= 0 && num_decode <= T, "num_decode outside the step's rows");
@@ -139,6 +146,23 @@ class NativeDecoder {
       TORCH_CHECK(runs.size() == kGroups && projections.size() == kGroups && ranks && a_ptr && b_ptr && scaling,
                   "LoRA needs runs and projections per group and the four tables");
       lora = {flat, std::move(runs), std::move(projections), *ranks, *a_ptr, *b_ptr, *scaling};
+      if (dora_runs) {
+        TORCH_CHECK(dora_runs->dim() == 2 && dora_runs->size(1) == 4 && dora_runs->scalar_type() == at::kLong &&
+                        dora_columns.size() == kGroups + 1,
+                    "DoRA needs runs [n, 4] int64 and kGroups + 1 column bounds");
+        for (const at::Tensor& s : dora_scales)
+          TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() == 2 && s.size(0) == layers &&
+                          s.size(1) == dora_columns.back(),
+                      "DoRA scales must be contiguous float32 [layers, all groups' outputs]");
+        const auto r = dora_runs->accessor<int64_t, 2>();
+        for (int64_t i = 0; i < r.size(0); ++i)
+          TORCH_CHECK(0 <= r[i][0] && r[i][0] <= r[i][1] && r[i][1] <= T && 0 <= r[i][2] &&
+                          r[i][2] < int64_t(dora_scales.size()),
+                      "DoRA run ", i, " outside the step's rows or scales");
+        lora.dora_runs = dora_runs;
+        lora.dora_scales = std::move(dora_scales);
+        lora.dora_columns = std::move(dora_columns);
+      }
     }
     const int64_t block = kv.size(3), q_size = nh_ * hd_;
     const at::Tensor kv_rows = kv.view({-1, kv.size(4)});
@@ -190,7 +214,30 @@ class NativeDecoder {
     if (lora.flat && lora.runs[g])
       lora_segments_op(y, x, *lora.flat, *lora.runs[g], lora.ranks, lora.a_ptr, lora.b_ptr, lora.scaling, layer,
                        lora.projections[g]);
+    if (lora.dora_runs) scale_dora_rows(y, g, layer, lora);
     return y;
+  }
+
+  // DoRA: each DoRA adapter's rows of y [T, group's outputs] times its scale g for this layer's group,
+  // in float, rounded once (DoraLora.project's multiply, bit for bit; one ATen call per run cost W1's
+  // four adapters 18% of their throughput on box G).
+  static void scale_dora_rows(at::Tensor& y, Group g, int64_t layer, const StepLora& lora) {
+    const auto runs = lora.dora_runs->accessor<int64_t, 2>();
+    const int64_t c0 = lora.dora_columns[g], width = lora.dora_columns[g + 1] - c0;
+    TORCH_CHECK(y.is_contiguous() && y.size(1) == width, "DoRA: the group's output must be contiguous [T, ", width, "]");
+    dispatch_dtype(y, [&](auto zero) {
+      using T = decltype(zero);
+      T* out = y.data_ptr<T>();
+      for (int64_t i = 0; i < runs.size(0); ++i) {
+        if (!((runs[i][3] >> g) & 1)) continue;
+        const at::Tensor& scale = lora.dora_scales[runs[i][2]];
+        const float* s = scale.data_ptr<float>() + layer * scale.size(1) + c0;
+        for (int64_t row = runs[i][0]; row < runs[i][1]; ++row) {
+          T* r = out + row * width;
+          for (int64_t c = 0; c < width; ++c) r[c] = from_float<T>(to_float(r[c]) * s[c]);
+        }
+      }
+    });
   }
 
   // The pool rows of the LoRA call after group g's at `layer`, if that group has LoRA this step.
