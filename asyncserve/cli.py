@@ -41,7 +41,7 @@ def _engine_args(p: argparse.ArgumentParser, step_profile: str = "off") -> None:
                         "~/.cache/asyncserve/adapters)")
     p.add_argument("--adapter-cache-size", default="20GiB", metavar="SIZE",
                    help="bound of that cache: past it, the adapters least recently fetched go, except registered "
-                        "ones' (0: no bound; default: 20GiB)")
+                        "ones'; 0 for no bound (default: 20GiB)")
     p.add_argument("--max-adapter-size", default="4GiB", metavar="SIZE",
                    help="most bytes one adapter fetched from a URL may download, and as many unpacked from an "
                         "archive (default: 4GiB)")

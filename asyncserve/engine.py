@@ -675,9 +675,14 @@ class Engine:
 
     def merge_refusal(self, name: str) -> str | None:
         """Why ``name`` cannot be merged (plan.merged must not name it): this model's base weights take
-        no merge, or its current load overflowed them once; None if it may be merged."""
+        no merge, its current load overflowed them once, or it has LoRA on the embeddings or the head
+        (kept apart, lora/vocab.py); None if it may be merged."""
         reg = self.pager.registry.get(name)
-        return f"adapter {name!r} is not loaded" if reg is None else self.runner.merger.refusal(reg.load)
+        if reg is None:
+            return f"adapter {name!r} is not loaded"
+        if reg.vocab:
+            return f"adapter {name!r} has LoRA on the embeddings or the head, which is not merged"
+        return self.runner.merger.refusal(reg.load)
 
     def merge_switch_seconds(self, name: str | None) -> float:
         """Estimated seconds to switch the base weights from what is merged now to ``name`` merged (None:

@@ -2,6 +2,8 @@
 PEFT adapters on each family's target names, for tests/test_families.py and the GGUF tests."""
 from __future__ import annotations
 
+import random
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,7 +12,7 @@ import torch
 
 from model_io_helpers import backend_vocab, sentencepiece_model, write_gguf, write_sentencepiece_gguf
 from quant_helpers import dequantized, quantize
-from reference import make_tiny_tokenizer, save_random_adapter, save_tiny_model
+from reference import TEST_DEVICE, assert_greedy_matches, make_tiny_tokenizer, save_random_adapter, save_tiny_model
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # family -> transformers config arguments: hidden 64, GQA, windows shorter than the tests' sequences
@@ -180,3 +182,112 @@ def write_family_gguf(model: FamilyModel, path: Path, projections=None) -> Path:
     return write_gguf(path, architecture=family, tokens=tokens, merges=merges, special=special,
                       bos_id=model.tokenizer.bos_token_id, eos_id=model.tokenizer.eos_token_id,
                       chat_template=model.tokenizer.chat_template, llama=metadata, tensors=tensors)
+
+
+# ---- models with adapters of any kind, and their greedy runs against transformers+PEFT ----------------
+
+GREEDY_TOKENS = 8
+
+
+def build_with_adapters(root: Path, family: str, adapters: dict) -> FamilyModel:
+    """A tiny random ``family`` model (its FAMILIES shape; Qwen2's for llama) with adapters name ->
+    (rank, targets, extra save_random_adapter / LoraConfig arguments)."""
+    tok = make_tiny_tokenizer()
+    base = save_tiny_model(root / "base", tok, family, random_vectors=True, **FAMILIES.get(family, FAMILIES["qwen2"]))
+    paths = {}
+    for i, (name, (r, targets, extra)) in enumerate(adapters.items()):
+        paths[name] = root / "adapters" / name
+        save_random_adapter(base, paths[name], r=r, targets=targets, seed=300 + i, **extra)
+    return FamilyModel(family, root / "base", tok, base, paths)
+
+
+def cases_of(model: FamilyModel, lengths=(4, 11, 19), adapters=None) -> list:
+    """Random prompts of these lengths, each with the base model and every adapter."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, len(model.tokenizer)) for _ in range(n)] for n in lengths]
+    return [(ids, a) for ids in prompts for a in [None, *(adapters or model.adapters)]]
+
+
+def with_references(model: FamilyModel) -> tuple[FamilyModel, list, list]:
+    """(the model, cases_of it, transformers+PEFT's greedy runs of them): a test module's fixture."""
+    from reference import peft_references
+
+    cases = cases_of(model)
+    return model, cases, peft_references(model.base, model.adapters, cases, GREEDY_TOKENS)
+
+
+def generate_greedy(model: FamilyModel, cases, adapters=None, **kwargs):
+    """(the LLM, each case's greedy tokens) in float32 on the test device, prompts chunked."""
+    from asyncserve import LLM, SamplingParams
+
+    llm = LLM(model=str(model.folder), adapters={k: str(v) for k, v in (adapters or model.adapters).items()},
+              dtype="float32", device=TEST_DEVICE, max_step_tokens=16, **kwargs)
+    outs = llm.generate([c[0] for c in cases], SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0,
+                                                              ignore_eos=True), adapters=[c[1] for c in cases])
+    return llm, [o.token_ids for o in outs]
+
+
+def check_greedy(tokens, cases, refs, label, tie_tol=1e-3) -> None:
+    """Every case the reference's tokens (a near-tie may flip one case)."""
+    equal = [assert_greedy_matches(ours, ref, tie_tol=tie_tol, label=f"{label} case {i} adapter {case[1]}")
+             for i, (ours, ref, case) in enumerate(zip(tokens, refs, cases))]
+    assert sum(equal) >= len(cases) - 1, f"{label}: {equal}"
+
+
+def broken_copy(source: Path, folder: Path, edit_config=None, edit_weights=None) -> Path:
+    """A copy of the adapter folder ``source`` with its config (edit_config(dict) -> dict) and its
+    tensors (edit_weights(dict), in place) edited."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, folder)
+    if edit_config:
+        config = json.loads((folder / "adapter_config.json").read_text())
+        (folder / "adapter_config.json").write_text(json.dumps(edit_config(config)))
+    if edit_weights:
+        weights = load_file(folder / "adapter_model.safetensors")
+        edit_weights(weights)
+        save_file(weights, folder / "adapter_model.safetensors")
+    return folder
+
+
+def assert_refused_each_alone(model: FamilyModel, cases, refs, source: str, bad: dict, tmp_path: Path) -> None:
+    """Each of ``bad`` (label -> (config edit, tensors edit, the reason's pattern)) on a copy of adapter
+    ``source`` is refused at load with its reason, alone: the adapters loaded before still give the
+    references' tokens."""
+    import pytest
+
+    from asyncserve import LLM, SamplingParams
+    from asyncserve.pager.adapters import AdapterError
+
+    llm = LLM(model=str(model.folder), adapters={k: str(v) for k, v in model.adapters.items()}, dtype="float32",
+              device=TEST_DEVICE, max_step_tokens=16)
+    for i, (label, (config, weights, why)) in enumerate(bad.items()):
+        folder = broken_copy(model.adapters[source], tmp_path / f"bad{i}", config, weights)
+        with pytest.raises(AdapterError, match=why):
+            llm.load_adapter(f"bad{i}", str(folder))
+        assert f"bad{i}" not in llm.engine.pager.registry, label
+    outs = llm.generate([c[0] for c in cases], SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0,
+                                                              ignore_eos=True), adapters=[c[1] for c in cases])
+    check_greedy([o.token_ids for o in outs], cases, refs, "after the refusals")
+
+
+def assert_tensor_parallel_refuses(model: FamilyModel, names: list[str]) -> None:
+    """At --tensor-parallel 2, beside the adapter "plain", loading each of ``names`` is refused with the
+    reason, and none is registered."""
+    import pytest
+
+    from asyncserve import LLM
+    from asyncserve.pager.adapters import AdapterError
+
+    llm = LLM(model=str(model.folder), adapters={"plain": str(model.adapters["plain"])}, dtype="float32",
+              max_step_tokens=24, tensor_parallel=2)
+    try:
+        for name in names:
+            with pytest.raises(AdapterError, match="not served with --tensor-parallel"):
+                llm.load_adapter(name, str(model.adapters[name]))
+            assert name not in llm.engine.pager.registry
+    finally:
+        llm.engine.close()
+

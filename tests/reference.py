@@ -58,6 +58,22 @@ def bf16_runs_by_layer_loop(folder, adapters: dict, cases, monkeypatch, new_toke
     return runs
 
 
+def record_native_loop(engine, monkeypatch, marked) -> tuple[list[bool], list[bool]]:
+    """(per step the engine runs, marked(plan); per call of the one-call native layer loop, whether its
+    step was marked), filled as the engine runs."""
+    from asyncserve.model import llama
+
+    steps, loop = [], []
+    run = engine.runner.run
+
+    def recording(plan):
+        steps.append(marked(plan))
+        return run(plan)
+    engine.runner.run = recording
+    record_calls(monkeypatch, llama, "_forward_native", lambda *a: loop.append(steps[-1]))
+    return steps, loop
+
+
 def record_steps(engine) -> list:
     """The plans the engine runs, in order; each gets ``copies_waiting``: per CPU-assisted load already
     paged in, whether its copy to the device was still pending after the step (off its path)."""

@@ -9,19 +9,17 @@ parallelism refuses DoRA adapters with the reason."""
 from __future__ import annotations
 
 import json
-import random
 import shutil
 
 import pytest
 import torch
-from family_models import ALL, FAMILIES, FamilyModel, write_family_gguf
-from reference import (TEST_DEVICE, assert_greedy_matches, bf16_runs_by_layer_loop, make_tiny_tokenizer,
-                       peft_references, record_calls, record_steps, require_native_kernels, run_merged,
-                       save_random_adapter, save_tiny_model)
-from safetensors.torch import load_file, save_file
+from family_models import (ALL, FAMILIES, FamilyModel, assert_refused_each_alone, assert_tensor_parallel_refuses,
+                           broken_copy, build_with_adapters, cases_of, check_greedy, generate_greedy, with_references,
+                           write_family_gguf)
+from reference import (TEST_DEVICE, bf16_runs_by_layer_loop, peft_references, record_native_loop, record_steps,
+                       require_native_kernels, run_merged)
 
 from asyncserve import LLM, SamplingParams
-from asyncserve.model import llama
 from asyncserve.pager.adapters import AdapterError
 
 NEW_TOKENS = 8
@@ -35,41 +33,9 @@ DORA_ADAPTERS = {
 }
 
 
-def _build(root, family="llama", adapters=DORA_ADAPTERS, **config) -> FamilyModel:
-    tok = make_tiny_tokenizer()
-    shape = FAMILIES.get(family, FAMILIES["qwen2"]) | config
-    base = save_tiny_model(root / "base", tok, family, random_vectors=True, **shape)
-    paths = {}
-    for i, (name, (r, targets, extra)) in enumerate(adapters.items()):
-        paths[name] = root / "adapters" / name
-        save_random_adapter(base, paths[name], r=r, targets=targets, seed=300 + i, **extra)
-    return FamilyModel(family, root / "base", tok, base, paths)
-
-
-def _cases(model, lengths=(4, 11, 19), adapters=None) -> list:
-    rng = random.Random(1)
-    prompts = [[rng.randrange(3, len(model.tokenizer)) for _ in range(n)] for n in lengths]
-    return [(ids, a) for ids in prompts for a in [None, *(adapters or model.adapters)]]
-
-
-def _generate(model, cases, adapters=None, **kwargs) -> tuple[LLM, list[list[int]]]:
-    llm = LLM(model=str(model.folder), adapters={k: str(v) for k, v in (adapters or model.adapters).items()},
-              dtype="float32", device=TEST_DEVICE, max_step_tokens=16, **kwargs)
-    outs = llm.generate([c[0] for c in cases], GREEDY, adapters=[c[1] for c in cases])
-    return llm, [o.token_ids for o in outs]
-
-
-def _check(tokens, cases, refs, label, tie_tol=1e-3) -> None:
-    equal = [assert_greedy_matches(ours, ref, tie_tol=tie_tol, label=f"{label} case {i} adapter {case[1]}")
-             for i, (ours, ref, case) in enumerate(zip(tokens, refs, cases))]
-    assert sum(equal) >= len(cases) - 1, f"{label}: {equal}"
-
-
 @pytest.fixture(scope="module")
 def llama_dora(tmp_path_factory):
-    model = _build(tmp_path_factory.mktemp("dora"))
-    cases = _cases(model)
-    return model, cases, peft_references(model.base, model.adapters, cases, NEW_TOKENS)
+    return with_references(build_with_adapters(tmp_path_factory.mktemp("dora"), "llama", DORA_ADAPTERS))
 
 
 def test_scales_equal_peft_magnitude_over_weight_norm(llama_dora):
@@ -118,16 +84,10 @@ def test_dora_batched_with_lora_and_base_gives_peft_tokens(llama_dora, path, mon
         require_native_kernels()
     llm = LLM(model=str(model.folder), adapters={k: str(v) for k, v in model.adapters.items()}, dtype="float32",
               device=TEST_DEVICE, max_step_tokens=16, **({"lora_backend": "triton"} if path == "triton" else {}))
-    step_has_dora, native_loop_in_dora_step = [], []
-    run = llm.engine.runner.run
-
-    def recording(plan):
-        step_has_dora.append(any(c.seq.adapter in ("dora_all", "dora_some") for c in plan.chunks))
-        return run(plan)
-    llm.engine.runner.run = recording
-    record_calls(monkeypatch, llama, "_forward_native", lambda *a: native_loop_in_dora_step.append(step_has_dora[-1]))
+    step_has_dora, native_loop_in_dora_step = record_native_loop(
+        llm.engine, monkeypatch, lambda plan: any(c.seq.adapter in ("dora_all", "dora_some") for c in plan.chunks))
     outs = llm.generate([c[0] for c in cases], GREEDY, adapters=[c[1] for c in cases])
-    _check([o.token_ids for o in outs], cases, refs, path)
+    check_greedy([o.token_ids for o in outs], cases, refs, path)
     assert sum(step_has_dora) >= NEW_TOKENS
     if path == "loop":
         assert sum(native_loop_in_dora_step) == sum(step_has_dora), "a DoRA step left the native layer loop"
@@ -150,14 +110,11 @@ def test_dora_is_not_served_as_plain_lora(llama_dora, tmp_path):
     """The same A and B without the magnitudes (a plain LoRA) give other tokens: the scale matters here."""
     model, cases, _ = llama_dora
     plain = tmp_path / "dora_all_as_lora"
-    shutil.copytree(model.adapters["dora_all"], plain)
-    config = json.loads((plain / "adapter_config.json").read_text())
-    (plain / "adapter_config.json").write_text(json.dumps(config | {"use_dora": False}))
-    weights = load_file(plain / "adapter_model.safetensors")
-    save_file({k: v for k, v in weights.items() if "magnitude" not in k}, plain / "adapter_model.safetensors")
+    broken_copy(model.adapters["dora_all"], plain, lambda c: c | {"use_dora": False},
+                lambda w: [w.pop(k) for k in list(w) if "magnitude" in k])
     dora_cases = [c for c in cases if c[1] == "dora_all"]
-    _, with_dora = _generate(model, dora_cases)
-    _, without = _generate(model, dora_cases, adapters={"dora_all": plain})
+    _, with_dora = generate_greedy(model, dora_cases)
+    _, without = generate_greedy(model, dora_cases, adapters={"dora_all": plain})
     assert sum(a != b for a, b in zip(with_dora, without)) >= 2
 
 
@@ -169,7 +126,7 @@ def test_merged_dora_adapter_gives_peft_tokens(llama_dora):
               device=TEST_DEVICE, max_step_tokens=16)
     seqs = run_merged(llm.engine, [case for case, _ in alone], lambda plan, step: "dora_all", GREEDY)
     assert llm.engine.merged_adapter == "dora_all"
-    _check([s.output_ids for s in seqs], [c for c, _ in alone], [r for _, r in alone], "merged")
+    check_greedy([s.output_ids for s in seqs], [c for c, _ in alone], [r for _, r in alone], "merged")
 
 
 @pytest.mark.parametrize("family", ["qwen2", "phi3"])
@@ -179,11 +136,11 @@ def test_families_with_biases_and_fused_modules(family, tmp_path):
     targets = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"] if family == "phi3" else ALL
     adapters = {"dora": (4, targets, {"use_dora": True}), "plain": (8, targets[:2], {})}
     served = {"max_model_len": FAMILIES["phi3"]["original_max_position_embeddings"]} if family == "phi3" else {}
-    model = _build(tmp_path, family, adapters)
-    cases = _cases(model, lengths=(5, 17))
+    model = build_with_adapters(tmp_path, family, adapters)
+    cases = cases_of(model, lengths=(5, 17))
     refs = peft_references(model.base, model.adapters, cases, NEW_TOKENS)
-    _, tokens = _generate(model, cases, **served)
-    _check(tokens, cases, refs, family)
+    _, tokens = generate_greedy(model, cases, **served)
+    check_greedy(tokens, cases, refs, family)
 
 
 def test_dora_on_a_base_kept_in_gguf_blocks(tmp_path):
@@ -194,26 +151,14 @@ def test_dora_on_a_base_kept_in_gguf_blocks(tmp_path):
     from quant_helpers import Q
 
     require_native_kernels()
-    model = _build(tmp_path, "qwen2", {"dora": (4, ALL, {"use_dora": True})})
+    model = build_with_adapters(tmp_path, "qwen2", {"dora": (4, ALL, {"use_dora": True})})
     path = write_family_gguf(model, tmp_path / "qwen2.gguf", projections=Q.Q8_0)
-    cases = _cases(model, lengths=(5, 19))
+    cases = cases_of(model, lengths=(5, 19))
     refs = peft_references(model.base, model.adapters, cases, NEW_TOKENS)
-    llm, tokens = _generate(FamilyModel(model.family, path, model.tokenizer, model.base, model.adapters), cases,
+    llm, tokens = generate_greedy(FamilyModel(model.family, path, model.tokenizer, model.base, model.adapters), cases,
                             keep_quantized=True)
     assert isinstance(llm.engine.runner.weights.layers[0].qkv, QuantLinear)
-    _check(tokens, cases, refs, "Q8_0", tie_tol=0.2)
-
-
-def _broken_copy(source, folder, edit_config=None, edit_weights=None):
-    shutil.copytree(source, folder)
-    if edit_config:
-        config = json.loads((folder / "adapter_config.json").read_text())
-        (folder / "adapter_config.json").write_text(json.dumps(edit_config(config)))
-    if edit_weights:
-        weights = load_file(folder / "adapter_model.safetensors")
-        edit_weights(weights)
-        save_file(weights, folder / "adapter_model.safetensors")
-    return folder
+    check_greedy(tokens, cases, refs, "Q8_0", tie_tol=0.2)
 
 
 def _first(weights, part="q_proj.lora_magnitude_vector"):
@@ -240,15 +185,7 @@ def test_bad_dora_folders_are_refused_each_alone(llama_dora, tmp_path):
     """Each broken copy of a DoRA folder is refused at load with a reason, and the adapters loaded before
     still give their tokens."""
     model, cases, refs = llama_dora
-    llm = LLM(model=str(model.folder), adapters={k: str(v) for k, v in model.adapters.items()}, dtype="float32",
-              device=TEST_DEVICE, max_step_tokens=16)
-    for i, (label, (config, weights, why)) in enumerate(BAD.items()):
-        folder = _broken_copy(model.adapters["dora_all"], tmp_path / f"bad{i}", config, weights)
-        with pytest.raises(AdapterError, match=why):
-            llm.load_adapter(f"bad{i}", str(folder))
-        assert f"bad{i}" not in llm.engine.pager.registry, label
-    outs = llm.generate([c[0] for c in cases], GREEDY, adapters=[c[1] for c in cases])
-    _check([o.token_ids for o in outs], cases, refs, "after the refusals")
+    assert_refused_each_alone(model, cases, refs, "dora_all", BAD, tmp_path)
 
 
 def test_a_row_adapted_to_norm_zero_is_refused(llama_dora, tmp_path):
@@ -266,7 +203,7 @@ def test_a_row_adapted_to_norm_zero_is_refused(llama_dora, tmp_path):
         weights[b] = weights[b].clone()
         weights[b][0] = 0
         weights[b][0, 0] = -1 / s
-    folder = _broken_copy(model.adapters["dora_all"], tmp_path / "zero", edit_weights=zero)
+    folder = broken_copy(model.adapters["dora_all"], tmp_path / "zero", edit_weights=zero)
     llm = LLM(model=str(model.folder), dtype="float32", device=TEST_DEVICE)
     with pytest.raises(AdapterError, match="not finite"):
         llm.load_adapter("zero", str(folder))
@@ -277,14 +214,14 @@ def test_hostile_magnitudes_change_no_other_requests_tokens(llama_dora, tmp_path
     projections' outputs all zero), batched with the base, a DoRA and a plain adapter: their tokens
     are as without them."""
     model, cases, refs = llama_dora
-    huge = _broken_copy(model.adapters["dora_all"], tmp_path / "huge",
+    huge = broken_copy(model.adapters["dora_all"], tmp_path / "huge",
                         edit_weights=lambda w: [w[k].fill_(1e30) for k in w if "magnitude" in k])
-    zero = _broken_copy(model.adapters["dora_all"], tmp_path / "zero",
+    zero = broken_copy(model.adapters["dora_all"], tmp_path / "zero",
                         edit_weights=lambda w: [w[k].zero_() for k in w if "magnitude" in k])
     prompts = list(dict.fromkeys(tuple(c[0]) for c in cases))
     hostile = cases + [(list(p), a) for p in prompts for a in ("huge", "zero")]
-    llm, tokens = _generate(model, hostile, adapters={**model.adapters, "huge": huge, "zero": zero})
-    _check(tokens[:len(cases)], cases, refs, "beside hostile magnitudes")
+    llm, tokens = generate_greedy(model, hostile, adapters={**model.adapters, "huge": huge, "zero": zero})
+    check_greedy(tokens[:len(cases)], cases, refs, "beside hostile magnitudes")
 
 
 def test_cold_dora_adapters_prefill_on_the_workers(llama_dora, tmp_path):
@@ -300,7 +237,7 @@ def test_cold_dora_adapters_prefill_on_the_workers(llama_dora, tmp_path):
         registry = llm.engine.pager.registry
         assisted = {load for plan in plans for load in plan.assisted}
         assert {registry[name].load for name in ("plain", "dora_all", "dora_some")} <= assisted
-        _check([o.token_ids for o in outs], cases, refs, "cpu assist on")
+        check_greedy([o.token_ids for o in outs], cases, refs, "cpu assist on")
     finally:
         llm.engine.close()
 
@@ -319,21 +256,13 @@ def test_decode_steps_with_dora_run_eagerly_beside_graphs(llama_dora):
                   device="cpu", lora_backend="triton", max_running=4, cpu_workers=0)
         llm.engine.runner.enable_graphs(FakeSeam(), 4, 8)
         outs = llm.generate([cases[i][0] for i in chosen], GREEDY, adapters=[cases[i][1] for i in chosen])
-        _check([o.token_ids for o in outs], [cases[i] for i in chosen], [refs[i] for i in chosen], str(adapters))
+        check_greedy([o.token_ids for o in outs], [cases[i] for i in chosen], [refs[i] for i in chosen], str(adapters))
         lora_graphs = [key for key in llm.engine.runner.graphs._graphs if key[1]]
         assert bool(lora_graphs) == replays, (adapters, llm.engine.runner.graphs._graphs.keys())
 
 
 def test_tensor_parallel_refuses_dora_with_a_reason(llama_dora):
-    model, _, _ = llama_dora
-    llm = LLM(model=str(model.folder), adapters={"plain": str(model.adapters["plain"])}, dtype="float32",
-              max_step_tokens=24, tensor_parallel=2)
-    try:
-        with pytest.raises(AdapterError, match="not served with --tensor-parallel"):
-            llm.load_adapter("dora_all", str(model.adapters["dora_all"]))
-        assert "dora_all" not in llm.engine.pager.registry
-    finally:
-        llm.engine.close()
+    assert_tensor_parallel_refuses(llama_dora[0], ["dora_all"])
 
 
 def test_dora_loaded_over_http_serves_the_offline_engines_tokens(llama_dora, tmp_path):
@@ -347,8 +276,8 @@ def test_dora_loaded_over_http_serves_the_offline_engines_tokens(llama_dora, tmp
     model, cases, _ = llama_dora
     root = tmp_path / "root"
     shutil.copytree(model.adapters["dora_some"], root / "good")
-    _broken_copy(model.adapters["dora_all"], root / "nan", edit_weights=BAD["NaN magnitude"][1])
-    _broken_copy(model.adapters["dora_all"], root / "short", edit_weights=BAD["magnitude too short"][1])
+    broken_copy(model.adapters["dora_all"], root / "nan", edit_weights=BAD["NaN magnitude"][1])
+    broken_copy(model.adapters["dora_all"], root / "short", edit_weights=BAD["magnitude too short"][1])
     prompts = [c[0] for c in cases if c[1] is None]
     offline = LLM(model=str(model.folder), adapters={"good": str(root / "good")}, dtype="bfloat16")
     expected = [o.token_ids for o in offline.generate(prompts, GREEDY, adapters=["good"] * len(prompts))]

@@ -57,7 +57,7 @@ class DoraBase:
                  refusal: Callable[[], str | None] = lambda: None):
         self.config = config
         self.base_linear = base_linear
-        self.refusal = refusal              # why DoRA cannot be served here (tensor parallelism), or None
+        self.refusal = refusal              # why DoRA (and LoRA on the embeddings) cannot be served here, or None
         self.columns = group_columns(config)
         self.width = max(end for _, end in self.columns.values())
         self._norm2: dict[tuple[int, str], torch.Tensor] = {}
@@ -74,7 +74,7 @@ class DoraBase:
         """g for one layer of adapter ``name``, [width] float32 on the CPU (1 outside the DoRA projections).
         rows: projection index -> (A [r, in], B^T [r, out], scaling, magnitude [out])."""
         if (why := self.refusal()) is not None:
-            raise AdapterError(f"adapter {name!r} is a DoRA adapter: {why}")
+            raise AdapterError(f"adapter {name!r} is a DoRA adapter, {why}")
         shapes = self.config.projection_shapes()
         scale = torch.ones(self.width, dtype=torch.float32)
         for group, projs in GROUPS.items():

@@ -47,6 +47,15 @@ class LoraHook(Protocol):
         some group needs ``project``."""
 
 
+class VocabHook(Protocol):
+    """A step's LoRA on the token embeddings and the LM head (lora/vocab.py's VocabStep)."""
+    head_runs: list          # empty: no LoRA on the head this step
+
+    def embed_(self, h: torch.Tensor, ids: torch.Tensor) -> None: ...
+
+    def head_(self, logits: torch.Tensor, hs: torch.Tensor) -> None: ...
+
+
 @dataclass
 class NativeStepLora:
     """A step's LoRA for the native layer loop (kernels/cpu/decoder.h): per group in GROUPS order, its
@@ -319,6 +328,7 @@ class StepInputs:
     decode_tables: torch.Tensor | None = None   # [num_decode, >= max pages] int64: the decodes' block tables for
                                                 # kernels.paged_attention (CUDA, CUDA graphs), which reads only
                                                 # each context's rows; None: the gather paths above
+    vocab: VocabHook | None = None  # LoRA on the embeddings and the head
 
 
 def decode_masks(ctx: torch.Tensor, max_pages: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -349,11 +359,16 @@ def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, 
                                              window=window)
                       for window in dict.fromkeys(config.layer_windows or [None])}
     h = w.embed(inp.input_ids) if isinstance(w.embed, QuantEmbedding) else F.embedding(inp.input_ids, w.embed)
+    if inp.vocab is not None:
+        inp.vocab.embed_(h, inp.input_ids)
     if w.embed_scale is not None:
         h = h * w.embed_scale
-    # a step on fixed buffers (StepInputs.decode_tables: the CUDA graphs' decodes) plans no native attention
+    # a step on fixed buffers (StepInputs.decode_tables: the CUDA graphs' decodes) plans no native attention;
+    # LoRA on the head needs the final hidden states, which the one-call loop does not hand back
     plan = next(iter(step_attention.values()))
-    decoder = plan.native and cpu_kernels.decoder_loop_enabled() and _loop_without(reduce) and w.native_decoder(config)
+    head_lora = inp.vocab is not None and bool(inp.vocab.head_runs)
+    decoder = plan.native and cpu_kernels.decoder_loop_enabled() and _loop_without(reduce) and not head_lora \
+        and w.native_decoder(config)
     step_lora = lora.native_step() if decoder and use_lora else None
     if decoder and (step_lora is not None or not use_lora):
         logits = _forward_native(decoder, h, rope, kv, inp, plan, step_lora)
@@ -447,7 +462,10 @@ def _forward_layers(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.
     if w.lm_head is None:
         return None
     _, hs = _residual_norm(h[inp.sample_index], None, w.norm, eps, native)
-    return w.lm_head(hs)
+    logits = w.lm_head(hs)
+    if inp.vocab is not None:
+        inp.vocab.head_(logits, hs)
+    return logits
 
 
 def _forward_native(decoder, h: torch.Tensor, rope: Rope, kv: torch.Tensor, inp: StepInputs, a: StepAttention,

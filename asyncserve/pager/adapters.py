@@ -49,6 +49,12 @@ class AdapterError(ValueError):
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\."
                   r"(?:lora_([AB])(?:\.[\w-]+)?\.weight|(lora_magnitude_vector)(?:\.[\w-]+)?(?:\.weight)?)$")
 
+# LoRA on the token embeddings (PEFT: embed_tokens.lora_embedding_A/B) or the LM head (lm_head.lora_A/B),
+# and the copies of their base weights PEFT saves beside them (save_embedding_layers)
+_VOCAB_KEY = re.compile(r"(?:^|\.)(embed_tokens|lm_head)\.(?:lora_embedding_([AB])|lora_([AB])(?:\.[\w-]+)?\.weight"
+                        r"|(base_layer)\.weight|(lora_magnitude_vector)(?:\.[\w-]+)?(?:\.weight)?)$")
+VOCAB_MODULES = {"embed_tokens": "embed", "lm_head": "head"}
+
 # safetensors dtype -> (torch dtype, bytes per element); adapters are float tensors
 _DTYPES = {"F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2),
            "BF16": (torch.bfloat16, 2)}
@@ -76,6 +82,7 @@ class AdapterConfig(msgspec.Struct, forbid_unknown_fields=False):
     lora_bias: bool = False
     bias: str | None = "none"
     modules_to_save: list[str] | None = None
+    ensure_weight_tying: bool = False
     rank_pattern: dict[str, Rank] | None = None
     alpha_pattern: dict[str, Alpha] | None = None
 
@@ -106,6 +113,19 @@ def printable(text: str) -> str:
 
 
 @dataclass
+class VocabRows:
+    """LoRA on the token embeddings ("embed") or the LM head ("head"), kept whole beside the pool's pages
+    (vocabulary-sized rows): y += (x·A^T)·B^T·scaling, x a token's one-hot (embed) or its final hidden
+    state (head)."""
+    a: torch.Tensor              # embed: A^T [vocab, r], a token's row; head: A [r, hidden]
+    bt: torch.Tensor             # embed: B^T [r, hidden]; head: B^T [r, vocab]
+    scaling: float
+
+    def to(self, device: torch.device) -> VocabRows:
+        return VocabRows(self.a.to(device), self.bt.to(device), self.scaling)
+
+
+@dataclass
 class HostAdapter:
     name: str
     path: str
@@ -114,6 +134,8 @@ class HostAdapter:
     a_rows: dict[tuple[int, int], torch.Tensor]   # (layer, proj) -> [r_p, in]
     b_rows: dict[tuple[int, int], torch.Tensor]   # (layer, proj) -> [r_p, out] (B transposed)
     dora_scale: torch.Tensor | None = None        # DoRA's g, [L, all projections' outputs] float32 (lora/dora.py)
+    embed: VocabRows | None = None
+    head: VocabRows | None = None
 
     @property
     def nbytes(self) -> int:
@@ -157,6 +179,7 @@ class PeftFolder:
     fan_in_fan_out: bool
     weights: bytearray                   # adapter_model.safetensors
     dora: bool = False                   # use_dora: every module has a magnitude "M"
+    vocab: dict[str, tuple[StoredTensor, StoredTensor, float]] | None = None   # "embed"/"head": A, B, scaling
 
 
 @dataclass
@@ -166,6 +189,7 @@ class AdapterInfo:
     path: str
     ranks: list[int]                     # per projection, the largest rank over the layers
     file_bytes: int                      # adapter_model.safetensors
+    vocab: bool = False                  # LoRA on the embeddings or the head (VocabRows)
 
 
 def load_peft_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.dtype,
@@ -180,8 +204,8 @@ def inspect_peft_folder(name: str, path: str | Path, config: ModelConfig) -> Ada
     with open(weights_file, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         stored = _read_safetensors_header(name, f, size)
-    ranks, *_ = _check_against_model(name, str(folder), acfg, stored, config)
-    return AdapterInfo(name, str(folder), ranks, size)
+    ranks, _, _, _, vocab = _check_against_model(name, str(folder), acfg, stored, config)
+    return AdapterInfo(name, str(folder), ranks, size, bool(vocab))
 
 
 def read_peft_folder(name: str, path: str | Path, config: ModelConfig) -> PeftFolder:
@@ -195,8 +219,9 @@ def read_peft_folder(name: str, path: str | Path, config: ModelConfig) -> PeftFo
         f.seek(0)
         if f.readinto(weights) != size:
             raise AdapterError(f"adapter {name!r}: adapter_model.safetensors changed while it was read")
-    ranks, scaling, modules, fan_in_fan_out = _check_against_model(name, str(folder), acfg, stored, config)
-    return PeftFolder(name, str(folder), config, ranks, scaling, modules, fan_in_fan_out, weights, acfg.use_dora)
+    ranks, scaling, modules, fan_in_fan_out, vocab = _check_against_model(name, str(folder), acfg, stored, config)
+    return PeftFolder(name, str(folder), config, ranks, scaling, modules, fan_in_fan_out, weights, acfg.use_dora,
+                      vocab)
 
 
 def _peft_files(name: str, path: str | Path) -> tuple[Path, AdapterConfig, Path]:
@@ -312,10 +337,10 @@ def _read_safetensors_header(name: str, f: BinaryIO, file_size: int) -> list[Sto
 
 
 def _check_against_model(name: str, path: str, acfg: AdapterConfig, stored: list[StoredTensor],
-                         config: ModelConfig) -> tuple[list[int], list[list[float]], dict, bool]:
-    """(ranks, scaling [L][P], modules, fan_in_fan_out) of PeftFolder, checked against the base model."""
+                         config: ModelConfig) -> tuple[list[int], list[list[float]], dict, bool, dict]:
+    """(ranks, scaling [L][P], modules, fan_in_fan_out, vocab) of PeftFolder, checked against the base model."""
     alpha = acfg.lora_alpha if acfg.lora_alpha is not None else (acfg.r or 8)
-    use_rslora, fan_in_fan_out = acfg.use_rslora, acfg.fan_in_fan_out
+    fan_in_fan_out = acfg.fan_in_fan_out
     try:
         rank_pattern = PatternTable(acfg.rank_pattern or {}, "rank_pattern")
         alpha_pattern = PatternTable(acfg.alpha_pattern or {}, "alpha_pattern")
@@ -325,7 +350,21 @@ def _check_against_model(name: str, path: str, acfg: AdapterConfig, stored: list
     shapes = config.projection_shapes()
     peft_modules = config.family.peft_modules()
     found: dict[tuple[int, str], dict[str, StoredTensor]] = {}
+    vocab_found: dict[str, dict[str, StoredTensor]] = {}
+    base_copies: dict[str, StoredTensor] = {}
     for t in stored:
+        if (v := _VOCAB_KEY.search(t.key)) is not None:
+            module = VOCAB_MODULES[v.group(1)]
+            if v.group(5):
+                raise AdapterError(f"adapter {name!r}: DoRA on {v.group(1)} is not served (DoRA on the decoder "
+                                   "layers' projections is)")
+            if v.group(4):
+                base_copies[module] = t
+            elif (v.group(2) is None) == (module == "embed"):
+                raise AdapterError(f"adapter {name!r}: {t.key!r} is not how PEFT names LoRA on {v.group(1)}")
+            else:
+                vocab_found.setdefault(module, {})[v.group(2) or v.group(3)] = t
+            continue
         m = _KEY.search(t.key)
         if m is None or m.group(2) not in peft_modules:
             raise AdapterError(f"adapter {name!r}: tensor {t.key!r} targets a module that {config.family.name} "
@@ -340,8 +379,10 @@ def _check_against_model(name: str, path: str, acfg: AdapterConfig, stored: list
                                f"{config.num_layers} layers")
         found.setdefault((layer, module), {})[ab] = t
     if not found:
-        raise AdapterError(f"adapter {name!r}: no LoRA tensors in {path}/adapter_model.safetensors")
+        raise AdapterError(f"adapter {name!r}: no LoRA tensors on the decoder layers' projections in "
+                           f"{path}/adapter_model.safetensors (LoRA on the embeddings or the head alone is not served)")
     modules = _split_fused_modules(name, found, peft_modules, shapes, fan_in_fan_out)
+    vocab = _check_vocab(name, acfg, vocab_found, base_copies, config, rank_pattern, alpha_pattern, alpha)
 
     ranks = [0] * len(PROJECTIONS)
     scaling = [[0.0] * len(PROJECTIONS) for _ in range(config.num_layers)]
@@ -365,16 +406,55 @@ def _check_against_model(name: str, path: str, acfg: AdapterConfig, stored: list
                 f"adapter {name!r}: layer {layer} {proj} has lora_A {a_shape} and lora_B {b_shape}; this base "
                 f"model needs A [r, {fan_in}] and B [{fan_out}, r] — was it trained for a different base model?")
         module = f"model.layers.{layer}.{'self_attn' if p < 4 else 'mlp'}.{_peft_name(config, proj)}"
-        try:
-            r_cfg = rank_pattern.lookup(module, acfg.r if acfg.r is not None else r)
-            a = alpha_pattern.lookup(module, alpha)
-        except PatternError as e:
-            raise AdapterError(f"adapter {name!r}: {e}") from None
-        if r_cfg != r:
-            raise AdapterError(f"adapter {name!r}: {module} has rank {r} in the weights but {r_cfg} in the config")
-        scaling[layer][p] = a / math.sqrt(r) if use_rslora else a / r
+        scaling[layer][p] = _module_scaling(name, acfg, module, r, rank_pattern, alpha_pattern, alpha)
         ranks[p] = max(ranks[p], r)
-    return ranks, scaling, modules, fan_in_fan_out
+    return ranks, scaling, modules, fan_in_fan_out, vocab
+
+
+def _module_scaling(name: str, acfg: AdapterConfig, module: str, r: int, rank_pattern: PatternTable,
+                    alpha_pattern: PatternTable, alpha: float) -> float:
+    """A module's LoRA scaling, alpha / r (or / sqrt(r) with rsLoRA), by its rank and alpha patterns;
+    its rank in the weights must be the one the config gives it."""
+    try:
+        r_cfg = rank_pattern.lookup(module, acfg.r if acfg.r is not None else r)
+        a = alpha_pattern.lookup(module, alpha)
+    except PatternError as e:
+        raise AdapterError(f"adapter {name!r}: {e}") from None
+    if r_cfg != r:
+        raise AdapterError(f"adapter {name!r}: {module} has rank {r} in the weights but {r_cfg} in the config")
+    return a / math.sqrt(r) if acfg.use_rslora else a / r
+
+
+def _check_vocab(name: str, acfg: AdapterConfig, found: dict[str, dict[str, StoredTensor]],
+                 base_copies: dict[str, StoredTensor], config: ModelConfig, rank_pattern: PatternTable,
+                 alpha_pattern: PatternTable, alpha: float) -> dict[str, tuple[StoredTensor, StoredTensor, float]]:
+    """LoRA on the embeddings and the head: "embed"/"head" -> (A, B, scaling), checked against the base.
+    The copies of the base weights PEFT saves beside them are not read (the base's own are used), but
+    their shape must be the base's: a resized vocabulary (added tokens) is refused."""
+    vocab_size, hidden = config.vocab_size, config.hidden_size
+    out = {}
+    for module, ab in found.items():
+        peft_name = "embed_tokens" if module == "embed" else "lm_head"
+        if set(ab) != {"A", "B"}:
+            raise AdapterError(f"adapter {name!r}: {peft_name} has LoRA {''.join(sorted(ab))} but not both A and B")
+        r = ab["A"].shape[0] if len(ab["A"].shape) == 2 else 0
+        want = ((r, vocab_size), (hidden, r)) if module == "embed" else ((r, hidden), (vocab_size, r))
+        if r == 0 or (ab["A"].shape, ab["B"].shape) != want:
+            raise AdapterError(f"adapter {name!r}: {peft_name}'s LoRA A {list(ab['A'].shape)} and B "
+                               f"{list(ab['B'].shape)}; this base model needs A {list(want[0])} and B {list(want[1])} "
+                               f"(its vocabulary has {vocab_size} tokens, hidden size {hidden})")
+        module_name = "model.embed_tokens" if module == "embed" else "lm_head"
+        out[module] = (ab["A"], ab["B"], _module_scaling(name, acfg, module_name, r, rank_pattern, alpha_pattern, alpha))
+    for module, t in base_copies.items():
+        if module not in out:
+            raise AdapterError(f"adapter {name!r}: {t.key!r} is a copy of a base weight with no LoRA on it")
+        if t.shape != (vocab_size, hidden):
+            raise AdapterError(f"adapter {name!r}: its {t.key!r} is {list(t.shape)}, the base's is "
+                               f"[{vocab_size}, {hidden}]: a resized vocabulary (added tokens) is not served")
+    if out and acfg.ensure_weight_tying:
+        raise AdapterError(f"adapter {name!r}: ensure_weight_tying (one LoRA shared by tied embeddings and head) "
+                           "is not served")
+    return out
 
 
 def _split_fused_modules(name: str, found: dict[tuple[int, str], dict[str, StoredTensor]],
@@ -446,6 +526,8 @@ def build_in_pieces(folder: PeftFolder, dtype: torch.dtype, dora=None) -> Iterat
     dora_scale = []
     if folder.dora and dora is None:
         raise AdapterError(f"adapter {folder.name!r} is a DoRA adapter, whose scales need the base weights")
+    if folder.vocab and dora is not None and (why := dora.refusal()) is not None:
+        raise AdapterError(f"adapter {folder.name!r} has LoRA on the embeddings or the head, {why}")
     built = 0
     for layer in range(config.num_layers):
         for p, proj in enumerate(PROJECTIONS):
@@ -472,8 +554,19 @@ def build_in_pieces(folder: PeftFolder, dtype: torch.dtype, dora=None) -> Iterat
             built = 0
             yield None
     scaling = torch.tensor(folder.scaling, dtype=torch.float32)      # [L, P]
+    vocab = {module: _vocab_rows(folder, module, a, b, s, dtype) for module, (a, b, s) in (folder.vocab or {}).items()}
     yield HostAdapter(name=folder.name, path=folder.path, ranks=list(ranks), scaling=scaling,
-                      a_rows=a_rows, b_rows=b_rows, dora_scale=torch.stack(dora_scale) if dora_scale else None)
+                      a_rows=a_rows, b_rows=b_rows, dora_scale=torch.stack(dora_scale) if dora_scale else None,
+                      embed=vocab.get("embed"), head=vocab.get("head"))
+
+
+def _vocab_rows(folder: PeftFolder, module: str, a: StoredTensor, b: StoredTensor, scaling: float,
+                dtype: torch.dtype) -> VocabRows:
+    """The embeddings' LoRA as A^T (a token's row) and B^T, or the head's as A and B^T, in the serving dtype."""
+    a_rows, bt = _stored(folder, a), _stored(folder, b).t()
+    if module == "embed":
+        a_rows = a_rows.t()
+    return VocabRows(_rows(folder, a, a_rows, a_rows.shape[0], dtype), _rows(folder, b, bt, bt.shape[0], dtype), scaling)
 
 
 def _magnitude(folder: PeftFolder, t: StoredTensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ import torch
 
 from asyncserve.model.config import PROJECTIONS, ModelConfig
 from asyncserve.model.shard import Shard, shard_config
-from asyncserve.pager.adapters import AdapterError, AdapterInfo, HostAdapter, row_lengths
+from asyncserve.pager.adapters import AdapterError, AdapterInfo, HostAdapter, VocabRows, row_lengths
 from asyncserve.pager.pool import PagedPool, PoolExhausted, page_spans, plan_row_packing
 from ipc import AdapterHandle, HostArena, block_bytes
 
@@ -58,6 +58,8 @@ class DeviceAdapter:
     host_ptr: np.ndarray | None = None
     host_scaling: torch.Tensor | None = None
     dora_scale: torch.Tensor | None = None   # DoRA's g [L, all projections' outputs] float32 (lora/dora.py)
+    embed: VocabRows | None = None           # LoRA on the embeddings and the head, on the pool's device
+    head: VocabRows | None = None
 
     def __post_init__(self):
         if self.host_ptr is None:
@@ -81,6 +83,7 @@ class Registration:
     footprint: int                   # pool pages it takes on the device
     load: int                        # its load number (see AdapterPager.registration)
     pinned: bool = False             # never evicted from the device (nor, so, from the host)
+    vocab: bool = False              # LoRA on the embeddings or the head: never merged
 
 
 # rank sets whose row plans are kept (a rank-256 adapter on every projection of SmolLM2: ~10 MB)
@@ -130,8 +133,22 @@ def row_plan(ranks: list[int], config: ModelConfig, page_numel: int) -> RowPlan:
                    page_spans(placements, lengths))
 
 
+class Unpaged(NamedTuple):
+    """What an adapter has beside its rows in pool pages, on the pool's device."""
+    dora_scale: torch.Tensor | None
+    embed: VocabRows | None
+    head: VocabRows | None
+
+    @staticmethod
+    def of(adapter: HostAdapter, device: torch.device) -> Unpaged | None:
+        parts = (adapter.dora_scale, adapter.embed, adapter.head)
+        if all(p is None for p in parts):
+            return None
+        return Unpaged(*(None if p is None else p.to(device) for p in parts))
+
+
 def place(name: str, ranks: list[int], scaling: torch.Tensor, pages: list[int], plan: RowPlan, pool: PagedPool,
-          generation: int, dora_scale: torch.Tensor | None = None) -> DeviceAdapter:
+          generation: int, unpaged: Unpaged | None = None) -> DeviceAdapter:
     """The DeviceAdapter of rows placed by ``plan`` in ``pages``: each row's offset in the pool (0 past a
     projection's rank)."""
     page_start = np.asarray(pages, dtype=np.int64) * pool.page_numel
@@ -140,7 +157,7 @@ def place(name: str, ranks: list[int], scaling: torch.Tensor, pages: list[int], 
     return DeviceAdapter(name=name, ranks=list(ranks), a_ptr=torch.from_numpy(np.ascontiguousarray(ptr[0])).to(dev),
                          b_ptr=torch.from_numpy(np.ascontiguousarray(ptr[1])).to(dev), scaling=scaling.to(dev),
                          pages=pages, generation=generation, host_ptr=ptr, host_scaling=scaling,
-                         dora_scale=None if dora_scale is None else dora_scale.to(dev))
+                         **(unpaged._asdict() if unpaged is not None else {}))
 
 
 def shard_rows(a_rows: dict, b_rows: dict, ranks: list[int], config: ModelConfig, shard: Shard) -> torch.Tensor:
@@ -186,7 +203,7 @@ class AdapterPager:
         self.host: OrderedDict[str, HostAdapter] = OrderedDict()
         self._blocks: dict[int, AdapterHandle] = {}
         self._ranks: dict[int, list[int]] = {}                           # by load, until its block goes
-        self._dora_scales: dict[int, torch.Tensor] = {}                  # DoRA loads' g, while in the host tier
+        self._unpaged: dict[int, Unpaged] = {}        # by load while in the host tier: what is not in pool pages
         # device tier
         self.resident: OrderedDict[int, DeviceAdapter] = OrderedDict()   # by load; LRU order: oldest first
         self.refs: dict[int, int] = {}                                   # by load: running sequences using it
@@ -221,7 +238,7 @@ class AdapterPager:
         self._loads_total += 1
         self._live.add(self._loads_total)
         reg = Registration(info.name, info.path, list(info.ranks), info.file_bytes, host_bytes, footprint,
-                           self._loads_total, pinned)
+                           self._loads_total, pinned, info.vocab)
         self.registry[info.name] = reg
         self._ranks[reg.load] = reg.ranks
         return reg
@@ -229,7 +246,8 @@ class AdapterPager:
     def add(self, adapter: HostAdapter, pinned: bool = False) -> None:
         """Register an adapter already built in memory and store it in the host tier, in the calling
         thread (offline, start-up and tests; the server splits this across its threads)."""
-        reg = self.register(AdapterInfo(adapter.name, adapter.path, adapter.ranks, adapter.nbytes), pinned)
+        reg = self.register(AdapterInfo(adapter.name, adapter.path, adapter.ranks, adapter.nbytes,
+                                        adapter.embed is not None or adapter.head is not None), pinned)
         handle = None
         try:
             if not self.host_room(adapter.name, frozenset()):
@@ -306,7 +324,7 @@ class AdapterPager:
         view = self.arena.view(handle)
         return HostAdapter(name=adapter.name, path=adapter.path, ranks=list(adapter.ranks),
                            scaling=adapter.scaling, a_rows=view.a_rows, b_rows=view.b_rows,
-                           dora_scale=adapter.dora_scale)
+                           dora_scale=adapter.dora_scale, embed=adapter.embed, head=adapter.head)
 
     def host_admit(self, name: str, load: int, handle: AdapterHandle, adapter: HostAdapter) -> bool:
         """The written block joins the host tier, unless the name was unloaded (or reloaded) meanwhile:
@@ -317,8 +335,9 @@ class AdapterPager:
             return False
         self._blocks[load] = handle
         self.host[name] = adapter
-        if adapter.dora_scale is not None:
-            self._dora_scales[load] = adapter.dora_scale.to(self.pool.device)
+        unpaged = Unpaged.of(adapter, self.pool.device)
+        if unpaged is not None:
+            self._unpaged[load] = unpaged
         return True
 
     def host_abandon(self, handle: AdapterHandle) -> None:
@@ -334,14 +353,15 @@ class AdapterPager:
         """The ranks of a load (PROJECTIONS order), also after its name was unloaded or reloaded."""
         return self._ranks[load]
 
-    def load_dora_scale(self, load: int) -> torch.Tensor | None:
-        """A DoRA load's g (HostAdapter.dora_scale) while its host block lives, for its CPU-assisted rows."""
-        return self._dora_scales.get(load)
+    def load_unpaged(self, load: int) -> Unpaged | None:
+        """A load's DoRA scale and vocabulary LoRA on the pool's device while its host block lives, for its
+        CPU-assisted rows (None: it has neither)."""
+        return self._unpaged.get(load)
 
     def _release_block(self, load: int) -> None:
         if load not in self._live:
             self._ranks.pop(load, None)
-        self._dora_scales.pop(load, None)
+        self._unpaged.pop(load, None)
         handle = self._blocks.pop(load, None)
         if handle is not None:
             self.arena.release(handle)
@@ -477,7 +497,7 @@ class AdapterPager:
         """Each row's offset in the pool; the rows are copied later by ``write_pending``."""
         self._generation += 1
         return place(adapter.name, adapter.ranks, adapter.scaling, pages, plan, self.pool, self._generation,
-                     adapter.dora_scale)
+                     Unpaged.of(adapter, self.pool.device))
 
     def write_pending(self, hold: frozenset[int] = frozenset()) -> list[PageIn]:
         """Copy the rows of adapters paged in since the last call. Runs in the stepper's thread before

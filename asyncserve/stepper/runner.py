@@ -14,9 +14,10 @@ import torch
 from asyncserve.lora.backend import LoraBackend, TorchLoraBackend
 from asyncserve.lora.batch import LoraBatch
 from asyncserve.lora.dora import DoraBase, DoraLora, add_dora_run
+from asyncserve.lora.vocab import VocabStep, add_vocab_run
 from asyncserve.model.config import ModelConfig
 from asyncserve.model.llama import LlamaWeights, PrefillChunk, Rope, StepInputs, decode_masks, forward
-from asyncserve.pager.pager import AdapterPager
+from asyncserve.pager.pager import AdapterPager, DeviceAdapter
 from asyncserve.pager.pool import PagedPool
 from asyncserve.step import SampleOutput, StepPlan, StepResult
 from asyncserve.stepper.merge import WeightMerger, merged_load
@@ -59,7 +60,7 @@ class ModelRunner:
         self._row_stride = 2 * config.num_layers * pool.block_size   # kv rows per page
         self.merger = WeightMerger(config, weights, pool, lora)      # dLoRA's merged mode
         # DoRA adapters' scales are worked out from the base weights as loaded, never merged ones
-        self.dora_base = DoraBase(config, self.merger.original, self._dora_refusal)
+        self.dora_base = DoraBase(config, self.merger.original, self._tp_refusal)
         # decodes read their KV through kernels.paged_attention on CUDA (ASYNCSERVE_TRITON_ATTENTION=0: SDPA)
         self.paged_attention = self.device.type == "cuda" and os.environ.get("ASYNCSERVE_TRITON_ATTENTION") != "0"
         self.graphs: DecodeGraphs | None = None                    # enable_graphs
@@ -81,9 +82,9 @@ class ModelRunner:
             make_inputs, fixed, (lambda: tables.tensors[1].shape[-1]) if tables else None,
             (lambda: (tables.version, self.merger.switches)) if tables else (lambda: self.merger.switches))
 
-    def _dora_refusal(self) -> str | None:
-        return ("DoRA is not served with --tensor-parallel (each rank would need the whole base rows' norms)"
-                if self.tp is not None else None)
+    def _tp_refusal(self) -> str | None:
+        """Why adapters that need whole base rows (DoRA) or the embeddings (LoRA on them) are refused here."""
+        return "not served with --tensor-parallel (the ranks hold parts of the rows)" if self.tp is not None else None
 
     def _graph_batch(self, plan: StepPlan) -> tuple[list[Sequence], DecodeBatch, bool] | None:
         """The step's sequences and rows for DecodeGraphs and whether it has LoRA, or None where it runs eagerly."""
@@ -94,7 +95,7 @@ class ModelRunner:
         seqs = [c.seq for c in decodes]
         loads = [s.adapter_load if s.adapter is not None else None for s in seqs]
         distinct = [load for load in dict.fromkeys(loads) if load is not None]
-        if distinct and (g.lora_step is None or any(self.pager.resident[a].dora_scale is not None for a in distinct)):
+        if distinct and (g.lora_step is None or any(_unpaged_parts(self.pager.resident[a]) for a in distinct)):
             return None
         slot_of = {None: -1}
         if distinct:
@@ -183,14 +184,14 @@ class ModelRunner:
                                                  list]:
         """Also returns the CPU-assisted rows: (tasks [(host block, row0, row1, ranks)] over the cold
         rows, the cold rows' indices in the step), and the DoRA adapters' runs of rows (DoraLora), cold
-        ones included."""
+        ones included; the inputs carry the runs of LoRA on the embeddings and the head (VocabStep)."""
         bs = self.pool.block_size
         ids, positions, write_rows, sample_index, rows = [], [], [], [], []
         prompt_index, prompt_rows = [], PromptRows()
         prefills = []
         seg_starts, seg_adapter, adapters, adapter_index = [0], [], [], {}
         cold_tasks, cold_rows = [], []
-        dora_runs = []
+        dora_runs, vocab, prompt_head_runs = [], VocabStep(), []
         num_decode_chunks = len(plan.decodes)
         for i, chunk in enumerate(plan.chunks):
             seq = chunk.seq
@@ -200,6 +201,7 @@ class ModelRunner:
                 positions.append(pos)
                 write_rows.append(seq.block_table[pos // bs] * self._row_stride + pos % bs)
             chunk_rows = self._chunk_rows(chunk)
+            sample_start, prompt_start = len(sample_index), len(prompt_index)
             sample_index += range(len(ids) - len(chunk_rows), len(ids))
             rows += chunk_rows
             if seq.params.prompt_logprobs is not None:
@@ -215,19 +217,23 @@ class ModelRunner:
                 prefills.append(PrefillChunk(start, len(ids), seq.num_computed,
                                              torch.tensor(seq.block_table, dtype=torch.int64, device=self.device)))
             # LoRA segments: consecutive chunks of one adapter merge into one segment
-            a = -1
+            a, unpaged = -1, None
             if seq.adapter_load in plan.assisted:          # the workers add its LoRA: no device LoRA
-                _add_cold_rows(cold_tasks, cold_rows, self.pager.host_block(seq.adapter_load), start, len(ids),
-                               self.pager.load_ranks(seq.adapter_load))
-                add_dora_run(dora_runs, start, len(ids), self.pager.load_dora_scale(seq.adapter_load),
-                             self.pager.load_ranks(seq.adapter_load))
+                ranks = self.pager.load_ranks(seq.adapter_load)
+                _add_cold_rows(cold_tasks, cold_rows, self.pager.host_block(seq.adapter_load), start, len(ids), ranks)
+                unpaged = self.pager.load_unpaged(seq.adapter_load)
             # by load: a reloaded name may run old and new weights at once; a merged one needs no LoRA
             elif seq.adapter is not None and plan.merged is None:
                 if seq.adapter_load not in adapter_index:
                     adapter_index[seq.adapter_load] = len(adapters)
                     adapters.append(self.pager.resident[seq.adapter_load])
                 a = adapter_index[seq.adapter_load]
-                add_dora_run(dora_runs, start, len(ids), adapters[a].dora_scale, adapters[a].ranks)
+                unpaged, ranks = adapters[a], adapters[a].ranks
+            if unpaged is not None:     # what the adapter has beside its pool rows: DoRA, embeddings, head
+                add_dora_run(dora_runs, start, len(ids), unpaged.dora_scale, ranks)
+                add_vocab_run(vocab.embed_runs, start, len(ids), unpaged.embed)
+                add_vocab_run(vocab.head_runs, sample_start, len(sample_index), unpaged.head)
+                add_vocab_run(prompt_head_runs, prompt_start, len(prompt_index), unpaged.head)
             if seg_adapter and seg_adapter[-1] == a:
                 seg_starts[-1] = len(ids)
             else:
@@ -259,11 +265,22 @@ class ModelRunner:
             sample_index=torch.tensor(sample_index + prompt_index, dtype=torch.int64, device=dev),
             decode_tables=decode_pages.view(nd, -1).to(dev) if self.paged_attention and nd else None,
         )
+        # the prompt rows' logits follow the sampled rows'
+        vocab.head_runs += [r._replace(start=r.start + len(sample_index), end=r.end + len(sample_index))
+                            for r in prompt_head_runs]
+        if vocab.embed_runs or vocab.head_runs:
+            inputs.vocab = vocab
         lora_batch = None
         if adapters:
             lora_batch = LoraBatch(adapters=adapters, seg_starts=seg_starts, seg_adapter=seg_adapter,
                                    num_tokens=len(ids), device=dev, num_decode=nd)
         return inputs, lora_batch, rows, prompt_rows, (cold_tasks, cold_rows), dora_runs
+
+
+def _unpaged_parts(adapter: DeviceAdapter) -> bool:
+    """Whether an adapter has parts beside its pool rows (DoRA, LoRA on the embeddings or the head), which
+    the captured graphs do not apply."""
+    return adapter.dora_scale is not None or adapter.embed is not None or adapter.head is not None
 
 
 def _add_cold_rows(tasks: list, rows: list[int], handle, start: int, end: int, ranks: list[int]) -> None:

@@ -1,0 +1,54 @@
+"""LoRA on the token embeddings and the LM head (PEFT's target_modules "embed_tokens" and "lm_head").
+
+Their rows are vocabulary-sized, so an adapter keeps them whole beside its pool pages
+(pager/adapters.py's VocabRows). A step adds, per run of one adapter's rows, what PEFT's layers add:
+
+    embeddings: h[t] += (A^T[token t] · B^T) · s       before the family's embedding scale (Gemma)
+    head:       logits[i] += ((hs[i] · A^T) · B^T) · s   before the final soft cap (Gemma 2)
+
+The head's needs the final hidden states, which the one-call native layer loop does not hand back, so
+a step with LoRA on the head runs the Python layer loop (over the same native kernels).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from asyncserve.pager.adapters import VocabRows
+
+
+class VocabRun(NamedTuple):
+    start: int
+    end: int
+    rows: VocabRows
+
+
+def add_vocab_run(runs: list[VocabRun], start: int, end: int, rows: VocabRows | None) -> None:
+    """Rows [start, end) of an adapter join the runs if it has such LoRA (a run right after the same
+    adapter's previous one extends it)."""
+    if rows is None or start == end:
+        return
+    if runs and runs[-1].end == start and runs[-1].rows is rows:
+        runs[-1] = runs[-1]._replace(end=end)
+    else:
+        runs.append(VocabRun(start, end, rows))
+
+
+@dataclass
+class VocabStep:
+    """A step's LoRA on the embeddings (runs of token rows) and on the head (runs of logits rows, i.e.
+    of StepInputs.sample_index)."""
+    embed_runs: list[VocabRun] = field(default_factory=list)
+    head_runs: list[VocabRun] = field(default_factory=list)
+
+    def embed_(self, h: torch.Tensor, ids: torch.Tensor) -> None:
+        """h [T, hidden] += each run's embedding LoRA of its tokens ids [T]."""
+        for start, end, v in self.embed_runs:
+            h[start:end] += (v.a[ids[start:end]] @ v.bt) * v.scaling                 # [n, r] @ [r, hidden]
+
+    def head_(self, logits: torch.Tensor, hs: torch.Tensor) -> None:
+        """logits [n, vocab] += each run's head LoRA of its final hidden states hs [n, hidden]."""
+        for start, end, v in self.head_runs:
+            logits[start:end] += ((hs[start:end] @ v.a.T) @ v.bt) * v.scaling         # [n, r] @ [r, vocab]

@@ -1,0 +1,216 @@
+"""LoRA on the token embeddings and the LM head (lora/vocab.py): PEFT folders targeting embed_tokens and
+lm_head (with the copies of the base weights PEFT saves beside them) give transformers+PEFT's tokens,
+batched with plain adapters and the base model, on every step path; on Gemma 2 (embedding scale, final
+soft cap) and on tied embeddings; CPU-assisted. Bad folders are refused each alone; merging, CUDA graphs
+and tensor parallelism leave them to the paths that serve them."""
+from __future__ import annotations
+
+
+import pytest
+import torch
+from family_models import (ALL, FAMILIES, assert_refused_each_alone, assert_tensor_parallel_refuses, broken_copy,
+                           build_with_adapters, cases_of, check_greedy, generate_greedy, with_references)
+from reference import TEST_DEVICE, peft_references, record_native_loop, record_steps, require_native_kernels
+from safetensors.torch import load_file
+
+from asyncserve import LLM, SamplingParams
+from asyncserve.pager.adapters import AdapterError
+
+NEW_TOKENS = 8
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+VOCAB_ADAPTERS = {
+    "embed_head": (4, ["q_proj", "v_proj", "embed_tokens", "lm_head"], {}),
+    "head": (8, ["o_proj", "down_proj", "lm_head"], {"rslora": True, "alpha_pattern": {"lm_head": 5.0}}),
+    "embed": (2, ["embed_tokens", "gate_proj"], {}),
+    "plain": (4, ALL, {}),
+}
+
+
+@pytest.fixture(scope="module")
+def vocab_model(tmp_path_factory):
+    return with_references(build_with_adapters(tmp_path_factory.mktemp("vocab"), "llama", VOCAB_ADAPTERS))
+
+
+def test_peft_saves_the_base_weights_beside_the_lora(vocab_model):
+    """What the other tests rely on: PEFT's folder holds lora_embedding_A/B, lm_head's lora_A/B and
+    copies of the base embedding and head (save_embedding_layers), which the server does not read."""
+    model, _, _ = vocab_model
+    keys = set(load_file(model.adapters["embed_head"] / "adapter_model.safetensors"))
+    assert {"base_model.model.model.embed_tokens.lora_embedding_A", "base_model.model.lm_head.lora_B.weight",
+            "base_model.model.model.embed_tokens.base_layer.weight"} <= keys
+
+
+@pytest.mark.parametrize("path", ["native", "eager", "triton"])
+def test_embedding_and_head_lora_give_peft_tokens(vocab_model, path, monkeypatch):
+    """native: the native kernels (steps with LoRA on the head in the Python layer loop, the others in the
+    one-call loop); eager: torch ops; triton: the Triton LoRA kernels in the interpreter. The base, three
+    adapters with LoRA on the embeddings, the head or both, and a plain one in the same steps."""
+    model, cases, refs = vocab_model
+    monkeypatch.setenv("ASYNCSERVE_NATIVE", "0" if path == "eager" else "1")
+    if path == "native":
+        require_native_kernels()
+    llm = LLM(model=str(model.folder), adapters={k: str(v) for k, v in model.adapters.items()}, dtype="float32",
+              device=TEST_DEVICE, max_step_tokens=16, **({"lora_backend": "triton"} if path == "triton" else {}))
+    _, loop_in_head_step = record_native_loop(llm.engine, monkeypatch, lambda plan: any(
+        c.seq.adapter in ("embed_head", "head") and c.num_sampled for c in plan.chunks))
+    outs = llm.generate([c[0] for c in cases], GREEDY, adapters=[c[1] for c in cases])
+    check_greedy([o.token_ids for o in outs], cases, refs, path)
+    assert not any(loop_in_head_step), "a step sampling with LoRA on the head ran the one-call loop"
+    if path == "native":
+        assert loop_in_head_step, "no step ran the one-call native loop"
+    assert llm.engine.pool.counts().kv == 0
+
+
+def test_prompt_logprobs_see_the_heads_lora(vocab_model):
+    """prompt_logprobs score each prompt token by the logits with the adapter's head LoRA: transformers+
+    PEFT's log-softmax at those positions."""
+    from peft import PeftModel
+
+    model, cases, _ = vocab_model
+    ids = cases[-1][0]
+    llm = LLM(model=str(model.folder), adapters={"head": str(model.adapters["head"])}, dtype="float32",
+              device=TEST_DEVICE, max_step_tokens=8)
+    out = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0), adapters=["head"])[0]
+    peft_model = PeftModel.from_pretrained(model.base, model.adapters["head"]).eval()
+    try:
+        with torch.no_grad():
+            ref = peft_model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    finally:
+        peft_model.unload()
+    ours = torch.tensor(out.prompt_logprobs)                 # entry j: prompt token j + 1
+    expected = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "qwen2_tied"])
+def test_gemma_scale_and_soft_cap_and_tied_embeddings(family, tmp_path):
+    """Gemma 2: the embeddings' LoRA before the sqrt(hidden) scale, the head's before the final soft cap;
+    Qwen2 with tied embeddings: LoRA on the embeddings and on the head are apart, as PEFT keeps them."""
+    adapters = {"both": (4, ["q_proj", "embed_tokens", "lm_head"], {}), "plain": (4, ["q_proj", "v_proj"], {})}
+    model = build_with_adapters(tmp_path, family.split("_")[0], adapters) if family == "gemma2" else \
+        _tied_qwen(tmp_path, adapters)
+    cases = cases_of(model, lengths=(5, 17))
+    _, tokens = generate_greedy(model, cases)
+    check_greedy(tokens, cases, peft_references(model.base, model.adapters, cases, NEW_TOKENS), family)
+
+
+def _tied_qwen(root, adapters):
+    from family_models import FamilyModel
+    from reference import make_tiny_tokenizer, save_random_adapter, save_tiny_model
+
+    tok = make_tiny_tokenizer()
+    base = save_tiny_model(root / "base", tok, "qwen2", random_vectors=True, **FAMILIES["qwen2_tied"])
+    paths = {}
+    for i, (name, (r, targets, extra)) in enumerate(adapters.items()):
+        paths[name] = root / "adapters" / name
+        save_random_adapter(base, paths[name], r=r, targets=targets, seed=400 + i, **extra)
+    return FamilyModel("qwen2", root / "base", tok, base, paths)
+
+
+def test_cold_adapters_with_vocab_lora_prefill_on_the_workers(vocab_model, tmp_path):
+    """cpu_assist="on": the workers compute the projections' LoRA of cold adapters; their embeddings' and
+    head's LoRA is added from the host tier's copy; every request gives PEFT's tokens."""
+    model, cases, refs = vocab_model
+    llm = LLM(model=str(model.folder), adapters={k: str(v) for k, v in model.adapters.items()}, dtype="float32",
+              device=TEST_DEVICE, max_step_tokens=24, cpu_workers=1, cpu_assist="on", cpu_profile_dir=str(tmp_path))
+    try:
+        plans = record_steps(llm.engine)
+        outs = llm.generate([c[0] for c in cases], GREEDY, adapters=[c[1] for c in cases])
+        registry = llm.engine.pager.registry
+        assert {registry[n].load for n in ("embed_head", "head", "embed")} <= {l for p in plans for l in p.assisted}
+        check_greedy([o.token_ids for o in outs], cases, refs, "cpu assist on")
+    finally:
+        llm.engine.close()
+
+
+def test_such_adapters_are_never_merged(vocab_model):
+    model, _, _ = vocab_model
+    llm = LLM(model=str(model.folder), adapters={k: str(v) for k, v in model.adapters.items()}, dtype="float32")
+    assert "embeddings or the head" in llm.engine.merge_refusal("embed_head")
+    assert "embeddings or the head" in llm.engine.merge_refusal("head")
+    assert llm.engine.merge_refusal("plain") is None
+
+
+def test_decode_steps_with_them_run_eagerly_beside_graphs(vocab_model):
+    """DecodeGraphs over test_cuda_graphs' fake seam capture the embedding and the head without LoRA, so a
+    decode step with such an adapter runs eagerly."""
+    from test_cuda_graphs import FakeSeam
+
+    if TEST_DEVICE != "cpu":
+        pytest.skip("the fake seam's test")
+    model, cases, refs = vocab_model
+    chosen = [i for i, c in enumerate(cases) if c[1] in (None, "embed_head")]
+    llm = LLM(model=str(model.folder), adapters={"embed_head": str(model.adapters["embed_head"])}, dtype="float32",
+              device="cpu", lora_backend="triton", max_running=4, cpu_workers=0)
+    llm.engine.runner.enable_graphs(FakeSeam(), 4, 8)
+    outs = llm.generate([cases[i][0] for i in chosen], GREEDY, adapters=[cases[i][1] for i in chosen])
+    check_greedy([o.token_ids for o in outs], [cases[i] for i in chosen], [refs[i] for i in chosen], "graphs")
+    assert not [key for key in llm.engine.runner.graphs._graphs if key[1]]
+
+
+def test_tensor_parallel_refuses_them_with_a_reason(vocab_model):
+    assert_tensor_parallel_refuses(vocab_model[0], ["embed", "head"])
+
+
+def _key(weights, end):
+    return next(k for k in weights if k.endswith(end))
+
+
+def _resize(weights, end, rows):
+    k = _key(weights, end)
+    weights[k] = weights[k][:rows].clone()
+
+
+def _put(weights, end, fn):
+    k = _key(weights, end)
+    weights[k] = fn(weights[k].clone())
+
+
+def _nan(t):
+    t.view(-1)[5] = float("nan")
+    return t
+
+
+BAD = {    # label: (config edit, tensors edit, the reason)
+    "embedding A of another vocabulary": (None, lambda w: _put(w, "lora_embedding_A", lambda t: t[:, :-3].contiguous()),
+                                          "this base model needs"),
+    "head B of another vocabulary": (None, lambda w: _resize(w, "lm_head.lora_B.weight", 100), "this base model needs"),
+    "head A of another hidden size": (None, lambda w: _put(w, "lm_head.lora_A.weight", lambda t: t[:, :-1].contiguous()),
+                                      "needs"),
+    "embedding B without A": (None, lambda w: w.pop(_key(w, "lora_embedding_A")), "not both A and B"),
+    "NaN in the embedding B": (None, lambda w: _put(w, "lora_embedding_B", _nan), "NaN or infinite"),
+    "infinity in the head A": (None, lambda w: _put(w, "lm_head.lora_A.weight", lambda t: t.fill_(float("inf"))),
+                               "NaN or infinite"),
+    "a resized vocabulary": (None, lambda w: _resize(w, "embed_tokens.base_layer.weight", 300), "resized vocabulary"),
+    "the embedding named as a Linear's": (None, lambda w: w.update({_key(w, "lora_embedding_A").replace(
+        "lora_embedding_A", "lora_A.weight"): w.pop(_key(w, "lora_embedding_A"))}), "not how PEFT names"),
+    "ensure_weight_tying": (lambda c: c | {"ensure_weight_tying": True}, None, "ensure_weight_tying"),
+    "rank pattern against the weights": (lambda c: c | {"rank_pattern": {"lm_head": 2}}, None, "in the config"),
+}
+
+
+def test_bad_folders_are_refused_each_alone(vocab_model, tmp_path):
+    """Each broken copy is refused at load with its reason; the adapters loaded before still give PEFT's
+    tokens."""
+    model, cases, refs = vocab_model
+    assert_refused_each_alone(model, cases, refs, "embed_head", BAD, tmp_path)
+
+
+def test_lora_on_the_embeddings_alone_is_refused(vocab_model, tmp_path):
+    model, _, _ = vocab_model
+    folder = broken_copy(model.adapters["embed"], tmp_path / "embed_only",
+                         edit_weights=lambda w: [w.pop(k) for k in list(w) if "layers." in k])
+    llm = LLM(model=str(model.folder), dtype="float32", device=TEST_DEVICE)
+    with pytest.raises(AdapterError, match="embeddings or the head alone"):
+        llm.load_adapter("embed_only", str(folder))
+
+
+def test_dora_on_the_embeddings_is_refused_with_its_reason(vocab_model, tmp_path):
+    """PEFT's DoRA embedding layer's magnitude (as it names it) beside the LoRA: refused with the reason."""
+    model, _, _ = vocab_model
+    key = "base_model.model.model.embed_tokens.lora_magnitude_vector"
+    folder = broken_copy(model.adapters["embed"], tmp_path / "dora", lambda c: c | {"use_dora": True},
+                         lambda w: w.update({key: torch.ones(64)}))
+    llm = LLM(model=str(model.folder), dtype="float32", device=TEST_DEVICE)
+    with pytest.raises(AdapterError, match="DoRA on embed_tokens is not served"):
+        llm.load_adapter("dora", str(folder))
