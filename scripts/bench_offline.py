@@ -13,8 +13,9 @@ the native LoRA kernel against the backend's eager plans, alternated. System our
 the LoRA backend kept on its eager plans where the native lora_segments kernel would run; ours-no-amx
 is ours with the native GEMM kept on its vdpbf16ps tiles where it would run AMX tiles (kernels/cpu/gemm.h);
 ours-dora serves W1's adapters as DoRA adapters (make_adapters.dora_copy: magnitudes as PEFT initializes
-them, so the same tokens, DoRA's work on top); with --rounds, ours, ours-eager-lora, ours-no-amx,
-ours-dora and ours-base alternate in one process. With
+them, so the same tokens, DoRA's work on top), ours-vocab with random LoRA on the embeddings and the head
+added (make_adapters.vocab_copy); with --rounds, ours, ours-eager-lora, ours-no-amx, ours-dora, ours-vocab
+and ours-base alternate in one process. With
 --panel-steps, decode steps with Q4_0/Q4_1/Q4_K/Q6_K in panels against GGUF's blocks; with --build-steps --against
 CHECKOUT, this checkout's native kernels against that checkout's (scripts/kernel_builds.py); both alternate
 step by step in one engine at batches 1, 4 and 16.
@@ -43,27 +44,32 @@ def load_w1(args):
 
 
 def adapter_of(i: int, adapters: dict, prefix: str = "") -> str:
-    """Request i's adapter: a{i % n}, as W1 prescribes (prefix: its DoRA copy's name, ours-dora)."""
+    """Request i's adapter: a{i % n}, as W1 prescribes (prefix: its copy's name, ours-dora and ours-vocab)."""
     return f"{prefix}a{i % len(adapters)}"
 
 
-DORA_PREFIX = "dora-"
+# the systems that serve copies of W1's adapters: system -> the copies' name prefix
+COPIES = {"ours-dora": "dora-", "ours-vocab": "vocab-"}
 
 
-def load_dora_copies(llm, adapters: dict, args) -> None:
-    """W1's adapters again as DoRA adapters (make_adapters.dora_copy: the same tokens, DoRA's work on
-    top), loaded as dora-a0, dora-a1, ... beside them."""
+def load_copies(llm, adapters: dict, system: str, args) -> None:
+    """W1's adapters again, loaded as PREFIXa0, PREFIXa1, ... beside them: ours-dora as DoRA adapters
+    (make_adapters.dora_copy: the same tokens, DoRA's work on top), ours-vocab with LoRA on the
+    embeddings and the head added (make_adapters.vocab_copy)."""
     import tempfile
 
-    from make_adapters import dora_copy
+    from make_adapters import dora_copy, vocab_copy
 
     from asyncserve.model.loader import load_model
 
-    base_weights = load_model(args.model).weights
+    loaded = load_model(args.model)
     with tempfile.TemporaryDirectory() as tmp:
-        for name, path in adapters.items():
-            dora_copy(Path(path), Path(tmp) / name, base_weights)
-            llm.load_adapter(DORA_PREFIX + name, str(Path(tmp) / name))
+        for i, (name, path) in enumerate(adapters.items()):
+            if system == "ours-dora":
+                dora_copy(Path(path), Path(tmp) / name, loaded.weights)
+            else:
+                vocab_copy(Path(path), Path(tmp) / name, loaded.config.vocab_size, loaded.config.hidden_size, seed=i)
+            llm.load_adapter(COPIES[system] + name, str(Path(tmp) / name))
 
 
 def build_ours(adapters, args):
@@ -450,16 +456,18 @@ def main() -> None:
         return
     print(f"load average before: {os.getloadavg()}")
     systems = args.systems.split(",")
-    ours = [name for name in systems if name in ("ours", "ours-eager-lora", "ours-no-amx", "ours-base", "ours-dora")]
+    ours = [name for name in systems if name in ("ours", "ours-eager-lora", "ours-no-amx", "ours-base", *COPIES)]
     llm, load_times = time_loading(adapters, args) if ours else (None, None)
-    if "ours-dora" in systems:
-        load_dora_copies(llm, adapters, args)
+    for system in COPIES:
+        if system in systems:
+            load_copies(llm, adapters, system, args)
     runners = {
         "ours": lambda: run_ours(llm, prompts, adapters, True, args),
         "ours-base": lambda: run_ours(llm, prompts, adapters, False, args),
         "ours-eager-lora": lambda: run_ours(llm, prompts, adapters, True, args, eager_lora=True),
         "ours-no-amx": lambda: run_ours(llm, prompts, adapters, True, args, amx=False),
-        "ours-dora": lambda: run_ours(llm, prompts, adapters, True, args, prefix=DORA_PREFIX),
+        **{system: (lambda prefix=prefix: run_ours(llm, prompts, adapters, True, args, prefix=prefix))
+           for system, prefix in COPIES.items()},
         "hf-grouped": lambda: run_hf(prompts, adapters, False, args),
         "hf-mixed": lambda: run_hf(prompts, adapters, True, args),
     }

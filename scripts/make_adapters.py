@@ -103,6 +103,26 @@ def dora_copy(source: Path, out: Path, base_weights: dict) -> None:
     (out / "adapter_config.json").write_text(json.dumps(config | {"use_dora": True}, indent=1) + "\n")
 
 
+def vocab_copy(source: Path, out: Path, vocab_size: int, hidden: int, seed: int = 0) -> None:
+    """The PEFT LoRA folder ``source`` with LoRA on embed_tokens and lm_head added (random, its rank and
+    alpha), as PEFT saves it: lora_embedding_A/B, lm_head's lora_A/B (scripts/bench_offline.py's ours-vocab)."""
+    config = json.loads((source / "adapter_config.json").read_text())
+    r = config["r"]
+    generator = torch.Generator().manual_seed(seed)
+    tensors = load_file(str(source / "adapter_model.safetensors"))
+    dtype = next(iter(tensors.values())).dtype
+    shapes = {"base_model.model.model.embed_tokens.lora_embedding_A": (r, vocab_size),
+              "base_model.model.model.embed_tokens.lora_embedding_B": (hidden, r),
+              "base_model.model.lm_head.lora_A.weight": (r, hidden),
+              "base_model.model.lm_head.lora_B.weight": (vocab_size, r)}
+    for key, shape in shapes.items():
+        tensors[key] = (torch.randn(shape, generator=generator) * 0.3 / r ** 0.5).to(dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    targets = list(config["target_modules"]) + ["embed_tokens", "lm_head"]
+    (out / "adapter_config.json").write_text(json.dumps(config | {"target_modules": targets}, indent=1) + "\n")
+
+
 def parse_targets(spec: str) -> tuple[str, ...]:
     targets = ALL if spec == "all" else tuple(spec.split(","))
     unknown = set(targets) - set(ALL)

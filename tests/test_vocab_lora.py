@@ -10,7 +10,8 @@ import pytest
 import torch
 from family_models import (ALL, FAMILIES, assert_refused_each_alone, assert_tensor_parallel_refuses, broken_copy,
                            build_with_adapters, cases_of, check_greedy, generate_greedy, with_references)
-from reference import TEST_DEVICE, peft_references, record_native_loop, record_steps, require_native_kernels
+from reference import (TEST_DEVICE, bf16_runs_by_layer_loop, peft_references, record_native_loop, record_steps,
+                       require_native_kernels)
 from safetensors.torch import load_file
 
 from asyncserve import LLM, SamplingParams
@@ -40,25 +41,35 @@ def test_peft_saves_the_base_weights_beside_the_lora(vocab_model):
             "base_model.model.model.embed_tokens.base_layer.weight"} <= keys
 
 
-@pytest.mark.parametrize("path", ["native", "eager", "triton"])
+@pytest.mark.parametrize("path", ["loop", "ops", "eager", "triton"])
 def test_embedding_and_head_lora_give_peft_tokens(vocab_model, path, monkeypatch):
-    """native: the native kernels (steps with LoRA on the head in the Python layer loop, the others in the
-    one-call loop); eager: torch ops; triton: the Triton LoRA kernels in the interpreter. The base, three
+    """loop: the one-call native layer loop (decoder.h adds the head's LoRA); ops: the Python loop over the
+    native kernels; eager: torch ops; triton: the Triton LoRA kernels in the interpreter. The base, three
     adapters with LoRA on the embeddings, the head or both, and a plain one in the same steps."""
     model, cases, refs = vocab_model
     monkeypatch.setenv("ASYNCSERVE_NATIVE", "0" if path == "eager" else "1")
-    if path == "native":
+    monkeypatch.setenv("ASYNCSERVE_NATIVE_DECODER", "0" if path == "ops" else "1")
+    if path in ("loop", "ops"):
         require_native_kernels()
     llm = LLM(model=str(model.folder), adapters={k: str(v) for k, v in model.adapters.items()}, dtype="float32",
               device=TEST_DEVICE, max_step_tokens=16, **({"lora_backend": "triton"} if path == "triton" else {}))
-    _, loop_in_head_step = record_native_loop(llm.engine, monkeypatch, lambda plan: any(
+    head_steps, loop_in_head_step = record_native_loop(llm.engine, monkeypatch, lambda plan: any(
         c.seq.adapter in ("embed_head", "head") and c.num_sampled for c in plan.chunks))
     outs = llm.generate([c[0] for c in cases], GREEDY, adapters=[c[1] for c in cases])
     check_greedy([o.token_ids for o in outs], cases, refs, path)
-    assert not any(loop_in_head_step), "a step sampling with LoRA on the head ran the one-call loop"
-    if path == "native":
-        assert loop_in_head_step, "no step ran the one-call native loop"
+    assert sum(head_steps) >= NEW_TOKENS
+    assert sum(loop_in_head_step) == (sum(head_steps) if path == "loop" else 0)
     assert llm.engine.pool.counts().kv == 0
+
+
+def test_native_layer_loop_gives_the_python_loops_bits(vocab_model, monkeypatch):
+    """bf16: the one-call loop adds the head's LoRA with the Python loop's calls: the same tokens and top-5
+    logprobs, all four adapters and the base in one call."""
+    require_native_kernels()
+    model, cases, _ = vocab_model
+    runs = bf16_runs_by_layer_loop(model.folder, model.adapters, cases, monkeypatch, NEW_TOKENS)
+    assert runs["1"][1] and not runs["0"][1]
+    assert runs["1"][0] == runs["0"][0]
 
 
 def test_prompt_logprobs_see_the_heads_lora(vocab_model):
@@ -214,3 +225,21 @@ def test_dora_on_the_embeddings_is_refused_with_its_reason(vocab_model, tmp_path
     llm = LLM(model=str(model.folder), dtype="float32", device=TEST_DEVICE)
     with pytest.raises(AdapterError, match="DoRA on embed_tokens is not served"):
         llm.load_adapter("dora", str(folder))
+
+
+def test_make_adapters_vocab_copy_gives_peft_tokens(vocab_model, tmp_path):
+    """scripts/make_adapters.py's vocab_copy (bench_offline.py's ours-vocab) adds LoRA on the embeddings
+    and the head to a plain folder as PEFT saves it: it loads in PEFT and here, with the same tokens."""
+    import importlib.util
+    from pathlib import Path
+
+    model, cases, _ = vocab_model
+    spec = importlib.util.spec_from_file_location("make_adapters", Path(__file__).parents[1] / "scripts/make_adapters.py")
+    make_adapters = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_adapters)
+    config = model.base.config
+    make_adapters.vocab_copy(model.adapters["plain"], tmp_path / "copy", config.vocab_size, config.hidden_size)
+    copied = type(model)(model.family, model.folder, model.tokenizer, model.base, {"copy": tmp_path / "copy"})
+    chosen = [(ids, "copy") for ids, a in cases if a == "plain"]
+    _, tokens = generate_greedy(copied, chosen)
+    check_greedy(tokens, chosen, peft_references(model.base, copied.adapters, chosen, NEW_TOKENS), "vocab_copy")

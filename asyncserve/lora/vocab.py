@@ -6,8 +6,7 @@ Their rows are vocabulary-sized, so an adapter keeps them whole beside its pool 
     embeddings: h[t] += (A^T[token t] · B^T) · s       before the family's embedding scale (Gemma)
     head:       logits[i] += ((hs[i] · A^T) · B^T) · s   before the final soft cap (Gemma 2)
 
-The head's needs the final hidden states, which the one-call native layer loop does not hand back, so
-a step with LoRA on the head runs the Python layer loop (over the same native kernels).
+The one-call native layer loop adds the head's with the same calls (kernels/cpu/decoder.h, native_head).
 """
 from __future__ import annotations
 
@@ -52,3 +51,13 @@ class VocabStep:
         """logits [n, vocab] += each run's head LoRA of its final hidden states hs [n, hidden]."""
         for start, end, v in self.head_runs:
             logits[start:end] += ((hs[start:end] @ v.a.T) @ v.bt) * v.scaling         # [n, r] @ [r, vocab]
+
+    def native_head(self) -> tuple:
+        """head_'s runs as decoder.h's forward takes them: (runs [n, 3] int64: first row, end row, index
+        into the lists, or None; A per adapter; B^T per adapter; scaling per adapter)."""
+        if not self.head_runs:
+            return None, [], [], []
+        adapters = list({id(r.rows): r.rows for r in self.head_runs}.values())
+        index = {id(v): i for i, v in enumerate(adapters)}
+        runs = torch.tensor([(r.start, r.end, index[id(r.rows)]) for r in self.head_runs], dtype=torch.int64)
+        return runs, [v.a for v in adapters], [v.bt for v in adapters], [v.scaling for v in adapters]

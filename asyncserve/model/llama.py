@@ -49,11 +49,12 @@ class LoraHook(Protocol):
 
 class VocabHook(Protocol):
     """A step's LoRA on the token embeddings and the LM head (lora/vocab.py's VocabStep)."""
-    head_runs: list          # empty: no LoRA on the head this step
 
     def embed_(self, h: torch.Tensor, ids: torch.Tensor) -> None: ...
 
     def head_(self, logits: torch.Tensor, hs: torch.Tensor) -> None: ...
+
+    def native_head(self) -> tuple: ...      # head_ as the native layer loop takes it (decoder.h's head_runs ...)
 
 
 @dataclass
@@ -363,12 +364,9 @@ def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, 
         inp.vocab.embed_(h, inp.input_ids)
     if w.embed_scale is not None:
         h = h * w.embed_scale
-    # a step on fixed buffers (StepInputs.decode_tables: the CUDA graphs' decodes) plans no native attention;
-    # LoRA on the head needs the final hidden states, which the one-call loop does not hand back
+    # a step on fixed buffers (StepInputs.decode_tables: the CUDA graphs' decodes) plans no native attention
     plan = next(iter(step_attention.values()))
-    head_lora = inp.vocab is not None and bool(inp.vocab.head_runs)
-    decoder = plan.native and cpu_kernels.decoder_loop_enabled() and _loop_without(reduce) and not head_lora \
-        and w.native_decoder(config)
+    decoder = plan.native and cpu_kernels.decoder_loop_enabled() and _loop_without(reduce) and w.native_decoder(config)
     step_lora = lora.native_step() if decoder and use_lora else None
     if decoder and (step_lora is not None or not use_lora):
         logits = _forward_native(decoder, h, rope, kv, inp, plan, step_lora)
@@ -478,9 +476,10 @@ def _forward_native(decoder, h: torch.Tensor, rope: Rope, kv: torch.Tensor, inp:
         lora = (step_lora.flat, step_lora.runs, step_lora.projections, *step_lora.tables, step_lora.dora_runs,
                 step_lora.dora_scales, step_lora.dora_columns)
     decode_tables = a.decode_pages.view(n, -1) if n else a.decode_pages.view(0, 0)
+    head = inp.vocab.native_head() if inp.vocab is not None else (None, [], [], [])
     return decoder.forward(h, inp.positions, rope.cos, rope.sin, rope.local_cos, rope.local_sin, kv, inp.write_rows,
                            n, decode_tables, a.decode_lens, a.prefill_tables, a.prefill_starts, a.prefill_first_pos,
-                           inp.sample_index, *lora)
+                           inp.sample_index, *lora, *head)
 
 
 def silu_mul(gate_up: torch.Tensor, native: bool = False) -> torch.Tensor:

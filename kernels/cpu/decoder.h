@@ -128,7 +128,8 @@ class NativeDecoder {
   // layers, block, kv_size]. The first num_decode rows decode (decode_tables [n, max_pages],
   // decode_lens [n]); the rest are prefill chunks (prefill_tables, prefill_starts, prefill_first_pos
   // as paged_prefill_attention takes them). Returns the logits of rows sample_index: [rows, vocab]
-  // (before any final soft-capping).
+  // (before any final soft-capping). head_runs [n, 3] (first logits row, end row, index into head_a,
+  // head_bt and head_scaling): LoRA on the LM head added to those rows, as lora/vocab.py's head_.
   at::Tensor forward(at::Tensor h, at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor local_cos,
                      at::Tensor local_sin, at::Tensor kv, at::Tensor write_rows, int64_t num_decode,
                      at::Tensor decode_tables, at::Tensor decode_lens, at::Tensor prefill_tables,
@@ -137,7 +138,9 @@ class NativeDecoder {
                      std::vector<at::Tensor> projections, c10::optional<at::Tensor> ranks,
                      c10::optional<at::Tensor> a_ptr, c10::optional<at::Tensor> b_ptr,
                      c10::optional<at::Tensor> scaling, c10::optional<at::Tensor> dora_runs,
-                     std::vector<at::Tensor> dora_scales, std::vector<int64_t> dora_columns) const {
+                     std::vector<at::Tensor> dora_scales, std::vector<int64_t> dora_columns,
+                     c10::optional<at::Tensor> head_runs, std::vector<at::Tensor> head_a,
+                     std::vector<at::Tensor> head_bt, std::vector<double> head_scaling) const {
     const int64_t T = h.size(0), layers = int64_t(layers_.size());
     TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2 && kv.size(2) == layers, "kv must be [pages, 2, layers, block, kv_size]");
     TORCH_CHECK(num_decode >= 0 && num_decode <= T, "num_decode outside the step's rows");
@@ -198,7 +201,9 @@ class NativeDecoder {
         h.add_(d);
     }
     const at::Tensor hs = add_rms_norm_op(h.index_select(0, sample_index), c10::nullopt, final_norm_, eps_);
-    return lm_head_(hs);
+    at::Tensor logits = lm_head_(hs);
+    if (head_runs) add_head_lora(logits, hs, *head_runs, head_a, head_bt, head_scaling);
+    return logits;
   }
 
  private:
@@ -216,6 +221,21 @@ class NativeDecoder {
                        lora.projections[g]);
     if (lora.dora_runs) scale_dora_rows(y, g, layer, lora);
     return y;
+  }
+
+  // LoRA on the LM head: logits[run] += ((hs[run] · A^T) · B^T) · s, the same ATen calls as VocabStep.head_.
+  static void add_head_lora(at::Tensor& logits, const at::Tensor& hs, const at::Tensor& runs,
+                            const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& bt,
+                            const std::vector<double>& scaling) {
+    TORCH_CHECK(runs.dim() == 2 && runs.size(1) == 3 && runs.scalar_type() == at::kLong && a.size() == bt.size() &&
+                    a.size() == scaling.size(), "head LoRA needs runs [n, 3] int64 and A, B^T and a scaling each");
+    const auto r = runs.accessor<int64_t, 2>();
+    for (int64_t i = 0; i < r.size(0); ++i) {
+      const int64_t start = r[i][0], n = r[i][1] - r[i][0], k = r[i][2];
+      TORCH_CHECK(0 <= start && 0 <= n && r[i][1] <= logits.size(0) && 0 <= k && k < int64_t(a.size()),
+                  "head LoRA run ", i, " outside the logits' rows or the adapters");
+      logits.narrow(0, start, n).add_(at::matmul(at::matmul(hs.narrow(0, start, n), a[k].t()), bt[k]).mul(scaling[k]));
+    }
   }
 
   // DoRA: each DoRA adapter's rows of y [T, group's outputs] times its scale g for this layer's group,
