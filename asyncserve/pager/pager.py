@@ -433,7 +433,7 @@ class AdapterPager:
             pages = self.pool.allocate(plan.pages, "adapter")
         except PoolExhausted:
             return None
-        device = self._place(adapter, pages, plan)
+        device = self._place(adapter, pages, plan, self._unpaged.get(load))
         self.resident[load] = device
         self.pending.append(PageIn(load, device, adapter, plan.page_spans, time.perf_counter()))
         self.loads_total += 1
@@ -493,11 +493,11 @@ class AdapterPager:
                     yield layer, p, 0, adapter.a_rows[(layer, p)]
                     yield layer, p, 1, adapter.b_rows[(layer, p)]
 
-    def _place(self, adapter: HostAdapter, pages: list[int], plan: RowPlan) -> DeviceAdapter:
-        """Each row's offset in the pool; the rows are copied later by ``write_pending``."""
+    def _place(self, adapter: HostAdapter, pages: list[int], plan: RowPlan, unpaged: Unpaged | None) -> DeviceAdapter:
+        """Each row's offset in the pool; the rows are copied later by ``write_pending``. unpaged: the load's
+        parts beside its rows, already on the pool's device (host_admit)."""
         self._generation += 1
-        return place(adapter.name, adapter.ranks, adapter.scaling, pages, plan, self.pool, self._generation,
-                     Unpaged.of(adapter, self.pool.device))
+        return place(adapter.name, adapter.ranks, adapter.scaling, pages, plan, self.pool, self._generation, unpaged)
 
     def write_pending(self, hold: frozenset[int] = frozenset()) -> list[PageIn]:
         """Copy the rows of adapters paged in since the last call. Runs in the stepper's thread before
