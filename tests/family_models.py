@@ -216,6 +216,24 @@ def with_references(model: FamilyModel) -> tuple[FamilyModel, list, list]:
     return model, cases, peft_references(model.base, model.adapters, cases, GREEDY_TOKENS)
 
 
+STEP_PATHS = ["loop", "ops", "eager", "triton"]
+
+
+def llm_on_path(model: FamilyModel, path: str, monkeypatch):
+    """An LLM of the model and all its adapters in float32 whose steps take ``path``: "loop" the one-call
+    native layer loop, "ops" the Python loop over the native kernels, "eager" torch ops, "triton" the
+    Triton LoRA kernels (in the interpreter on CPU)."""
+    from asyncserve import LLM
+    from reference import require_native_kernels
+
+    monkeypatch.setenv("ASYNCSERVE_NATIVE", "0" if path == "eager" else "1")
+    monkeypatch.setenv("ASYNCSERVE_NATIVE_DECODER", "0" if path == "ops" else "1")
+    if path in ("loop", "ops"):
+        require_native_kernels()
+    return LLM(model=str(model.folder), adapters={k: str(v) for k, v in model.adapters.items()}, dtype="float32",
+               device=TEST_DEVICE, max_step_tokens=16, **({"lora_backend": "triton"} if path == "triton" else {}))
+
+
 def generate_greedy(model: FamilyModel, cases, adapters=None, **kwargs):
     """(the LLM, each case's greedy tokens) in float32 on the test device, prompts chunked."""
     from asyncserve import LLM, SamplingParams

@@ -14,8 +14,8 @@ import shutil
 import pytest
 import torch
 from family_models import (ALL, FAMILIES, FamilyModel, assert_refused_each_alone, assert_tensor_parallel_refuses,
-                           broken_copy, build_with_adapters, cases_of, check_greedy, generate_greedy, with_references,
-                           write_family_gguf)
+                           STEP_PATHS, broken_copy, build_with_adapters, cases_of, check_greedy, generate_greedy,
+                           llm_on_path, with_references, write_family_gguf)
 from reference import (TEST_DEVICE, bf16_runs_by_layer_loop, peft_references, record_native_loop, record_steps,
                        require_native_kernels, run_merged)
 
@@ -72,18 +72,13 @@ def test_scales_equal_peft_magnitude_over_weight_norm(llama_dora):
         peft_model.unload()
 
 
-@pytest.mark.parametrize("path", ["loop", "ops", "eager", "triton"])
+@pytest.mark.parametrize("path", STEP_PATHS)
 def test_dora_batched_with_lora_and_base_gives_peft_tokens(llama_dora, path, monkeypatch):
     """loop: the one-call native layer loop (decoder.h scales the DoRA rows); ops: the Python layer loop
     over the native kernels; eager: torch ops; triton: the Triton LoRA kernels in the interpreter (the
     Python loop). Base, two DoRA adapters and a plain one in the same steps, prompts chunked."""
     model, cases, refs = llama_dora
-    monkeypatch.setenv("ASYNCSERVE_NATIVE", "0" if path == "eager" else "1")
-    monkeypatch.setenv("ASYNCSERVE_NATIVE_DECODER", "0" if path == "ops" else "1")
-    if path in ("loop", "ops"):
-        require_native_kernels()
-    llm = LLM(model=str(model.folder), adapters={k: str(v) for k, v in model.adapters.items()}, dtype="float32",
-              device=TEST_DEVICE, max_step_tokens=16, **({"lora_backend": "triton"} if path == "triton" else {}))
+    llm = llm_on_path(model, path, monkeypatch)
     step_has_dora, native_loop_in_dora_step = record_native_loop(
         llm.engine, monkeypatch, lambda plan: any(c.seq.adapter in ("dora_all", "dora_some") for c in plan.chunks))
     outs = llm.generate([c[0] for c in cases], GREEDY, adapters=[c[1] for c in cases])

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 from family_models import (ALL, FAMILIES, assert_refused_each_alone, assert_tensor_parallel_refuses, broken_copy,
-                           build_with_adapters, cases_of, check_greedy, generate_greedy, with_references)
+                           STEP_PATHS, build_with_adapters, cases_of, check_greedy, generate_greedy, llm_on_path,
+                           with_references)
 from reference import (TEST_DEVICE, bf16_runs_by_layer_loop, peft_references, record_native_loop, record_steps,
                        require_native_kernels)
 from safetensors.torch import load_file
@@ -41,18 +42,13 @@ def test_peft_saves_the_base_weights_beside_the_lora(vocab_model):
             "base_model.model.model.embed_tokens.base_layer.weight"} <= keys
 
 
-@pytest.mark.parametrize("path", ["loop", "ops", "eager", "triton"])
+@pytest.mark.parametrize("path", STEP_PATHS)
 def test_embedding_and_head_lora_give_peft_tokens(vocab_model, path, monkeypatch):
     """loop: the one-call native layer loop (decoder.h adds the head's LoRA); ops: the Python loop over the
     native kernels; eager: torch ops; triton: the Triton LoRA kernels in the interpreter. The base, three
     adapters with LoRA on the embeddings, the head or both, and a plain one in the same steps."""
     model, cases, refs = vocab_model
-    monkeypatch.setenv("ASYNCSERVE_NATIVE", "0" if path == "eager" else "1")
-    monkeypatch.setenv("ASYNCSERVE_NATIVE_DECODER", "0" if path == "ops" else "1")
-    if path in ("loop", "ops"):
-        require_native_kernels()
-    llm = LLM(model=str(model.folder), adapters={k: str(v) for k, v in model.adapters.items()}, dtype="float32",
-              device=TEST_DEVICE, max_step_tokens=16, **({"lora_backend": "triton"} if path == "triton" else {}))
+    llm = llm_on_path(model, path, monkeypatch)
     head_steps, loop_in_head_step = record_native_loop(llm.engine, monkeypatch, lambda plan: any(
         c.seq.adapter in ("embed_head", "head") and c.num_sampled for c in plan.chunks))
     outs = llm.generate([c[0] for c in cases], GREEDY, adapters=[c[1] for c in cases])
