@@ -192,6 +192,10 @@ class Engine:
             # the graphs' decode attention is kernels.paged_attention, which takes neither a window nor a cap
             log.info("CUDA graphs off: %s has sliding windows or attention soft-capping (--enforce-eager)", mc.name)
             graphs = False
+        if graphs and mc.moe is not None:
+            # which expert runs which tokens is read back from the router mid-step: nothing to capture
+            log.info("CUDA graphs off: %s is a mixture of experts, routed on the host each step", mc.name)
+            graphs = False
         if graphs and self.tp is not None:
             # a replayed decode step skips the plan every rank runs; replaying on every rank in step would
             # need each rank's own graphs and LoRA slot tables kept alike, so TP steps run eagerly

@@ -41,6 +41,12 @@ SHAPES = {
         num_key_value_heads=4, head_dim=256, max_position_embeddings=8192, rope_theta=10000.0, rms_norm_eps=1e-6,
         sliding_window=4096, query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
         hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)),
+    # a mixture of experts: 128 experts of 768, 8 per token (3.3B of 30.5B parameters active)
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False)),
 }
 
 

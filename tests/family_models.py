@@ -38,6 +38,18 @@ FAMILIES = {
                  rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
                                "long_factor": [2.0 + 0.5 * i for i in range(8)]}),
 }
+# mixtures of experts (tests/test_moe.py): 4 or 8 experts, 2 per token; Qwen2-MoE with its shared expert
+# and without renormalized top-k probabilities, Qwen3-MoE with them (as its real checkpoints)
+MOE_FAMILIES = {
+    "mixtral": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=512, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=64, shared_expert_intermediate_size=96, norm_topk_prob=False),
+    "qwen3_moe": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, max_position_embeddings=512, num_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True),
+}
 # family -> two adapters: (rank, targets, rsLoRA); the first on every projection
 ADAPTERS = {
     "phi3": {"all": (4, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], False),
@@ -193,7 +205,8 @@ def build_with_adapters(root: Path, family: str, adapters: dict) -> FamilyModel:
     """A tiny random ``family`` model (its FAMILIES shape; Qwen2's for llama) with adapters name ->
     (rank, targets, extra save_random_adapter / LoraConfig arguments)."""
     tok = make_tiny_tokenizer()
-    base = save_tiny_model(root / "base", tok, family, random_vectors=True, **FAMILIES.get(family, FAMILIES["qwen2"]))
+    shape = FAMILIES.get(family) or MOE_FAMILIES.get(family) or FAMILIES["qwen2"]
+    base = save_tiny_model(root / "base", tok, family, random_vectors=True, **shape)
     paths = {}
     for i, (name, (r, targets, extra)) in enumerate(adapters.items()):
         paths[name] = root / "adapters" / name

@@ -117,6 +117,9 @@ FAMILY_CLASSES = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 
 
@@ -136,7 +139,7 @@ def save_tiny_model(folder: Path, tokenizer_source, family: str = "llama", *, se
     # the default init is tiny (std 0.02): widen it so logits are far from ties and LoRA deltas matter
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:             # a projection, or a mixture's experts stacked [experts, out, in]
                 p.normal_(0, 0.08)
             elif random_vectors and name.endswith("bias"):
                 p.normal_(0, 0.1)

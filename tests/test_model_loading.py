@@ -290,9 +290,9 @@ def test_path_errors(tmp_path):
 
 def test_gguf_unsupported_architecture(tmp_path):
     tokens, merges, special = backend_vocab(make_tiny_tokenizer().backend_tokenizer)
-    for architecture in ("falcon", "mamba", "qwen2moe"):
+    for architecture in ("falcon", "mamba", "deepseek2"):
         path = write_gguf(tmp_path / f"{architecture}.gguf", architecture=architecture, tokens=tokens, merges=merges,
                           special=special, llama={"block_count": 1})
         with pytest.raises(ModelLoadError, match=f"'{architecture}' model.*'llama', 'qwen2', 'qwen3', 'gemma2', "
-                                                 "'gemma3', 'phi3'"):
+                                                 "'gemma3', 'phi3', 'qwen2moe', 'qwen3moe'"):
             load_model(str(path))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -36,10 +37,17 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.v_proj.weight": (config.kv_size, h),
             p + "self_attn.o_proj.weight": (h, config.q_size),
             p + "post_attention_layernorm.weight": (h,),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
         })
+        moe = config.moe
+        if moe is not None:
+            shapes[p + "mlp.gate.weight"] = (moe.num_experts, h)
+            for e in range(moe.num_experts):
+                shapes.update(_mlp_shapes(f"{p}mlp.experts.{e}.", h, moe.expert_size))
+            if moe.shared_size:
+                shapes.update(_mlp_shapes(p + "mlp.shared_expert.", h, moe.shared_size))
+                shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
+        else:
+            shapes.update(_mlp_shapes(p + "mlp.", h, i))
         family = config.family
         if family.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (config.q_size,),
@@ -53,6 +61,27 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (vocab, h)
     return shapes
+
+
+def _mlp_shapes(prefix: str, hidden: int, inter: int) -> dict[str, tuple[int, int]]:
+    return {prefix + "gate_proj.weight": (inter, hidden), prefix + "up_proj.weight": (inter, hidden),
+            prefix + "down_proj.weight": (hidden, inter)}
+
+
+# Mixtral's names for its experts and router -> the names every loader produces (Qwen-MoE's)
+_MIXTRAL_EXPERTS = re.compile(r"^(model\.layers\.\d+\.)block_sparse_moe\.(?:(gate)|experts\.(\d+)\.(w[123]))\.weight$")
+_MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def expert_names(tensors: dict[str, torch.Tensor]) -> None:
+    """A Mixtral checkpoint's block_sparse_moe tensors, in place, under the mlp.gate / mlp.experts names."""
+    for name in [n for n in tensors if ".block_sparse_moe." in n]:
+        m = _MIXTRAL_EXPERTS.match(name)
+        if m is None:
+            continue                    # select_weights drops it; a missing expert is reported there
+        layer, gate, expert, w = m.groups()
+        new = f"{layer}mlp.gate.weight" if gate else f"{layer}mlp.experts.{expert}.{_MIXTRAL_PROJ[w]}.weight"
+        tensors[new] = tensors.pop(name)
 
 
 def split_fused(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:

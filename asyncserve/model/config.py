@@ -1,5 +1,6 @@
 """Architecture description of a decoder (Llama and the families that differ from it in small
-pieces: Qwen2/2.5, Qwen3, Gemma 2/3, Phi-3), filled by the HF and GGUF loaders."""
+pieces: Qwen2/2.5, Qwen3, Gemma 2/3, Phi-3, and the mixture-of-experts Mixtral, Qwen2-MoE and
+Qwen3-MoE), filled by the HF and GGUF loaders."""
 from __future__ import annotations
 
 import json
@@ -74,7 +75,26 @@ FAMILIES = (
     Family("gemma3", ("gemma3_text",), ("Gemma3ForCausalLM",), "gemma3", qk_norm=True, unit_offset_norms=True,
            sandwich_norms=True, activation="gelu_tanh", scaled_embeddings=True, sliding_layers="pattern"),
     Family("phi3", ("phi3",), ("Phi3ForCausalLM",), "phi3", fused_projections=True),
+    # mixture-of-experts MLPs (ModelConfig.moe); llama.cpp files Mixtral as "llama" with experts
+    Family("mixtral", ("mixtral",), ("MixtralForCausalLM",), "llama"),
+    Family("qwen2_moe", ("qwen2_moe",), ("Qwen2MoeForCausalLM",), "qwen2moe", qkv_bias=True,
+           sliding_layers="from_max_window_layers"),
+    Family("qwen3_moe", ("qwen3_moe",), ("Qwen3MoeForCausalLM",), "qwen3moe", qk_norm=True,
+           sliding_layers="from_max_window_layers"),
 )
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts MLP in every layer (Mixtral, Qwen2-MoE, Qwen3-MoE): a router [experts,
+    hidden] scores each token, softmax in float32, and its top_k experts (SwiGLU MLPs of expert_size)
+    run on it, their outputs summed by those probabilities (renormalized to sum 1 where ``normalize``).
+    Qwen2-MoE adds a dense shared expert on every token, scaled by sigmoid(x . shared_gate)."""
+    num_experts: int
+    top_k: int
+    expert_size: int
+    normalize: bool
+    shared_size: int = 0          # the shared expert's intermediate size; 0: none
 
 
 @dataclass
@@ -104,6 +124,9 @@ class ModelConfig:
     # for global attention; an empty list: every layer global
     layer_windows: list[int | None] = field(default_factory=list)
     rope_local_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (plain RoPE); None: as the others
+    # a mixture-of-experts MLP in every layer; intermediate_size is then its shared expert's (the dense
+    # MLP that LoRA on gate/up/down_proj adapts), or, with none, the experts' (nothing dense to adapt)
+    moe: MoeConfig | None = None
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
@@ -119,6 +142,23 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def dense_mlp(self) -> bool:
+        """Whether the layers have a dense MLP (gate_up and down projection groups): all but the
+        mixture-of-experts models without a shared expert."""
+        return self.moe is None or self.moe.shared_size > 0
+
+    def mlp_module(self) -> str:
+        """Where PEFT finds the dense MLP's projections in a layer: mlp, or Qwen2-MoE's mlp.shared_expert."""
+        return "mlp.shared_expert" if self.moe is not None else "mlp"
+
+    def peft_modules(self) -> dict[str, tuple[str, ...]]:
+        """The family's PEFT modules (Family.peft_modules) that this model's layers have."""
+        modules = self.family.peft_modules()
+        if not self.dense_mlp:
+            modules = {m: projs for m, projs in modules.items() if not set(projs) & set(GROUPS["gate_up"] + GROUPS["down"])}
+        return modules
 
     def projection_shapes(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of every LoRA-targetable projection, PEFT module names."""
@@ -147,3 +187,9 @@ class ModelConfig:
 #   model.layers.{i}.self_attn.{q,k}_norm.weight     [head_dim]        qk_norm
 #   model.layers.{i}.{pre,post}_feedforward_layernorm.weight [hidden]  sandwich_norms (Gemma: then
 #       post_attention_layernorm is the attention output's norm, pre_feedforward_layernorm the MLP input's)
+# and with a mixture of experts (moe), in place of the mlp's (Mixtral's block_sparse_moe.experts.{e}.w1/w3/w2
+# and block_sparse_moe.gate come under these names):
+#   model.layers.{i}.mlp.gate.weight                 [experts, hidden]  the router
+#   model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight [out, in]
+#   model.layers.{i}.mlp.shared_expert.{gate,up,down}_proj.weight [out, in]  shared_size > 0
+#   model.layers.{i}.mlp.shared_expert_gate.weight   [1, hidden]        shared_size > 0

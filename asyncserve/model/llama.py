@@ -2,16 +2,17 @@
 
 One forward for every family (model/config.py's Family: Qwen2's q/k/v biases, Qwen3's and Gemma 3's
 q/k norms, Gemma's (1 + w) norms around attention and MLP, GeGLU, scaled embeddings, soft-capping
-and sliding windows, Phi-3 as Llama once its fused projections are split), each feature a small
-branch on data the weights or the config carry.
+and sliding windows, Phi-3 as Llama once its fused projections are split, Mixtral's and Qwen-MoE's
+mixtures of experts), each feature a small branch on data the weights or the config carry.
 
 A step's tokens from many sequences are concatenated: decode tokens first (one per sequence), then
 prefill chunks. Base projections run once for all tokens; when a step has LoRA tokens, the
 batched-LoRA backend runs each projection group (base and LoRA, which it may fuse). KV lives in
 the unified pool's pages (pager/pool.py). On CPU with the native kernels, where the step's LoRA is
 lora_segments' (LoraHook.native_step), the same layer loop runs in one native call
-(kernels/cpu/decoder.h), for every family and every projection (dense or GGUF blocks): the same
-kernels in the same order, the same logits.
+(kernels/cpu/decoder.h), for every dense family and every projection (dense or GGUF blocks): the same
+kernels in the same order, the same logits. Mixtures of experts run the Python loop: each expert's
+tokens are known only once the router has run, mid-layer.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 
 import kernels.cpu as cpu_kernels
 from asyncserve.model import hugepages
-from asyncserve.model.config import GROUPS, ModelConfig
+from asyncserve.model.config import GROUPS, ModelConfig, MoeConfig
 from asyncserve.model.linear import (Linear, QuantEmbedding, QuantizedWeight, QuantLinear, make_embedding,
                                      make_linear, make_weight_linear)
 
@@ -77,19 +78,32 @@ class NativeStepLora:
 # Projections are Linear objects over the checkpoint's [out, in] weights (model/linear.py picks
 # the fastest kernel and memory layout for the device).
 @dataclass
+class ExpertWeights:
+    """A layer's mixture of experts (ModelConfig.moe)."""
+    router: Linear                  # hidden -> experts
+    gate_up: list[Linear]           # per expert: hidden -> 2 expert_size
+    down: list[Linear]              # per expert: expert_size -> hidden
+    shared_gate: Linear | None      # hidden -> 1: the sigmoid gate of the shared expert (LayerWeights.gate_up/down)
+
+    def linears(self) -> list[Linear]:
+        return [self.router, *self.gate_up, *self.down] + [self.shared_gate] * (self.shared_gate is not None)
+
+
+@dataclass
 class LayerWeights:
     input_norm: torch.Tensor   # [hidden]
     qkv: Linear                # hidden -> q + 2 kv
     o: Linear                  # q -> hidden
     post_norm: torch.Tensor    # [hidden]
-    gate_up: Linear            # hidden -> 2 inter
-    down: Linear               # inter -> hidden
+    gate_up: Linear | None     # hidden -> 2 inter: the dense MLP (a mixture's shared expert; None: it has none)
+    down: Linear | None        # inter -> hidden
     # as the family has them (norm weights: (1 + w) in float32 for Gemma's, see build_weights)
     qkv_bias: torch.Tensor | None = None       # [q + 2 kv]
     q_norm: torch.Tensor | None = None         # [head_dim]
     k_norm: torch.Tensor | None = None         # [head_dim]
     attn_out_norm: torch.Tensor | None = None  # [hidden] Gemma's post_attention_layernorm
     mlp_out_norm: torch.Tensor | None = None   # [hidden] Gemma's post_feedforward_layernorm
+    experts: ExpertWeights | None = None       # a mixture of experts in place of (or beside) the dense MLP
 
 
 @dataclass
@@ -108,8 +122,9 @@ class LlamaWeights:
         setattr(self.layers[layer], group, linear)
         self._decoder = None
 
-    def linears(self) -> list[Linear]:
-        """Every projection, qkv, o, gate_up, down per layer (GROUPS order), then the lm_head."""
+    def linears(self) -> list[Linear | None]:
+        """Every projection group, qkv, o, gate_up, down per layer (GROUPS order; None where a mixture of
+        experts has no dense MLP), then the lm_head."""
         return [getattr(lw, g) for lw in self.layers for g in GROUPS] + [self.lm_head] * (self.lm_head is not None)
 
     def native_decoder(self, config: ModelConfig):
@@ -135,8 +150,10 @@ class LlamaWeights:
         quantized = isinstance(self.embed, QuantEmbedding)
         embed = self.embed.nbytes if quantized else self.embed.numel() * self.embed.element_size()
         shared = self.lm_head is not None and self.lm_head.weight is (self.embed.weight if quantized else self.embed)
+        experts = [p for lw in self.layers if lw.experts is not None for p in lw.experts.linears()]
         return (embed + sum(t.numel() * t.element_size() for t in tensors)
-                + sum(p.nbytes for p in self.linears()) - (self.lm_head.nbytes if shared else 0))
+                + sum(p.nbytes for p in self.linears() + experts if p is not None)
+                - (self.lm_head.nbytes if shared else 0))
 
 
 def build_weights(config: ModelConfig, weights: dict[str, torch.Tensor | QuantizedWeight], dtype: torch.dtype,
@@ -170,7 +187,18 @@ def build_weights(config: ModelConfig, weights: dict[str, torch.Tensor | Quantiz
             return (take(name).float() + 1.0).to(device).contiguous()
         return put(take(name))
 
+    def experts(p: str, moe: MoeConfig | None) -> ExpertWeights | None:
+        if moe is None:
+            return None
+        return ExpertWeights(
+            router=linear(p + "mlp.gate.weight"),
+            gate_up=[linear(f"{p}mlp.experts.{e}.gate_proj.weight", f"{p}mlp.experts.{e}.up_proj.weight")
+                     for e in range(moe.num_experts)],
+            down=[linear(f"{p}mlp.experts.{e}.down_proj.weight") for e in range(moe.num_experts)],
+            shared_gate=linear(p + "mlp.shared_expert_gate.weight") if moe.shared_size else None)
+
     layers = []
+    mlp = config.mlp_module() + "."
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         sandwich = family.sandwich_norms
@@ -180,13 +208,14 @@ def build_weights(config: ModelConfig, weights: dict[str, torch.Tensor | Quantiz
             o=linear(p + "self_attn.o_proj.weight"),
             # the MLP's input norm (Gemma names the attention output's norm post_attention_layernorm)
             post_norm=norm(p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")),
-            gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-            down=linear(p + "mlp.down_proj.weight"),
+            gate_up=linear(p + mlp + "gate_proj.weight", p + mlp + "up_proj.weight") if config.dense_mlp else None,
+            down=linear(p + mlp + "down_proj.weight") if config.dense_mlp else None,
             qkv_bias=put(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])) if family.qkv_bias else None,
             q_norm=norm(p + "self_attn.q_norm.weight") if family.qk_norm else None,
             k_norm=norm(p + "self_attn.k_norm.weight") if family.qk_norm else None,
             attn_out_norm=norm(p + "post_attention_layernorm.weight") if sandwich else None,
             mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if sandwich else None,
+            experts=experts(p, config.moe),
         ))
     embed = make_embedding(take("model.embed_tokens.weight"), dtype, device)
     if not head:
@@ -214,9 +243,15 @@ def _check_shapes(config: ModelConfig, embed: torch.Tensor | QuantEmbedding, lay
         "embed_tokens": (tuple(embed.shape), (config.vocab_size, h)),
         "q/k/v_proj": (layer.qkv.shape, (config.q_size + 2 * config.kv_size, h)),
         "o_proj": (layer.o.shape, (h, config.q_size)),
-        "gate/up_proj": (layer.gate_up.shape, (2 * config.intermediate_size, h)),
-        "down_proj": (layer.down.shape, (h, config.intermediate_size)),
     }
+    if layer.gate_up is not None:
+        expected["gate/up_proj"] = (layer.gate_up.shape, (2 * config.intermediate_size, h))
+        expected["down_proj"] = (layer.down.shape, (h, config.intermediate_size))
+    if layer.experts is not None:
+        size = config.moe.expert_size
+        expected["the router"] = (layer.experts.router.shape, (config.moe.num_experts, h))
+        expected["an expert's gate/up_proj"] = (layer.experts.gate_up[0].shape, (2 * size, h))
+        expected["an expert's down_proj"] = (layer.experts.down[0].shape, (h, size))
     if lm_head is not None:
         expected["lm_head"] = (lm_head.shape, (config.vocab_size, h))
     for name, (shape, want) in expected.items():
@@ -366,7 +401,8 @@ def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, 
         h = h * w.embed_scale
     # a step on fixed buffers (StepInputs.decode_tables: the CUDA graphs' decodes) plans no native attention
     plan = next(iter(step_attention.values()))
-    decoder = plan.native and cpu_kernels.decoder_loop_enabled() and _loop_without(reduce) and w.native_decoder(config)
+    decoder = (plan.native and config.moe is None and cpu_kernels.decoder_loop_enabled() and _loop_without(reduce)
+               and w.native_decoder(config))
     step_lora = lora.native_step() if decoder and use_lora else None
     if decoder and (step_lora is not None or not use_lora):
         logits = _forward_native(decoder, h, rope, kv, inp, plan, step_lora)
@@ -446,9 +482,9 @@ def _forward_layers(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.
         if lw.attn_out_norm is not None:    # Gemma: the attention's output normed before the residual add
             o = _norm(o, lw.attn_out_norm, eps, native)
         h, x = _residual_norm(h, o, lw.post_norm, eps, native)
-        gu = lora.project(li, "gate_up", x, lw.gate_up) if use_lora else lw.gate_up(x)   # [T, 2 inter]
-        act = gelu_tanh_mul(gu, native) if gelu else silu_mul(gu, native)                 # [T, inter]
-        d = lora.project(li, "down", act, lw.down) if use_lora else lw.down(act)
+        d = _dense_mlp(li, lw, x, lora, use_lora, gelu, native) if lw.gate_up is not None else None
+        if lw.experts is not None:
+            d = moe_mlp(x, lw.experts, config.moe, native, d)
         if reduce is not None:
             d = reduce(d)
         if lw.mlp_out_norm is not None:
@@ -480,6 +516,41 @@ def _forward_native(decoder, h: torch.Tensor, rope: Rope, kv: torch.Tensor, inp:
     return decoder.forward(h, inp.positions, rope.cos, rope.sin, rope.local_cos, rope.local_sin, kv, inp.write_rows,
                            n, decode_tables, a.decode_lens, a.prefill_tables, a.prefill_starts, a.prefill_first_pos,
                            inp.sample_index, *lora, *head)
+
+
+def _dense_mlp(li: int, lw: LayerWeights, x: torch.Tensor, lora: LoraHook, use_lora: bool, gelu: bool,
+               native: bool) -> torch.Tensor:
+    """The layer's dense MLP (a mixture's shared expert) with the step's LoRA: x [T, hidden] -> [T, hidden]."""
+    gu = lora.project(li, "gate_up", x, lw.gate_up) if use_lora else lw.gate_up(x)   # [T, 2 inter]
+    act = gelu_tanh_mul(gu, native) if gelu else silu_mul(gu, native)                 # [T, inter]
+    return lora.project(li, "down", act, lw.down) if use_lora else lw.down(act)
+
+
+def moe_mlp(x: torch.Tensor, experts: ExpertWeights, moe: MoeConfig, native: bool,
+            shared: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, hidden] -> the experts' outputs [T, hidden], each token's top_k summed by their router
+    probabilities in float32, experts in order (as transformers adds them); plus shared (the shared
+    expert's output) times sigmoid(x . shared_gate)."""
+    k = moe.top_k
+    probs = torch.softmax(experts.router(x).float(), dim=-1)              # [T, experts]
+    top_p, top_e = torch.topk(probs, k, dim=-1)                           # [T, k]
+    if moe.normalize:
+        top_p /= top_p.sum(dim=-1, keepdim=True)
+    # the (token, choice) pairs grouped by expert, tokens in order within each: one host read of the counts
+    order = top_e.view(-1).argsort(stable=True)
+    counts = torch.bincount(top_e.view(-1), minlength=moe.num_experts).tolist()
+    tokens, weights = order // k, top_p.view(-1)[order]
+    out = torch.zeros_like(x)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            rows = tokens[start:start + n]
+            y = experts.down[e](silu_mul(experts.gate_up[e](x[rows]), native))     # [n, hidden]
+            out.index_add_(0, rows, (y.float() * weights[start:start + n, None]).to(x.dtype))
+            start += n
+    if shared is not None:
+        out += torch.sigmoid(experts.shared_gate(x)) * shared
+    return out
 
 
 def silu_mul(gate_up: torch.Tensor, native: bool = False) -> torch.Tensor:

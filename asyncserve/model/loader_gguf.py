@@ -1,9 +1,10 @@
 """Loading a llama.cpp GGUF file: metadata, weights in HF naming (dequantized to float32, or with
 keep_quantized the projections and embeddings of the types the CPU kernels run kept as their blocks), tokenizer.
 
-Architectures llama, qwen2, qwen3, gemma2, gemma3 and phi3, with llama.cpp's conventions undone:
-Llama's Q/K rows interleaved per head (the other families rotate halves, as HF does), Gemma's norm
-weights stored as 1 + w, Phi-3's longrope factors stored as tensors."""
+Architectures llama (Mixtral: llama with experts), qwen2, qwen3, gemma2, gemma3, phi3, qwen2moe and
+qwen3moe, with llama.cpp's conventions undone: Llama's and Mixtral's Q/K rows interleaved per head (the
+other families rotate halves, as HF does), Gemma's norm weights stored as 1 + w, Phi-3's longrope
+factors stored as tensors, a mixture's experts stacked in one tensor per projection."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,7 +15,7 @@ import numpy as np
 import torch
 
 from asyncserve.model.checkpoint import LoadedModel, ProgressCallback, select_weights, split_fused
-from asyncserve.model.config import FAMILIES, Family, ModelConfig, ModelLoadError
+from asyncserve.model.config import FAMILIES, LLAMA, Family, ModelConfig, ModelLoadError, MoeConfig
 from asyncserve.model.linear import QUANT_BLOCKS, QuantizedWeight
 from asyncserve.model.tokenizer import Tokenizer
 
@@ -33,6 +34,15 @@ _LAYER_TENSORS = {
     "attn_k_norm": "self_attn.k_norm",
     "attn_qkv": "self_attn.qkv_proj",
     "post_ffw_norm": "post_feedforward_layernorm",
+    # a mixture of experts: the router, the experts stacked [experts, out, in], the shared expert and its gate
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # where a family's converter names HF modules otherwise: Gemma's post_attention_layernorm is the
 # attention output's norm (post_attention_norm) and its MLP input norm pre_feedforward_layernorm is
@@ -42,7 +52,13 @@ _FAMILY_LAYER_TENSORS = {
     "gemma3": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm"},
     "phi3": {"ffn_up": "mlp.gate_up_proj"},
 }
-_ARCHITECTURES = {family.gguf_architecture: family for family in FAMILIES}
+# llama.cpp files Mixtral as llama with experts (_model_config tells them apart)
+_ARCHITECTURES = {family.gguf_architecture: family for family in FAMILIES if family.name != "mixtral"}
+_MIXTRAL = next(family for family in FAMILIES if family.name == "mixtral")
+# whose Q/K rows llama.cpp's converter interleaves per head
+_INTERLEAVED = (LLAMA.name, _MIXTRAL.name)
+# llama.cpp renormalizes the top-k router probabilities of these (a GGUF does not record norm_topk_prob)
+_NORMALIZED_TOP_K = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True}
 _ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")     # Phi-3's longrope, per frequency
 _REQUIRED = object()
 # what kernels/cpu/quant.h runs: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K (everything a Q4_K_M, Q5_K_M or Q8_0 file holds)
@@ -71,6 +87,8 @@ def load_gguf_file(path: Path, progress: ProgressCallback | None = None, keep_qu
     if "token_embd.weight" not in by_name:
         raise ModelLoadError(f"{path} is missing tensor token_embd.weight")
     rope_factors = {name: by_name.pop(name) for name in _ROPE_FACTORS if name in by_name}
+    if family is LLAMA and _value(fields, "llama.expert_count", path, 0):
+        family = _MIXTRAL
     hf_names = {name: _hf_name(name, family, path) for name in by_name}   # refuse unknown tensors before dequantizing
 
     config = _model_config(fields, family, path, vocab_size=int(by_name["token_embd.weight"].shape[1]),
@@ -84,7 +102,8 @@ def load_gguf_file(path: Path, progress: ProgressCallback | None = None, keep_qu
     tensors = {}
     for name, tensor in by_name.items():
         keep = keep_quantized and _keeps(tensor)
-        tensors[hf_names[name]] = _quantized(tensor, config, path) if keep else _dequantize(tensor, config, path)
+        weight = _quantized(tensor, config, path) if keep else _dequantize(tensor, config, path)
+        tensors.update(_per_expert(hf_names[name], weight, config, path))
         if progress is not None:
             progress(len(tensors), len(by_name))
     if family.unit_offset_norms:       # llama.cpp's converter stores Gemma's norm weights as 1 + w
@@ -122,10 +141,11 @@ def _model_config(fields: dict[str, Any], family: Family, path: Path, vocab_size
     # llama.cpp scales Gemma's queries by head_dim ** -0.5, but by (hidden / heads) ** -0.5 for the
     # 27B models (query_pre_attn_scalar, which a GGUF does not record)
     big = {"gemma2": 46, "gemma3": 62}.get(family.name) == num_layers
+    moe = _moe(llama, family, path)
     return ModelConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,
-        intermediate_size=llama("feed_forward_length"),
+        intermediate_size=(moe.shared_size or moe.expert_size) if moe else llama("feed_forward_length"),
         num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=llama("attention.head_count_kv", heads),
@@ -142,7 +162,41 @@ def _model_config(fields: dict[str, Any], family: Family, path: Path, vocab_size
         final_softcap=llama("final_logit_softcapping", None) if gemma else None,
         layer_windows=windows,
         rope_local_theta=llama("rope.freq_base_swa", 10000.0) if family.name == "gemma3" else None,
+        moe=moe,
     )
+
+
+def _moe(llama, family: Family, path: Path) -> MoeConfig | None:
+    """The mixture of experts from {arch}.expert_* keys (Mixtral: its experts' size is feed_forward_length)."""
+    if family.name not in _NORMALIZED_TOP_K:
+        return None
+    experts, used = llama("expert_count"), llama("expert_used_count")
+    if not 0 < used <= experts:
+        raise ModelLoadError(f"{path} routes each token to {used} of {experts} experts")
+    size = llama("feed_forward_length") if family is _MIXTRAL else llama("expert_feed_forward_length")
+    shared = llama("expert_shared_feed_forward_length", 0) if family.name == "qwen2_moe" else 0
+    return MoeConfig(num_experts=experts, top_k=used, expert_size=size, normalize=_NORMALIZED_TOP_K[family.name],
+                     shared_size=shared)
+
+
+def _per_expert(name: str, weight: torch.Tensor | QuantizedWeight, config: ModelConfig,
+                path: Path) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """A tensor under its HF name; a mixture's stacked experts [experts, out, in] as one [out, in] per
+    expert (mlp.experts.{e}.gate_proj.weight ...), the shared expert's gate [hidden] as [1, hidden]."""
+    if name.endswith("mlp.shared_expert_gate.weight") and isinstance(weight, torch.Tensor) and weight.dim() == 1:
+        return {name: weight[None]}
+    if ".mlp.experts." not in name:
+        return {name: weight}
+    prefix, proj = name.split(".mlp.experts.")
+    experts = config.moe.num_experts if config.moe else 0
+    if isinstance(weight, QuantizedWeight):
+        rows = weight.shape[0]
+        parts = weight.split([rows // experts] * experts) if experts and rows % experts == 0 else []
+    else:
+        parts = list(weight) if weight.dim() == 3 else []
+    if not experts or len(parts) != experts:
+        raise ModelLoadError(f"{path}: {name} does not stack the {experts} experts the metadata says")
+    return {f"{prefix}.mlp.experts.{e}.{proj}": part for e, part in enumerate(parts)}
 
 
 def _longrope(config: ModelConfig, fields: dict[str, Any], family: Family, factors: dict, path: Path) -> None:
@@ -199,7 +253,7 @@ def _dequantize(tensor: gguf.ReaderTensor, config: ModelConfig, path: Path) -> t
     weight = weight.reshape([int(d) for d in reversed(tensor.shape)])   # ggml lists dimensions innermost first
     # llama.cpp's converter interleaves the rotary halves of each Q/K head of Llama (only: the other
     # families rotate halves as HF does); undo it for HF's rotate_half layout
-    interleaved = config.family.name == "llama"
+    interleaved = config.family.name in _INTERLEAVED
     if interleaved and tensor.name.endswith("attn_q.weight"):
         weight = _unpermute(weight, config.num_heads)
     elif interleaved and tensor.name.endswith("attn_k.weight"):
@@ -223,15 +277,16 @@ def mostly_k_quants(path: Path) -> bool:
 def _keeps(tensor: gguf.ReaderTensor) -> bool:
     """Projections, the output head and the embeddings (rows dequantized at lookup; a tied model's head
     too) of a kernel type."""
-    return tensor.tensor_type in KEPT_QUANTIZED and len(tensor.shape) == 2
+    return tensor.tensor_type in KEPT_QUANTIZED and (len(tensor.shape) == 2 or tensor.name.endswith("_exps.weight"))
 
 
 def _quantized(tensor: gguf.ReaderTensor, config: ModelConfig, path: Path) -> QuantizedWeight:
-    """The tensor's blocks copied out of the mapped file, one row of blocks per output: [out, bytes per row]."""
-    fan_in, out = (int(d) for d in tensor.shape)
-    blocks = tensor.data.reshape(out, -1)          # a view of the mapped file
+    """The tensor's blocks copied out of the mapped file, one row of blocks per output: [out, bytes per row]
+    (stacked experts: [experts * out, bytes per row], which _per_expert cuts apart)."""
+    fan_in, *outs = (int(d) for d in tensor.shape)
+    blocks = tensor.data.reshape(int(np.prod(outs)), -1)          # a view of the mapped file
     # whole rows move, so undoing Llama's Q/K interleave (_dequantize) permutes rows of blocks as rows of floats
-    interleaved = config.family.name == "llama"
+    interleaved = config.family.name in _INTERLEAVED
     if interleaved and tensor.name.endswith("attn_q.weight"):
         blocks = _unpermute(blocks, config.num_heads)
     elif interleaved and tensor.name.endswith("attn_k.weight"):

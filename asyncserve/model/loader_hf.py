@@ -7,8 +7,8 @@ from typing import Any, Callable
 import torch
 from safetensors import safe_open
 
-from asyncserve.model.checkpoint import LoadedModel, ProgressCallback, select_weights, split_fused
-from asyncserve.model.config import FAMILIES, Family, ModelConfig, ModelLoadError, read_json
+from asyncserve.model.checkpoint import LoadedModel, ProgressCallback, expert_names, select_weights, split_fused
+from asyncserve.model.config import FAMILIES, Family, ModelConfig, ModelLoadError, MoeConfig, read_json
 from asyncserve.model.shard import Shard, shard_config, shard_ranges
 from asyncserve.model.tokenizer import Tokenizer
 
@@ -34,6 +34,8 @@ def load_hf_folder(folder: Path, progress: ProgressCallback | None = None, shard
     tensors = _read_safetensors(weight_files, progress, lambda name: shard_ranges(name, config, shard))
     if config.family.fused_projections:
         split_fused(local, tensors)
+    if config.moe is not None:
+        expert_names(tensors)
     weights = select_weights(local, tensors, str(folder))
     if not shard.head:
         weights.pop("lm_head.weight", None)
@@ -69,10 +71,11 @@ def model_config(cfg: dict[str, Any], name: str) -> ModelConfig:
     num_layers = required("num_hidden_layers")
     rope_theta, rope_scaling, local_theta = _rope(cfg, family)
     gemma = family.name.startswith("gemma")
+    moe = _moe(cfg, family, name)
     return ModelConfig(
         vocab_size=required("vocab_size"),
         hidden_size=hidden,
-        intermediate_size=required("intermediate_size"),
+        intermediate_size=(moe.shared_size or moe.expert_size) if moe else required("intermediate_size"),
         num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=cfg.get("num_key_value_heads") or heads,
@@ -90,7 +93,37 @@ def model_config(cfg: dict[str, Any], name: str) -> ModelConfig:
         final_softcap=cfg.get("final_logit_softcapping") if gemma else None,
         layer_windows=_layer_windows(cfg, family, num_layers),
         rope_local_theta=local_theta,
+        moe=moe,
     )
+
+
+def _moe(cfg: dict[str, Any], family: Family, name: str) -> MoeConfig | None:
+    """The mixture of experts of a Mixtral, Qwen2-MoE or Qwen3-MoE config.json; None for the dense families."""
+    def count(key: str) -> int:
+        if not isinstance(cfg.get(key), int) or isinstance(cfg[key], bool) or cfg[key] < 1:
+            raise ModelLoadError(f"model {name}: config.json's {key!r} should be a positive integer, not "
+                                 f"{cfg.get(key)!r}")
+        return cfg[key]
+
+    if family.name == "mixtral":
+        moe = MoeConfig(num_experts=count("num_local_experts"), top_k=count("num_experts_per_tok"), expert_size=count("intermediate_size"),
+                        normalize=True)
+    elif family.name.endswith("_moe"):
+        if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+            raise ModelLoadError(f"model {name} mixes dense and mixture-of-experts layers (mlp_only_layers "
+                                 f"{cfg.get('mlp_only_layers')}, decoder_sparse_step {cfg.get('decoder_sparse_step', 1)}"
+                                 "), which asyncserve does not implement: it serves experts in every layer")
+        shared = cfg.get("shared_expert_intermediate_size") or 0
+        # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts (its attribute map)
+        experts = "num_experts" if "num_experts" in cfg else "num_local_experts"
+        moe = MoeConfig(num_experts=count(experts), top_k=count("num_experts_per_tok"),
+                        expert_size=count("moe_intermediate_size"), normalize=bool(cfg.get("norm_topk_prob", False)),
+                        shared_size=count("shared_expert_intermediate_size") if shared else 0)
+    else:
+        return None
+    if moe.top_k > moe.num_experts:
+        raise ModelLoadError(f"model {name} routes each token to {moe.top_k} of {moe.num_experts} experts")
+    return moe
 
 
 def _layer_windows(cfg: dict[str, Any], family: Family, num_layers: int) -> list[int | None]:

@@ -41,6 +41,9 @@ def shard_config(config: ModelConfig, world: int) -> ModelConfig:
     """The decoder one rank runs: heads, KV heads and intermediate size divided by ``world``."""
     if world == 1:
         return config
+    if config.moe is not None:
+        raise ModelLoadError(f"--tensor-parallel {world}: model {config.name} is a mixture of experts, which "
+                             "asyncserve serves on one device (its experts are not sharded)")
     for what, n in (("attention heads", config.num_heads), ("key/value heads", config.num_kv_heads),
                     ("intermediate size", config.intermediate_size)):
         if n % world:

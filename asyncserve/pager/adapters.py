@@ -44,9 +44,9 @@ class AdapterError(ValueError):
     """An adapter that cannot be served with this base model; the message says why."""
 
 
-# a decoder layer's module: which ones the base model has is its family's (Family.peft_modules); its
-# tensor: lora_A, lora_B, or DoRA's magnitude ("M" below)
-_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\."
+# a decoder layer's module, in its attention or MLP (Qwen2-MoE's: the shared expert): which ones the base
+# model has is ModelConfig.peft_modules; its tensor: lora_A, lora_B, or DoRA's magnitude ("M" below)
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp(?:\.shared_expert)?)\.(\w+)\."
                   r"(?:lora_([AB])(?:\.[\w-]+)?\.weight|(lora_magnitude_vector)(?:\.[\w-]+)?(?:\.weight)?)$")
 
 # LoRA on the token embeddings (PEFT: embed_tokens.lora_embedding_A/B) or the LM head (lm_head.lora_A/B),
@@ -348,7 +348,7 @@ def _check_against_model(name: str, path: str, acfg: AdapterConfig, stored: list
         raise AdapterError(f"adapter {name!r}: {e}") from None
 
     shapes = config.projection_shapes()
-    peft_modules = config.family.peft_modules()
+    peft_modules = config.peft_modules()
     found: dict[tuple[int, str], dict[str, StoredTensor]] = {}
     vocab_found: dict[str, dict[str, StoredTensor]] = {}
     base_copies: dict[str, StoredTensor] = {}
@@ -366,11 +366,10 @@ def _check_against_model(name: str, path: str, acfg: AdapterConfig, stored: list
                 vocab_found.setdefault(module, {})[v.group(2) or v.group(3)] = t
             continue
         m = _KEY.search(t.key)
-        if m is None or m.group(2) not in peft_modules:
+        if m is None or m.group(3) not in peft_modules or m.group(2) != _container(config, m.group(3)):
             raise AdapterError(f"adapter {name!r}: tensor {t.key!r} targets a module that {config.family.name} "
-                               f"models do not have (their LoRA targets: {', '.join(peft_modules)} of the "
-                               "decoder layers)")
-        layer, module, ab = int(m.group(1)), m.group(2), m.group(3) or "M"
+                               f"models do not have (their LoRA targets: {_targets(config, peft_modules)})")
+        layer, module, ab = int(m.group(1)), m.group(3), m.group(4) or "M"
         if ab == "M" and not acfg.use_dora:
             raise AdapterError(f"adapter {name!r}: {t.key!r} is a DoRA magnitude but adapter_config.json does "
                                "not set use_dora")
@@ -405,7 +404,8 @@ def _check_against_model(name: str, path: str, acfg: AdapterConfig, stored: list
             raise AdapterError(
                 f"adapter {name!r}: layer {layer} {proj} has lora_A {a_shape} and lora_B {b_shape}; this base "
                 f"model needs A [r, {fan_in}] and B [{fan_out}, r] — was it trained for a different base model?")
-        module = f"model.layers.{layer}.{'self_attn' if p < 4 else 'mlp'}.{_peft_name(config, proj)}"
+        peft_name = _peft_name(config, proj)
+        module = f"model.layers.{layer}.{_container(config, peft_name)}.{peft_name}"
         scaling[layer][p] = _module_scaling(name, acfg, module, r, rank_pattern, alpha_pattern, alpha)
         ranks[p] = max(ranks[p], r)
     return ranks, scaling, modules, fan_in_fan_out, vocab
@@ -496,6 +496,20 @@ def _split_fused_modules(name: str, found: dict[tuple[int, str], dict[str, Store
                     magnitude.begin + (offset + width) * size)
             offset += width
     return modules
+
+
+def _container(config: ModelConfig, module: str) -> str:
+    """Where a PEFT module sits in a decoder layer: self_attn, or the MLP's (ModelConfig.mlp_module)."""
+    return "self_attn" if set(config.family.peft_modules()[module]) <= set(PROJECTIONS[:4]) else config.mlp_module()
+
+
+def _targets(config: ModelConfig, peft_modules: dict[str, tuple[str, ...]]) -> str:
+    """The layers' LoRA targets, for a refusal; a mixture of experts says what of it is not one."""
+    targets = ", ".join(f"{_container(config, m)}.{m}" for m in peft_modules) + " of the decoder layers"
+    if config.moe is not None:
+        targets += ("; LoRA on the routed experts, the router"
+                    + (" or the shared expert's gate" if config.moe.shared_size else "") + " is not served")
+    return targets
 
 
 def _peft_name(config: ModelConfig, proj: str) -> str:

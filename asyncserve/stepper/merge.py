@@ -65,6 +65,8 @@ def unmergeable_reason(weights: LlamaWeights) -> str | None:
     for li, lw in enumerate(weights.layers):
         for group in GROUPS:
             linear = getattr(lw, group)
+            if linear is None:              # a mixture of experts without a dense MLP: no adapter targets it
+                continue
             if isinstance(linear, QuantLinear):
                 return (f"layer {li}'s {group} projection is kept in GGUF blocks, which cannot take an adapter "
                         "merged in exactly; adapters run unmerged only (serve without --keep-quantized and "
