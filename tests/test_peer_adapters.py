@@ -6,7 +6,6 @@ checked against the offline engine with the origin's adapters."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import os
 import time
@@ -198,3 +197,197 @@ def test_migration_never_plans_a_move_to_a_node_that_refused_the_adapter():
     assert CoMigrator(threshold_s=1.0).plan([busy, idle], candidates({"idle"})).moves == []
     plan = CoMigrator(threshold_s=1.0).plan([busy, idle, other], candidates({"idle"}))
     assert plan.moves and all(m.target == "other" for m in plan.moves)
+
+
+# ---- two servers -------------------------------------------------------------------------------------
+# a holds "solo", "big" and "twin"; b holds "moved" and another "twin" (other weights under the same name)
+A_ADAPTERS = {"solo": "r2_mlp", "twin": "r1_qv", "big": "r64_all"}
+B_ADAPTERS = {"moved": "r8_attn_rs", "twin": "r16_patterns"}
+
+
+def _digests_known(node: Node, names) -> bool:
+    async def known():
+        return all(node.cluster.adapter_digests.known(n) is not None for n in names)
+    return node.call(known())
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model, tmp_path_factory):
+    port = free_port()
+    cache = tmp_path_factory.mktemp("peer-caches")
+    nodes = {}
+    try:
+        for name, other, dispatch, adapters in (("a", "b", "round-robin", A_ADAPTERS), ("b", "a", "local", B_ADAPTERS)):
+            nodes[name] = Node(Config(
+                model=str(tiny_model.root), dtype="float32", device="cpu", threads=1, served_model_name="tiny",
+                adapters={n: str(tiny_model.adapters[src]) for n, src in adapters.items()},
+                host=HOSTS[name], port=port, api_key=API_KEY, peers=f"http://{HOSTS[other]}:{port}", node_id=name,
+                cluster_key=KEY, gossip_interval_s=0.1, dispatch=dispatch, migration_threshold_s=0.0,
+                max_model_len=512, shutdown_grace_s=2.0, adapter_cache_dir=str(cache / name)))
+        for node in nodes.values():
+            node.wait_ready()
+        deadline = time.monotonic() + 20
+        while not (all(node.peers_alive_soon(1) for node in nodes.values())
+                   and _digests_known(nodes["a"], A_ADAPTERS) and _digests_known(nodes["b"], B_ADAPTERS)):
+            assert time.monotonic() < deadline, "the peers did not find each other, or hash their adapters"
+            time.sleep(0.05)
+        yield nodes
+    finally:
+        for node in nodes.values():
+            node.stop()
+
+
+def _offline(tiny_model, adapters: dict[str, str]) -> LLM:
+    return LLM(model=str(tiny_model.root), adapters={n: str(tiny_model.adapters[src]) for n, src in adapters.items()},
+               dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def offline_a(tiny_model):
+    return _offline(tiny_model, A_ADAPTERS)
+
+
+@pytest.fixture(scope="module")
+def offline_b(tiny_model):
+    return _offline(tiny_model, B_ADAPTERS)
+
+
+def expected(offline: LLM, req: dict) -> tuple[list[int], str]:
+    params = SamplingParams(max_tokens=req["max_tokens"], temperature=req["temperature"], seed=req.get("seed"),
+                            ignore_eos=True)
+    out = offline.generate([req["prompt"]], params, adapters=req["model"])[0]
+    return out.token_ids, out.text
+
+
+def _listed(node: Node) -> dict[str, str]:
+    return {m["id"]: m["root"] for m in node.request("GET", "/v1/models", headers=AUTH)[1]["data"]}
+
+
+def _forwarded_to_b(a: Node) -> float:
+    return a.metric("asyncserve_requests_forwarded_total", 'to="b"')
+
+
+@pytest.mark.parametrize("seed", [None, 7], ids=["greedy", "seeded"])
+def test_an_adapter_only_on_the_origin_is_fetched_by_the_peer_its_request_goes_to(pair, offline_a, seed):
+    """a routes round-robin: of two requests for "solo" (a's only) one goes to b, which fetches the
+    adapter from a, checks it, registers it and streams a's tokens."""
+    a, b = pair["a"], pair["b"]
+    req = body("solo", 24, seed=seed)
+    before = _forwarded_to_b(a)
+    for _ in range(2):
+        ids, text, finish = streamed(a.stream(req))
+        assert (ids, text) == expected(offline_a, req) and finish == "length"
+    assert _forwarded_to_b(a) == before + 1
+    digest = a.call(a.cluster.adapter_digests.of("solo"))
+    assert _listed(b)["solo"] == str(Path(b.server.config.adapter_cache_dir) / digest)
+    assert b.call(b.cluster.adapter_digests.of("solo")) == digest
+
+
+def test_a_running_request_migrates_to_a_peer_that_fetches_its_adapter(pair, offline_b):
+    """b runs its own request for "moved" (b's only); mid-stream it moves to a, which fetches the adapter
+    from b: the stream goes on with the tokens of an unmoved run."""
+    b = pair["b"]
+    moved = []
+
+    def move(rid):
+        assert running_on(pair, rid) == "b"
+        moved.append(b.call(b.cluster.move(rid, "a")))
+        assert running_on(pair, rid) == "a"
+
+    req = body("moved", 120, seed=3)
+    ids, text, finish = streamed(_stream_with(b, req, move))
+    assert moved == [True] and finish == "length"
+    assert (ids, text) == expected(offline_b, req)
+    assert "moved" in _listed(pair["a"]) and not b.cluster.forwards
+
+
+def test_a_peer_with_another_copy_of_the_adapter_refuses_and_the_tokens_stay_the_origins(pair, offline_a, offline_b):
+    """a and b both hold "twin", with other weights: b refuses a's requests for it (409), which run on a
+    with a's weights, and a sends it none for a while; a migration from b to a comes back to b."""
+    a, b = pair["a"], pair["b"]
+    req = body("twin", 24, seed=5)
+    want = expected(offline_a, req)
+    assert want != expected(offline_b, req)            # the copies give other tokens
+    before = _forwarded_to_b(a)
+    for _ in range(2):                                 # round-robin: one tries b, which refuses it
+        ids, text, finish = streamed(a.stream(req))
+        assert (ids, text) == want and finish == "length"
+    assert _forwarded_to_b(a) == before + 1 and a.call(_refusers(a, "twin")) == {"b"}
+    for _ in range(2):                                 # b is sent no more "twin" requests
+        assert streamed(a.stream(req))[:2] == want
+    assert _forwarded_to_b(a) == before + 1
+    # b's answer to a's envelope, as a saw it
+    envelope = ForwardedRequest(request_id="probe", origin="a", model="tiny", adapter="twin", prompt_ids=[1, 2, 3],
+                                params=SamplingParams(max_tokens=2), seed=1,
+                                adapter_digest=a.call(a.cluster.adapter_digests.of("twin")))
+    status, err = b.signed("POST", "/cluster/forward", msgspec.json.encode(envelope))
+    assert status == 409 and err["error"]["code"] == "adapter_mismatch", err
+    # a migration the other way: a refuses b's copy, and b goes on with it
+    moved = []
+    req_b = body("twin", 120, seed=6)
+    ids, text, _ = streamed(_stream_with(b, req_b, lambda rid: moved.append(b.call(b.cluster.move(rid, "a")))))
+    assert moved == [True] and (ids, text) == expected(offline_b, req_b)
+    assert b.call(_refusers(b, "twin")) == {"a"}
+    assert _listed(a)["twin"] != _listed(b)["twin"]    # neither copy replaced
+
+
+async def _refusers(node: Node, adapter: str) -> set[str]:
+    return node.cluster.adapter_refusers(adapter)
+
+
+PATH_LIKE_NAMES = ["../solo", "/etc/passwd", "a/b", "solo/../solo", "./solo", "solo\x00", "solo\x00/../../etc/passwd",
+                   "ｓｏｌｏ", "solo\u200b", "SOLO", "", "..", "%2e%2e/solo", "solo\\..\\x", "nope"]
+
+
+def test_the_adapter_endpoint_serves_only_registered_adapters_files_to_signed_peers(pair, tiny_model):
+    a = pair["a"]
+    ask = msgspec.json.encode(AdapterFileRequest("solo", "adapter_config.json"))
+    status, config = a.signed("POST", ADAPTER_FILE_PATH, ask)
+    assert status == 200 and config == json.loads((tiny_model.adapters["r2_mlp"] / "adapter_config.json").read_text())
+    for headers in (None, AUTH):                         # unsigned; the client key is no signature
+        status, err = a.request("POST", ADAPTER_FILE_PATH, ask, headers)
+        assert status == 401 and err["error"]["code"] == "invalid_peer_signature"
+    status, _ = a.signed("POST", ADAPTER_FILE_PATH, ask, key="another-key")
+    assert status == 401
+    for name in PATH_LIKE_NAMES:
+        ask = msgspec.json.encode(AdapterFileRequest(name, "adapter_config.json"))
+        status, err = a.signed("POST", ADAPTER_FILE_PATH, ask)
+        assert status == 404 and err["error"]["code"] == "model_not_found", (name, err)
+    for file in ("../../../etc/passwd", "/etc/passwd", "adapter_config.json/..", "README.md", ""):
+        raw = json.dumps({"name": "solo", "file": file}).encode()
+        status, err = a.signed("POST", ADAPTER_FILE_PATH, raw)
+        assert status == 400 and err["error"]["code"] == "invalid_value", (file, err)
+
+
+async def _limit_fetches(node: Node, max_bytes: int) -> FetchLimits:
+    """Set the node's limit on adapters fetched from peers; the limits it had."""
+    fetcher = node.cluster.peer_adapters
+    old = fetcher.limits
+    fetcher.limits = FetchLimits(old.cache_dir, max_bytes, old.timeout_s, old.cache_bytes)
+    return old
+
+
+async def _set_limits(node: Node, limits: FetchLimits) -> None:
+    node.cluster.peer_adapters.limits = limits
+
+
+def test_an_adapter_past_the_peers_size_limit_is_not_fetched_and_its_request_runs_at_the_origin(pair, offline_a,
+                                                                                             caplog):
+    """b may fetch at most 1 KB: a's request for "big" that goes to b is refused there (503), runs on a
+    with a's tokens, and b keeps nothing of it."""
+    a, b = pair["a"], pair["b"]
+    old = b.call(_limit_fetches(b, 1000))
+    try:
+        req = body("big", 16)
+        before = _forwarded_to_b(a)
+        for _ in range(2):
+            ids, text, _ = streamed(a.stream(req))
+            assert (ids, text) == expected(offline_a, req)
+        assert _forwarded_to_b(a) == before + 1 and a.call(_refusers(a, "big")) == {"b"}
+        assert "HTTP 503" in caplog.text and "--max-adapter-size" in caplog.text      # a's log of b's refusal
+    finally:
+        b.call(_set_limits(b, old))
+    assert "big" not in _listed(b)
+    digest = a.call(a.cluster.adapter_digests.of("big"))
+    assert not any(entry == digest or entry.startswith(".fetching-")
+                   for entry in os.listdir(b.server.config.adapter_cache_dir))

@@ -258,6 +258,7 @@ class ClusterActor:
         if adapter is None:
             return self.live_nodes()
         if self.adapter_digests.known(adapter) is None:
+            self.adapter_digests.start(adapter)      # registered a moment ago: its next requests may go
             return {self.node_id}
         return self.live_nodes() - self.adapter_refusers(adapter)
 

@@ -94,10 +94,15 @@ class AdapterDigests:
         sources = self.sources()
         for name in [n for n in self._known if n not in sources]:
             del self._known[name]
-        for name, (_, number) in sources.items():
-            entry = self._known.get(name)
-            if (entry is None or entry[0] != number) and (name, number) not in self._hashing:
-                asyncio.ensure_future(self.of(name))
+        for name in sources:
+            self.start(name)
+
+    def start(self, name: str) -> None:
+        """Hash ``name`` in the background unless it is hashed or being hashed."""
+        source = self.sources().get(name)
+        entry = self._known.get(name)
+        if source is not None and (entry is None or entry[0] != source[1]) and (name, source[1]) not in self._hashing:
+            asyncio.ensure_future(self.of(name))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
