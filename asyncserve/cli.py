@@ -43,10 +43,10 @@ def _engine_args(p: argparse.ArgumentParser, step_profile: str = "off") -> None:
                    help="bound of that cache: past it, the adapters least recently fetched go, except registered "
                         "ones'; 0 for no bound (default: 20GiB)")
     p.add_argument("--max-adapter-size", default="4GiB", metavar="SIZE",
-                   help="most bytes one adapter fetched from a URL may download, and as many unpacked from an "
-                        "archive (default: 4GiB)")
+                   help="most bytes one adapter fetched from a URL (or from a peer, in cluster mode) may download, "
+                        "and as many unpacked from an archive (default: 4GiB)")
     p.add_argument("--adapter-fetch-timeout", type=float, default=300.0, metavar="SECONDS",
-                   help="longest one fetch of an adapter from a URL may take, start to end (default: 300)")
+                   help="longest one fetch of an adapter from a URL or a peer may take, start to end (default: 300)")
     p.add_argument("--device", default="auto",
                    help="auto (the CUDA GPU if torch sees one, else the CPU), cpu, cuda or cuda:N (default: auto)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],

@@ -767,6 +767,11 @@ class Engine:
         """Registered adapters, name -> the folder each was read from."""
         return {name: reg.path for name, reg in self.pager.registry.items()}
 
+    def adapter_sources(self) -> dict[str, tuple[str, int]]:
+        """Registered adapters, name -> (the folder each was read from, its registration's number: a name
+        registered anew, even from the same folder, has a new one)."""
+        return {name: (reg.path, reg.load) for name, reg in self.pager.registry.items()}
+
     def adapter_tiers(self) -> dict[str, tuple[str, bool]]:
         """Registered adapters, name -> (fastest tier holding it: "device" | "host" | "disk", pinned)."""
         return {name: (self.pager.tier(name), reg.pinned) for name, reg in self.pager.registry.items()}

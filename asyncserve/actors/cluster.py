@@ -9,6 +9,12 @@ node keeps the client's connection and relays the TokenEvents that the peer stre
 stalls past the dead time or answers garbage is resubmitted with its tokens so far to a live peer
 or to this node; one that its peer moved (Moved) continues where it went.
 
+A request for an adapter runs on a peer only as its content here (cluster/adapters.py): the
+envelope carries its digest, and until this node has hashed it the request stays here. A peer that
+lacks the adapter fetches it from this node; one that holds another copy, or cannot fetch it,
+refuses the request, and for ADAPTER_REFUSAL_TTL_S it is sent no more of that adapter's requests
+(nor moved any by migration).
+
 When the predicted pending times spread past the threshold and this node is the busiest,
 dLoRA's integer program (cluster/migration.py) picks which of its requests move where. Each is
 taken out of the scheduler between steps (Export) with every token it generated already on its
@@ -27,13 +33,15 @@ import aiohttp
 import msgspec
 
 from asyncserve.actors.pager import FETCHERS
+from asyncserve.cluster.adapters import AdapterDigests, PeerAdapters
 from asyncserve.cluster.auth import PeerSigner, PeerVerifier, new_incarnation
 from asyncserve.cluster.membership import Membership, PeerState
 from asyncserve.cluster.messages import AdapterTiers, Digest, ForwardedRequest, ForwardLine, Moved
 from asyncserve.cluster.migration import MAX_MIGRATIONS, Candidate, CoMigrator
 from asyncserve.cluster.routing import POLICIES, RouteRequest, Router, cluster_coefficients
 from asyncserve.engine import RequestError
-from asyncserve.messages import Export, Submit, TokenEvent
+from asyncserve.messages import Export, LoadAdapter, Submit, TokenEvent
+from asyncserve.pager.adapters import AdapterError
 from asyncserve.perf_model import QueuedWork, drain_seconds, expected_remaining_tokens, fetch_backlog_seconds
 from asyncserve.sequence import Sequence
 from asyncserve.step import Failure
@@ -41,6 +49,9 @@ from asyncserve.step import Failure
 log = logging.getLogger("asyncserve.cluster")
 
 MAX_RESUBMITS = 4          # peers a request may lose before it fails
+ADAPTER_REFUSAL_TTL_S = 60.0   # a peer that refused an adapter is sent none of its requests this long
+# the codes of a peer's refusals of a request's adapter: another copy, or none it could fetch
+ADAPTER_REFUSALS = ("adapter_mismatch", "adapter_unavailable")
 RESPONSE_LINE_LIMIT = 64 * 2**20
 _line_decoder = msgspec.json.Decoder(ForwardLine)
 
@@ -53,7 +64,12 @@ class PeerFailed(Exception):
 
 
 class PeerRefused(Exception):
-    """A peer would not take a request (busy, loading, another model): send it elsewhere."""
+    """A peer would not take a request (busy, loading, another model, another copy of its adapter):
+    send it elsewhere. ``code``: the refusal's error code, if it said one."""
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass
@@ -69,10 +85,13 @@ class Forward:
     attempt: asyncio.Task | None = None            # the current call to node_id
 
 
-def envelope_of(seq: Sequence, origin: str, model: str) -> ForwardedRequest:
-    return ForwardedRequest(request_id=seq.request_id, origin=origin, model=model, adapter=seq.adapter,
-                            prompt_ids=seq.prompt_ids, params=seq.params, seed=seq.seed,
-                            output_ids=list(seq.output_ids), migrations=seq.migrations)
+def _error_code(text: str) -> str | None:
+    """The code of an error body in OpenAI's shape, if it is one."""
+    try:
+        error = msgspec.json.decode(text).get("error")
+        return error.get("code") if isinstance(error, dict) else None
+    except (msgspec.DecodeError, AttributeError):
+        return None
 
 
 class ClusterActor:
@@ -104,17 +123,23 @@ class ClusterActor:
         self._session: aiohttp.ClientSession | None = None
         self._next_rebalance = 0.0
         self._rebalancing: asyncio.Task | None = None
+        self.adapter_digests = AdapterDigests(lambda: server.engine.adapter_sources())
+        self.peer_adapters: PeerAdapters | None = None          # with the session, in run()
+        self._adapter_refusals: dict[str, dict[str, float]] = {}   # adapter -> {node id: until (monotonic)}
 
     # ---- the gossip loop -----------------------------------------------------------------------
     async def run(self) -> None:
         # no cap on connections: each forwarded request holds one for as long as it streams
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                               timeout=aiohttp.ClientTimeout(total=None, sock_connect=2.0))
+        self.peer_adapters = PeerAdapters(self.server.config.fetch_limits(), self._post, self._load_fetched,
+                                          lambda: self.server.engine.adapter_paths().values())
         loop = asyncio.get_running_loop()
         try:
             while True:
                 start = loop.time()
                 self._refresh()
+                self.adapter_digests.refresh()
                 digest = self.digest()
                 self.router.view.update(digest, time.monotonic())
                 await self._push(digest)
@@ -126,6 +151,8 @@ class ClusterActor:
         finally:
             if self._rebalancing is not None:
                 self._rebalancing.cancel()
+            self.adapter_digests.close()
+            self.peer_adapters.close()
             await self._session.close()
 
     def _refresh(self) -> None:
@@ -221,10 +248,51 @@ class ClusterActor:
 
     # ---- dispatch ----------------------------------------------------------------------------
     def live_nodes(self) -> set[str]:
-        """This node and the live peers that have spoken. Peers are expected to register the same
-        adapters (one --adapter-dir); one that lacks a request's adapter refuses it (404) and the
-        request goes elsewhere."""
+        """This node and the live peers that have spoken."""
         return {self.node_id} | {p.digest.node_id for p in self.membership.alive() if p.digest is not None}
+
+    def nodes_for(self, adapter: str | None) -> set[str]:
+        """Where a request for ``adapter`` may run: only here until this node has hashed the adapter (a
+        peer could not check its copy against it); else the live nodes but the peers that refused the
+        adapter lately (another copy of it, or none they could fetch)."""
+        if adapter is None:
+            return self.live_nodes()
+        if self.adapter_digests.known(adapter) is None:
+            self.adapter_digests.start(adapter)      # registered a moment ago: its next requests may go
+            return {self.node_id}
+        return self.live_nodes() - self.adapter_refusers(adapter)
+
+    def adapter_refusers(self, adapter: str) -> set[str]:
+        now = time.monotonic()
+        return {node for node, until in self._adapter_refusals.get(adapter, {}).items() if until > now}
+
+    def _adapter_refused(self, node_id: str, adapter: str) -> None:
+        refusals = self._adapter_refusals.setdefault(adapter, {})
+        now = time.monotonic()
+        for node in [n for n, until in refusals.items() if until <= now]:     # bounded by the live peers
+            del refusals[node]
+        refusals[node_id] = now + ADAPTER_REFUSAL_TTL_S
+
+    def _envelope(self, seq: Sequence) -> ForwardedRequest:
+        """What a peer needs to run or continue ``seq`` exactly, its adapter's digest here included."""
+        digest = self.adapter_digests.known(seq.adapter) if seq.adapter is not None else None
+        return ForwardedRequest(request_id=seq.request_id, origin=self.node_id, model=self.server.engine.model_name,
+                                adapter=seq.adapter, prompt_ids=seq.prompt_ids, params=seq.params, seed=seq.seed,
+                                output_ids=list(seq.output_ids), migrations=seq.migrations, adapter_digest=digest)
+
+    async def _load_fetched(self, name: str, folder: str) -> None:
+        """Register an adapter fetched from a peer, as /v1/load_lora_adapter would; one registered
+        meanwhile under that name is kept (its digest decides whether the request runs on it)."""
+        engine = self.server.engine
+        if engine.has_adapter(name):
+            return
+        reply = asyncio.get_running_loop().create_future()
+        self.server.pager.mailbox.put_nowait(LoadAdapter(name, folder, reply))
+        try:
+            await reply
+        except AdapterError:
+            if not engine.has_adapter(name):
+                raise
 
     def dispatch(self, seqs: list[Sequence], streams: list[asyncio.Queue]) -> bool:
         """Where a new request's sequences (its prompts x n samples) run, all on one node. False: here
@@ -234,13 +302,12 @@ class ClusterActor:
         expected = expected_remaining_tokens(0, self.server.scheduler.mean_output, first.params.max_tokens)
         req = RouteRequest(first.adapter, first.adapter_rank, sum(len(s.prompt_ids) for s in seqs),
                            expected * len(seqs))
-        target = self.router.route(req, time.monotonic(), self.live_nodes())
+        target = self.router.route(req, time.monotonic(), self.nodes_for(first.adapter))
         peer = self.membership.by_node_id(target) if target != self.node_id else None
         if peer is None:
             return False
         for seq, stream in zip(seqs, streams):
-            self._start(Forward(envelope_of(seq, self.node_id, self.server.engine.model_name), stream,
-                                target, peer.url, seq.adapter_rank))
+            self._start(Forward(self._envelope(seq), stream, target, peer.url, seq.adapter_rank))
         self.metrics.requests_forwarded.labels(target).inc(len(seqs))
         return True
 
@@ -274,6 +341,8 @@ class ClusterActor:
                     failure: Exception | None = PeerFailed(f"peer {fwd.node_id} was declared dead")
                 except PeerRefused as e:
                     failure = e
+                    if e.code in ADAPTER_REFUSALS and fwd.envelope.adapter is not None:
+                        self._adapter_refused(fwd.node_id, fwd.envelope.adapter)
                 except (PeerFailed, aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
                     # ValueError: msgspec's DecodeError and ValidationError (garbage), a line too long
                     failure = PeerFailed(f"{type(e).__name__}: {e}")
@@ -309,7 +378,7 @@ class ClusterActor:
                 text = (await resp.content.read(4096)).decode(errors="replace")
                 if resp.status == 401 or resp.status >= 500 and resp.status != 503:
                     raise PeerFailed(f"HTTP {resp.status}: {text}")
-                raise PeerRefused(f"HTTP {resp.status}: {text}")
+                raise PeerRefused(f"HTTP {resp.status}: {text}", _error_code(text))
             buf = bytearray()
             async for chunk in resp.content.iter_any():
                 buf += chunk
@@ -338,7 +407,7 @@ class ClusterActor:
         expected = expected_remaining_tokens(len(env.output_ids), self.server.scheduler.mean_output,
                                              env.params.max_tokens)
         req = RouteRequest(env.adapter, fwd.rank, len(env.prompt_ids) + len(env.output_ids), expected)
-        target = self.router.route(req, time.monotonic(), (self.live_nodes() - fwd.tried) | {self.node_id})
+        target = self.router.route(req, time.monotonic(), (self.nodes_for(env.adapter) - fwd.tried) | {self.node_id})
         peer = self.membership.by_node_id(target) if target != self.node_id else None
         fwd.node_id, fwd.url = (target, peer.url) if peer is not None else (self.node_id, self.url)
 
@@ -372,10 +441,13 @@ class ClusterActor:
                 break
             if seq.migrations >= MAX_MIGRATIONS or seq.request_id in self._exporting:
                 continue
+            if seq.adapter is not None and self.adapter_digests.known(seq.adapter) is None:
+                continue            # a peer could not check its copy of the adapter against this one's
             out.append(Candidate(seq.request_id, self.node_id, seq.adapter, seq.adapter_rank,
                                  seq.num_tokens - seq.num_computed if seq.in_prefill else 0, seq.num_tokens,
                                  expected_remaining_tokens(len(seq.output_ids), mean, seq.params.max_tokens),
-                                 seq.migrations))
+                                 seq.migrations,
+                                 frozenset(self.adapter_refusers(seq.adapter)) if seq.adapter else frozenset()))
         return out
 
     async def _rebalance(self) -> None:
@@ -428,8 +500,7 @@ class ClusterActor:
             stream.put_nowait(Moved(target, peer.url))
         else:
             seq.migrations += 1
-            self._start(Forward(envelope_of(seq, self.node_id, self.server.engine.model_name), stream,
-                                target, peer.url, seq.adapter_rank))
+            self._start(Forward(self._envelope(seq), stream, target, peer.url, seq.adapter_rank))
         return True
 
     # ---- shutdown ----------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Messages between peers (msgspec Structs, JSON on HTTP routes under /cluster/)."""
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from asyncserve.messages import TokenEvent
@@ -53,6 +55,8 @@ class ForwardedRequest(msgspec.Struct):
     seed: int                          # drawn at the origin when the client gave none
     output_ids: list[int] = []         # generated so far (empty for a fresh request)
     migrations: int = 0                # times moved while running: bounded, so a request never ping-pongs
+    adapter_digest: str | None = None  # the adapter's content at the origin (cluster/adapters.py): the
+                                       # target runs the request only on an adapter of this content
 
 
 class Moved(msgspec.Struct):
@@ -66,3 +70,10 @@ class ForwardLine(msgspec.Struct, omit_defaults=True):
     TokenEvents, or, as the last line, where it moved."""
     event: TokenEvent | None = None
     moved: Moved | None = None
+
+
+class AdapterFileRequest(msgspec.Struct):
+    """A peer's call for one file of an adapter registered on the node it calls (POST /cluster/adapter):
+    an adapter by its registered name, and only its config or its weights."""
+    name: str
+    file: Literal["adapter_config.json", "adapter_model.safetensors"]

@@ -44,6 +44,7 @@ class Candidate:
     context_tokens: int                # prompt + output so far: what a move recomputes
     decode_tokens: int                 # expected output still to come
     migrations: int = 0                # times it has been moved already
+    barred: frozenset[str] = frozenset()   # nodes it may not go to (they refused its adapter lately)
 
 
 @dataclass
@@ -69,6 +70,7 @@ class MigrationProblem:
     free_pages: np.ndarray             # [J]
     recompute: np.ndarray              # [I] tokens a move recomputes
     budget_tokens: int
+    barred: np.ndarray | None = None   # [I, J] bool: candidate i may not go to node j (None: none barred)
 
 
 @dataclass
@@ -120,7 +122,8 @@ def build_problem(nodes: list[NodeLoad], candidates: list[Candidate], budget_tok
                         for c in candidates], dtype=np.float64),
         free_pages=np.array([max(n.free_pages, 0) for n in nodes], dtype=np.float64),
         recompute=np.array([c.context_tokens for c in candidates], dtype=np.float64),
-        budget_tokens=budget_tokens)
+        budget_tokens=budget_tokens,
+        barred=np.array([[node in c.barred for node in ids] for c in candidates], dtype=bool).reshape(-1, len(ids)))
 
 
 def solve(p: MigrationProblem, time_limit_s: float = 1.0) -> tuple[np.ndarray, np.ndarray, float] | None:
@@ -163,6 +166,8 @@ def solve(p: MigrationProblem, time_limit_s: float = 1.0) -> tuple[np.ndarray, n
     integrality = np.ones(n)
     integrality[t] = 0
     upper = np.ones(n)
+    if p.barred is not None:
+        upper[:nx] = ~p.barred.ravel()               # never where the node refused the request's adapter
     upper[nx:nx + ny] = p.needs_load.ravel()         # no load variable where the adapter is resident
     upper[t] = np.inf
     res = milp(cost, integrality=integrality, bounds=Bounds(np.zeros(n), upper),

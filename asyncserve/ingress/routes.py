@@ -12,6 +12,7 @@ import logging
 
 from aiohttp import web
 
+from asyncserve.cluster.adapters import ADAPTER_FILE_PATH
 from asyncserve.ingress import admin, peers
 from asyncserve.ingress.chat import chat_completions
 from asyncserve.ingress.completions import completions
@@ -101,4 +102,5 @@ def build_app(server) -> web.Application:
         app.router.add_post("/cluster/gossip", peers.gossip)
         app.router.add_post("/cluster/forward", peers.forward)
         app.router.add_get("/cluster/state", peers.state)
+        app.router.add_post(ADAPTER_FILE_PATH, peers.adapter_file)
     return app

@@ -360,7 +360,7 @@ def fetch(text: str, limits: FetchLimits, keep: Collection[str] = ()) -> str:
         else:
             digests = {name: _download(url, source.scheme, work / name, budget) for url, name in source.files()}
             _check_pin(source, digests[WEIGHTS_FILE], WEIGHTS_FILE)
-        key = hashlib.sha256("".join(f"{n}:{digests[n]}\n" for n in ADAPTER_FILES).encode()).hexdigest()
+        key = content_key(digests)
         folder = cache / key
         try:
             work.rename(folder)           # atomic; a folder of the same content already there stays
@@ -381,6 +381,12 @@ def fetch(text: str, limits: FetchLimits, keep: Collection[str] = ()) -> str:
         raise FetchError(f"adapter source {source}: cannot write the cache {cache}: {e}", status=500) from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def content_key(digests: dict[str, str]) -> str:
+    """An adapter's identity by content, from its files' sha256 ({file name: hex}): its cache folder's
+    name, and what peers compare before running each other's requests (cluster/adapters.py)."""
+    return hashlib.sha256("".join(f"{n}:{digests[n]}\n" for n in ADAPTER_FILES).encode()).hexdigest()
 
 
 def _touch(folder: Path) -> None:
