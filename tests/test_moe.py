@@ -156,13 +156,18 @@ def test_layouts_not_implemented_are_refused_with_their_reason(moe_model, tmp_pa
         LLM(model=str(model.folder), dtype="float32", max_step_tokens=24, tensor_parallel=2)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "eager"])
 @pytest.mark.parametrize("family", list(MOE_FAMILIES))
-def test_experts_in_bf16_equal_transformers_block(family):
-    """One layer's mixture in bf16 (the native GEMMs where the CPU has them), 40 tokens: moe_mlp's output
-    equals transformers' sparse MoE block's within bf16 rounding."""
+def test_experts_in_bf16_equal_transformers_block(family, native):
+    """One layer's mixture in bf16, 40 tokens: moe_mlp's output equals transformers' sparse MoE block's
+    within bf16 rounding, its experts in one native call (kernels/cpu/experts.h, over the native GEMMs
+    where the CPU has them) or in torch ops."""
     import transformers
 
-    from reference import FAMILY_CLASSES
+    from reference import FAMILY_CLASSES, require_native_kernels
+
+    if native:
+        require_native_kernels()
 
     torch.manual_seed(0)
     config_class, _ = (getattr(transformers, n) for n in FAMILY_CLASSES[family])
@@ -190,7 +195,7 @@ def test_experts_in_bf16_equal_transformers_block(family):
         shared = s.down_proj(torch.nn.functional.silu(s.gate_proj(x[0])) * s.up_proj(x[0]))
     with torch.no_grad():
         expected = block(x)[0]
-        got = llama.moe_mlp(x[0], ours, moe, native=True, shared=shared)
+        got = llama.moe_mlp(x[0], ours, moe, native=native, shared=shared)
     torch.testing.assert_close(got.float(), expected.float(), rtol=0.05, atol=0.02)
 
 

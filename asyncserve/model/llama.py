@@ -84,9 +84,24 @@ class ExpertWeights:
     gate_up: list[Linear]           # per expert: hidden -> 2 expert_size
     down: list[Linear]              # per expert: expert_size -> hidden
     shared_gate: Linear | None      # hidden -> 1: the sigmoid gate of the shared expert (LayerWeights.gate_up/down)
+    # the experts in one native call (kernels.cpu.native_experts), built on first use
+    _native: object = field(default=None, repr=False, compare=False)
 
     def linears(self) -> list[Linear]:
         return [self.router, *self.gate_up, *self.down] + [self.shared_gate] * (self.shared_gate is not None)
+
+    def native(self):
+        if self._native is None:
+            self._native = cpu_kernels.native_experts(*_native_projections([*self.gate_up, *self.down]))
+        return self._native
+
+
+def _native_projections(linears: list[Linear]) -> tuple[list, list, list]:
+    """The projections as the native kernels take them: each Linear's one weight (packed, oneDNN's or
+    dense) and no types, or a QuantLinear's GGUF parts and their ggml types; and their out_features."""
+    return ([[b for b, _ in p.weight.parts] if isinstance(p, QuantLinear) else [p.weight] for p in linears],
+            [[t for _, t in p.weight.parts] if isinstance(p, QuantLinear) else [] for p in linears],
+            [p.out_features for p in linears])
 
 
 @dataclass
@@ -131,13 +146,10 @@ class LlamaWeights:
         """The native layer loop over these weights: each projection as its Linear holds it, a QuantLinear
         as its GGUF parts, which the loop applies with QuantLinear's op."""
         if self._decoder is None:
-            linears = self.linears()
             self._decoder = cpu_kernels.native_decoder(
                 [t for lw in self.layers for t in (lw.input_norm, lw.post_norm, lw.qkv_bias, lw.q_norm, lw.k_norm,
                                                    lw.attn_out_norm, lw.mlp_out_norm)],
-                [[b for b, _ in p.weight.parts] if isinstance(p, QuantLinear) else [p.weight] for p in linears],
-                [[t for _, t in p.weight.parts] if isinstance(p, QuantLinear) else [] for p in linears],
-                [p.out_features for p in linears],
+                *_native_projections(self.linears()),
                 [config.window(i) or 0 for i in range(config.num_layers)], self.norm, config.num_heads,
                 config.num_kv_heads, config.head_dim, config.rms_norm_eps, config.scale, config.attn_softcap,
                 config.family.activation == "gelu_tanh")
@@ -530,13 +542,26 @@ def moe_mlp(x: torch.Tensor, experts: ExpertWeights, moe: MoeConfig, native: boo
             shared: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, hidden] -> the experts' outputs [T, hidden], each token's top_k summed by their router
     probabilities in float32, experts in order (as transformers adds them); plus shared (the shared
-    expert's output) times sigmoid(x . shared_gate)."""
+    expert's output) times sigmoid(x . shared_gate). native: the experts in one native call."""
     k = moe.top_k
     probs = torch.softmax(experts.router(x).float(), dim=-1)              # [T, experts]
     top_p, top_e = torch.topk(probs, k, dim=-1)                           # [T, k]
     if moe.normalize:
         top_p /= top_p.sum(dim=-1, keepdim=True)
-    # the (token, choice) pairs grouped by expert, tokens in order within each: one host read of the counts
+    if native:
+        out = experts.native().forward(x.contiguous(), top_e, top_p.contiguous())
+    else:
+        out = _experts_eager(x, experts, moe, top_e, top_p)
+    if shared is not None:
+        out += torch.sigmoid(experts.shared_gate(x)) * shared
+    return out
+
+
+def _experts_eager(x: torch.Tensor, experts: ExpertWeights, moe: MoeConfig, top_e: torch.Tensor,
+                   top_p: torch.Tensor) -> torch.Tensor:
+    """moe_mlp's experts in torch ops: the (token, choice) pairs grouped by expert, tokens in order
+    within each (one host read of the counts), each expert's tokens as one batch."""
+    k = moe.top_k
     order = top_e.view(-1).argsort(stable=True)
     counts = torch.bincount(top_e.view(-1), minlength=moe.num_experts).tolist()
     tokens, weights = order // k, top_p.view(-1)[order]
@@ -545,11 +570,9 @@ def moe_mlp(x: torch.Tensor, experts: ExpertWeights, moe: MoeConfig, native: boo
     for e, n in enumerate(counts):
         if n:
             rows = tokens[start:start + n]
-            y = experts.down[e](silu_mul(experts.gate_up[e](x[rows]), native))     # [n, hidden]
+            y = experts.down[e](silu_mul(experts.gate_up[e](x[rows])))     # [n, hidden]
             out.index_add_(0, rows, (y.float() * weights[start:start + n, None]).to(x.dtype))
             start += n
-    if shared is not None:
-        out += torch.sigmoid(experts.shared_gate(x)) * shared
     return out
 
 

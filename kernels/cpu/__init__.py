@@ -295,6 +295,14 @@ def native_decoder(layer_tensors: list[torch.Tensor | None], weights: list[list[
                                 num_kv_heads, head_dim, eps, scale, softcap or 0.0, gelu)
 
 
+def native_experts(weights: list[list[torch.Tensor]], types: list[list[int]], out_features: list[int]):
+    """One layer's mixture of experts in one call (experts.h): weights, types, out_features as
+    native_decoder takes projections, each expert's gate_up then each expert's down. Its
+    forward(x [T, hidden], chosen [T, k] int64, probs [T, k] float32) -> [T, hidden] sums each token's
+    experts' SwiGLU outputs times their probabilities."""
+    return _lib().NativeExperts(weights, types, out_features)
+
+
 # ggml type ids (gguf.GGMLQuantizationType) that quant_linear runs: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K
 QUANT_TYPES = (2, 3, 8, 12, 13, 14)
 

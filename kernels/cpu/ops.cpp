@@ -467,6 +467,7 @@ void quant_rows_op(at::Tensor out, at::Tensor blocks, int64_t type, at::Tensor i
 }  // namespace asyncserve
 
 #include "decoder.h"
+#include "experts.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
@@ -521,4 +522,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<std::vector<int64_t>>, std::vector<int64_t>, std::vector<int64_t>, at::Tensor, int64_t,
                     int64_t, int64_t, double, double, double, bool>())
       .def("forward", &NativeDecoder::forward, no_gil, "the layers, final norm and lm_head of one step");
+  py::class_<NativeExperts>(m, "NativeExperts", py::module_local())
+      .def(py::init<std::vector<std::vector<at::Tensor>>, std::vector<std::vector<int64_t>>, std::vector<int64_t>>())
+      .def("forward", &NativeExperts::forward, no_gil, "one layer's mixture of experts for routed tokens");
 }
