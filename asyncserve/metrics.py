@@ -152,6 +152,10 @@ class Metrics:
         self.migrations = Counter("asyncserve_migrations", "Requests moved between servers: request (for load), "
                                   "resubmit (its peer failed), adapter (loaded where a moved request went)",
                                   ["kind"], registry=r)
+        self.peer_adapters = Counter("asyncserve_peer_adapters", "Adapters of forwarded requests: fetched (from "
+                                     "the origin, here), adapter_mismatch (refused here: another copy), "
+                                     "adapter_unavailable (refused here: none could be had), refused (a peer "
+                                     "refused one of this node's)", ["event"], registry=r)
         # dLoRA's merged mode
         self.merged_adapter = Gauge("asyncserve_merged_adapter", "1 for the adapter merged into the base weights "
                                     "(no series while none is)", ["adapter"], registry=self.adapter_registry)

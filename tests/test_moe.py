@@ -209,11 +209,12 @@ _GGUF_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "se
                "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 
 
-def write_moe_gguf(model: FamilyModel, path, projections=None):
+def write_moe_gguf(model: FamilyModel, path, projections=None, metadata_edits=None):
     """The model as llama.cpp's converter writes it: experts stacked [experts, out, in] per projection,
     Mixtral under architecture llama with its Q/K rows interleaved, the shared expert's gate as [hidden].
     projections: a quantization type for the projections (experts included); their blocks' values then
-    replace model.base's weights (the reference runs the file's weights)."""
+    replace model.base's weights (the reference runs the file's weights). metadata_edits: keys of the
+    architecture's metadata to set (None: to leave out)."""
     loaded = load_model(str(model.folder))
     config, weights = loaded.config, loaded.weights
     arch = _GGUF_ARCH[model.family]
@@ -262,6 +263,8 @@ def write_moe_gguf(model: FamilyModel, path, projections=None):
         metadata["expert_feed_forward_length"] = moe.expert_size
     if moe.shared_size:
         metadata["expert_shared_feed_forward_length"] = moe.shared_size
+    metadata.update(metadata_edits or {})
+    metadata = {key: value for key, value in metadata.items() if value is not None}
     if values:
         _load_values(model.base, config, values)
     tokens, merges, special = backend_vocab(model.tokenizer.backend_tokenizer)
@@ -304,6 +307,23 @@ def test_gguf_file_gives_the_hf_folders_weights_and_tokens(family, tmp_path):
     cases = cases_of(model, lengths=(5, 17))
     gguf_model = FamilyModel(model.family, path, model.tokenizer, model.base, model.adapters)
     assert generate_greedy(gguf_model, cases)[1] == generate_greedy(model, cases)[1]
+
+
+def test_gguf_files_with_broken_expert_metadata_are_refused(tmp_path):
+    """Each refused at load with its reason, before any expert runs: more experts per token than
+    experts, none per token, no experts, an expert count the stacked tensors do not hold (fewer,
+    more), the experts' size left out."""
+    model = build_with_adapters(tmp_path, "qwen3_moe", {})
+    bad = [({"expert_used_count": 9}, "routes each token to 9 of 8 experts"),
+           ({"expert_used_count": 0}, "routes each token to 0 of 8 experts"),
+           ({"expert_count": 0}, "routes each token to 2 of 0 experts"),
+           ({"expert_count": 4}, "does not stack the 4 experts the metadata says"),
+           ({"expert_count": 16}, "does not stack the 16 experts the metadata says"),
+           ({"expert_feed_forward_length": None}, "has no qwen3moe.expert_feed_forward_length in its metadata")]
+    for i, (edit, why) in enumerate(bad):
+        path = write_moe_gguf(model, tmp_path / f"bad{i}.gguf", metadata_edits=edit)
+        with pytest.raises(ModelLoadError, match=why):
+            load_model(str(path))
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])

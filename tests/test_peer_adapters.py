@@ -267,17 +267,22 @@ def _forwarded_to_b(a: Node) -> float:
     return a.metric("asyncserve_requests_forwarded_total", 'to="b"')
 
 
+def _peer_adapters(node: Node, event: str) -> float:
+    return node.metric("asyncserve_peer_adapters_total", f'event="{event}"')
+
+
 @pytest.mark.parametrize("seed", [None, 7], ids=["greedy", "seeded"])
 def test_an_adapter_only_on_the_origin_is_fetched_by_the_peer_its_request_goes_to(pair, offline_a, seed):
     """a routes round-robin: of two requests for "solo" (a's only) one goes to b, which fetches the
     adapter from a, checks it, registers it and streams a's tokens."""
     a, b = pair["a"], pair["b"]
     req = body("solo", 24, seed=seed)
-    before = _forwarded_to_b(a)
+    before, fetched, missing = _forwarded_to_b(a), _peer_adapters(b, "fetched"), "solo" not in _listed(b)
     for _ in range(2):
         ids, text, finish = streamed(a.stream(req))
         assert (ids, text) == expected(offline_a, req) and finish == "length"
     assert _forwarded_to_b(a) == before + 1
+    assert _peer_adapters(b, "fetched") == fetched + missing       # fetched once, by the run that found it missing
     digest = a.call(a.cluster.adapter_digests.of("solo"))
     assert _listed(b)["solo"] == str(Path(b.server.config.adapter_cache_dir) / digest)
     assert b.call(b.cluster.adapter_digests.of("solo")) == digest
@@ -308,11 +313,12 @@ def test_a_peer_with_another_copy_of_the_adapter_refuses_and_the_tokens_stay_the
     req = body("twin", 24, seed=5)
     want = expected(offline_a, req)
     assert want != expected(offline_b, req)            # the copies give other tokens
-    before = _forwarded_to_b(a)
+    before, refusals = _forwarded_to_b(a), (_peer_adapters(a, "refused"), _peer_adapters(b, "adapter_mismatch"))
     for _ in range(2):                                 # round-robin: one tries b, which refuses it
         ids, text, finish = streamed(a.stream(req))
         assert (ids, text) == want and finish == "length"
     assert _forwarded_to_b(a) == before + 1 and a.call(_refusers(a, "twin")) == {"b"}
+    assert (_peer_adapters(a, "refused"), _peer_adapters(b, "adapter_mismatch")) == (refusals[0] + 1, refusals[1] + 1)
     for _ in range(2):                                 # b is sent no more "twin" requests
         assert streamed(a.stream(req))[:2] == want
     assert _forwarded_to_b(a) == before + 1

@@ -283,6 +283,7 @@ class ClusterActor:
     async def _load_fetched(self, name: str, folder: str) -> None:
         """Register an adapter fetched from a peer, as /v1/load_lora_adapter would; one registered
         meanwhile under that name is kept (its digest decides whether the request runs on it)."""
+        self.metrics.peer_adapters.labels("fetched").inc()
         engine = self.server.engine
         if engine.has_adapter(name):
             return
@@ -343,6 +344,7 @@ class ClusterActor:
                     failure = e
                     if e.code in ADAPTER_REFUSALS and fwd.envelope.adapter is not None:
                         self._adapter_refused(fwd.node_id, fwd.envelope.adapter)
+                        self.metrics.peer_adapters.labels("refused").inc()
                 except (PeerFailed, aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
                     # ValueError: msgspec's DecodeError and ValidationError (garbage), a line too long
                     failure = PeerFailed(f"{type(e).__name__}: {e}")

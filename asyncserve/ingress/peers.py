@@ -129,10 +129,19 @@ async def adapter_as_sent(server, fwd: ForwardedRequest) -> None:
     with (the envelope's digest): registered here already, found by --adapter-resolver, or fetched
     from the origin. Another content under its name is a 409 (adapter_mismatch), an adapter that
     cannot be had a 503 (adapter_unavailable): either way the origin runs it elsewhere."""
-    name, want = fwd.adapter, fwd.adapter_digest
-    if want is None:
+    if fwd.adapter_digest is None:
         raise ApiError(400, "a forwarded request for an adapter must carry its digest", param="adapter_digest",
                        code="invalid_value")
+    try:
+        await _adapter_with_digest(server, fwd)
+    except ApiError as e:
+        if e.code in ("adapter_mismatch", "adapter_unavailable"):
+            server.metrics.peer_adapters.labels(e.code).inc()
+        raise
+
+
+async def _adapter_with_digest(server, fwd: ForwardedRequest) -> None:
+    name, want = fwd.adapter, fwd.adapter_digest
     if not server.engine.has_adapter(name):
         await _fetch_adapter(server, fwd)
     held = await server.cluster.adapter_digests.of(name)
