@@ -42,6 +42,9 @@ part tests_graphs 70 env ASYNCSERVE_TEST_DEVICE=cuda CUDA_LAUNCH_BLOCKING=1 pyth
   -p no:cacheprovider --timeout 60 tests/test_paged_attention.py tests/test_cuda_graphs.py
 part tests_eager 110 env ASYNCSERVE_TEST_DEVICE=cuda ASYNCSERVE_ENFORCE_EAGER=1 python3 -m pytest -q -x --tb=short \
   -p no:cacheprovider --timeout 60 tests/test_kernels.py tests/test_engine_tiny.py
+# mixtures of experts: their eager CUDA path (routing read back on the host, no graphs) against PEFT
+part tests_moe 60 env ASYNCSERVE_TEST_DEVICE=cuda python3 -m pytest -q -x --tb=short -p no:cacheprovider --timeout 50 \
+  tests/test_moe.py -k "one_generate_call and not triton or merged_mode"
 # 2.-3. decode steps at TinyLlama-1.1B and Llama-7B shapes (the HBM floor), 32 / 64 running, 4 / 1,000
 # adapters: eager first, then graphs, in processes of their own
 for mode in eager graphs; do

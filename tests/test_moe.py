@@ -138,12 +138,15 @@ def _edited_model(model: FamilyModel, folder, **edits):
 def test_layouts_not_implemented_are_refused_with_their_reason(moe_model, tmp_path):
     """Each refused at load with its reason (several instances of each kind): dense layers mixed with
     mixtures (Qwen-MoE's mlp_only_layers, decoder_sparse_step), expert counts that are not positive
-    integers, more experts per token than there are; and --tensor-parallel."""
+    integers or not the checkpoint's (a billion is refused before anything is sized by it), more
+    experts per token than there are; and --tensor-parallel."""
     model, _, _ = moe_model
     config = json.loads((model.folder / "config.json").read_text())
     experts_key = "num_experts" if "num_experts" in config else "num_local_experts"
     bad = [({experts_key: 0}, "should be a positive integer"), ({experts_key: "8"}, "should be a positive integer"),
            ({experts_key: True}, "should be a positive integer"), ({experts_key: None}, "should be a positive integer"),
+           ({experts_key: 10**9}, r"holds experts 0\.\.\d \(\d of them\) per layer; its config says 1000000000"),
+           ({experts_key: 3, "num_experts_per_tok": 1}, r"holds experts .* its config says 3"),
            ({"num_experts_per_tok": 9}, "routes each token to 9 of"),
            ({"num_experts_per_tok": -1}, "should be a positive integer")]
     if model.family != "mixtral":

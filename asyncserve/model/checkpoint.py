@@ -73,15 +73,28 @@ _MIXTRAL_EXPERTS = re.compile(r"^(model\.layers\.\d+\.)block_sparse_moe\.(?:(gat
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
-def expert_names(tensors: dict[str, torch.Tensor]) -> None:
-    """A Mixtral checkpoint's block_sparse_moe tensors, in place, under the mlp.gate / mlp.experts names."""
+_EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
+
+
+def expert_names(config: ModelConfig, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """A Mixtral checkpoint's block_sparse_moe tensors, in place, under the mlp.gate / mlp.experts names;
+    refused unless the checkpoint holds as many experts per layer as the config says (before
+    select_weights lists L x experts names: a config's count is not trusted that far)."""
     for name in [n for n in tensors if ".block_sparse_moe." in n]:
         m = _MIXTRAL_EXPERTS.match(name)
         if m is None:
-            continue                    # select_weights drops it; a missing expert is reported there
+            continue                    # select_weights drops it
         layer, gate, expert, w = m.groups()
         new = f"{layer}mlp.gate.weight" if gate else f"{layer}mlp.experts.{expert}.{_MIXTRAL_PROJ[w]}.weight"
         tensors[new] = tensors.pop(name)
+    held = {int(m.group(1)) for name in tensors if (m := _EXPERT.match(name))}
+    if len(held) != config.moe.num_experts or max(held, default=-1) != config.moe.num_experts - 1:   # not 0..n-1
+        raise ModelLoadError(f"{source} holds experts {_span(held)} per layer; its config says "
+                             f"{config.moe.num_experts}")
+
+
+def _span(numbers: set[int]) -> str:
+    return f"0..{max(numbers)} ({len(numbers)} of them)" if numbers else "none"
 
 
 def split_fused(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:

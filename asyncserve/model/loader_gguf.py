@@ -265,11 +265,11 @@ K_QUANTS = {gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K, gguf
 
 
 def mostly_k_quants(path: Path) -> bool:
-    """Whether most of a GGUF file's weights (by count, its 2-D tensors) are Q4_K, Q5_K or Q6_K, the types
-    the AMX int8 tiles run (a Q4_K_M or Q5_K_M file); reads the header only."""
+    """Whether most of a GGUF file's weights (by count, its 2-D tensors and a mixture's stacked experts) are
+    Q4_K, Q5_K or Q6_K, the types the AMX int8 tiles run (a Q4_K_M or Q5_K_M file); reads the header only."""
     counts = {True: 0, False: 0}
     for tensor in _reader(path).tensors:
-        if len(tensor.shape) == 2:
+        if len(tensor.shape) >= 2:
             counts[tensor.tensor_type in K_QUANTS] += int(tensor.n_elements)
     return counts[True] > counts[False]
 

@@ -35,7 +35,7 @@ def load_hf_folder(folder: Path, progress: ProgressCallback | None = None, shard
     if config.family.fused_projections:
         split_fused(local, tensors)
     if config.moe is not None:
-        expert_names(tensors)
+        expert_names(config, tensors, str(folder))
     weights = select_weights(local, tensors, str(folder))
     if not shard.head:
         weights.pop("lm_head.weight", None)
