@@ -767,10 +767,15 @@ class Engine:
         """Registered adapters, name -> the folder each was read from."""
         return {name: reg.path for name, reg in self.pager.registry.items()}
 
-    def adapter_sources(self) -> dict[str, tuple[str, int]]:
-        """Registered adapters, name -> (the folder each was read from, its registration's number: a name
-        registered anew, even from the same folder, has a new one)."""
-        return {name: (reg.path, reg.load) for name, reg in self.pager.registry.items()}
+    def adapter_source(self, name: str) -> tuple[str, int] | None:
+        """A registered adapter's (folder it was read from, registration number: a name registered anew,
+        even from the same folder, has a new one); None if it is not registered."""
+        reg = self.pager.registry.get(name)
+        return None if reg is None else (reg.path, reg.load)
+
+    def adapter_registry_version(self) -> tuple[int, int]:
+        """Changes whenever an adapter is registered or unregistered."""
+        return self.pager.registry_version()
 
     def adapter_tiers(self) -> dict[str, tuple[str, bool]]:
         """Registered adapters, name -> (fastest tier holding it: "device" | "host" | "disk", pinned)."""

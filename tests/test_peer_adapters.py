@@ -154,12 +154,19 @@ def test_a_stalled_peer_times_out_without_stalling_the_event_loop(tmp_path):
 
 
 def test_digests_follow_registrations(tmp_path):
+    """A name registered anew from other files is hashed anew, an unregistered one forgotten; refresh
+    walks the names only when the registry changed."""
     one = _adapter_folder(tmp_path / "one", b"1" * 100)
     two = _adapter_folder(tmp_path / "two", b"2" * 100)
     sources = {"x": (str(one), 1)}
+    walks = []
+
+    def names():
+        walks.append(1)
+        return sources.keys()
 
     async def run():
-        digests = AdapterDigests(lambda: dict(sources))
+        digests = AdapterDigests(sources.get, names, lambda: tuple(sources.items()))
         try:
             assert digests.known("x") is None
             first = await digests.of("x")
@@ -172,6 +179,10 @@ def test_digests_follow_registrations(tmp_path):
                     break
                 await asyncio.sleep(0.01)
             assert digests.known("x") == adapter_digest(two) != first
+            walked = len(walks)
+            for _ in range(3):                          # the registry as it was: no walk over its names
+                digests.refresh()
+            assert len(walks) == walked
             del sources["x"]
             digests.refresh()
             assert digests.known("x") is None and await digests.of("x") is None

@@ -123,7 +123,10 @@ class ClusterActor:
         self._session: aiohttp.ClientSession | None = None
         self._next_rebalance = 0.0
         self._rebalancing: asyncio.Task | None = None
-        self.adapter_digests = AdapterDigests(lambda: server.engine.adapter_sources())
+        # the engine is loaded after the actors are made
+        self.adapter_digests = AdapterDigests(lambda name: server.engine.adapter_source(name),
+                                              lambda: server.engine.adapter_paths().keys(),
+                                              lambda: server.engine.adapter_registry_version())
         self.peer_adapters: PeerAdapters | None = None          # with the session, in run()
         self._adapter_refusals: dict[str, dict[str, float]] = {}   # adapter -> {node id: until (monotonic)}
 

@@ -19,7 +19,7 @@ import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Awaitable, Callable, Collection
+from typing import Awaitable, Callable, Collection, Hashable, Iterable
 
 import aiohttp
 import msgspec
@@ -47,11 +47,17 @@ def adapter_digest(folder: str | Path) -> str:
 
 
 class AdapterDigests:
-    """Each registered adapter's digest, per registration (a name registered anew is hashed anew).
-    ``sources()``: name -> (folder, registration number), on the event loop."""
+    """Each registered adapter's digest, per registration (a name registered anew is hashed anew), on
+    the event loop. ``source(name)``: (folder, registration number), None if not registered;
+    ``names()``: the registered names; ``version()``: a value that changes whenever they do (refresh
+    skips the walk over thousands of names while it does not)."""
 
-    def __init__(self, sources: Callable[[], dict[str, tuple[str, int]]]):
-        self.sources = sources
+    def __init__(self, source: Callable[[str], tuple[str, int] | None], names: Callable[[], Iterable[str]],
+                 version: Callable[[], Hashable] | None = None):
+        self.source = source
+        self.names = names
+        self.version = version
+        self._seen: Hashable = object()                           # the version refresh last walked
         self._known: dict[str, tuple[int, str | None]] = {}     # None: its files could not be read
         self._hashing: dict[tuple[str, int], asyncio.Future] = {}
         # one thread: hashing a thousand adapters at start-up must not take every core from the steps
@@ -59,14 +65,14 @@ class AdapterDigests:
 
     def known(self, name: str) -> str | None:
         """The digest of ``name`` as registered now, if it has been hashed."""
-        source = self.sources().get(name)
+        source = self.source(name)
         entry = self._known.get(name)
         return entry[1] if source is not None and entry is not None and entry[0] == source[1] else None
 
     async def of(self, name: str) -> str | None:
         """The digest of ``name`` as registered now, hashed first if need be; None if it is not
         registered or its files cannot be read."""
-        source = self.sources().get(name)
+        source = self.source(name)
         if source is None:
             return None
         folder, number = source
@@ -91,15 +97,20 @@ class AdapterDigests:
 
     def refresh(self) -> None:
         """Forget the adapters no longer registered; start hashing the new ones (in the background)."""
-        sources = self.sources()
-        for name in [n for n in self._known if n not in sources]:
+        if self.version is not None:
+            version = self.version()
+            if version == self._seen:
+                return
+            self._seen = version
+        names = set(self.names())
+        for name in [n for n in self._known if n not in names]:
             del self._known[name]
-        for name in sources:
+        for name in names:
             self.start(name)
 
     def start(self, name: str) -> None:
         """Hash ``name`` in the background unless it is hashed or being hashed."""
-        source = self.sources().get(name)
+        source = self.source(name)
         entry = self._known.get(name)
         if source is not None and (entry is None or entry[0] != source[1]) and (name, source[1]) not in self._hashing:
             asyncio.ensure_future(self.of(name))

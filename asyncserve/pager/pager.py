@@ -243,6 +243,10 @@ class AdapterPager:
         self._ranks[reg.load] = reg.ranks
         return reg
 
+    def registry_version(self) -> tuple[int, int]:
+        """(registrations ever, registered now): changes whenever one is registered or unregistered."""
+        return self._loads_total, len(self.registry)
+
     def add(self, adapter: HostAdapter, pinned: bool = False) -> None:
         """Register an adapter already built in memory and store it in the host tier, in the calling
         thread (offline, start-up and tests; the server splits this across its threads)."""
