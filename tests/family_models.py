@@ -196,6 +196,21 @@ def write_family_gguf(model: FamilyModel, path: Path, projections=None) -> Path:
                       chat_template=model.tokenizer.chat_template, llama=metadata, tensors=tensors)
 
 
+def loads_as_the_folder(path: Path, folder: Path):
+    """(the GGUF file's LoadedModel, the HF folder's), checked to be the same family with the same
+    weights under the same names."""
+    import torch
+
+    from asyncserve.model.loader import load_model
+
+    from_gguf, from_folder = load_model(str(path)), load_model(str(folder))
+    assert from_gguf.config.family == from_folder.config.family
+    assert set(from_gguf.weights) == set(from_folder.weights)
+    for name, weight in from_folder.weights.items():
+        torch.testing.assert_close(from_gguf.weights[name], weight, rtol=0, atol=1e-6)
+    return from_gguf, from_folder
+
+
 # ---- models with adapters of any kind, and their greedy runs against transformers+PEFT ----------------
 
 GREEDY_TOKENS = 8

@@ -142,19 +142,27 @@ def nodes(tiny_model):
     dns = f"dns:{DNS_NAME}:{port}"
     peers = {"a": f"http://{HOSTS['b']}:{port},http://{HOSTS['c']}:{port}", "b": dns, "c": dns}
     dispatch = {"a": "round-robin", "b": "rank-aware", "c": "local"}
+    configs = {name: Config(model=str(tiny_model.root), adapters=adapters, dtype="float32", device="cpu", threads=1,
+                            served_model_name="tiny", host=host, port=port, api_key=API_KEY, peers=peers[name],
+                            node_id=name, cluster_key=KEY, gossip_interval_s=0.1, dispatch=dispatch[name],
+                            migration_threshold_s=0.0, max_model_len=512, shutdown_grace_s=2.0)
+               for name, host in HOSTS.items()}
+    yield from running(configs, lambda out: all(len(n.cluster.membership.alive_digests()) == 2 for n in out.values()),
+                       "find each other")
+
+
+def running(configs: dict[str, Config], settled, what: str):
+    """A fixture's nodes: started from ``configs`` (name -> Config), yielded once each is ready and
+    settled(nodes) holds (at most 20 s), stopped after; those started are stopped if one fails."""
     out = {}
     try:
-        for name, host in HOSTS.items():
-            out[name] = Node(Config(model=str(tiny_model.root), adapters=adapters, dtype="float32", device="cpu",
-                                   threads=1, served_model_name="tiny", host=host, port=port, api_key=API_KEY,
-                                   peers=peers[name], node_id=name, cluster_key=KEY, gossip_interval_s=0.1,
-                                   dispatch=dispatch[name], migration_threshold_s=0.0, max_model_len=512,
-                                   shutdown_grace_s=2.0))
+        for name, config in configs.items():
+            out[name] = Node(config)
         for node in out.values():
             node.wait_ready()
         deadline = time.monotonic() + 20
-        while not all(len(n.cluster.membership.alive_digests()) == 2 for n in out.values()):
-            assert time.monotonic() < deadline, "the peers did not find each other"
+        while not settled(out):
+            assert time.monotonic() < deadline, f"the peers did not {what}"
             time.sleep(0.05)
         yield out
     finally:

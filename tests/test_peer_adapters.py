@@ -23,7 +23,8 @@ from asyncserve.cluster.routing import NodeLoad
 from asyncserve.config import Config
 from asyncserve.pager.remote import ADAPTER_FILES, FetchError, FetchLimits
 from asyncserve.perf_model import PerfCoefficients
-from test_cluster import API_KEY, AUTH, HOSTS, KEY, Node, _stream_with, body, free_port, running_on, streamed
+from test_cluster import (API_KEY, AUTH, HOSTS, KEY, Node, _stream_with, body, free_port, running, running_on,
+                          streamed)
 
 # ---- the logic, against a stub peer -----------------------------------------------------------------
 
@@ -226,26 +227,19 @@ def _digests_known(node: Node, names) -> bool:
 def pair(tiny_model, tmp_path_factory):
     port = free_port()
     cache = tmp_path_factory.mktemp("peer-caches")
-    nodes = {}
-    try:
-        for name, other, dispatch, adapters in (("a", "b", "round-robin", A_ADAPTERS), ("b", "a", "local", B_ADAPTERS)):
-            nodes[name] = Node(Config(
-                model=str(tiny_model.root), dtype="float32", device="cpu", threads=1, served_model_name="tiny",
-                adapters={n: str(tiny_model.adapters[src]) for n, src in adapters.items()},
-                host=HOSTS[name], port=port, api_key=API_KEY, peers=f"http://{HOSTS[other]}:{port}", node_id=name,
-                cluster_key=KEY, gossip_interval_s=0.1, dispatch=dispatch, migration_threshold_s=0.0,
-                max_model_len=512, shutdown_grace_s=2.0, adapter_cache_dir=str(cache / name)))
-        for node in nodes.values():
-            node.wait_ready()
-        deadline = time.monotonic() + 20
-        while not (all(node.peers_alive_soon(1) for node in nodes.values())
-                   and _digests_known(nodes["a"], A_ADAPTERS) and _digests_known(nodes["b"], B_ADAPTERS)):
-            assert time.monotonic() < deadline, "the peers did not find each other, or hash their adapters"
-            time.sleep(0.05)
-        yield nodes
-    finally:
-        for node in nodes.values():
-            node.stop()
+    configs = {name: Config(
+        model=str(tiny_model.root), dtype="float32", device="cpu", threads=1, served_model_name="tiny",
+        adapters={n: str(tiny_model.adapters[src]) for n, src in adapters.items()},
+        host=HOSTS[name], port=port, api_key=API_KEY, peers=f"http://{HOSTS[other]}:{port}", node_id=name,
+        cluster_key=KEY, gossip_interval_s=0.1, dispatch=dispatch, migration_threshold_s=0.0,
+        max_model_len=512, shutdown_grace_s=2.0, adapter_cache_dir=str(cache / name))
+        for name, other, dispatch, adapters in (("a", "b", "round-robin", A_ADAPTERS), ("b", "a", "local", B_ADAPTERS))}
+
+    def settled(nodes):
+        return (all(node.peers_alive_soon(1) for node in nodes.values())
+                and _digests_known(nodes["a"], A_ADAPTERS) and _digests_known(nodes["b"], B_ADAPTERS))
+
+    yield from running(configs, settled, "find each other, or hash their adapters")
 
 
 def _offline(tiny_model, adapters: dict[str, str]) -> LLM:

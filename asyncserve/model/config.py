@@ -96,6 +96,10 @@ class MoeConfig:
     normalize: bool
     shared_size: int = 0          # the shared expert's intermediate size; 0: none
 
+    def __post_init__(self):
+        if not 0 < self.top_k <= self.num_experts:
+            raise ModelLoadError(f"the model routes each token to {self.top_k} of {self.num_experts} experts")
+
 
 @dataclass
 class ModelConfig:
@@ -157,7 +161,8 @@ class ModelConfig:
         """The family's PEFT modules (Family.peft_modules) that this model's layers have."""
         modules = self.family.peft_modules()
         if not self.dense_mlp:
-            modules = {m: projs for m, projs in modules.items() if not set(projs) & set(GROUPS["gate_up"] + GROUPS["down"])}
+            mlp = set(GROUPS["gate_up"] + GROUPS["down"])
+            modules = {m: projs for m, projs in modules.items() if not set(projs) & mlp}
         return modules
 
     def projection_shapes(self) -> dict[str, tuple[int, int]]:

@@ -171,8 +171,6 @@ def _moe(llama, family: Family, path: Path) -> MoeConfig | None:
     if family.name not in _NORMALIZED_TOP_K:
         return None
     experts, used = llama("expert_count"), llama("expert_used_count")
-    if not 0 < used <= experts:
-        raise ModelLoadError(f"{path} routes each token to {used} of {experts} experts")
     size = llama("feed_forward_length") if family is _MIXTRAL else llama("expert_feed_forward_length")
     shared = llama("expert_shared_feed_forward_length", 0) if family.name == "qwen2_moe" else 0
     return MoeConfig(num_experts=experts, top_k=used, expert_size=size, normalize=_NORMALIZED_TOP_K[family.name],

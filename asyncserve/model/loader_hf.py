@@ -106,24 +106,20 @@ def _moe(cfg: dict[str, Any], family: Family, name: str) -> MoeConfig | None:
         return cfg[key]
 
     if family.name == "mixtral":
-        moe = MoeConfig(num_experts=count("num_local_experts"), top_k=count("num_experts_per_tok"), expert_size=count("intermediate_size"),
-                        normalize=True)
-    elif family.name.endswith("_moe"):
-        if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
-            raise ModelLoadError(f"model {name} mixes dense and mixture-of-experts layers (mlp_only_layers "
-                                 f"{cfg.get('mlp_only_layers')}, decoder_sparse_step {cfg.get('decoder_sparse_step', 1)}"
-                                 "), which asyncserve does not implement: it serves experts in every layer")
-        shared = cfg.get("shared_expert_intermediate_size") or 0
-        # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts (its attribute map)
-        experts = "num_experts" if "num_experts" in cfg else "num_local_experts"
-        moe = MoeConfig(num_experts=count(experts), top_k=count("num_experts_per_tok"),
-                        expert_size=count("moe_intermediate_size"), normalize=bool(cfg.get("norm_topk_prob", False)),
-                        shared_size=count("shared_expert_intermediate_size") if shared else 0)
-    else:
+        return MoeConfig(num_experts=count("num_local_experts"), top_k=count("num_experts_per_tok"),
+                         expert_size=count("intermediate_size"), normalize=True)
+    if not family.name.endswith("_moe"):
         return None
-    if moe.top_k > moe.num_experts:
-        raise ModelLoadError(f"model {name} routes each token to {moe.top_k} of {moe.num_experts} experts")
-    return moe
+    if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+        raise ModelLoadError(f"model {name} mixes dense and mixture-of-experts layers (mlp_only_layers "
+                             f"{cfg.get('mlp_only_layers')}, decoder_sparse_step {cfg.get('decoder_sparse_step', 1)}"
+                             "), which asyncserve does not implement: it serves experts in every layer")
+    shared = cfg.get("shared_expert_intermediate_size") or 0
+    # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts (its attribute map)
+    experts = "num_experts" if "num_experts" in cfg else "num_local_experts"
+    return MoeConfig(num_experts=count(experts), top_k=count("num_experts_per_tok"),
+                     expert_size=count("moe_intermediate_size"), normalize=bool(cfg.get("norm_topk_prob", False)),
+                     shared_size=count("shared_expert_intermediate_size") if shared else 0)
 
 
 def _layer_windows(cfg: dict[str, Any], family: Family, num_layers: int) -> list[int | None]:
