@@ -680,12 +680,14 @@ class Engine:
     def merge_refusal(self, name: str) -> str | None:
         """Why ``name`` cannot be merged (plan.merged must not name it): this model's base weights take
         no merge, its current load overflowed them once, or it has LoRA on the embeddings or the head
-        (kept apart, lora/vocab.py); None if it may be merged."""
+        (kept apart, lora/vocab.py) or on the routed experts; None if it may be merged."""
         reg = self.pager.registry.get(name)
         if reg is None:
             return f"adapter {name!r} is not loaded"
         if reg.vocab:
             return f"adapter {name!r} has LoRA on the embeddings or the head, which is not merged"
+        if reg.experts:
+            return f"adapter {name!r} has LoRA on the routed experts, which is not merged"
         return self.runner.merger.refusal(reg.load)
 
     def merge_switch_seconds(self, name: str | None) -> float:
@@ -713,11 +715,11 @@ class Engine:
         workers' predicted stall over the chunk is below the wait for the adapter's load, i.e. its
         copy to the device, plus a step if the pool has no room for it now (room comes only as
         running requests finish, so that is the least it waits)."""
-        if self.assist.live < 1:
+        reg = self.pager.registry[seq.adapter]
+        if self.assist.live < 1 or reg.experts:       # the workers compute no expert's LoRA
             return False
         if self.config.cpu_assist == "on":
             return True
-        reg = self.pager.registry[seq.adapter]
         wait = self.assist.copy_seconds(reg.host_bytes)
         if self.pool.num_free + self.pager.idle_pages() < reg.footprint:
             wait += self.latency.predict([(tokens, seq.adapter_rank)])

@@ -28,8 +28,8 @@ from workloads import w1_file  # noqa: E402
 native_moe = llama.moe_mlp
 
 
-def experts_in_torch_ops(x, experts, moe, native, shared=None):
-    return native_moe(x, experts, moe, False, shared)
+def experts_in_torch_ops(x, experts, moe, native, shared=None, lora=None, layer=0):
+    return native_moe(x, experts, moe, False, shared, lora, layer)
 
 
 def main() -> None:

@@ -13,6 +13,9 @@ and by PEFT. Adapter i takes a rank and a target set at random (seeded) from --r
     # DoRA adapters, their magnitudes as PEFT initializes them (the adapted rows' norms, read from the
     # base weights): the same tokens as the plain LoRA adapters of the same seed, DoRA's work on top
     python scripts/make_adapters.py 4 /tmp/dora-adapters --dora
+    # a mixture of experts: "experts" adds every routed expert's gate/up/down_proj, as PEFT named them on
+    # transformers v4's per-expert modules (mlp.experts.{e}.gate_proj; what llama.cpp's converter reads)
+    python scripts/make_adapters.py 4 /tmp/moe-adapters --model /tmp/moe --ranks 16 --targets q_proj,v_proj,experts
 """
 from __future__ import annotations
 
@@ -57,7 +60,8 @@ def write_adapter(folder: Path, base_name: str, num_layers: int, shapes: dict[st
     for layer in range(num_layers):
         for module in targets:
             fan_in, fan_out = shapes[module]
-            name = f"model.layers.{layer}.{'mlp' if module in MLP else 'self_attn'}.{module}"
+            container = "mlp" if module in MLP or module.startswith("experts.") else "self_attn"
+            name = f"model.layers.{layer}.{container}.{module}"
             key = f"base_model.model.{name}"
             tensors[f"{key}.lora_A.weight"] = (torch.randn(r, fan_in, generator=generator) * fan_in ** -0.5).to(dtype)
             tensors[f"{key}.lora_B.weight"] = (torch.randn(fan_out, r, generator=generator) * 0.3 / r ** 0.5).to(dtype)
@@ -68,7 +72,7 @@ def write_adapter(folder: Path, base_name: str, num_layers: int, shapes: dict[st
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": ALPHA_PER_RANK * r,
-              "target_modules": list(targets), "lora_dropout": 0.0, "bias": "none", "use_rslora": False,
+              "target_modules": list(dict.fromkeys(t.rpartition(".")[2] for t in targets)), "lora_dropout": 0.0, "bias": "none", "use_rslora": False,
               "use_dora": base_weights is not None, "base_model_name_or_path": base_name}
     (folder / "adapter_config.json").write_text(json.dumps(config, indent=1) + "\n")
 
@@ -124,11 +128,23 @@ def vocab_copy(source: Path, out: Path, vocab_size: int, hidden: int, seed: int 
 
 
 def parse_targets(spec: str) -> tuple[str, ...]:
+    """Projections, "all" (ALL) or "experts" (a mixture's routed experts', expanded by with_experts)."""
     targets = ALL if spec == "all" else tuple(spec.split(","))
-    unknown = set(targets) - set(ALL)
+    unknown = set(targets) - set(ALL) - {"experts"}
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown projections {sorted(unknown)}; choose from {', '.join(ALL)}")
+        raise argparse.ArgumentTypeError(f"unknown projections {sorted(unknown)}; choose from {', '.join(ALL)} "
+                                         "or experts")
     return targets
+
+
+def with_experts(targets: tuple[str, ...], shapes: dict[str, tuple[int, int]]) -> tuple[str, ...]:
+    """targets with "experts" replaced by every expert projection the model has (experts.{e}.gate_proj ...)."""
+    if "experts" not in targets:
+        return targets
+    experts = tuple(name for name in shapes if name.startswith("experts."))
+    if not experts:
+        raise ValueError("--targets experts: the model is not a mixture of experts")
+    return tuple(t for t in targets if t != "experts") + experts
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -161,7 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     for i in range(args.count):
         name = f"{args.prefix}{i}" if args.prefix is not None else f"a{i:04d}"
         write_adapter(args.out / name, base_name, num_layers, shapes, pick.choice(args.ranks),
-                      pick.choice(args.targets), generator, getattr(torch, args.dtype), base_weights)
+                      with_experts(pick.choice(args.targets), shapes), generator, getattr(torch, args.dtype),
+                      base_weights)
     print(f"wrote {args.count} adapters for {base_name} under {args.out} in {time.perf_counter() - t0:.1f} s")
 
 

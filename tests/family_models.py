@@ -298,6 +298,14 @@ def broken_copy(source: Path, folder: Path, edit_config=None, edit_weights=None)
     return folder
 
 
+def renamed(old: str, new: str):
+    """An edit for broken_copy: every tensor whose name holds ``old`` renamed with ``new`` in its place."""
+    def edit(weights: dict) -> None:
+        for key in [k for k in weights if old in k]:
+            weights[key.replace(old, new)] = weights.pop(key)
+    return edit
+
+
 def assert_refused_each_alone(model: FamilyModel, cases, refs, source: str, bad: dict, tmp_path: Path) -> None:
     """Each of ``bad`` (label -> (config edit, tensors edit, the reason's pattern)) on a copy of adapter
     ``source`` is refused at load with its reason, alone: the adapters loaded before still give the

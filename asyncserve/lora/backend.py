@@ -54,7 +54,7 @@ from asyncserve.lora.batch import LoraBatch, SlotTables
 from asyncserve.model.checkpoint import all_finite
 from asyncserve.model.config import GROUPS, PROJ_INDEX, PROJECTIONS, ModelConfig
 from asyncserve.model.linear import Linear, QuantLinear, make_linear, onednn_packs
-from asyncserve.model.llama import NativeStepLora
+from asyncserve.model.llama import ExpertLora, NativeStepLora, pool_rows
 from asyncserve.pager.pager import DeviceAdapter
 from asyncserve.pager.pool import PagedPool
 
@@ -82,6 +82,10 @@ class LoraBackend:
     def native_step(self) -> NativeStepLora | None:
         """The step's LoRA for the native layer loop, where lora_segments computes all of it (None here:
         the model calls project per group)."""
+        return None
+
+    def experts(self) -> ExpertLora | None:
+        """The step's LoRA on the routed experts (None here: no adapter has any)."""
         return None
 
     def base_weights_changed(self) -> None:
@@ -196,12 +200,13 @@ class TorchLoraBackend(LoraBackend):
         # are built ("pool", [(row spans, adapter, its scalings, [(projection, r, in, out, column)])]),
         # or with the native kernels ("native", (runs [num_runs, 3], the slot tables))
         self._plans: dict[str, tuple[str, object]] = {}
-        # the native plans' adapter tables, kept across steps
-        self.slot_tables = SlotTables(config.num_layers, len(PROJECTIONS))
+        # the native plans' and the experts' adapter tables, kept across steps
+        self.slot_tables = SlotTables(config.num_layers, len(config.lora_projections()))
+        self._experts: ExpertLora | None = None
 
     @property
     def active(self) -> bool:
-        return bool(self._plans)
+        return bool(self._plans) or self._experts is not None
 
     def native_step(self) -> NativeStepLora | None:
         if not self._plans or any(kind != "native" for kind, _ in self._plans.values()):
@@ -210,10 +215,15 @@ class TorchLoraBackend(LoraBackend):
         return NativeStepLora([runs if g in self._plans else None for g in GROUPS],
                               [self._native_projections[g] for g in GROUPS], self.pool.flat, tables)
 
+    def experts(self) -> ExpertLora | None:
+        return self._experts
+
     def begin_step(self, batch: LoraBatch | None) -> None:
         self._plans = {}
+        self._experts = None
         if batch is None or batch.empty:
             return
+        self._experts = expert_step(batch, self.slot_tables, self.pool.flat)
         if self.native and self.mode == "auto":
             self._plans = self._native_plans(batch)
             return
@@ -365,8 +375,8 @@ class TorchLoraBackend(LoraBackend):
             flat = self.pool.flat
             for runs, adapter, scaling, projs in data:
                 for p, r, fan_in, fan_out, col in projs:
-                    a = _rows(flat, adapter.a_ptr[layer, p, :r], fan_in)        # [r, in]
-                    b = _rows(flat, adapter.b_ptr[layer, p, :r], fan_out)       # [r, out]
+                    a = pool_rows(flat, adapter.a_ptr[layer, p, :r], fan_in)        # [r, in]
+                    b = pool_rows(flat, adapter.b_ptr[layer, p, :r], fan_out)       # [r, out]
                     for sl in runs:
                         y[sl, col:col + fan_out].addmm_(x[sl] @ a.t(), b, alpha=scaling[layer][p])
             return
@@ -437,10 +447,10 @@ class StackBuild:
     def fill_next_layer(self) -> None:
         layer = self.next_layer
         a, b = self.a_stack[layer], self.b_stack[layer]
-        a.copy_(_rows(self.flat, self.a_offsets[layer], self.fan_in))
+        a.copy_(pool_rows(self.flat, self.a_offsets[layer], self.fan_in))
         b.zero_()
         for fan_out, col, offsets, scales, stack_rows in self.b_parts:
-            rows = _rows(self.flat, offsets[layer], fan_out)                  # [R_p, out_p]
+            rows = pool_rows(self.flat, offsets[layer], fan_out)                  # [R_p, out_p]
             b[stack_rows, col:col + fan_out] = (rows.float() * scales[layer, :, None]).to(b.dtype)
         self.finite = self.finite and all_finite(a) and all_finite(b)
         self.next_layer += 1
@@ -456,11 +466,11 @@ class StackLinears(NamedTuple):
     packed: bool          # over make_linear's copies (oneDNN's layout on CPU), not views of the stacks
 
 
-def _rows(flat: torch.Tensor, offsets: torch.Tensor, width: int) -> torch.Tensor:
-    """flat[offsets[..., None] + arange(width)], i.e. the ``width`` elements at each offset, gathered
-    through a view of flat's overlapping windows rather than an index tensor of every element."""
-    windows = flat.as_strided((flat.numel() - width + 1, width), (1, 1))
-    return windows.index_select(0, offsets.reshape(-1)).view(*offsets.shape, width)
+def expert_step(batch: LoraBatch, slot_tables: SlotTables, flat: torch.Tensor) -> ExpertLora | None:
+    """The step's LoRA on the routed experts, over the slot tables, if a step adapter has any."""
+    if not any(any(a.ranks[len(PROJECTIONS):]) for a in batch.adapters):
+        return None
+    return ExpertLora(flat, batch.token_adapter(slot_tables.slots(batch.adapters)), slot_tables.tensors)
 
 
 def adapter_spans(batch: LoraBatch) -> dict[int, list[slice]]:

@@ -83,6 +83,9 @@ class LoraBatch:
         return self._tensors[key]
 
 
+INITIAL_TABLE_BYTES = 32 << 20
+
+
 class SlotTables:
     """The step tables kept across steps, for kernels that take each run's adapter as an index into
     them (lora_segments, and the Triton kernels through token_adapter / segments): one slot per adapter
@@ -97,6 +100,10 @@ class SlotTables:
                  slots: int = 64, max_rank: int = 16):
         self._slot_of: OrderedDict[int, int] = OrderedDict()   # generation -> slot, least recently used first
         self._shape = (num_layers, num_projections)
+        # fewer slots to start with where a slot is large: a mixture of experts has a column per expert
+        # projection (Qwen3-30B-A3B: 48 layers x 391 columns, 4.8 MB a slot at rank 16); more come as needed
+        slot_bytes = num_layers * num_projections * max_rank * 2 * 8
+        slots = min(slots, max(4, INITIAL_TABLE_BYTES // slot_bytes))
         self.device = device
         self._ranks, self._ptr, self._scaling = self._allocate(slots, max_rank)
         self.version = 0            # counts the resizes: kernels captured over the old tables must not run

@@ -153,6 +153,9 @@ class DoraLora:
         bounds = [start for start, _ in self.columns.values()] + [max(end for _, end in self.columns.values())]
         return dataclasses.replace(inner, dora_runs=runs, dora_scales=scales, dora_columns=bounds)
 
+    def experts(self):
+        return self.inner.experts()      # a DoRA adapter has no LoRA on the experts (adapters.py refuses it)
+
     def project(self, layer: int, group: str, x: torch.Tensor, base: Linear) -> torch.Tensor:
         y = self.inner.project(layer, group, x, base)          # [T, out of the group]
         c0, c1 = self.columns[group]

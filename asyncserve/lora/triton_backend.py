@@ -26,9 +26,10 @@ from dataclasses import dataclass
 import torch
 
 import kernels
-from asyncserve.lora.backend import LoraBackend, group_layout
+from asyncserve.lora.backend import LoraBackend, expert_step, group_layout
 from asyncserve.lora.batch import LoraBatch, SlotTables
 from asyncserve.model.config import PROJ_INDEX, PROJECTIONS, ModelConfig
+from asyncserve.model.llama import ExpertLora
 from asyncserve.pager.pager import DeviceAdapter
 from asyncserve.pager.pool import PagedPool
 from kernels._util import INTERPRET
@@ -75,17 +76,23 @@ class TritonLoraBackend(LoraBackend):
             p0 = PROJ_INDEX[rows[0][0]]
             assert [PROJ_INDEX[proj] for proj, *_ in rows] == list(range(p0, p0 + len(rows)))
             self._fused[group] = (p0, len(rows), tuple(fan_out for _, _, fan_out, _ in rows))
-        self.slot_tables = SlotTables(config.num_layers, len(PROJECTIONS), pool.device)
+        self.slot_tables = SlotTables(config.num_layers, len(config.lora_projections()), pool.device)
         self._step: _Step | None = None
+        self._experts: ExpertLora | None = None
 
     @property
     def active(self) -> bool:
         return self._step is not None
 
+    def experts(self) -> ExpertLora | None:
+        return self._experts
+
     def begin_step(self, batch: LoraBatch | None) -> None:
         self._step = None
+        self._experts = None
         if batch is None or batch.empty:
             return
+        self._experts = expert_step(batch, self.slot_tables, self.pool.flat)
         # the kernels index the tables kept across steps by each token's (or segment's) slot
         slots = self.slot_tables.slots(batch.adapters)
         ranks, a_ptr, b_ptr, scaling = self.slot_tables.tensors
@@ -160,9 +167,10 @@ class TritonLoraBackend(LoraBackend):
             return 0.0
         t0 = time.perf_counter()
         device, dtype, rank = self.pool.device, self.pool.dtype, 16
-        rows = torch.zeros(self.num_layers, len(PROJECTIONS), rank, dtype=torch.int64, device=device)
-        adapter = DeviceAdapter("warm-up", [rank] * len(PROJECTIONS), rows, rows,
-                                torch.zeros(self.num_layers, len(PROJECTIONS), device=device), [], generation=-1)
+        projections = self.slot_tables.tensors[0].shape[1]
+        rows = torch.zeros(self.num_layers, projections, rank, dtype=torch.int64, device=device)
+        adapter = DeviceAdapter("warm-up", [rank] * projections, rows, rows,
+                                torch.zeros(self.num_layers, projections, device=device), [], generation=-1)
         for lengths, decode in WARM_UP_STEPS:
             starts = list(itertools.accumulate(lengths, initial=0))
             tokens = starts[-1]

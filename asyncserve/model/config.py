@@ -27,6 +27,9 @@ def read_json(path: Path) -> dict:
 # LoRA-targetable projections, PEFT module names, in the order adapters' tables use.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROJ_INDEX = {name: i for i, name in enumerate(PROJECTIONS)}
+# Each routed expert's projections an adapter may adapt (ModelConfig.lora_projections names them
+# experts.{e}.{projection}, after PROJECTIONS).
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # Projections that share an input run as one fused base matmul, and their LoRA as one group.
 GROUPS = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -165,10 +168,23 @@ class ModelConfig:
             modules = {m: projs for m, projs in modules.items() if not set(projs) & mlp}
         return modules
 
+    def lora_projections(self) -> tuple[str, ...]:
+        """The projections an adapter's tables have a column for, in order: PROJECTIONS, then with a
+        mixture of experts each expert's (EXPERT_PROJECTIONS), named experts.{e}.{projection}: expert
+        e's gate_proj is column expert_column(e)."""
+        if self.moe is None:
+            return PROJECTIONS
+        return PROJECTIONS + tuple(f"experts.{e}.{p}" for e in range(self.moe.num_experts) for p in EXPERT_PROJECTIONS)
+
+    @staticmethod
+    def expert_column(expert: int) -> int:
+        """The tables' column of an expert's gate_proj (up_proj and down_proj follow it)."""
+        return len(PROJECTIONS) + len(EXPERT_PROJECTIONS) * expert
+
     def projection_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in_features, out_features) of every LoRA-targetable projection, PEFT module names."""
+        """(in_features, out_features) of every LoRA-targetable projection (lora_projections' names)."""
         h, i = self.hidden_size, self.intermediate_size
-        return {
+        shapes = {
             "q_proj": (h, self.q_size),
             "k_proj": (h, self.kv_size),
             "v_proj": (h, self.kv_size),
@@ -177,6 +193,12 @@ class ModelConfig:
             "up_proj": (h, i),
             "down_proj": (i, h),
         }
+        if self.moe is not None:
+            e = self.moe.expert_size
+            expert = {"gate_proj": (h, e), "up_proj": (h, e), "down_proj": (e, h)}
+            names = self.lora_projections()[len(PROJECTIONS):]
+            shapes.update({name: expert[name.rpartition(".")[2]] for name in names})
+        return shapes
 
 
 # Weight names every loader produces (HF Llama naming, float32 or the file's float dtype, un-permuted):

@@ -47,6 +47,9 @@ class LoraHook(Protocol):
         """The step's LoRA as kernels.cpu.lora_segments computes it in every group, or None where
         some group needs ``project``."""
 
+    def experts(self) -> ExpertLora | None:
+        """The step's LoRA on the routed experts, None where no step adapter has any."""
+
 
 class VocabHook(Protocol):
     """A step's LoRA on the token embeddings and the LM head (lora/vocab.py's VocabStep)."""
@@ -73,6 +76,16 @@ class NativeStepLora:
     dora_runs: torch.Tensor | None = None
     dora_scales: list[torch.Tensor] = field(default_factory=list)
     dora_columns: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ExpertLora:
+    """A step's LoRA on the routed experts: each token's adapter as a row of the tables (-1: none) and
+    the pool and tables as lora_segments takes them, whose columns ModelConfig.expert_column(e) + 0, 1, 2
+    are expert e's gate, up and down projections (ModelConfig.lora_projections)."""
+    flat: torch.Tensor
+    token_rows: torch.Tensor         # [T] int32
+    tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]   # ranks, a_ptr, b_ptr, scaling
 
 
 # Projections are Linear objects over the checkpoint's [out, in] weights (model/linear.py picks
@@ -452,6 +465,7 @@ def _forward_layers(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.
     num_layers, block = kv.shape[2], kv.shape[3]
     kv_rows = kv.view(-1, kv_size)
     use_lora = lora.active
+    expert_lora = lora.experts() if use_lora and config.moe is not None else None
     gelu = config.family.activation == "gelu_tanh"
     if not native:
         tables = {False: rope.tables(inp.positions)}
@@ -496,7 +510,7 @@ def _forward_layers(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.
         h, x = _residual_norm(h, o, lw.post_norm, eps, native)
         d = _dense_mlp(li, lw, x, lora, use_lora, gelu, native) if lw.gate_up is not None else None
         if lw.experts is not None:
-            d = moe_mlp(x, lw.experts, config.moe, native, d)
+            d = moe_mlp(x, lw.experts, config.moe, native, d, expert_lora, li)
         if reduce is not None:
             d = reduce(d)
         if lw.mlp_out_norm is not None:
@@ -539,26 +553,30 @@ def _dense_mlp(li: int, lw: LayerWeights, x: torch.Tensor, lora: LoraHook, use_l
 
 
 def moe_mlp(x: torch.Tensor, experts: ExpertWeights, moe: MoeConfig, native: bool,
-            shared: torch.Tensor | None = None) -> torch.Tensor:
+            shared: torch.Tensor | None = None, lora: ExpertLora | None = None, layer: int = 0) -> torch.Tensor:
     """x [T, hidden] -> the experts' outputs [T, hidden], each token's top_k summed by their router
     probabilities in float32, experts in order (as transformers adds them); plus shared (the shared
-    expert's output) times sigmoid(x . shared_gate). native: the experts in one native call."""
+    expert's output) times sigmoid(x . shared_gate). native: the experts in one native call. lora: the
+    step's LoRA on the experts, whose tables' ``layer`` this is."""
     k = moe.top_k
     probs = torch.softmax(experts.router(x).float(), dim=-1)              # [T, experts]
     top_p, top_e = torch.topk(probs, k, dim=-1)                           # [T, k]
     if moe.normalize:
         top_p /= top_p.sum(dim=-1, keepdim=True)
-    if native:
+    if native and lora is not None:
+        out = experts.native().forward_lora(x.contiguous(), top_e, top_p.contiguous(), lora.flat, lora.token_rows,
+                                            *lora.tables, layer, ModelConfig.expert_column(0))
+    elif native:
         out = experts.native().forward(x.contiguous(), top_e, top_p.contiguous())
     else:
-        out = _experts_eager(x, experts, moe, top_e, top_p)
+        out = _experts_eager(x, experts, moe, top_e, top_p, lora, layer)
     if shared is not None:
         out += torch.sigmoid(experts.shared_gate(x)) * shared
     return out
 
 
 def _experts_eager(x: torch.Tensor, experts: ExpertWeights, moe: MoeConfig, top_e: torch.Tensor,
-                   top_p: torch.Tensor) -> torch.Tensor:
+                   top_p: torch.Tensor, lora: ExpertLora | None = None, layer: int = 0) -> torch.Tensor:
     """moe_mlp's experts in torch ops: the (token, choice) pairs grouped by expert, tokens in order
     within each (one host read of the counts), each expert's tokens as one batch."""
     k = moe.top_k
@@ -570,10 +588,47 @@ def _experts_eager(x: torch.Tensor, experts: ExpertWeights, moe: MoeConfig, top_
     for e, n in enumerate(counts):
         if n:
             rows = tokens[start:start + n]
-            y = experts.down[e](silu_mul(experts.gate_up[e](x[rows])))     # [n, hidden]
+            xe = x[rows]                                                    # [n, hidden]
+            gate_up = experts.gate_up[e](xe)                                # [n, 2 expert_size]
+            inter = gate_up.shape[1] // 2
+            column = ModelConfig.expert_column(e)
+            if lora is not None:
+                _expert_lora_(gate_up, xe, lora, layer, rows, [(column, 0, inter), (column + 1, inter, inter)])
+            act = silu_mul(gate_up)
+            y = experts.down[e](act)                                        # [n, hidden]
+            if lora is not None:
+                _expert_lora_(y, act, lora, layer, rows, [(column + 2, 0, y.shape[1])])
             out.index_add_(0, rows, (y.float() * weights[start:start + n, None]).to(x.dtype))
             start += n
     return out
+
+
+def _expert_lora_(y: torch.Tensor, x: torch.Tensor, lora: ExpertLora, layer: int, tokens: torch.Tensor,
+                  columns: list[tuple[int, int, int]]) -> None:
+    """y [n, out] += the LoRA of an expert's projections on x [n, in], rows of ``tokens`` each with its
+    token's adapter: columns (tables column, first column of y, width). The torch-ops form of what
+    experts.h's forward_lora does: in float32, y rounded once."""
+    ranks, a_ptr, b_ptr, scaling = lora.tables
+    token_rows = lora.token_rows[tokens]
+    for row in token_rows.unique().tolist():
+        if row < 0:
+            continue
+        picked = (token_rows == row).nonzero().squeeze(1)
+        xs = x[picked].float()
+        for column, first, width in columns:
+            r = int(ranks[row, column])
+            if r:
+                a = pool_rows(lora.flat, a_ptr[row, layer, column, :r], x.shape[1]).float()    # [r, in]
+                b = pool_rows(lora.flat, b_ptr[row, layer, column, :r], width).float()         # [r, out]
+                delta = (xs @ a.t() * scaling[row, layer, column]) @ b                          # [picked, width]
+                y[picked, first:first + width] = (y[picked, first:first + width].float() + delta).to(y.dtype)
+
+
+def pool_rows(flat: torch.Tensor, offsets: torch.Tensor, width: int) -> torch.Tensor:
+    """flat[offsets[..., None] + arange(width)], i.e. the ``width`` elements at each offset (a pool row),
+    gathered through a view of flat's overlapping windows rather than an index tensor of every element."""
+    windows = flat.as_strided((flat.numel() - width + 1, width), (1, 1))
+    return windows.index_select(0, offsets.reshape(-1)).view(*offsets.shape, width)
 
 
 def silu_mul(gate_up: torch.Tensor, native: bool = False) -> torch.Tensor:

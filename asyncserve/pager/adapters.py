@@ -36,7 +36,7 @@ import msgspec
 import torch
 
 from asyncserve.model.checkpoint import all_finite
-from asyncserve.model.config import PROJ_INDEX, PROJECTIONS, ModelConfig
+from asyncserve.model.config import EXPERT_PROJECTIONS, PROJ_INDEX, PROJECTIONS, ModelConfig
 from asyncserve.pager.patterns import PatternError, PatternTable
 
 
@@ -48,6 +48,19 @@ class AdapterError(ValueError):
 # model has is ModelConfig.peft_modules; its tensor: lora_A, lora_B, or DoRA's magnitude ("M" below)
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp(?:\.shared_expert)?)\.(\w+)\."
                   r"(?:lora_([AB])(?:\.[\w-]+)?\.weight|(lora_magnitude_vector)(?:\.[\w-]+)?(?:\.weight)?)$")
+
+# LoRA on a routed expert's projection (a mixture of experts, ModelConfig.moe), as PEFT names it on the
+# per-expert Linear modules of transformers before v5: Qwen's mlp.experts.{e}.{gate,up,down}_proj, Mixtral's
+# block_sparse_moe.experts.{e}.{w1,w3,w2}
+_EXPERT_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                         r"(gate_proj|up_proj|down_proj|w1|w2|w3)\.(?:lora_([AB])(?:\.[\w-]+)?\.weight|(lora_magnitude_vector)(?:\.[\w-]+)?(?:\.weight)?)$")
+_MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# ... and as PEFT's target_parameters names it on transformers v5's stacked experts (mlp.experts.gate_up_proj
+# [experts, 2 inter, hidden], down_proj [experts, hidden, inter]): one LoRA per parameter, lora_A [r * experts,
+# in], lora_B [out, r * experts] (expert e: rows e*r.. of A, columns e::experts of B). Two targeted parameters
+# nest: the one registered first (gate_up_proj) is the inner wrapper, its keys one "base_layer." deeper.
+_STACKED_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.((?:base_layer\.)*)lora_([AB])(?:\.[\w-]+)?\.weight$")
+STACKED_PARAMETERS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 # LoRA on the token embeddings (PEFT: embed_tokens.lora_embedding_A/B) or the LM head (lm_head.lora_A/B),
 # and the copies of their base weights PEFT saves beside them (save_embedding_layers)
@@ -85,6 +98,8 @@ class AdapterConfig(msgspec.Struct, forbid_unknown_fields=False):
     ensure_weight_tying: bool = False
     rank_pattern: dict[str, Rank] | None = None
     alpha_pattern: dict[str, Alpha] | None = None
+    target_parameters: Annotated[list[Annotated[str, msgspec.Meta(max_length=MAX_TENSOR_NAME)]],
+                                 msgspec.Meta(max_length=64)] | None = None
 
 
 Size = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]      # safetensors sizes and offsets (msgspec: int64)
@@ -129,7 +144,7 @@ class VocabRows:
 class HostAdapter:
     name: str
     path: str
-    ranks: list[int]                     # per projection (PROJECTIONS order), 0 = not targeted
+    ranks: list[int]                     # per projection (ModelConfig.lora_projections order), 0 = not targeted
     scaling: torch.Tensor                # [L, P] float32
     a_rows: dict[tuple[int, int], torch.Tensor]   # (layer, proj) -> [r_p, in]
     b_rows: dict[tuple[int, int], torch.Tensor]   # (layer, proj) -> [r_p, out] (B transposed)
@@ -150,7 +165,7 @@ def row_lengths(ranks: list[int], config: ModelConfig) -> list[int]:
     shapes = config.projection_shapes()
     lengths = []
     for layer in range(config.num_layers):
-        for p, proj in enumerate(PROJECTIONS):
+        for p, proj in enumerate(config.lora_projections()):
             r = ranks[p]
             fan_in, fan_out = shapes[proj]
             lengths += [fan_in] * r + [fan_out] * r
@@ -165,6 +180,10 @@ class StoredTensor:
     shape: tuple[int, ...]
     begin: int                           # byte offsets into PeftFolder.weights
     end: int
+    # a stacked expert's B (_STACKED_KEY): the bytes hold [shape[0], shape[1] * every], of whose columns
+    # this tensor is every every-th from ``column``
+    every: int = 1
+    column: int = 0
 
 
 @dataclass
@@ -350,9 +369,12 @@ def _check_against_model(name: str, path: str, acfg: AdapterConfig, stored: list
     shapes = config.projection_shapes()
     peft_modules = config.peft_modules()
     found: dict[tuple[int, str], dict[str, StoredTensor]] = {}
+    experts = ExpertsFound()
     vocab_found: dict[str, dict[str, StoredTensor]] = {}
     base_copies: dict[str, StoredTensor] = {}
     for t in stored:
+        if config.moe is not None and experts.add(name, t, config):
+            continue
         if (v := _VOCAB_KEY.search(t.key)) is not None:
             module = VOCAB_MODULES[v.group(1)]
             if v.group(5):
@@ -377,16 +399,19 @@ def _check_against_model(name: str, path: str, acfg: AdapterConfig, stored: list
             raise AdapterError(f"adapter {name!r}: {t.key!r} is for layer {layer}, the base model has "
                                f"{config.num_layers} layers")
         found.setdefault((layer, module), {})[ab] = t
-    if not found:
+    if not found and not experts.any:
         raise AdapterError(f"adapter {name!r}: no LoRA tensors on the decoder layers' projections in "
                            f"{path}/adapter_model.safetensors (LoRA on the embeddings or the head alone is not served)")
     modules = _split_fused_modules(name, found, peft_modules, shapes, fan_in_fan_out)
+    expert_modules, expert_names = experts.modules(name, acfg, config)
+    modules.update(expert_modules)
     vocab = _check_vocab(name, acfg, vocab_found, base_copies, config, rank_pattern, alpha_pattern, alpha)
 
-    ranks = [0] * len(PROJECTIONS)
-    scaling = [[0.0] * len(PROJECTIONS) for _ in range(config.num_layers)]
+    projections = config.lora_projections()
+    ranks = [0] * len(projections)
+    scaling = [[0.0] * len(projections) for _ in range(config.num_layers)]
     for (layer, p), ab in modules.items():
-        proj = PROJECTIONS[p]
+        proj = projections[p]
         if set(ab) - {"M"} != {"A", "B"}:
             raise AdapterError(f"adapter {name!r}: layer {layer} {proj} has lora_{''.join(sorted(set(ab) - {'M'}))} "
                                "but not both A and B")
@@ -404,8 +429,9 @@ def _check_against_model(name: str, path: str, acfg: AdapterConfig, stored: list
             raise AdapterError(
                 f"adapter {name!r}: layer {layer} {proj} has lora_A {a_shape} and lora_B {b_shape}; this base "
                 f"model needs A [r, {fan_in}] and B [{fan_out}, r] — was it trained for a different base model?")
-        peft_name = _peft_name(config, proj)
-        module = f"model.layers.{layer}.{_container(config, peft_name)}.{peft_name}"
+        if (module := expert_names.get((layer, p))) is None:
+            peft_name = _peft_name(config, proj)
+            module = f"model.layers.{layer}.{_container(config, peft_name)}.{peft_name}"
         scaling[layer][p] = _module_scaling(name, acfg, module, r, rank_pattern, alpha_pattern, alpha)
         ranks[p] = max(ranks[p], r)
     return ranks, scaling, modules, fan_in_fan_out, vocab
@@ -498,6 +524,112 @@ def _split_fused_modules(name: str, found: dict[tuple[int, str], dict[str, Store
     return modules
 
 
+class ExpertsFound:
+    """An adapter's tensors on the routed experts, as _check_against_model finds them: per-expert modules
+    (_EXPERT_KEY) or stacked parameters (_STACKED_KEY), never both."""
+
+    def __init__(self):
+        self.per_expert: dict[tuple[int, int, str], dict[str, StoredTensor]] = {}   # (layer, expert, PEFT module)
+        self.stacked: dict[tuple[int, int], dict[str, StoredTensor]] = {}           # (layer, base_layer depth)
+
+    @property
+    def any(self) -> bool:
+        return bool(self.per_expert or self.stacked)
+
+    def add(self, name: str, t: StoredTensor, config: ModelConfig) -> bool:
+        """Whether t is LoRA on the experts (then it is kept); refuses what no expert of the model has."""
+        if (m := _EXPERT_KEY.search(t.key)) is not None:
+            expert, module = int(m.group(2)), m.group(3)
+            if m.group(5):
+                raise AdapterError(f"adapter {name!r}: {t.key!r}: DoRA on the routed experts is not served "
+                                   "(DoRA on the attention's projections is)")
+            if expert >= config.moe.num_experts:
+                raise AdapterError(f"adapter {name!r}: {t.key!r} is for expert {expert}; the base model's layers "
+                                   f"have {config.moe.num_experts} experts")
+            self.per_expert.setdefault((int(m.group(1)), expert, module), {})[m.group(4)] = t
+        elif (m := _STACKED_KEY.search(t.key)) is not None:
+            self.stacked.setdefault((int(m.group(1)), m.group(2).count(".")), {})[m.group(3)] = t
+        else:
+            return False
+        if int(m.group(1)) >= config.num_layers:
+            raise AdapterError(f"adapter {name!r}: {t.key!r} is for layer {m.group(1)}, the base model has "
+                               f"{config.num_layers} layers")
+        return True
+
+    def modules(self, name: str, acfg: AdapterConfig, config: ModelConfig
+                ) -> tuple[dict[tuple[int, int], dict[str, StoredTensor]], dict[tuple[int, int], str]]:
+        """(layer, tables column) -> {"A", "B"}, as _split_fused_modules gives the others, and each one's
+        module name for rank_pattern and alpha_pattern."""
+        if self.per_expert and self.stacked:
+            raise AdapterError(f"adapter {name!r} has LoRA on both the per-expert modules and the stacked expert "
+                               "parameters; a PEFT adapter has one or the other")
+        if self.any and acfg.use_dora:
+            raise AdapterError(f"adapter {name!r}: DoRA on the routed experts is not served (DoRA on the "
+                               "attention's projections is)")
+        if self.stacked and acfg.fan_in_fan_out:
+            raise AdapterError(f"adapter {name!r}: fan_in_fan_out is not supported on the stacked experts")
+        modules, names = {}, {}
+        for (layer, expert, module), ab in self.per_expert.items():
+            proj = _MIXTRAL_EXPERT.get(module, module)
+            column = config.expert_column(expert) + EXPERT_PROJECTIONS.index(proj)
+            if (layer, column) in modules:
+                raise AdapterError(f"adapter {name!r}: layer {layer} names expert {expert}'s {proj} twice "
+                                   f"({names[(layer, column)].rpartition('.')[2]} and {module})")
+            modules[(layer, column)] = ab
+            container = "block_sparse_moe" if module in _MIXTRAL_EXPERT else "mlp"
+            names[(layer, column)] = f"model.layers.{layer}.{container}.experts.{expert}.{module}"
+        # the targeted parameters, innermost wrapper first (the order transformers registers them)
+        targeted = [p for p in STACKED_PARAMETERS
+                    if any(t.rpartition(".")[2] == p for t in acfg.target_parameters or ())]
+        for (layer, depth), ab in self.stacked.items():
+            if depth >= len(targeted):
+                raise AdapterError(f"adapter {name!r}: layer {layer} has LoRA on the stacked experts "
+                                   f"{'base_layer.' * depth}lora_*, but adapter_config.json's target_parameters "
+                                   f"({acfg.target_parameters}) names {len(targeted)} of the experts' parameters "
+                                   f"({', '.join(STACKED_PARAMETERS)})")
+            parameter = targeted[len(targeted) - 1 - depth]
+            module = f"model.layers.{layer}.mlp.experts.{parameter}"
+            split = _split_stacked(name, module, ab, parameter, config)
+            modules.update(split)
+            names.update(dict.fromkeys(split, module))
+        return modules, names
+
+
+def _split_stacked(name: str, module: str, ab: dict[str, StoredTensor], parameter: str,
+                   config: ModelConfig) -> dict[tuple[int, int], dict[str, StoredTensor]]:
+    """A stacked parameter's LoRA cut per expert and projection: expert e's A is rows e*r.. of lora_A
+    (a byte range), its B columns e::experts of lora_B, and gate_up_proj's rows of B split into gate's
+    and up's (byte ranges of rows)."""
+    layer = int(module.split(".")[2])
+    if set(ab) != {"A", "B"}:
+        raise AdapterError(f"adapter {name!r}: {module} has lora_{''.join(sorted(ab))} but not both A and B")
+    a, b = ab["A"], ab["B"]
+    experts, projs = config.moe.num_experts, STACKED_PARAMETERS[parameter]
+    shapes = config.projection_shapes()
+    fan_in = shapes[f"experts.0.{projs[0]}"][0]
+    widths = [shapes[f"experts.0.{p}"][1] for p in projs]
+    rows = a.shape[0] if len(a.shape) == 2 else 0
+    r = rows // experts
+    if (a.shape != (rows, fan_in) or b.shape != (sum(widths), rows) or rows % experts or r == 0):
+        raise AdapterError(
+            f"adapter {name!r}: {module} has lora_A {list(a.shape)} and lora_B {list(b.shape)}; the base model's "
+            f"{experts} experts need A [r * {experts}, {fan_in}] and B [{sum(widths)}, r * {experts}] — was it "
+            "trained for a different base model?")
+    size = _DTYPES[a.dtype][1]
+    a_bytes, b_row_bytes = r * fan_in * size, rows * _DTYPES[b.dtype][1]
+    out = {}
+    for e in range(experts):
+        expert_a = StoredTensor(a.key, a.dtype, (r, fan_in), a.begin + e * a_bytes, a.begin + (e + 1) * a_bytes)
+        offset = 0
+        for j, (proj, width) in enumerate(zip(projs, widths)):
+            column = config.expert_column(e) + EXPERT_PROJECTIONS.index(proj)
+            out[(layer, column)] = {"A": expert_a, "B": StoredTensor(
+                b.key, b.dtype, (width, r), b.begin + offset * b_row_bytes, b.begin + (offset + width) * b_row_bytes,
+                every=experts, column=e)}
+            offset += width
+    return out
+
+
 def _container(config: ModelConfig, module: str) -> str:
     """Where a PEFT module sits in a decoder layer: self_attn, or the MLP's (ModelConfig.mlp_module)."""
     return "self_attn" if set(config.family.peft_modules()[module]) <= set(PROJECTIONS[:4]) else config.mlp_module()
@@ -505,10 +637,14 @@ def _container(config: ModelConfig, module: str) -> str:
 
 def _targets(config: ModelConfig, peft_modules: dict[str, tuple[str, ...]]) -> str:
     """The layers' LoRA targets, for a refusal; a mixture of experts says what of it is not one."""
-    targets = ", ".join(f"{_container(config, m)}.{m}" for m in peft_modules) + " of the decoder layers"
+    targets = ", ".join(f"{_container(config, m)}.{m}" for m in peft_modules)
     if config.moe is not None:
-        targets += ("; LoRA on the routed experts, the router"
+        targets += (", the routed experts' mlp.experts.{e}.gate_proj, up_proj, down_proj (Mixtral's "
+                    "block_sparse_moe.experts.{e}.w1, w3, w2; or target_parameters mlp.experts.gate_up_proj, down_proj)"
+                    " of the decoder layers; LoRA on the router"
                     + (" or the shared expert's gate" if config.moe.shared_size else "") + " is not served")
+    else:
+        targets += " of the decoder layers"
     return targets
 
 
@@ -544,7 +680,7 @@ def build_in_pieces(folder: PeftFolder, dtype: torch.dtype, dora=None) -> Iterat
         raise AdapterError(f"adapter {folder.name!r} has LoRA on the embeddings or the head, {why}")
     built = 0
     for layer in range(config.num_layers):
-        for p, proj in enumerate(PROJECTIONS):
+        for p, proj in enumerate(config.lora_projections()):
             if not ranks[p]:
                 continue
             ab = folder.modules.get((layer, p))
@@ -598,6 +734,8 @@ def _stored(folder: PeftFolder, t: StoredTensor) -> torch.Tensor:
         flat = torch.frombuffer(folder.weights, dtype=source, count=(t.end - t.begin) // size, offset=t.begin)
     else:
         flat = torch.frombuffer(folder.weights, dtype=torch.uint8, count=t.end - t.begin, offset=t.begin).clone()
+    if t.every > 1:             # a stacked expert's columns of lora_B
+        return flat.view(source).view(t.shape[0], t.shape[1] * t.every)[:, t.column::t.every]
     return flat.view(source).view(t.shape)
 
 

@@ -47,7 +47,7 @@ from ipc import AdapterHandle, HostArena, block_bytes
 class DeviceAdapter:
     """An adapter resident in the pool: its pages and per-row offsets (built by the pager)."""
     name: str
-    ranks: list[int]                 # per projection, PROJECTIONS order; 0 = not targeted
+    ranks: list[int]                 # per projection, ModelConfig.lora_projections order; 0 = not targeted
     a_ptr: torch.Tensor              # [L, P, r_max] int64, on the pool's device
     b_ptr: torch.Tensor              # [L, P, r_max] int64
     scaling: torch.Tensor            # [L, P] float32
@@ -77,13 +77,18 @@ class Registration:
     """A registered adapter (the disk tier): what is known without reading its weights."""
     name: str
     path: str
-    ranks: list[int]                 # per projection, PROJECTIONS order; 0 = not targeted
+    ranks: list[int]                 # per projection, ModelConfig.lora_projections order; 0 = not targeted
     file_bytes: int                  # its safetensors file
     host_bytes: int                  # its block in the host arena
     footprint: int                   # pool pages it takes on the device
     load: int                        # its load number (see AdapterPager.registration)
     pinned: bool = False             # never evicted from the device (nor, so, from the host)
     vocab: bool = False              # LoRA on the embeddings or the head: never merged
+
+    @property
+    def experts(self) -> bool:
+        """LoRA on the routed experts: never merged nor CPU-assisted (the experts' rows need the routing)."""
+        return any(self.ranks[len(PROJECTIONS):])
 
 
 # rank sets whose row plans are kept (a rank-256 adapter on every projection of SmolLM2: ~10 MB)
@@ -118,7 +123,7 @@ def row_plan(ranks: list[int], config: ModelConfig, page_numel: int) -> RowPlan:
     a tensor-parallel rank's shard included, whose rows are that shard's)."""
     lengths = row_lengths(ranks, config)
     pages, placements = plan_row_packing(lengths, page_numel)
-    L, P, r_max = config.num_layers, len(PROJECTIONS), max(ranks)
+    L, P, r_max = config.num_layers, len(config.lora_projections()), max(ranks)
     used = np.zeros((2, L, P, r_max), dtype=bool)
     for p, r in enumerate(ranks):
         used[:, :, p, :r] = True
@@ -168,7 +173,7 @@ def shard_rows(a_rows: dict, b_rows: dict, ranks: list[int], config: ModelConfig
     shapes = config.projection_shapes()
     parts = []
     for layer in range(config.num_layers):
-        for p, proj in enumerate(PROJECTIONS):
+        for p, proj in enumerate(config.lora_projections()):
             if not ranks[p]:
                 continue
             fan_in, fan_out = shapes[proj]
@@ -230,8 +235,9 @@ class AdapterPager:
         if footprint > self.pool.num_pages:
             raise AdapterError(f"adapter {info.name!r} needs {footprint} pages, the pool has {self.pool.num_pages}")
         shapes = self.config.projection_shapes()
-        host_bytes = block_bytes(self.config.num_layers, len(PROJECTIONS), info.ranks,
-                                 [shapes[p] for p in PROJECTIONS], self.dtype)
+        projections = self.config.lora_projections()
+        host_bytes = block_bytes(self.config.num_layers, len(projections), info.ranks,
+                                 [shapes[p] for p in projections], self.dtype)
         if host_bytes > self.host_capacity:
             raise AdapterError(f"adapter {info.name!r} takes {host_bytes / 2**20:.1f} MiB in host memory, more than "
                                f"the host tier holds ({self.arena.capacity / 2**20:.1f} MiB); raise --host-adapter-mem")
@@ -320,7 +326,8 @@ class AdapterPager:
         """The arena block for the name's rows (after host_room); the torch thread fills it."""
         reg = self.registry[name]
         shapes = self.config.projection_shapes()
-        return self.arena.allocate(self.config.num_layers, reg.ranks, [shapes[p] for p in PROJECTIONS], self.dtype)
+        return self.arena.allocate(self.config.num_layers, reg.ranks, [shapes[p] for p in self.config.lora_projections()],
+                                   self.dtype)
 
     def host_write(self, handle: AdapterHandle, adapter: HostAdapter) -> HostAdapter:
         """Copy a built adapter into its block (torch thread); returns the HostAdapter viewing the arena."""
@@ -354,7 +361,7 @@ class AdapterPager:
         return self._blocks.get(reg.load) if reg is not None and name in self.host else None
 
     def load_ranks(self, load: int) -> list[int]:
-        """The ranks of a load (PROJECTIONS order), also after its name was unloaded or reloaded."""
+        """The ranks of a load (ModelConfig.lora_projections order), also after its name was unloaded or reloaded."""
         return self._ranks[load]
 
     def load_unpaged(self, load: int) -> Unpaged | None:
@@ -492,7 +499,7 @@ class AdapterPager:
         """(layer, projection, 0 for A / 1 for B^T, rows [r, length]) in pool packing order
         (HostAdapter.row_lengths)."""
         for layer in range(self.config.num_layers):
-            for p in range(len(PROJECTIONS)):
+            for p in range(len(adapter.ranks)):
                 if adapter.ranks[p]:
                     yield layer, p, 0, adapter.a_rows[(layer, p)]
                     yield layer, p, 1, adapter.b_rows[(layer, p)]

@@ -291,6 +291,9 @@ class AssistedLora:
     def native_step(self) -> None:
         return None          # the workers' deltas join per layer, in project
 
+    def experts(self):
+        return self.backend.experts()       # an assisted adapter has none (Engine._assist_pays)
+
     def project(self, layer: int, group: str, x: torch.Tensor, base: Linear) -> torch.Tensor:
         backend = self.backend
         device_project = (lambda x: backend.project(layer, group, x, base)) if backend.active else base

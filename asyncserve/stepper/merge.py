@@ -19,12 +19,12 @@ from collections.abc import Mapping
 
 import torch
 
-from asyncserve.lora.backend import LoraBackend, _rows, group_layout
+from asyncserve.lora.backend import LoraBackend, group_layout
 from asyncserve.lora.dora import group_columns
 from asyncserve.model.checkpoint import all_finite
 from asyncserve.model.config import GROUPS, PROJ_INDEX, ModelConfig
 from asyncserve.model.linear import Linear, NativeLinear, OneDnnLinear, QuantLinear
-from asyncserve.model.llama import LlamaWeights
+from asyncserve.model.llama import LlamaWeights, pool_rows
 from asyncserve.pager.pager import DeviceAdapter
 from asyncserve.pager.pool import PagedPool
 from asyncserve.step import StepPlan
@@ -170,8 +170,8 @@ class WeightMerger:
                     r = adapter.ranks[p]
                     if r == 0:
                         continue
-                    a = _rows(flat, adapter.a_ptr[li, p, :r], fan_in).float()      # [r, in]
-                    bt = _rows(flat, adapter.b_ptr[li, p, :r], fan_out).float()    # [r, out] (B^T)
+                    a = pool_rows(flat, adapter.a_ptr[li, p, :r], fan_in).float()      # [r, in]
+                    bt = pool_rows(flat, adapter.b_ptr[li, p, :r], fan_out).float()    # [r, out] (B^T)
                     w[col:col + fan_out].addmm_(bt.t(), a, alpha=scaling[li][p])
                 if adapter.dora_scale is not None:          # DoRA: each output row times its g
                     c0, c1 = self.columns[group]

@@ -299,7 +299,10 @@ def native_experts(weights: list[list[torch.Tensor]], types: list[list[int]], ou
     """One layer's mixture of experts in one call (experts.h): weights, types, out_features as
     native_decoder takes projections, each expert's gate_up then each expert's down. Its
     forward(x [T, hidden], chosen [T, k] int64, probs [T, k] float32) -> [T, hidden] sums each token's
-    experts' SwiGLU outputs times their probabilities."""
+    experts' SwiGLU outputs times their probabilities; forward_lora(x, chosen, probs, flat, token_rows [T]
+    int32, ranks, a_ptr, b_ptr, scaling, layer, first) adds each token's LoRA on its experts, read as
+    lora_segments reads it (token_rows: each token's row of the tables, -1 none; expert e's gate, up and
+    down projections are the tables' columns first + 3e, + 1, + 2)."""
     return _lib().NativeExperts(weights, types, out_features)
 
 

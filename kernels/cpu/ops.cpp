@@ -524,5 +524,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &NativeDecoder::forward, no_gil, "the layers, final norm and lm_head of one step");
   py::class_<NativeExperts>(m, "NativeExperts", py::module_local())
       .def(py::init<std::vector<std::vector<at::Tensor>>, std::vector<std::vector<int64_t>>, std::vector<int64_t>>())
-      .def("forward", &NativeExperts::forward, no_gil, "one layer's mixture of experts for routed tokens");
+      .def("forward", &NativeExperts::forward, no_gil, "one layer's mixture of experts for routed tokens")
+      .def("forward_lora", &NativeExperts::forward_lora, no_gil, "the same with each token's LoRA on the experts");
 }
