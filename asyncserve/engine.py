@@ -680,14 +680,14 @@ class Engine:
     def merge_refusal(self, name: str) -> str | None:
         """Why ``name`` cannot be merged (plan.merged must not name it): this model's base weights take
         no merge, its current load overflowed them once, or it has LoRA on the embeddings or the head
-        (kept apart, lora/vocab.py) or on the routed experts; None if it may be merged."""
+        (kept apart, lora/vocab.py) or on the routed experts or the router; None if it may be merged."""
         reg = self.pager.registry.get(name)
         if reg is None:
             return f"adapter {name!r} is not loaded"
         if reg.vocab:
             return f"adapter {name!r} has LoRA on the embeddings or the head, which is not merged"
         if reg.experts:
-            return f"adapter {name!r} has LoRA on the routed experts, which is not merged"
+            return f"adapter {name!r} has LoRA on the routed experts or the router, which is not merged"
         return self.runner.merger.refusal(reg.load)
 
     def merge_switch_seconds(self, name: str | None) -> float:

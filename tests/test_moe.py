@@ -100,22 +100,26 @@ def test_cold_adapters_prefill_on_the_workers(moe_model, tmp_path):
         llm.engine.close()
 
 
-def test_lora_on_the_router_or_a_missing_dense_mlp_is_refused(moe_model, tmp_path):
-    """LoRA on what the model's LoRA does not adapt is refused at load, naming the targets the model has
-    (the routed experts among them: tests/test_moe_lora.py) and what is not served, each alone: the
-    router (Qwen's and Mixtral's names), Qwen2-MoE's shared expert gate, and an MLP projection where the
-    model has no dense MLP (Mixtral, Qwen3-MoE) or outside the shared expert (Qwen2-MoE); the adapters
+def test_lora_on_modules_a_mixture_lacks_is_refused(moe_model, tmp_path):
+    """LoRA on what the model does not have is refused at load, naming the targets it has (the routed
+    experts and gates among them: tests/test_moe_lora.py), each alone: an MLP projection where the model
+    has no dense MLP (Mixtral, Qwen3-MoE) or outside the shared expert (Qwen2-MoE), a shared expert or
+    its gate where there is none (or its gate under Mixtral's name), modules no family has; the adapters
     loaded before keep their tokens."""
     model, cases, refs = moe_model
     source = next(iter(model.adapters))
     reason = (r"targets a module that .* models do not have .*the routed experts' mlp\.experts\.\{e\}\.gate_proj.*"
-              r"LoRA on the router")
+              r"the router mlp\.gate")
     bad = {
-        "router": (None, renamed(".self_attn.o_proj.", ".mlp.gate."), reason),
-        "mixtral router": (None, renamed(".self_attn.o_proj.", ".block_sparse_moe.gate."), reason),
-        "shared expert gate": (None, renamed(".self_attn.q_proj.", ".mlp.shared_expert_gate."), reason),
         "a dense mlp": (None, renamed(".self_attn.q_proj.", ".mlp.gate_proj."), reason),
+        "shared expert gate elsewhere": (None, renamed(".self_attn.q_proj.", ".block_sparse_moe.shared_expert_gate."),
+                                         reason),
+        "an unknown mlp module": (None, renamed(".self_attn.k_proj.", ".mlp.router_proj."), reason),
+        "an expert's unknown module": (None, renamed(".self_attn.k_proj.", ".mlp.experts.0.w4."), reason),
     }
+    if model.family != "qwen2_moe":
+        bad["no shared expert gate"] = (None, renamed(".self_attn.q_proj.", ".mlp.shared_expert_gate."), reason)
+        bad["no shared expert"] = (None, renamed(".self_attn.q_proj.", ".mlp.shared_expert.gate_proj."), reason)
     assert_refused_each_alone(model, cases, refs, source, bad, tmp_path)
 
 

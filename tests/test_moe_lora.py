@@ -26,18 +26,26 @@ from family_models import (GREEDY_TOKENS, MOE_FAMILIES, assert_refused_each_alon
 from reference import TEST_DEVICE, peft_references, record_calls, record_steps, require_native_kernels
 
 STACKED = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+ROUTER = "mlp.gate.weight"            # transformers v5's router is a parameter of its own module
 # name -> (rank, target_modules, LoraConfig extras); "per_expert" is written from its stacked twin
 ADAPTERS = {
     "experts": (4, [], {"target_parameters": STACKED}),
     "gate_up": (8, ["q_proj"], {"target_parameters": STACKED[:1], "rslora": True}),
-    "per_expert": (4, ["v_proj"], {"target_parameters": STACKED}),
+    "per_expert": (4, ["v_proj"], {"target_parameters": STACKED + [ROUTER]}),
 }
+
+
+def family_adapters(family: str) -> dict:
+    """ADAPTERS, and one on the router and the experts' down_proj (Qwen2-MoE: and its shared expert's gate,
+    which PEFT's all-linear takes)."""
+    router_targets = ["shared_expert_gate"] if family == "qwen2_moe" else []
+    return ADAPTERS | {"router": (2, router_targets, {"target_parameters": [ROUTER, STACKED[1]]})}
 
 
 def write_per_expert(stacked: Path, folder: Path, family: str, experts: int) -> None:
     """A stacked-experts adapter's weights as PEFT saved LoRA on transformers v4's per-expert modules:
     expert e's A is rows e*r.. of the stacked lora_A, its B columns e::experts of lora_B (gate_up_proj's
-    rows split into gate's and up's); Mixtral's under block_sparse_moe with w1, w3, w2."""
+    rows split into gate's and up's); Mixtral's under block_sparse_moe with w1, w3, w2, its router too."""
     config = json.loads((stacked / "adapter_config.json").read_text())
     weights = load_file(stacked / "adapter_model.safetensors")
     names = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"} if family == "mixtral" else {}
@@ -47,7 +55,9 @@ def write_per_expert(stacked: Path, folder: Path, family: str, experts: int) -> 
     for key in [k for k in weights if ".lora_A." in k]:
         m = re.fullmatch(r"(.*\.layers\.\d+\.)mlp\.experts\.((?:base_layer\.)*)lora_A\.weight", key)
         if m is None:
-            out[key], out[key.replace("lora_A", "lora_B")] = weights[key], weights[key.replace("lora_A", "lora_B")]
+            renamed_key = key.replace(".mlp.gate.", f".{container}.gate.")
+            for ab in ("lora_A", "lora_B"):
+                out[renamed_key.replace("lora_A", ab)] = weights[key.replace("lora_A", ab)]
             continue
         parameter = targeted[len(targeted) - 1 - m.group(2).count(".")]
         a, b = weights[key], weights[key.replace("lora_A", "lora_B")]
@@ -61,8 +71,9 @@ def write_per_expert(stacked: Path, folder: Path, family: str, experts: int) -> 
                 out[f"{prefix}.lora_B.weight"] = rows.clone()
     folder.mkdir(parents=True)
     save_file(out, folder / "adapter_model.safetensors")
-    config["target_modules"] = sorted(set(config["target_modules"]) | {names.get(p, p) for p in
-                                                                       ("gate_proj", "up_proj", "down_proj")})
+    routed = {names.get(p, p) for p in ("gate_proj", "up_proj", "down_proj")}
+    router = {"gate"} if ROUTER in config["target_parameters"] else set()
+    config["target_modules"] = sorted(set(config["target_modules"]) | routed | router)
     config["target_parameters"] = None
     config["init_lora_weights"] = True     # Qwen2-MoE's shared expert modules, targeted by name but not in the file
     (folder / "adapter_config.json").write_text(json.dumps(config))
@@ -71,7 +82,7 @@ def write_per_expert(stacked: Path, folder: Path, family: str, experts: int) -> 
 @pytest.fixture(scope="module", params=list(MOE_FAMILIES))
 def expert_model(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
-    model = build_with_adapters(root, request.param, ADAPTERS)
+    model = build_with_adapters(root, request.param, family_adapters(request.param))
     experts = MOE_FAMILIES[request.param].get("num_experts") or MOE_FAMILIES[request.param]["num_local_experts"]
     reference_paths = dict(model.adapters)
     write_per_expert(model.adapters["per_expert"], root / "per_expert", request.param, experts)
@@ -131,7 +142,7 @@ def test_expert_adapters_are_neither_merged_nor_assisted(expert_model, tmp_path)
               device=TEST_DEVICE, max_step_tokens=24, cpu_workers=1, cpu_assist="on", cpu_profile_dir=str(tmp_path))
     try:
         for name in model.adapters:
-            assert "LoRA on the routed experts, which is not merged" in llm.engine.merge_refusal(name)
+            assert "LoRA on the routed experts or the router, which is not merged" in llm.engine.merge_refusal(name)
         plans = record_steps(llm.engine)
         outs = llm.generate([c[0] for c in cases], SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0,
                                                                   ignore_eos=True), adapters=[c[1] for c in cases])
@@ -141,11 +152,27 @@ def test_expert_adapters_are_neither_merged_nor_assisted(expert_model, tmp_path)
         llm.engine.close()
 
 
-def _edit_stacked(depth: int, ab: str, change):
-    """Replace the stacked lora_A or lora_B at this nesting depth in every layer by change(tensor)."""
+def _edit_key(part: str, change):
+    """Replace every tensor whose name holds ``part`` by change(tensor)."""
     def edit(weights: dict) -> None:
-        for key in [k for k in weights if k.endswith(f"mlp.experts.{'base_layer.' * depth}lora_{ab}.weight")]:
+        for key in [k for k in weights if part in k]:
             weights[key] = change(weights[key])
+    return edit
+
+
+def _add_key(part: str, new: str):
+    """Beside every tensor whose name ends with ``part``, one named with ``new`` in its place (its first row)."""
+    def edit(weights: dict) -> None:
+        for key in [k for k in weights if k.endswith(part)]:
+            weights[key.replace(part, new)] = weights[key][0].clone()
+    return edit
+
+
+def _copy_key(part: str, new: str):
+    """A copy of every tensor whose name holds ``part``, named with ``new`` in its place."""
+    def edit(weights: dict) -> None:
+        for key in [k for k in weights if part in k]:
+            weights[key.replace(part, new)] = weights[key].clone()
     return edit
 
 
@@ -165,6 +192,7 @@ def test_bad_expert_adapters_are_refused_each_alone(expert_model, tmp_path):
     per_expert, stacked = "per_expert", "experts"
     qwen_names = model.family != "mixtral"
     gate = "mlp.experts.0.gate_proj" if qwen_names else "block_sparse_moe.experts.0.w1"
+    routers = (".mlp.gate.", ".block_sparse_moe.gate.")[::1 if qwen_names else -1]     # its name, the other
 
     def nan_in_expert_1(weights: dict) -> None:
         key = next(k for k in weights if k.endswith("experts.lora_B.weight"))
@@ -186,10 +214,10 @@ def test_bad_expert_adapters_are_refused_each_alone(expert_model, tmp_path):
                                     "is for expert 99999999999"),
         "layer out of range": (per_expert, None, renamed("layers.1.", "layers.7."), "is for layer 7"),
         "named twice": (per_expert, None, twice, "names expert 0's gate_proj twice"),
-        "DoRA": (per_expert, _config(use_dora=True), None, "DoRA on the routed experts is not served"),
-        "rows not a multiple": (stacked, None, _edit_stacked(1, "A", lambda t: t[:-1].clone()),
+        "DoRA": (per_expert, _config(use_dora=True), None, "DoRA on the routed experts.* is not served"),
+        "rows not a multiple": (stacked, None, _edit_key("mlp.experts.base_layer.lora_A.weight", lambda t: t[:-1].clone()),
                                 r"need A \[r \* \d+, \d+\] and B"),
-        "B of another width": (stacked, None, _edit_stacked(0, "B", lambda t: t[:-1].clone()),
+        "B of another width": (stacked, None, _edit_key("mlp.experts.lora_B.weight", lambda t: t[:-1].clone()),
                                r"need A \[r \* \d+, \d+\] and B"),
         "rank not the config's": (stacked, _config(r=2), None, "has rank 4 in the weights but 2 in the config"),
         "too deep": (stacked, _config(target_parameters=STACKED[1:]), None,
@@ -200,22 +228,25 @@ def test_bad_expert_adapters_are_refused_each_alone(expert_model, tmp_path):
                            "fan_in_fan_out is not supported on the stacked experts"),
         "both forms": (per_expert, None, both_forms, "has LoRA on both the per-expert modules and the stacked"),
         "NaN in expert 1": (stacked, None, nan_in_expert_1, "holds NaN or infinite values"),
-        "router": (stacked, None, renamed(".mlp.experts.lora_", ".mlp.gate.lora_"), "LoRA on the router"),
+        "router of another width": ("router", None, _edit_key(".mlp.gate.lora_B.", lambda t: t[:-1].clone()),
+                                    r"router has lora_A \(2, 64\) and lora_B \(\d+, 2\)"),
+        "DoRA on the router": ("router", None, _add_key(".mlp.gate.lora_A.weight", ".mlp.gate.lora_magnitude_vector"),
+                               "DoRA on the router is not served"),
+        "router named twice": (per_expert, None, _copy_key(*routers), "names its gate twice"),
     }
-    if model.family == "qwen2_moe":
-        bad["shared expert gate"] = (stacked, None, renamed(".mlp.experts.lora_", ".mlp.shared_expert_gate.lora_"),
-                                     "LoRA on the router or the shared expert's gate is not served")
-    for source in (per_expert, stacked):
+    for source in (per_expert, stacked, "router"):
         assert_refused_each_alone(model, cases, refs, source,
                                   {label: rest for label, (s, *rest) in bad.items() if s == source}, tmp_path / source)
 
 
 def _random_expert_lora(dtype: torch.dtype, experts: int, hidden: int, inter: int, layers: int = 2):
     """A flat pool of random rows and tables over it for three adapters: 0 of rank 4 on every expert
-    projection, 1 of rank 2 on the first half of the experts' gate and up only, 2 of rank 3 on their
-    down only (rows the tables' layer 1 points at; layer 0's stay 0)."""
-    P = ModelConfig.expert_column(experts)
+    projection and the router, 1 of rank 2 on the first half of the experts' gate and up only, 2 of rank
+    3 on their down and the router (rows the tables' layer 1 points at; layer 0's stay 0)."""
+    router = ModelConfig.expert_column(experts)
+    P = router + 1
     ranks = torch.zeros(3, P, dtype=torch.int32)
+    ranks[0, router], ranks[2, router] = 4, 3
     for e in range(experts):
         column = ModelConfig.expert_column(e)
         ranks[0, column:column + 3] = 4
@@ -227,24 +258,19 @@ def _random_expert_lora(dtype: torch.dtype, experts: int, hidden: int, inter: in
     scaling = torch.rand(3, layers, P) + 0.5
     cursor = 0
     for n in range(3):
-        for e in range(experts):
-            column = ModelConfig.expert_column(e)
-            for j, (fan_in, fan_out) in enumerate([(hidden, inter), (hidden, inter), (inter, hidden)]):
-                for k in range(int(ranks[n, column + j])):
-                    a_ptr[n, 1, column + j, k] = cursor
-                    b_ptr[n, 1, column + j, k] = cursor + fan_in
-                    cursor += fan_in + fan_out
+        shapes = [(hidden, inter), (hidden, inter), (inter, hidden)] * experts + [(hidden, experts)]
+        for column, (fan_in, fan_out) in enumerate(shapes, start=ModelConfig.expert_column(0)):
+            for k in range(int(ranks[n, column])):
+                a_ptr[n, 1, column, k] = cursor
+                b_ptr[n, 1, column, k] = cursor + fan_in
+                cursor += fan_in + fan_out
     flat = (torch.randn(cursor) * 0.2).to(dtype)
     return flat, (ranks, a_ptr, b_ptr, scaling)
 
 
 def _expected(x, experts: llama.ExpertWeights, moe: MoeConfig, flat, tables, token_rows, layer: int):
-    """Each token's experts with its adapter's LoRA, in float32, one token at a time."""
+    """Each token's router and experts with its adapter's LoRA, in float32, one token at a time."""
     ranks, a_ptr, b_ptr, scaling = tables
-    probs = torch.softmax(experts.router(x).float(), dim=-1)
-    top_p, top_e = torch.topk(probs, moe.top_k, dim=-1)
-    top_p /= top_p.sum(dim=-1, keepdim=True)
-    out = torch.zeros(x.shape, dtype=torch.float32)
 
     def lora(row: int, column: int, v: torch.Tensor, width: int) -> torch.Tensor:
         r = int(ranks[row, column])
@@ -253,6 +279,14 @@ def _expected(x, experts: llama.ExpertWeights, moe: MoeConfig, flat, tables, tok
         a = llama.pool_rows(flat, a_ptr[row, layer, column, :r], v.shape[0]).float()
         b = llama.pool_rows(flat, b_ptr[row, layer, column, :r], width).float()
         return (a @ v) * scaling[row, layer, column] @ b
+
+    router = ModelConfig.expert_column(moe.num_experts)
+    logits = experts.router(x).float()
+    logits = torch.stack([logits[t] + lora(int(token_rows[t]), router, x[t].float(), moe.num_experts)
+                          for t in range(x.shape[0])])
+    top_p, top_e = torch.topk(torch.softmax(logits, dim=-1), moe.top_k, dim=-1)
+    top_p /= top_p.sum(dim=-1, keepdim=True)
+    out = torch.zeros(x.shape, dtype=torch.float32)
 
     for t in range(x.shape[0]):
         v, row = x[t].float(), int(token_rows[t])
@@ -269,9 +303,10 @@ def _expected(x, experts: llama.ExpertWeights, moe: MoeConfig, flat, tables, tok
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_native_expert_lora_equals_torch_ops_and_a_token_by_token_sum(dtype):
-    """forward_lora (experts.h) and _experts_eager over the same pool and tables: each token's experts
-    with its own adapter's LoRA on gate, up and down (adapters of different ranks, some experts not
-    targeted by some adapters, tokens of no adapter among them) equal a token-by-token float32 sum."""
+    """moe_mlp natively (lora_segments on the router, experts.h's forward_lora) and in torch ops over the
+    same pool and tables: each token's router and experts with its own adapter's LoRA on them (adapters
+    of different ranks, some experts or the router not targeted by some adapters, tokens of no adapter
+    among them) equal a token-by-token float32 sum."""
     require_native_kernels()
     torch.manual_seed(0)
     E, H, I, T = 6, 48, 40, 30
@@ -282,7 +317,8 @@ def test_native_expert_lora_equals_torch_ops_and_a_token_by_token_sum(dtype):
                                   shared_gate=None)
     flat, tables = _random_expert_lora(dtype, E, H, I)
     token_rows = torch.tensor([(t % 4) - 1 for t in range(T)], dtype=torch.int32)      # -1, 0, 1, 2, -1, ...
-    lora = llama.ExpertLora(flat, token_rows, tables)
+    runs = torch.tensor([(t, t + 1, int(row)) for t, row in enumerate(token_rows) if row >= 0])
+    lora = llama.ExpertLora(flat, token_rows, runs, tables)
     x = torch.randn(T, H).to(dtype)
     expected = _expected(x, experts, moe, flat, tables, token_rows, layer=1)
     tol = dict(rtol=0.02, atol=0.02) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)

@@ -310,9 +310,7 @@ class TorchLoraBackend(LoraBackend):
         """Per group that some run's adapter targets: the runs of one adapter's consecutive tokens (in token
         order, each naming its adapter's slot) and the slot tables, which lora_segments follows into the pool."""
         spans = adapter_spans(batch)
-        slots = self.slot_tables.slots(batch.adapters)
-        runs = sorted((sl.start, sl.stop, slots[i]) for i, slices in spans.items() for sl in slices)
-        data = (torch.tensor(runs, dtype=torch.int64), self.slot_tables.tensors)
+        data = (slot_runs(batch, self.slot_tables.slots(batch.adapters)), self.slot_tables.tensors)
         return {group: ("native", data) for group, rows in self.layout.items()
                 if any(batch.adapters[i].ranks[PROJ_INDEX[proj]] for i in spans for proj, *_ in rows)}
 
@@ -467,10 +465,20 @@ class StackLinears(NamedTuple):
 
 
 def expert_step(batch: LoraBatch, slot_tables: SlotTables, flat: torch.Tensor) -> ExpertLora | None:
-    """The step's LoRA on the routed experts, over the slot tables, if a step adapter has any."""
+    """The step's LoRA on a mixture's routed experts and gates, over the slot tables, if a step adapter
+    has any."""
     if not any(any(a.ranks[len(PROJECTIONS):]) for a in batch.adapters):
         return None
-    return ExpertLora(flat, batch.token_adapter(slot_tables.slots(batch.adapters)), slot_tables.tensors)
+    slots = slot_tables.slots(batch.adapters)
+    return ExpertLora(flat, batch.token_adapter(slots), slot_runs(batch, slots), slot_tables.tensors)
+
+
+def slot_runs(batch: LoraBatch, slots: list[int]) -> torch.Tensor:
+    """[num_runs, 3] int64: each run of one adapter's consecutive tokens (first, end, its adapter's slot),
+    in token order, as lora_segments takes them."""
+    spans = adapter_spans(batch)
+    return torch.tensor(sorted((sl.start, sl.stop, slots[i]) for i, slices in spans.items() for sl in slices),
+                        dtype=torch.int64).view(-1, 3)
 
 
 def adapter_spans(batch: LoraBatch) -> dict[int, list[slice]]:

@@ -170,15 +170,18 @@ class ModelConfig:
 
     def lora_projections(self) -> tuple[str, ...]:
         """The projections an adapter's tables have a column for, in order: PROJECTIONS, then with a
-        mixture of experts each expert's (EXPERT_PROJECTIONS), named experts.{e}.{projection}: expert
-        e's gate_proj is column expert_column(e)."""
+        mixture of experts each expert's (EXPERT_PROJECTIONS), named experts.{e}.{projection} (expert
+        e's gate_proj is column expert_column(e)), then the router (column expert_column(experts))
+        and a shared expert's gate (the next)."""
         if self.moe is None:
             return PROJECTIONS
-        return PROJECTIONS + tuple(f"experts.{e}.{p}" for e in range(self.moe.num_experts) for p in EXPERT_PROJECTIONS)
+        experts = tuple(f"experts.{e}.{p}" for e in range(self.moe.num_experts) for p in EXPERT_PROJECTIONS)
+        return PROJECTIONS + experts + ("router",) + ("shared_expert_gate",) * (self.moe.shared_size > 0)
 
     @staticmethod
     def expert_column(expert: int) -> int:
-        """The tables' column of an expert's gate_proj (up_proj and down_proj follow it)."""
+        """The tables' column of an expert's gate_proj (up_proj and down_proj follow it); of the router
+        for expert = the number of experts."""
         return len(PROJECTIONS) + len(EXPERT_PROJECTIONS) * expert
 
     def projection_shapes(self) -> dict[str, tuple[int, int]]:
@@ -195,7 +198,8 @@ class ModelConfig:
         }
         if self.moe is not None:
             e = self.moe.expert_size
-            expert = {"gate_proj": (h, e), "up_proj": (h, e), "down_proj": (e, h)}
+            expert = {"gate_proj": (h, e), "up_proj": (h, e), "down_proj": (e, h),
+                      "router": (h, self.moe.num_experts), "shared_expert_gate": (h, 1)}
             names = self.lora_projections()[len(PROJECTIONS):]
             shapes.update({name: expert[name.rpartition(".")[2]] for name in names})
         return shapes

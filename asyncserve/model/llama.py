@@ -80,11 +80,13 @@ class NativeStepLora:
 
 @dataclass
 class ExpertLora:
-    """A step's LoRA on the routed experts: each token's adapter as a row of the tables (-1: none) and
-    the pool and tables as lora_segments takes them, whose columns ModelConfig.expert_column(e) + 0, 1, 2
-    are expert e's gate, up and down projections (ModelConfig.lora_projections)."""
+    """A step's LoRA on a mixture's routed experts and gates: each token's adapter as a row of the tables
+    (-1: none), and as runs of tokens, and the pool and tables as lora_segments takes them, whose columns
+    ModelConfig.expert_column(e) + 0, 1, 2 are expert e's gate, up and down projections, and
+    expert_column(experts) + 0, 1 the router and the shared expert's gate (ModelConfig.lora_projections)."""
     flat: torch.Tensor
     token_rows: torch.Tensor         # [T] int32
+    runs: torch.Tensor               # [num_runs, 3] int64 CPU: first token, end token, row of the tables
     tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]   # ranks, a_ptr, b_ptr, scaling
 
 
@@ -559,7 +561,11 @@ def moe_mlp(x: torch.Tensor, experts: ExpertWeights, moe: MoeConfig, native: boo
     expert's output) times sigmoid(x . shared_gate). native: the experts in one native call. lora: the
     step's LoRA on the experts, whose tables' ``layer`` this is."""
     k = moe.top_k
-    probs = torch.softmax(experts.router(x).float(), dim=-1)              # [T, experts]
+    logits = experts.router(x)                                            # [T, experts]
+    gates = ModelConfig.expert_column(moe.num_experts)                    # the router's column in the tables
+    if lora is not None:
+        _gate_lora_(logits, x, lora, layer, gates, native)
+    probs = torch.softmax(logits.float(), dim=-1)
     top_p, top_e = torch.topk(probs, k, dim=-1)                           # [T, k]
     if moe.normalize:
         top_p /= top_p.sum(dim=-1, keepdim=True)
@@ -571,8 +577,20 @@ def moe_mlp(x: torch.Tensor, experts: ExpertWeights, moe: MoeConfig, native: boo
     else:
         out = _experts_eager(x, experts, moe, top_e, top_p, lora, layer)
     if shared is not None:
-        out += torch.sigmoid(experts.shared_gate(x)) * shared
+        gate = experts.shared_gate(x)                                     # [T, 1]
+        if lora is not None:
+            _gate_lora_(gate, x, lora, layer, gates + 1, native)
+        out += torch.sigmoid(gate) * shared
     return out
+
+
+def _gate_lora_(y: torch.Tensor, x: torch.Tensor, lora: ExpertLora, layer: int, column: int, native: bool) -> None:
+    """y [T, out] (a gate's logits) += each token's adapter's LoRA of that gate (the tables' column) on x."""
+    if native:
+        cpu_kernels.lora_segments(y, x, lora.flat, lora.runs, *lora.tables, layer,
+                                  torch.tensor([[column, 0, y.shape[1]]]))
+    else:
+        _expert_lora_(y, x, lora, layer, torch.arange(x.shape[0], device=x.device), [(column, 0, y.shape[1])])
 
 
 def _experts_eager(x: torch.Tensor, experts: ExpertWeights, moe: MoeConfig, top_e: torch.Tensor,
@@ -605,9 +623,9 @@ def _experts_eager(x: torch.Tensor, experts: ExpertWeights, moe: MoeConfig, top_
 
 def _expert_lora_(y: torch.Tensor, x: torch.Tensor, lora: ExpertLora, layer: int, tokens: torch.Tensor,
                   columns: list[tuple[int, int, int]]) -> None:
-    """y [n, out] += the LoRA of an expert's projections on x [n, in], rows of ``tokens`` each with its
-    token's adapter: columns (tables column, first column of y, width). The torch-ops form of what
-    experts.h's forward_lora does: in float32, y rounded once."""
+    """y [n, out] += the LoRA of an expert's projections (or a gate's) on x [n, in], rows of ``tokens``
+    each with its token's adapter: columns (tables column, first column of y, width). The torch-ops form
+    of what experts.h's forward_lora and lora_segments do: in float32, y rounded once."""
     ranks, a_ptr, b_ptr, scaling = lora.tables
     token_rows = lora.token_rows[tokens]
     for row in token_rows.unique().tolist():

@@ -61,6 +61,10 @@ _MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 # nest: the one registered first (gate_up_proj) is the inner wrapper, its keys one "base_layer." deeper.
 _STACKED_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.((?:base_layer\.)*)lora_([AB])(?:\.[\w-]+)?\.weight$")
 STACKED_PARAMETERS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+# LoRA on the router (Qwen's and transformers v5's mlp.gate, Mixtral's v4 block_sparse_moe.gate; PEFT's
+# all-linear takes it on v4) or on Qwen2-MoE's shared expert gate
+_GATE_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(mlp|block_sparse_moe)\.(gate|shared_expert_gate)\."
+                       r"(?:lora_([AB])(?:\.[\w-]+)?\.weight|(lora_magnitude_vector)(?:\.[\w-]+)?(?:\.weight)?)$")
 
 # LoRA on the token embeddings (PEFT: embed_tokens.lora_embedding_A/B) or the LM head (lm_head.lora_A/B),
 # and the copies of their base weights PEFT saves beside them (save_embedding_layers)
@@ -525,20 +529,28 @@ def _split_fused_modules(name: str, found: dict[tuple[int, str], dict[str, Store
 
 
 class ExpertsFound:
-    """An adapter's tensors on the routed experts, as _check_against_model finds them: per-expert modules
-    (_EXPERT_KEY) or stacked parameters (_STACKED_KEY), never both."""
+    """An adapter's tensors on a mixture's routed experts, as _check_against_model finds them: per-expert
+    modules (_EXPERT_KEY) or stacked parameters (_STACKED_KEY), never both; and on its gates (_GATE_KEY)."""
 
     def __init__(self):
         self.per_expert: dict[tuple[int, int, str], dict[str, StoredTensor]] = {}   # (layer, expert, PEFT module)
         self.stacked: dict[tuple[int, int], dict[str, StoredTensor]] = {}           # (layer, base_layer depth)
+        self.gates: dict[tuple[int, str, str], dict[str, StoredTensor]] = {}        # (layer, container, module)
 
     @property
     def any(self) -> bool:
-        return bool(self.per_expert or self.stacked)
+        return bool(self.per_expert or self.stacked or self.gates)
 
     def add(self, name: str, t: StoredTensor, config: ModelConfig) -> bool:
-        """Whether t is LoRA on the experts (then it is kept); refuses what no expert of the model has."""
-        if (m := _EXPERT_KEY.search(t.key)) is not None:
+        """Whether t is LoRA on the experts or a gate (then it is kept); refuses what the model lacks."""
+        if (m := _GATE_KEY.search(t.key)) is not None:
+            container, module = m.group(2), m.group(3)
+            if m.group(5):
+                raise AdapterError(f"adapter {name!r}: {t.key!r}: DoRA on the router is not served")
+            if module == "shared_expert_gate" and not (config.moe.shared_size and container == "mlp"):
+                return False            # a target the model lacks: _KEY's refusal names the ones it has
+            self.gates.setdefault((int(m.group(1)), container, module), {})[m.group(4)] = t
+        elif (m := _EXPERT_KEY.search(t.key)) is not None:
             expert, module = int(m.group(2)), m.group(3)
             if m.group(5):
                 raise AdapterError(f"adapter {name!r}: {t.key!r}: DoRA on the routed experts is not served "
@@ -560,11 +572,13 @@ class ExpertsFound:
                 ) -> tuple[dict[tuple[int, int], dict[str, StoredTensor]], dict[tuple[int, int], str]]:
         """(layer, tables column) -> {"A", "B"}, as _split_fused_modules gives the others, and each one's
         module name for rank_pattern and alpha_pattern."""
+        if not self.any:
+            return {}, {}
         if self.per_expert and self.stacked:
             raise AdapterError(f"adapter {name!r} has LoRA on both the per-expert modules and the stacked expert "
                                "parameters; a PEFT adapter has one or the other")
         if self.any and acfg.use_dora:
-            raise AdapterError(f"adapter {name!r}: DoRA on the routed experts is not served (DoRA on the "
+            raise AdapterError(f"adapter {name!r}: DoRA on the routed experts or the router is not served (DoRA on the "
                                "attention's projections is)")
         if self.stacked and acfg.fan_in_fan_out:
             raise AdapterError(f"adapter {name!r}: fan_in_fan_out is not supported on the stacked experts")
@@ -592,6 +606,14 @@ class ExpertsFound:
             split = _split_stacked(name, module, ab, parameter, config)
             modules.update(split)
             names.update(dict.fromkeys(split, module))
+        router = config.expert_column(config.moe.num_experts)
+        for (layer, container, module), ab in self.gates.items():
+            column = router + (module == "shared_expert_gate")
+            if (layer, column) in modules:
+                raise AdapterError(f"adapter {name!r}: layer {layer} names its {module} twice "
+                                   f"({names[(layer, column)].split('.')[3]} and {container})")
+            modules[(layer, column)] = ab
+            names[(layer, column)] = f"model.layers.{layer}.{container}.{module}"
         return modules, names
 
 
@@ -640,12 +662,10 @@ def _targets(config: ModelConfig, peft_modules: dict[str, tuple[str, ...]]) -> s
     targets = ", ".join(f"{_container(config, m)}.{m}" for m in peft_modules)
     if config.moe is not None:
         targets += (", the routed experts' mlp.experts.{e}.gate_proj, up_proj, down_proj (Mixtral's "
-                    "block_sparse_moe.experts.{e}.w1, w3, w2; or target_parameters mlp.experts.gate_up_proj, down_proj)"
-                    " of the decoder layers; LoRA on the router"
-                    + (" or the shared expert's gate" if config.moe.shared_size else "") + " is not served")
-    else:
-        targets += " of the decoder layers"
-    return targets
+                    "block_sparse_moe.experts.{e}.w1, w3, w2; or target_parameters mlp.experts.gate_up_proj, down_proj),"
+                    " the router mlp.gate (block_sparse_moe.gate)"
+                    + (", mlp.shared_expert_gate" if config.moe.shared_size else ""))
+    return targets + " of the decoder layers"
 
 
 def _peft_name(config: ModelConfig, proj: str) -> str:

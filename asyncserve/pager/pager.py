@@ -87,7 +87,7 @@ class Registration:
 
     @property
     def experts(self) -> bool:
-        """LoRA on the routed experts: never merged nor CPU-assisted (the experts' rows need the routing)."""
+        """LoRA on the routed experts or the router: never merged nor CPU-assisted (they need the routing)."""
         return any(self.ranks[len(PROJECTIONS):])
 
 
