@@ -33,9 +33,10 @@ def _engine_args(p: argparse.ArgumentParser, step_profile: str = "off") -> None:
                         "online; HF_HOME, HF_HUB_OFFLINE) (default: SmolLM2-135M-Instruct)")
     p.add_argument("--revision", default=None, help="the --model Hub id's branch, tag or commit (default: main)")
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
-                   help="serve the PEFT LoRA folder, Hub id (org/name) or URL (https://, s3://; a folder or a "
-                        ".tar/.tar.gz/.zip archive, pinned by #sha256=HEX) PATH as model NAME, read into host "
-                        "memory at start; repeat for several (default: none)")
+                   help="serve the PEFT LoRA folder, llama.cpp LoRA file (.gguf, as llama-server --lora takes), "
+                        "Hub id (org/name) or URL (https://, s3://; a folder or a .tar/.tar.gz/.zip archive, pinned "
+                        "by #sha256=HEX) PATH as model NAME, read into host memory at start; repeat for several "
+                        "(default: none)")
     p.add_argument("--adapter-cache-dir", default=None, metavar="DIR",
                    help="where adapters fetched from URLs are kept, by their content's sha256 (default: "
                         "~/.cache/asyncserve/adapters)")
@@ -244,15 +245,17 @@ def main(argv: list[str] | None = None) -> None:
                    help="the base model's name in the API (the `model` field, /v1/models) (default: the name in "
                         "the model's config)")
     s.add_argument("--adapter-dir", default=None, metavar="DIR",
-                   help="register every adapter folder inside DIR at startup (each read from disk when a request "
-                        "first needs it; thousands are fine) (default: none)")
+                   help="register every adapter folder inside DIR at startup, and every llama.cpp LoRA file "
+                        "NAME.gguf as NAME (each read from disk when a request first needs it; thousands are fine) "
+                        "(default: none)")
     s.add_argument("--preload-adapters", action="store_true",
                    help="read the --adapter-dir adapters into the host tier at start, in the background, while "
                         "it has free room (none is evicted for them; requests' own loads go first), so that "
                         "first requests skip the disk read (S-LoRA keeps every adapter in host memory) "
                         "(default: off)")
     s.add_argument("--adapter-root", default=None, metavar="DIR",
-                   help="allow /v1/load_lora_adapter for folders inside DIR (default: none, no runtime loads)")
+                   help="allow /v1/load_lora_adapter for folders and .gguf adapter files inside DIR (default: none, "
+                        "no runtime loads)")
     s.add_argument("--adapter-resolver", default=None, metavar="TEMPLATE",
                    help="a request for a model that is not loaded fetches the adapter at TEMPLATE with {name} "
                         "filled in (e.g. s3://bucket/adapters/{name}, https://host/adapters/{name}.tar.gz, "

@@ -122,13 +122,16 @@ class Config:
         # a Hub id (org/name) is resolved, from the cache or downloaded, when the engine loads
         if not is_remote(self.model):
             check_model_path(self.model)    # exists, is a model folder or starts like a GGUF file
+        from asyncserve.pager.gguf_adapter import is_gguf_file
         from asyncserve.pager.remote import check_prefix, is_url, parse_source, template_source
 
         for name, path in self.adapters.items():
             if is_url(path):
                 parse_source(path)        # a FetchError is a ValueError
-            elif not (Path(path).expanduser() / "adapter_config.json").is_file() and not is_remote(path):
-                raise ValueError(f"adapter {name!r}: {path} is not a PEFT adapter folder (no adapter_config.json)")
+            elif not ((Path(path).expanduser() / "adapter_config.json").is_file() or is_gguf_file(path)
+                      or is_remote(path)):
+                raise ValueError(f"adapter {name!r}: {path} is neither a PEFT adapter folder (no adapter_config.json) "
+                                 "nor a llama.cpp GGUF adapter file")
         for prefix in self.adapter_url_prefixes:
             check_prefix(prefix)
         if self.adapter_resolver is not None:

@@ -268,18 +268,20 @@ class Engine:
         return self.pager.register(inspect_peft_folder(name, path, self.model_config))
 
     def register_adapter_dir(self, folder: str) -> int:
-        """Every adapter folder inside ``folder`` onto the disk tier, named after its folder; one that
-        does not check out, whatever the error, is skipped with a one-line warning (a name already
-        loaded is kept). Returns how many."""
+        """Every adapter folder inside ``folder`` onto the disk tier, named after its folder, and every
+        llama.cpp adapter file (NAME.gguf), named NAME; one that does not check out, whatever the error,
+        is skipped with a one-line warning (a name already loaded is kept). Returns how many."""
         count = 0
         for sub in sorted(Path(folder).expanduser().iterdir()):
-            if not sub.is_dir() or sub.name.startswith(".") or sub.name in self.pager.registry:
+            gguf_file = sub.suffix == ".gguf" and sub.is_file()
+            name = sub.stem if gguf_file else sub.name
+            if not (sub.is_dir() or gguf_file) or sub.name.startswith(".") or name in self.pager.registry:
                 continue
-            if not (sub / "adapter_config.json").is_file():
+            if not gguf_file and not (sub / "adapter_config.json").is_file():
                 log.warning("--adapter-dir: skipping %s: no adapter_config.json", printable(str(sub)))
                 continue
             try:
-                self.register_adapter_folder(sub.name, str(sub))
+                self.register_adapter_folder(name, str(sub))
                 count += 1
             except Exception as e:       # a bad folder must never stop the server (or a replica) starting
                 why = str(e) if isinstance(e, (AdapterError, OSError)) else f"{type(e).__name__}: {e}"

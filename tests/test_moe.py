@@ -324,15 +324,18 @@ def test_gguf_files_with_broken_expert_metadata_are_refused(tmp_path):
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
 def test_quantized_experts_kept_in_blocks_give_reference_tokens(family, tmp_path):
-    """Every projection, the experts' included, in Q8_0 blocks: dequantized at load, the tokens of the base
-    and an adapter are transformers+PEFT's on the blocks' values; kept quantized (a QuantLinear per
-    expert, cut from the stacked tensor) too, but for tokens at near-ties (the kernels' int8
-    activations move the router's scores a little, and an expert chosen at a near-tie moves the
-    token's output: a token may differ only where the reference's top two logits are within 0.2)."""
+    """Every projection, the experts' included, in Q8_0 blocks: dequantized at load, the tokens of the base,
+    an attention adapter and one on the experts and the router are transformers+PEFT's on the blocks'
+    values; kept quantized (a QuantLinear per expert, cut from the stacked tensor, the LoRA on its
+    outputs) too, but for tokens at near-ties (the kernels' int8 activations move the router's scores a
+    little, and an expert chosen at a near-tie moves the token's output: a token may differ only where
+    the reference's top two logits are within 0.2)."""
     from reference import require_native_kernels
 
     require_native_kernels()
-    model = build_with_adapters(tmp_path, family, {"a": (4, ATTENTION, {})})
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"]
+    model = build_with_adapters(tmp_path, family, {"a": (4, ATTENTION, {}),
+                                                   "x": (4, ["q_proj"], {"target_parameters": experts})})
     path = write_moe_gguf(model, tmp_path / f"{family}.gguf", projections=Q.Q8_0)
     cases = cases_of(model, lengths=(5, 17))
     refs = peft_references(model.base, model.adapters, cases, GREEDY_TOKENS)

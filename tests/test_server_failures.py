@@ -43,7 +43,7 @@ def _serve(*args: str, timeout: float = 90) -> tuple[int, str]:
     (["--model", "/nonexistent/model"], "model path /nonexistent/model does not exist"),
     (["--policy", "sjf"], "unknown policy 'sjf'"),
     (["--pool-mem", "lots"], "cannot parse size 'lots'"),
-    (["--adapter", "a=/nonexistent/adapter"], "/nonexistent/adapter is not a PEFT adapter folder"),
+    (["--adapter", "a=/nonexistent/adapter"], "/nonexistent/adapter is neither a PEFT adapter folder"),
 ])
 def test_settings_wrong_before_loading_exit_at_once(tiny_model, args, reason):
     status, log = _serve("--model", str(tiny_model.root), *args)

@@ -50,7 +50,7 @@ def _inside_root(server, path: str) -> str:
         candidate = root_real / candidate
     try:
         real = candidate.resolve()      # follows symlinks and '..': what would actually be read
-        is_dir = real.is_dir()
+        found = real.is_dir() or real.suffix == ".gguf" and real.is_file()     # a llama.cpp adapter file too
     except (OSError, RuntimeError) as e:      # a name too long, a symlink loop
         raise ApiError(400, f"lora_path cannot be resolved: {e.strerror if isinstance(e, OSError) else e}",
                        param="lora_path", code="invalid_value") from None
@@ -60,8 +60,8 @@ def _inside_root(server, path: str) -> str:
     if not real.is_relative_to(root_real):
         raise ApiError(400, f"lora_path must be inside the adapter root {root_real}", param="lora_path",
                        code="invalid_value")
-    if not is_dir:
-        raise ApiError(404, f"no adapter folder at {path!r}", param="lora_path", code="not_found")
+    if not found:
+        raise ApiError(404, f"no adapter folder or .gguf file at {path!r}", param="lora_path", code="not_found")
     return str(real)
 
 

@@ -89,7 +89,7 @@ def load_gguf_file(path: Path, progress: ProgressCallback | None = None, keep_qu
     rope_factors = {name: by_name.pop(name) for name in _ROPE_FACTORS if name in by_name}
     if family is LLAMA and _value(fields, "llama.expert_count", path, 0):
         family = _MIXTRAL
-    hf_names = {name: _hf_name(name, family, path) for name in by_name}   # refuse unknown tensors before dequantizing
+    hf_names = {name: hf_name(name, family, path) for name in by_name}   # refuse unknown tensors before dequantizing
 
     config = _model_config(fields, family, path, vocab_size=int(by_name["token_embd.weight"].shape[1]),
                            tied="output.weight" not in by_name)
@@ -226,8 +226,9 @@ def _rope_scaling(llama) -> dict | None:
     return scaling
 
 
-def _hf_name(gguf_name: str, family: Family, path: Path) -> str:
-    """token_embd.weight -> model.embed_tokens.weight, blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight"""
+def hf_name(gguf_name: str, family: Family, path: Path) -> str:
+    """token_embd.weight -> model.embed_tokens.weight, blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight
+    (a mixture's stacked experts: mlp.experts.gate_proj); ModelLoadError for a tensor the family lacks."""
     parts = gguf_name.split(".")
     if len(parts) == 2 and parts[0] in _GLOBAL_TENSORS and parts[1] == "weight":
         return f"{_GLOBAL_TENSORS[parts[0]]}.weight"
@@ -253,9 +254,9 @@ def _dequantize(tensor: gguf.ReaderTensor, config: ModelConfig, path: Path) -> t
     # families rotate halves as HF does); undo it for HF's rotate_half layout
     interleaved = config.family.name in _INTERLEAVED
     if interleaved and tensor.name.endswith("attn_q.weight"):
-        weight = _unpermute(weight, config.num_heads)
+        weight = unpermute(weight, config.num_heads)
     elif interleaved and tensor.name.endswith("attn_k.weight"):
-        weight = _unpermute(weight, config.num_kv_heads)
+        weight = unpermute(weight, config.num_kv_heads)
     return weight
 
 
@@ -286,9 +287,9 @@ def _quantized(tensor: gguf.ReaderTensor, config: ModelConfig, path: Path) -> Qu
     # whole rows move, so undoing Llama's Q/K interleave (_dequantize) permutes rows of blocks as rows of floats
     interleaved = config.family.name in _INTERLEAVED
     if interleaved and tensor.name.endswith("attn_q.weight"):
-        blocks = _unpermute(blocks, config.num_heads)
+        blocks = unpermute(blocks, config.num_heads)
     elif interleaved and tensor.name.endswith("attn_k.weight"):
-        blocks = _unpermute(blocks, config.num_kv_heads)
+        blocks = unpermute(blocks, config.num_kv_heads)
     # copied out of the mapping (which closes with the reader)
     weight = QuantizedWeight([(torch.from_numpy(np.array(blocks, dtype=np.uint8)), int(tensor.tensor_type))], fan_in)
     if bad := weight.nonfinite_scales():      # the kernels would spread NaN through every row of x
@@ -298,7 +299,13 @@ def _quantized(tensor: gguf.ReaderTensor, config: ModelConfig, path: Path) -> Qu
     return weight
 
 
-def _unpermute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+def interleaves_qk(family: Family) -> bool:
+    """Whether llama.cpp's converter interleaves this family's Q/K rows per head (unpermute undoes it)."""
+    return family.name in _INTERLEAVED
+
+
+def unpermute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Rows of a Q or K projection (or its LoRA B) interleaved per head by llama.cpp's converter, in HF's order."""
     rows = weight.shape[0]
     return weight.reshape(n_head, rows // n_head // 2, 2, -1).swapaxes(1, 2).reshape(weight.shape)
 

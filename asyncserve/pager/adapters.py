@@ -37,6 +37,7 @@ import torch
 
 from asyncserve.model.checkpoint import all_finite
 from asyncserve.model.config import EXPERT_PROJECTIONS, PROJ_INDEX, PROJECTIONS, ModelConfig
+from asyncserve.pager.gguf_adapter import BadAdapterFile, is_gguf_file, read_gguf_adapter
 from asyncserve.pager.patterns import PatternError, PatternTable
 
 
@@ -222,7 +223,12 @@ def load_peft_adapter(name: str, path: str | Path, config: ModelConfig, dtype: t
 
 def inspect_peft_folder(name: str, path: str | Path, config: ModelConfig) -> AdapterInfo:
     """adapter_config.json and the safetensors header, checked as read_peft_folder checks them; no
-    weights are read (a bad folder found later, at load, fails then)."""
+    weights are read (a bad folder found later, at load, fails then). A llama.cpp GGUF adapter file:
+    its header, checked the same way."""
+    if is_gguf_file(path):
+        acfg, stored, _ = _gguf_contents(name, Path(path).expanduser(), config, weights=False)
+        ranks, _, _, _, vocab = _check_against_model(name, str(path), acfg, stored, config)
+        return AdapterInfo(name, str(path), ranks, os.path.getsize(Path(path).expanduser()), bool(vocab))
     folder, acfg, weights_file = _peft_files(name, path)
     with open(weights_file, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -233,7 +239,12 @@ def inspect_peft_folder(name: str, path: str | Path, config: ModelConfig) -> Ada
 
 def read_peft_folder(name: str, path: str | Path, config: ModelConfig) -> PeftFolder:
     """File reads and every check the config and the safetensors header allow (no torch: the server
-    runs this off the torch thread)."""
+    runs this off the torch thread). A llama.cpp GGUF adapter file is read whole, as float32 (torch
+    there, off the torch thread too)."""
+    if is_gguf_file(path):
+        acfg, stored, weights = _gguf_contents(name, Path(path).expanduser(), config, weights=True)
+        ranks, scaling, modules, _, vocab = _check_against_model(name, str(path), acfg, stored, config)
+        return PeftFolder(name, str(path), config, ranks, scaling, modules, False, weights, False, vocab)
     folder, acfg, weights_file = _peft_files(name, path)
     with open(weights_file, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -247,11 +258,34 @@ def read_peft_folder(name: str, path: str | Path, config: ModelConfig) -> PeftFo
                       vocab)
 
 
+def _gguf_contents(name: str, path: Path, config: ModelConfig, weights: bool
+                   ) -> tuple[AdapterConfig, list[StoredTensor], bytearray | None]:
+    """A llama.cpp adapter file (gguf_adapter.py) as a PEFT folder's config, header and data: its tensors
+    float32 end to end. llama.cpp's alpha 0 (scaling 1 per tensor) is alpha = rank where ranks agree."""
+    try:
+        alpha, tensors, data = read_gguf_adapter(name, path, config, weights)
+    except BadAdapterFile as e:
+        raise AdapterError(str(e)) from None
+    stored, offset = [], 0
+    for key, shape in tensors:
+        size = math.prod(shape) * 4
+        stored.append(StoredTensor(key, "F32", shape, offset, offset + size))
+        offset += size
+    if alpha is None:
+        ranks = {t.shape[0] for t in stored if ".lora_A." in t.key}
+        if len(ranks) != 1:
+            raise AdapterError(f"adapter {name!r}: {path} has adapter.lora.alpha 0 (no scaling) and tensors of ranks "
+                               f"{sorted(ranks)}; give it an alpha")
+        alpha = float(ranks.pop())
+    return AdapterConfig(lora_alpha=alpha), stored, data
+
+
 def _peft_files(name: str, path: str | Path) -> tuple[Path, AdapterConfig, Path]:
     """(folder, its adapter_config.json, its safetensors file), checked to be a supported PEFT LoRA."""
     folder = Path(path)
     if not folder.is_dir():
-        raise AdapterError(f"adapter {name!r}: {folder} is not a folder")
+        raise AdapterError(f"adapter {name!r}: {folder} is neither a PEFT adapter folder nor a llama.cpp GGUF "
+                           "adapter file")
     cfg_file = folder / "adapter_config.json"
     if not cfg_file.is_file():
         raise AdapterError(f"adapter {name!r}: {cfg_file} is missing (expected a PEFT LoRA folder)")
