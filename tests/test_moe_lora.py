@@ -301,23 +301,31 @@ def _expected(x, experts: llama.ExpertWeights, moe: MoeConfig, flat, tables, tok
     return out
 
 
+@pytest.mark.parametrize("steps", ["decode", "prefill"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_native_expert_lora_equals_torch_ops_and_a_token_by_token_sum(dtype):
+def test_native_expert_lora_equals_torch_ops_and_a_token_by_token_sum(dtype, steps):
     """moe_mlp natively (lora_segments on the router, experts.h's forward_lora) and in torch ops over the
     same pool and tables: each token's router and experts with its own adapter's LoRA on them (adapters
     of different ranks, some experts or the router not targeted by some adapters, tokens of no adapter
-    among them) equal a token-by-token float32 sum."""
+    among them) equal a token-by-token float32 sum. decode: 30 tokens of alternating adapters, runs of a
+    row or two per expert and adapter; prefill: 240 tokens in four blocks, runs of several of
+    lora_segments' tiles."""
     require_native_kernels()
     torch.manual_seed(0)
-    E, H, I, T = 6, 48, 40, 30
+    E, H, I = 6, 48, 40
+    T = 30 if steps == "decode" else 240
     moe = MoeConfig(E, 2, I, True)
     experts = llama.ExpertWeights(router=make_linear((torch.randn(E, H) * 0.3).to(dtype)),
                                   gate_up=[make_linear((torch.randn(2 * I, H) * 0.15).to(dtype)) for _ in range(E)],
                                   down=[make_linear((torch.randn(H, I) * 0.15).to(dtype)) for _ in range(E)],
                                   shared_gate=None)
     flat, tables = _random_expert_lora(dtype, E, H, I)
-    token_rows = torch.tensor([(t % 4) - 1 for t in range(T)], dtype=torch.int32)      # -1, 0, 1, 2, -1, ...
-    runs = torch.tensor([(t, t + 1, int(row)) for t, row in enumerate(token_rows) if row >= 0])
+    if steps == "decode":
+        token_rows = torch.tensor([(t % 4) - 1 for t in range(T)], dtype=torch.int32)      # -1, 0, 1, 2, -1, ...
+        runs = torch.tensor([(t, t + 1, int(row)) for t, row in enumerate(token_rows) if row >= 0])
+    else:
+        token_rows = torch.tensor([t // 60 - 1 for t in range(T)], dtype=torch.int32)      # -1 x 60, 0 x 60, ...
+        runs = torch.tensor([(60 * (row + 1), 60 * (row + 2), row) for row in range(3)])
     lora = llama.ExpertLora(flat, token_rows, runs, tables)
     x = torch.randn(T, H).to(dtype)
     expected = _expected(x, experts, moe, flat, tables, token_rows, layer=1)
