@@ -264,13 +264,45 @@ def llm_on_path(model: FamilyModel, path: str, monkeypatch):
 
 def generate_greedy(model: FamilyModel, cases, adapters=None, **kwargs):
     """(the LLM, each case's greedy tokens) in float32 on the test device, prompts chunked."""
-    from asyncserve import LLM, SamplingParams
+    from asyncserve import LLM
 
     llm = LLM(model=str(model.folder), adapters={k: str(v) for k, v in (adapters or model.adapters).items()},
               dtype="float32", device=TEST_DEVICE, max_step_tokens=16, **kwargs)
+    return llm, greedy_tokens(llm, cases)
+
+
+def greedy_tokens(llm, cases) -> list[list[int]]:
+    """Each case's (prompt ids, adapter or None) GREEDY_TOKENS greedy tokens, all in one generate call."""
+    from asyncserve import SamplingParams
+
     outs = llm.generate([c[0] for c in cases], SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0,
                                                               ignore_eos=True), adapters=[c[1] for c in cases])
-    return llm, [o.token_ids for o in outs]
+    return [o.token_ids for o in outs]
+
+
+def split_stacked_experts(weights: dict, target_parameters: list[str], experts: int) -> dict:
+    """A PEFT adapter's tensors on transformers v5's stacked experts (target_parameters) as v4's per-expert
+    ones under Qwen's names (mlp.experts.{e}.gate_proj ...): expert e's A is rows e*r.. of the stacked
+    lora_A, its B columns e::experts of lora_B, gate_up_proj's rows split into gate's and up's. Two
+    targeted parameters nest, gate_up_proj one "base_layer." deeper. Other tensors pass as they are."""
+    import re
+
+    targeted = [p for p in ("gate_up_proj", "down_proj") if any(t.endswith(p) for t in target_parameters)]
+    out = {}
+    for key in [k for k in weights if ".lora_A." in k]:
+        a, b = weights[key], weights[key.replace("lora_A", "lora_B")]
+        m = re.fullmatch(r"(.*\.layers\.\d+\.)mlp\.experts\.((?:base_layer\.)*)lora_A\.weight", key)
+        if m is None:
+            out[key], out[key.replace("lora_A", "lora_B")] = a, b
+            continue
+        parameter = targeted[len(targeted) - 1 - m.group(2).count(".")]
+        r = a.shape[0] // experts
+        projs = ["gate_proj", "up_proj"] if parameter == "gate_up_proj" else ["down_proj"]
+        for e in range(experts):
+            for proj, rows in zip(projs, b[:, e::experts].chunk(len(projs))):
+                out[f"{m.group(1)}mlp.experts.{e}.{proj}.lora_A.weight"] = a[e * r:(e + 1) * r].clone()
+                out[f"{m.group(1)}mlp.experts.{e}.{proj}.lora_B.weight"] = rows.clone()
+    return out
 
 
 def check_greedy(tokens, cases, refs, label, tie_tol=1e-3) -> None:
@@ -310,21 +342,27 @@ def assert_refused_each_alone(model: FamilyModel, cases, refs, source: str, bad:
     """Each of ``bad`` (label -> (config edit, tensors edit, the reason's pattern)) on a copy of adapter
     ``source`` is refused at load with its reason, alone: the adapters loaded before still give the
     references' tokens."""
-    import pytest
-
-    from asyncserve import LLM, SamplingParams
-    from asyncserve.pager.adapters import AdapterError
+    from asyncserve import LLM
 
     llm = LLM(model=str(model.folder), adapters={k: str(v) for k, v in model.adapters.items()}, dtype="float32",
               device=TEST_DEVICE, max_step_tokens=16)
-    for i, (label, (config, weights, why)) in enumerate(bad.items()):
-        folder = broken_copy(model.adapters[source], tmp_path / f"bad{i}", config, weights)
+    paths = {label: (broken_copy(model.adapters[source], tmp_path / f"bad{i}", config, weights), why)
+             for i, (label, (config, weights, why)) in enumerate(bad.items())}
+    assert_each_refused(llm, paths, cases, refs)
+
+
+def assert_each_refused(llm, bad: dict, cases, refs) -> None:
+    """Loading each of ``bad`` (label -> (adapter path, the reason's pattern)) into ``llm`` is refused with
+    its reason and registers nothing; then the adapters loaded before still give the references' tokens."""
+    import pytest
+
+    from asyncserve.pager.adapters import AdapterError
+
+    for i, (label, (path, why)) in enumerate(bad.items()):
         with pytest.raises(AdapterError, match=why):
-            llm.load_adapter(f"bad{i}", str(folder))
+            llm.load_adapter(f"bad{i}", str(path))
         assert f"bad{i}" not in llm.engine.pager.registry, label
-    outs = llm.generate([c[0] for c in cases], SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0,
-                                                              ignore_eos=True), adapters=[c[1] for c in cases])
-    check_greedy([o.token_ids for o in outs], cases, refs, "after the refusals")
+    check_greedy(greedy_tokens(llm, cases), cases, refs, "after the refusals")
 
 
 def assert_tensor_parallel_refuses(model: FamilyModel, names: list[str]) -> None:

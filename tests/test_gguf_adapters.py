@@ -21,8 +21,8 @@ from safetensors.torch import load_file
 
 from asyncserve import LLM, SamplingParams
 from asyncserve.model.loader_gguf import _FAMILY_LAYER_TENSORS, _LAYER_TENSORS, interleaves_qk
-from asyncserve.pager.adapters import AdapterError
-from family_models import ALL, FAMILIES, GREEDY_TOKENS, build_with_adapters, check_greedy, with_references
+from family_models import (ALL, FAMILIES, GREEDY_TOKENS, assert_each_refused, build_with_adapters, check_greedy,
+                           greedy_tokens, split_stacked_experts, with_references)
 from model_io_helpers import llama_cpp_permute
 from reference import TEST_DEVICE
 
@@ -57,8 +57,8 @@ def write_lora_gguf(folder: Path, path: Path, config, dtype: str = "f32", alpha:
     base's ModelConfig; dtype f32, f16 or q8_0; edit(tensors) may change the {name: array} before writing."""
     acfg = json.loads((folder / "adapter_config.json").read_text())
     weights = {k: v.float() for k, v in load_file(folder / "adapter_model.safetensors").items()}
-    if any(".experts.lora_" in k or ".experts.base_layer." in k for k in weights):    # v5's stacked form
-        weights = _per_expert(weights, acfg, config)
+    if acfg.get("target_parameters"):          # v5's stacked experts: as v4's per-expert tensors
+        weights = split_stacked_experts(weights, acfg["target_parameters"], config.moe.num_experts)
     names = _gguf_names(config.family.name)
     tensors, stacks = {}, {}
     for key in [k for k in weights if _KEY.search(k)]:
@@ -102,27 +102,6 @@ def _finish(writer: gguf.GGUFWriter) -> None:
     writer.close()
 
 
-def _per_expert(weights: dict, acfg: dict, config) -> dict:
-    """PEFT's stacked-experts tensors (target_parameters) as per-expert ones, the router as mlp.gate."""
-    experts = config.moe.num_experts
-    targeted = [p for p in ("gate_up_proj", "down_proj") if any(t.endswith(p) for t in acfg["target_parameters"])]
-    out = {}
-    for key in [k for k in weights if ".lora_A." in k]:
-        a, b = weights[key], weights[key.replace("lora_A", "lora_B")]
-        m = re.fullmatch(r"(.*\.layers\.\d+\.)mlp\.experts\.((?:base_layer\.)*)lora_A\.weight", key)
-        if m is None:
-            out[key], out[key.replace("lora_A", "lora_B")] = a, b
-            continue
-        parameter = targeted[len(targeted) - 1 - m.group(2).count(".")]
-        r = a.shape[0] // experts
-        projs = ["gate_proj", "up_proj"] if parameter == "gate_up_proj" else ["down_proj"]
-        for e in range(experts):
-            for proj, rows in zip(projs, b[:, e::experts].chunk(len(projs))):
-                out[f"{m.group(1)}mlp.experts.{e}.{proj}.lora_A.weight"] = a[e * r:(e + 1) * r]
-                out[f"{m.group(1)}mlp.experts.{e}.{proj}.lora_B.weight"] = rows
-    return out
-
-
 def _model_config(model):
     from asyncserve.model.loader_hf import model_config
     return model_config(json.loads((model.folder / "config.json").read_text()), name="tiny")
@@ -142,9 +121,8 @@ def test_gguf_adapters_give_the_peft_folders_tokens(family_model, tmp_path):
     files = {name: str(write_lora_gguf(path, tmp_path / f"{name}.gguf", config))
              for name, path in model.adapters.items()}
     llm = _llm(model, adapters=files)
-    outs = llm.generate([c[0] for c in cases], SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0,
-                                                              ignore_eos=True), adapters=[c[1] for c in cases])
-    check_greedy([o.token_ids for o in outs], cases, refs, f"{model.family} gguf")
+    tokens = greedy_tokens(llm, cases)
+    check_greedy(tokens, cases, refs, f"{model.family} gguf")
     assert {name: reg.path for name, reg in llm.engine.pager.registry.items()} == files
 
 
@@ -181,9 +159,8 @@ def test_adapter_dir_and_runtime_loads_take_gguf_files(family_model, tmp_path):
     llm = _llm(model, adapter_dir=str(tmp_path))
     assert set(llm.engine.pager.registry) == {first}
     llm.load_adapter(second, str(write_lora_gguf(model.adapters[second], tmp_path / "other.gguf", config)))
-    outs = llm.generate([c[0] for c in cases], SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0,
-                                                              ignore_eos=True), adapters=[c[1] for c in cases])
-    check_greedy([o.token_ids for o in outs], cases, refs, f"{model.family} adapter dir")
+    tokens = greedy_tokens(llm, cases)
+    check_greedy(tokens, cases, refs, f"{model.family} adapter dir")
 
 
 def test_bad_gguf_adapters_are_refused_each_alone(family_model, tmp_path):
@@ -235,13 +212,7 @@ def test_bad_gguf_adapters_are_refused_each_alone(family_model, tmp_path):
     if len(ranks) > 1:
         bad["alpha 0, ranks differ"] = (write("alpha0", alpha=0.0), "adapter.lora.alpha 0")
     llm = _llm(model, adapters={k: str(v) for k, v in model.adapters.items()})
-    for i, (label, (path, why)) in enumerate(bad.items()):
-        with pytest.raises(AdapterError, match=why):
-            llm.load_adapter(f"bad{i}", str(path))
-        assert f"bad{i}" not in llm.engine.pager.registry, label
-    outs = llm.generate([c[0] for c in cases], SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0,
-                                                              ignore_eos=True), adapters=[c[1] for c in cases])
-    check_greedy([o.token_ids for o in outs], cases, refs, "after the refusals")
+    assert_each_refused(llm, bad, cases, refs)
     if len(ranks) == 1:       # alpha 0: scaling 1
         llm.load_adapter("alpha0", str(write("alpha0", alpha=0.0)))
         assert float(llm.engine.pager.host["alpha0"].scaling.max()) == 1.0

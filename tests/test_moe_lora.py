@@ -17,12 +17,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from asyncserve import LLM, SamplingParams
+from asyncserve import LLM
 from asyncserve.model import llama
 from asyncserve.model.config import ModelConfig, MoeConfig
 from asyncserve.model.linear import make_linear
 from family_models import (GREEDY_TOKENS, MOE_FAMILIES, assert_refused_each_alone, build_with_adapters, cases_of,
-                           check_greedy, llm_on_path, renamed)
+                           check_greedy, greedy_tokens, llm_on_path, renamed, split_stacked_experts)
 from reference import TEST_DEVICE, peft_references, record_calls, record_steps, require_native_kernels
 
 STACKED = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -43,32 +43,18 @@ def family_adapters(family: str) -> dict:
 
 
 def write_per_expert(stacked: Path, folder: Path, family: str, experts: int) -> None:
-    """A stacked-experts adapter's weights as PEFT saved LoRA on transformers v4's per-expert modules:
-    expert e's A is rows e*r.. of the stacked lora_A, its B columns e::experts of lora_B (gate_up_proj's
-    rows split into gate's and up's); Mixtral's under block_sparse_moe with w1, w3, w2, its router too."""
+    """A stacked-experts adapter's weights as PEFT saved LoRA on transformers v4's per-expert modules
+    (split_stacked_experts); Mixtral's under block_sparse_moe with w1, w3, w2, its router too."""
     config = json.loads((stacked / "adapter_config.json").read_text())
-    weights = load_file(stacked / "adapter_model.safetensors")
+    split = split_stacked_experts(load_file(stacked / "adapter_model.safetensors"), config["target_parameters"],
+                                  experts)
     names = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"} if family == "mixtral" else {}
-    container = "block_sparse_moe" if family == "mixtral" else "mlp"
-    targeted = [p for p in ("gate_up_proj", "down_proj") if any(t.endswith(p) for t in config["target_parameters"])]
     out = {}
-    for key in [k for k in weights if ".lora_A." in k]:
-        m = re.fullmatch(r"(.*\.layers\.\d+\.)mlp\.experts\.((?:base_layer\.)*)lora_A\.weight", key)
-        if m is None:
-            renamed_key = key.replace(".mlp.gate.", f".{container}.gate.")
-            for ab in ("lora_A", "lora_B"):
-                out[renamed_key.replace("lora_A", ab)] = weights[key.replace("lora_A", ab)]
-            continue
-        parameter = targeted[len(targeted) - 1 - m.group(2).count(".")]
-        a, b = weights[key], weights[key.replace("lora_A", "lora_B")]
-        r = a.shape[0] // experts
-        projs = ["gate_proj", "up_proj"] if parameter == "gate_up_proj" else ["down_proj"]
-        for e in range(experts):
-            b_e = b[:, e::experts]
-            for proj, rows in zip(projs, b_e.chunk(len(projs))):
-                prefix = f"{m.group(1)}{container}.experts.{e}.{names.get(proj, proj)}"
-                out[f"{prefix}.lora_A.weight"] = a[e * r:(e + 1) * r].clone()
-                out[f"{prefix}.lora_B.weight"] = rows.clone()
+    for key, tensor in split.items():
+        if names:
+            key = re.sub(r"\.mlp\.experts\.(\d+)\.(\w+)\.", lambda m: f".block_sparse_moe.experts.{m.group(1)}."
+                         f"{names[m.group(2)]}.", key).replace(".mlp.gate.", ".block_sparse_moe.gate.")
+        out[key] = tensor
     folder.mkdir(parents=True)
     save_file(out, folder / "adapter_model.safetensors")
     routed = {names.get(p, p) for p in ("gate_proj", "up_proj", "down_proj")}
@@ -120,9 +106,7 @@ def test_expert_adapters_give_peft_tokens_beside_the_base(expert_model, path, mo
                  layers.append((native, lora is not None)))
     record_calls(monkeypatch, llama, "_expert_lora_", lambda *a: eager_runs.append(1))
     llm = llm_on_path(model, path, monkeypatch)
-    outs = llm.generate([c[0] for c in cases], SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0,
-                                                              ignore_eos=True), adapters=[c[1] for c in cases])
-    tokens = [o.token_ids for o in outs]
+    tokens = greedy_tokens(llm, cases)
     check_greedy(tokens, cases, refs, f"{model.family} {path}")
     native = path != "eager"
     assert (True, True) in layers if native else ((False, True) in layers and eager_runs)
@@ -144,10 +128,9 @@ def test_expert_adapters_are_neither_merged_nor_assisted(expert_model, tmp_path)
         for name in model.adapters:
             assert "LoRA on the routed experts or the router, which is not merged" in llm.engine.merge_refusal(name)
         plans = record_steps(llm.engine)
-        outs = llm.generate([c[0] for c in cases], SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0,
-                                                                  ignore_eos=True), adapters=[c[1] for c in cases])
+        tokens = greedy_tokens(llm, cases)
         assert plans and not any(p.assisted for p in plans)
-        check_greedy([o.token_ids for o in outs], cases, refs, f"{model.family} cpu assist on")
+        check_greedy(tokens, cases, refs, f"{model.family} cpu assist on")
     finally:
         llm.engine.close()
 
@@ -388,7 +371,6 @@ def test_make_adapters_writes_expert_adapters_peft_loads(expert_model, tmp_path)
     refs = fresh_references(model.base, adapters, cases)
     llm = LLM(model=str(model.folder), adapter_dir=str(tmp_path), dtype="float32", device=TEST_DEVICE,
               max_step_tokens=16)
-    outs = llm.generate([c[0] for c in cases], SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0,
-                                                              ignore_eos=True), adapters=[c[1] for c in cases])
-    check_greedy([o.token_ids for o in outs], cases, refs, "make_adapters experts")
+    tokens = greedy_tokens(llm, cases)
+    check_greedy(tokens, cases, refs, "make_adapters experts")
     assert llm.engine.pager.registry["a0000"].experts
