@@ -275,6 +275,16 @@ def main(argv: list[str] | None = None) -> None:
                    help="with --api-key, leave /tokenize and /detokenize open without it, as vLLM does (default: off)")
     s.add_argument("--metrics-public", action="store_true",
                    help="with --api-key, show /metrics' per-adapter series without it too (default: off)")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="answer tool_choice 'auto' (OpenAI's default with tools): the calls the model writes are "
+                        "read from its output by the --tool-call-parser (default: off, a 400 as in vLLM)")
+    s.add_argument("--tool-call-parser", default="auto", metavar="NAME",
+                   help="how the model writes tool calls: hermes (Qwen2.5, Qwen3, Hermes), llama3_json (Llama "
+                        "3.1-3.3), mistral, pythonic (Llama 3.2/4's pythonic templates), auto (the one its chat "
+                        "template shows) or none (default: auto)")
+    s.add_argument("--reasoning-parser", default="auto", metavar="NAME",
+                   help="split the model's thinking (<think>...</think>) into the message's reasoning: qwen3, "
+                        "deepseek_r1, auto (when the chat template thinks) or none (default: auto)")
     s.add_argument("--max-prompt-bytes", default=None, metavar="SIZE",
                    help="longest text prompt (or chat, rendered) tokenized, in UTF-8 bytes, e.g. 1MiB; longer "
                         "ones get 400 before any tokenizing (default: 32 bytes per token of --max-model-len)")
@@ -345,6 +355,8 @@ def main(argv: list[str] | None = None) -> None:
         config.host, config.port, config.api_key = args.host, args.port, args.api_key
         config.tokenize_public, config.metrics_public = args.tokenize_public, args.metrics_public
         config.max_prompt_bytes = args.max_prompt_bytes
+        config.tool_call_parser, config.reasoning_parser = args.tool_call_parser, args.reasoning_parser
+        config.enable_auto_tool_choice = args.enable_auto_tool_choice
         config.max_waiting, config.shutdown_grace_s = args.max_waiting, args.shutdown_grace
         config.peers, config.node_id, config.advertise_url = args.peers, args.node_id, args.advertise_url
         config.cluster_key, config.gossip_interval_s = args.cluster_key, args.gossip_interval

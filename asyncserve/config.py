@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from asyncserve.cpus import usable_cpus
+from asyncserve.ingress.chat_output import check_format_names
 from asyncserve.model.paths import check_model_path
 
 
@@ -88,6 +89,11 @@ class Config:
     tokenize_public: bool = False            # /tokenize and /detokenize open without the API key
     metrics_public: bool = False             # /metrics' per-adapter series open without the API key
     max_prompt_bytes: int | str | None = None   # longest text prompt tokenized; default max_model_len * 32 bytes
+    # chat outputs read into reasoning and tool calls (ingress/chat_output.py): a format's name, "auto"
+    # (what the chat template shows) or "none"
+    tool_call_parser: str = "auto"
+    reasoning_parser: str = "auto"
+    enable_auto_tool_choice: bool = False    # tool_choice "auto" reads the calls from the output (vLLM's flag)
     adapter_root: str | None = None          # runtime load_lora_adapter only below this folder
     adapter_dir: str | None = None           # register every adapter folder in it (read on demand)
     # adapters from URLs and S3 (pager/remote.py): runtime loads only from sources under these prefixes
@@ -175,6 +181,7 @@ class Config:
             self.host_adapter_bytes()
         if self.max_prompt_bytes is not None and not parse_size(self.max_prompt_bytes) > 0:
             raise ValueError(f"max_prompt_bytes must be positive, got {self.max_prompt_bytes!r}")
+        check_format_names(self.tool_call_parser, self.reasoning_parser)
         for name in self.pinned_adapters:
             in_dir = self.adapter_dir is not None and (Path(self.adapter_dir).expanduser() / name).is_dir()
             if name not in self.adapters and not in_dir:

@@ -24,6 +24,7 @@ from asyncserve.actors.scheduler import SchedulerActor
 from asyncserve.actors.stepper import StepperActor
 from asyncserve.config import Config
 from asyncserve.engine import Engine
+from asyncserve.ingress.chat_output import ChatFormats
 from asyncserve.ingress.resolver import AdapterResolver
 from asyncserve.ingress.routes import build_app
 from asyncserve.ingress.tokenizing import new_executor
@@ -102,6 +103,13 @@ class Server:
             if actor is not None:
                 self._tasks.append(asyncio.create_task(actor.run(), name=type(actor).__name__))
         self.metrics.observe_engine(self.engine)
+        self.chat_formats = ChatFormats.of(config.tool_call_parser, config.reasoning_parser,
+                                           config.enable_auto_tool_choice, self.engine.tokenizer)
+        if self.chat_formats.tools is not None or self.chat_formats.reasoning is not None:
+            log.info("chat outputs: tool calls in %s format%s, reasoning %s",
+                     getattr(self.chat_formats.tools, "name", "no"),
+                     "" if config.enable_auto_tool_choice else " (read with --enable-auto-tool-choice)",
+                     self.chat_formats.reasoning or "not split")
         self.ready = True
         names = self.engine.adapter_names
         log.info("ready: model %s, %d adapters%s", self.engine.model_name, len(names),

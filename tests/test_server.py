@@ -258,9 +258,10 @@ def test_structured_outputs_equal_offline_engine_streaming_and_not(client, offli
 
 def _tool_plan(body: dict):
     from asyncserve.ingress.protocol import ChatCompletionRequest
+    from asyncserve.ingress.chat_output import ChatFormats
     from asyncserve.ingress.tools import tool_plan
 
-    return tool_plan(msgspec.convert(body, ChatCompletionRequest))
+    return tool_plan(msgspec.convert(body, ChatCompletionRequest), ChatFormats(None, None, False))
 
 
 def test_tool_calls_for_a_named_function_and_required_equal_offline_engine(client, offline):

@@ -11,7 +11,7 @@ from asyncserve import __version__
 from asyncserve.ingress.prepare import KEY_GIVEN, SERVER_KEY, adapter_for, ready_server
 from asyncserve.ingress.protocol import (ApiError, DetokenizeRequest, LoadLoraRequest, TokenizeRequest,
                                          UnloadLoraRequest, decode_body)
-from asyncserve.ingress.tokenizing import chat_ids, decode, encode
+from asyncserve.ingress.tokenizing import chat_prompt, decode, encode
 from asyncserve.messages import LoadAdapter, UnloadAdapter
 from asyncserve.pager.adapters import AdapterError
 from asyncserve.pager.remote import FetchError, is_url, parse_source, under_prefix
@@ -143,7 +143,7 @@ async def tokenize(request: web.Request) -> web.Response:
     if req.prompt is not None:
         tokens = await encode(server, req.prompt, req.add_special_tokens is not False)
     else:
-        tokens = await chat_ids(server, req, bool(req.add_special_tokens))
+        _, tokens = await chat_prompt(server, req, bool(req.add_special_tokens))
     answer = {"count": len(tokens), "max_model_len": server.engine.max_model_len, "tokens": tokens}
     # msgspec: a million ids in milliseconds, where json.dumps held the event loop a few hundred
     return web.Response(body=_json.encode(answer), content_type="application/json")

@@ -66,7 +66,7 @@ async def structured_outputs(server, req, tools: ToolPlan | None = None) -> Stru
     """The request's output constraint, with its automaton built in a worker thread (seconds for a
     large one), so that make_sequence finds it cached and the event loop never waits on it."""
     spec, param = structured_outputs_of(req)
-    if tools is not None:
+    if tools is not None and tools.constraint is not None:
         if spec is not None:
             raise ApiError(400, f"tool calls already constrain the output; {param} cannot be added", param=param,
                            code="invalid_value")
@@ -128,8 +128,25 @@ def chat_messages(req: ChatCompletionRequest | TokenizeRequest) -> list[dict]:
             message["tool_calls"] = m.tool_calls
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
+        reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning     # the name templates (Qwen3's) read
         out.append(message)
     return out
+
+
+# what the server itself gives the template; chat_template_kwargs may not replace them
+TEMPLATE_ARGUMENTS = {"messages", "conversation", "tools", "documents", "add_generation_prompt",
+                      "continue_final_message", "chat_template", "tokenize"}
+
+
+def template_kwargs(req: ChatCompletionRequest | TokenizeRequest) -> dict:
+    kwargs = req.chat_template_kwargs or {}
+    taken = sorted(TEMPLATE_ARGUMENTS.intersection(kwargs))
+    if taken:
+        raise ApiError(400, f"chat_template_kwargs may not set {', '.join(taken)}", param="chat_template_kwargs",
+                       code="invalid_value")
+    return kwargs
 
 
 def chat_text(tok, req: ChatCompletionRequest | TokenizeRequest, tools: list[dict] | None = None) -> str:
@@ -137,7 +154,8 @@ def chat_text(tok, req: ChatCompletionRequest | TokenizeRequest, tools: list[dic
     template."""
     try:
         return tok.apply_chat_template(chat_messages(req), add_generation_prompt=req.add_generation_prompt,
-                                       tools=tools)
+                                       continue_final_message=req.continue_final_message, tools=tools,
+                                       **template_kwargs(req))
     except ApiError:
         raise
     except Exception as e:      # template errors (raise_exception in the template, no template, ...)

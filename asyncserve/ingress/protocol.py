@@ -116,6 +116,8 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
     name: Union[str, None] = None
     tool_calls: Union[list[dict], None] = None      # an assistant's earlier calls
     tool_call_id: Union[str, None] = None           # a tool message's answer to one
+    reasoning: Union[str, None] = None              # an assistant's earlier thinking (vLLM)
+    reasoning_content: Union[str, None] = None      # the same, by its older name
 
 
 class FunctionDefinition(msgspec.Struct, forbid_unknown_fields=False):
@@ -140,6 +142,10 @@ class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=False):
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessage]
+    # how the messages are rendered through the chat template (vLLM's fields; /tokenize's too)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False    # the last (assistant) message is left open, to be continued
+    chat_template_kwargs: Union[dict, None] = None    # more template variables, as enable_thinking
     max_completion_tokens: Union[int, None] = None
     logprobs: bool = False
     top_logprobs: Union[int, None] = None
@@ -147,7 +153,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     tools: Union[list[Tool], None] = None
     tool_choice: Union[str, NamedToolChoice, None] = None
     parallel_tool_calls: bool = True
-    add_generation_prompt: bool = True
+    include_reasoning: bool = True    # with a reasoning parser: the thinking is sent (vLLM)
 
 
 class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
@@ -157,6 +163,8 @@ class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=False, kw_only=True)
     messages: Union[list[ChatMessage], None] = None
     add_special_tokens: Union[bool, None] = None      # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Union[dict, None] = None
 
 
 class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):

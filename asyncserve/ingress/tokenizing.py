@@ -73,14 +73,15 @@ async def decode(server, ids: Sequence[int], skip_special_tokens: bool = True) -
     return tok.decode(ids, skip_special_tokens)
 
 
-async def chat_ids(server, req, add_special_tokens: bool, tools: list[dict] | None = None) -> list[int]:
-    """The conversation's token ids: its messages checked against the byte limit before the template
-    renders them, the rendered text (tools and template added) again before it is tokenized."""
+async def chat_prompt(server, req, add_special_tokens: bool, tools: list[dict] | None = None
+                      ) -> tuple[str, list[int]]:
+    """The conversation rendered and its token ids: its messages checked against the byte limit before
+    the template renders them, the rendered text (tools and template added) again before it is tokenized."""
     texts = message_texts(req.messages)
     check_prompt_bytes(server, texts, "messages")
     large = tools is not None or sum(len(t) for t in texts) > INLINE_CHARS
     text = await off_loop(server, large, chat_text, server.engine.tokenizer, req, tools)
-    return await encode(server, text, add_special_tokens, "messages")
+    return text, await encode(server, text, add_special_tokens, "messages")
 
 
 def message_texts(messages) -> list[str]:

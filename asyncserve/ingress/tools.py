@@ -5,8 +5,10 @@
 - ``"required"``: the output is held to a JSON array of ``{"name", "parameters"}`` objects, each
   matching one tool's schema (a single item when ``parallel_tool_calls`` is false), parsed into calls.
 - ``"none"``: the tools are only shown to the chat template.
-- ``"auto"`` (OpenAI's default when tools are given) would need a model-specific parser of free
-  text, which this server does not have: it is a 400, as in vLLM without ``--tool-call-parser``.
+- ``"auto"`` (OpenAI's default when tools are given): the output is free, and the calls the model
+  writes in its own format are read back from it (chat_output.py). The server must be started with
+  --enable-auto-tool-choice and know the format (--tool-call-parser, or the chat template shows it),
+  else it is a 400, as in vLLM.
 """
 from __future__ import annotations
 
@@ -14,14 +16,16 @@ import json
 import uuid
 from dataclasses import dataclass
 
+from asyncserve.ingress.chat_output import ChatFormats, ToolFormat
 from asyncserve.ingress.protocol import ApiError, ChatCompletionRequest
 from asyncserve.sampling_params import StructuredOutputs
 
 
 @dataclass
 class ToolPlan:
-    constraint: StructuredOutputs
-    function: str | None          # the named function; None for "required"
+    constraint: StructuredOutputs | None    # None for "auto"
+    function: str | None = None             # the named function; None for "required" and "auto"
+    format: ToolFormat | None = None        # "auto": how the model writes its calls
 
     def calls(self, text: str) -> list[dict] | None:
         """OpenAI tool_calls for a finished output; None if it is not whole (cut by max_tokens or a stop)."""
@@ -54,7 +58,7 @@ def template_tools(req: ChatCompletionRequest) -> list[dict] | None:
             for t in req.tools]
 
 
-def tool_plan(req: ChatCompletionRequest) -> ToolPlan | None:
+def tool_plan(req: ChatCompletionRequest, formats: ChatFormats) -> ToolPlan | None:
     """What the request's tools and tool_choice ask of the output; None when nothing."""
     choice = req.tool_choice
     if not req.tools:
@@ -74,10 +78,13 @@ def tool_plan(req: ChatCompletionRequest) -> ToolPlan | None:
     if choice == "none":
         return None
     if choice is None or choice == "auto":
-        raise ApiError(400, "tool_choice 'auto' (the default with tools) needs a tool-call parser for this model, "
-                       "which asyncserve does not have; send tool_choice 'required', a named function "
-                       "({'type': 'function', 'function': {'name': ...}}) or 'none'", param="tool_choice",
-                       code="invalid_value")
+        if not formats.auto_tool_choice or formats.tools is None:
+            why = "--enable-auto-tool-choice" if not formats.auto_tool_choice else \
+                "--enable-auto-tool-choice and a --tool-call-parser (the chat template shows no format it knows)"
+            raise ApiError(400, f"tool_choice 'auto' (the default with tools) needs the server started with {why}; "
+                           "send tool_choice 'required', a named function ({'type': 'function', 'function': "
+                           "{'name': ...}}) or 'none'", param="tool_choice", code="invalid_value")
+        return ToolPlan(None, format=formats.tools)
     if choice == "required":
         items = [{"type": "object", "required": ["name", "parameters"],
                   "properties": {"name": {"const": name}, "parameters": schema}} for name, schema in schemas.items()]

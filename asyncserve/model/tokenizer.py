@@ -166,19 +166,26 @@ class Tokenizer:
         return self.backend.id_to_token(token_id)
 
     # ---- chat template ---------------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """Render a conversation as transformers' apply_chat_template(tokenize=False) does."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, **kwargs: Any) -> str:
+        """Render a conversation as transformers' apply_chat_template(tokenize=False) does.
+        continue_final_message: the text ends where the last message's content does, so that the
+        model continues it (what the template writes after it, as an end-of-turn token, is cut)."""
         if not self.chat_template:
             raise ValueError("this model has no chat template, so it cannot take chat messages; "
                              "send a plain prompt to the completions endpoint instead")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be set: the last "
+                             "message is either continued or answered")
         if self._template is None:
             self._template = _compile_template(self.chat_template)
         variables = {name: token for name, token in self.special_tokens.items() if token is not None}
         variables.update(kwargs)
         variables.setdefault("tools", None)
         variables.setdefault("documents", None)
-        return self._template.render(messages=[_plain_message(m) for m in messages],
-                                     add_generation_prompt=add_generation_prompt, **variables)
+        plain = [_plain_message(m) for m in messages]
+        text = self._template.render(messages=plain, add_generation_prompt=add_generation_prompt, **variables)
+        return _cut_after_final_message(text, plain) if continue_final_message else text
 
     def _id_of(self, name: str) -> int | None:
         token = self.special_tokens[name]
@@ -432,9 +439,38 @@ def _compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+def _cut_after_final_message(text: str, messages: list[dict]) -> str:
+    """The rendered text up to the end of the last message's content (templates may strip it: then
+    up to the end of its stripped text, as transformers does)."""
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str) or not final.strip():
+        raise ValueError("continue_final_message needs a last message with text to continue")
+    at = text.rfind(final.strip())
+    if at < 0:
+        raise ValueError("continue_final_message: the chat template does not write the last message's text")
+    whole = final.lstrip()
+    return text[:at + len(whole)] if text.startswith(whole, at) else text[:at + len(final.strip())]
+
+
+def _template_call(call: Any) -> Any:
+    """An earlier tool call as chat templates take it: OpenAI sends its arguments as JSON text, templates
+    write them with tojson, so an object (as vLLM passes them)."""
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}} if isinstance(arguments, dict) else call
+
+
 def _plain_message(message: Mapping[str, Any]) -> dict:
-    """A copy without None values (templates test for missing keys), content parts joined into one string."""
+    """A copy without None values (templates test for missing keys), content parts joined into one string,
+    tool calls' arguments as objects."""
     out = {k: v for k, v in message.items() if v is not None}
+    if isinstance(out.get("tool_calls"), list):
+        out["tool_calls"] = [_template_call(call) for call in out["tool_calls"]]
     content = out.get("content")
     if isinstance(content, list):
         texts = []
