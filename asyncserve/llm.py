@@ -87,9 +87,14 @@ class LLM:
         return [outputs[seq.request_id] for seq in order]
 
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
-             adapters: str | None | Seq[str | None] = None) -> list[RequestOutput]:
-        """Applies the model's chat template; one conversation or a list of them."""
+             adapters: str | None | Seq[str | None] = None, *, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Applies the model's chat template; one conversation or a list of them. The keywords are
+        vLLM's LLM.chat's: the tools shown to the template, more template variables (as
+        enable_thinking), and the last assistant message continued rather than answered."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c, add_generation_prompt=True),
-                                         add_special_tokens=False) for c in conversations]
+        prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(
+            c, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            tools=tools, **(chat_template_kwargs or {})), add_special_tokens=False) for c in conversations]
         return self.generate(prompts, params, adapters)

@@ -240,13 +240,6 @@ def reference(qwen_like):
     return LLM(model=str(qwen_like), dtype="float32", device="cpu")
 
 
-def offline_text(llm: LLM, messages, params: SamplingParams, tools=None, **variables) -> str:
-    tok = llm.tokenizer
-    prompt = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools, **variables),
-                        add_special_tokens=False)
-    return llm.generate([prompt], params)[0].text
-
-
 def joined_stream(chunks) -> tuple[str, str, list, str | None]:
     reasoning = content = ""
     calls, finish = [], None
@@ -265,7 +258,7 @@ def test_auto_tool_calls_over_http_equal_the_offline_text_read(reading_server, r
     messages = [{"role": "user", "content": "weather in the north?"}]
     for max_tokens in (120, 30):          # 30: cut inside the call, which stays content
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, structured_outputs=StructuredOutputs(regex=CALL_REGEX))
-        text = offline_text(reference, messages, params, TOOLS)
+        text = reference.chat(messages, params, tools=TOOLS)[0].text
         expected = OutputReader(Hermes()).read(text)
         kw = dict(model="qwen-like", messages=messages, tools=TOOLS, max_tokens=max_tokens, temperature=0,
                   extra_body={"structured_outputs": {"regex": CALL_REGEX}})
@@ -286,7 +279,7 @@ def test_auto_tool_calls_over_http_equal_the_offline_text_read(reading_server, r
 def test_reasoning_over_http_is_the_offline_text_read(reading_server, reading_client, reference):
     messages = [{"role": "user", "content": "think about foxes"}]
     params = SamplingParams(max_tokens=24, temperature=0.0)
-    text = offline_text(reference, messages, params)
+    text = reference.chat(messages, params)[0].text
     expected = OutputReader(None, "qwen3", True).read(text)
     assert expected.reasoning
     kw = dict(model="qwen-like", messages=messages, max_tokens=24, temperature=0)
@@ -300,7 +293,7 @@ def test_reasoning_over_http_is_the_offline_text_read(reading_server, reading_cl
     message = reading_client.chat.completions.create(**kw, extra_body={"include_reasoning": False}).choices[0].message
     assert message.model_extra.get("reasoning") is None and (message.content or "") == expected.content
     # enable_thinking: false closes the thinking in the prompt: all of it is content, the template's kwargs' text
-    closed = offline_text(reference, messages, params, enable_thinking=False)
+    closed = reference.chat(messages, params, chat_template_kwargs={"enable_thinking": False})[0].text
     assert closed != text
     body = dict(kw, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     message = reading_client.chat.completions.create(**body).choices[0].message
@@ -326,10 +319,8 @@ def test_chat_template_fields_over_http(reading_server, reading_client, referenc
     assert r.choices[0].finish_reason in ("stop", "length")
     # continue_final_message: the answer goes on from the assistant's text
     messages = [{"role": "user", "content": "count"}, {"role": "assistant", "content": "one, two,"}]
-    tok = reference.tokenizer
-    prompt = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True),
-                        add_special_tokens=False)
-    expected = reference.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0))[0].text
+    expected = reference.chat(messages, SamplingParams(max_tokens=6, temperature=0.0),
+                            add_generation_prompt=False, continue_final_message=True)[0].text
     r = reading_client.chat.completions.create(model="qwen-like", messages=messages, max_tokens=6, temperature=0,
                                                extra_body={"continue_final_message": True, "add_generation_prompt": False,
                                                            "include_reasoning": False})

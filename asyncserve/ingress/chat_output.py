@@ -66,6 +66,20 @@ def settled(text: str, marker: str | None = None) -> str:
     return text.rstrip()
 
 
+def find_once(text: str, marker: str, memo: dict, key: str) -> int:
+    """text.find(marker) on a text that only grows between calls with the same memo: the search goes
+    on from where the last one stopped (a stream would search its whole text at every token)."""
+    found = memo.get(key)
+    if found is not None:
+        return found
+    at = text.find(marker, max(0, memo.get(key + " searched", 0) - len(marker) + 1))
+    if at >= 0:
+        memo[key] = at
+    else:
+        memo[key + " searched"] = len(text)
+    return at
+
+
 def arguments_json(arguments) -> str | None:
     """A call's arguments as OpenAI's JSON text: an object, or a string that holds one."""
     if isinstance(arguments, str):
@@ -126,7 +140,7 @@ class MarkedCalls(ToolFormat):
     marker = ""
 
     def read(self, text: str, final: bool, memo: dict) -> tuple[str, list[tuple[str, str]]]:
-        start = text.find(self.marker)
+        start = find_once(text, self.marker, memo, "marker")
         if start < 0:
             return (text if final else settled(text, self.marker)), []
         calls, end = self.calls(text, start, final, memo)
@@ -366,7 +380,7 @@ class OutputReader:
         memo = {} if memo is None else memo
         reasoning, rest = "", text
         if self.reasoning is not None:
-            reasoning, rest, thought = self.split_thinking(text, final)
+            reasoning, rest, thought = self.split_thinking(text, final, memo)
             if rest is None:
                 return Reading(reasoning)
             if thought:
@@ -375,7 +389,7 @@ class OutputReader:
             return Reading(reasoning, rest)
         return Reading(reasoning, *self.tools.read(rest, final, memo))
 
-    def split_thinking(self, text: str, final: bool) -> tuple[str, str | None, bool]:
+    def split_thinking(self, text: str, final: bool, memo: dict) -> tuple[str, str | None, bool]:
         """(reasoning, the rest or None while still thinking, whether there was thinking)."""
         body = text
         if not self.starts_thinking:
@@ -390,7 +404,7 @@ class OutputReader:
             body = body.lstrip()[len(THINK_OPEN):]
         elif not final and THINK_OPEN.startswith(body.lstrip()):
             return "", None, True
-        end = body.find(THINK_CLOSE)
+        end = find_once(body, THINK_CLOSE, memo, "thinking end")
         if end >= 0:
             return body[:end].strip(), body[end + len(THINK_CLOSE):], True
         return (body.strip() if final else settled(body, THINK_CLOSE).lstrip()), None, True
