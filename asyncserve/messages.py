@@ -68,6 +68,7 @@ class TokenEvent(msgspec.Struct):
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0        # of the prompt, found in the prefix cache
     error: Failure | None = None      # the request failed: the client gets this instead of a finish_reason
 
 

@@ -45,6 +45,7 @@ class Sequence:
     cache_root: tuple | None = None
     block_keys: list[tuple] = field(default_factory=list)
     num_registered_blocks: int = 0
+    num_cached_tokens: int | None = None   # of its prompt, found cached when it was first admitted
     # speculative decoding: where its n-grams occurred (scheduler/drafts.NgramIndex), built on first draft
     ngram_index: object | None = None
 

@@ -105,6 +105,9 @@ class Server:
         self.metrics.observe_engine(self.engine)
         self.chat_formats = ChatFormats.of(config.tool_call_parser, config.reasoning_parser,
                                            config.enable_auto_tool_choice, self.engine.tokenizer)
+        if config.enable_auto_tool_choice and self.chat_formats.tools is None:
+            log.warning("--enable-auto-tool-choice: the chat template shows no tool-call format, and no "
+                        "--tool-call-parser names one; tool_choice 'auto' will be refused")
         if self.chat_formats.tools is not None or self.chat_formats.reasoning is not None:
             log.info("chat outputs: tool calls in %s format%s, reasoning %s",
                      getattr(self.chat_formats.tools, "name", "no"),

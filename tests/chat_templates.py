@@ -57,3 +57,12 @@ PYTHONIC = (
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
 
 END_OF_TURN = ("<|im_end|>\n", "<|eot_id|>", "</s>")
+
+# the tools the tests' conversations offer (chat's shape), and a regex that has a model write a hermes
+# call of one or two of them after some content
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string"}}, "required": ["city"]}}},
+         {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
+CALL_REGEX = (r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Oslo|Rome)"\}\}\n'
+              r'</tool_call>(\n<tool_call>\n\{"name": "search", "arguments": \{"q": "[a-z]{1,6}"\}\}\n</tool_call>)?')

@@ -37,3 +37,45 @@ def tiny_model(tmp_path_factory):
     from reference import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+# ---- a tiny model under a Qwen3.5-style chat template (tests of chat outputs and /v1/responses) ----
+
+@pytest.fixture(scope="module")
+def qwen_like(tiny_model, tmp_path_factory):
+    """The tiny model under a Qwen3.5-style template: hermes tool calls, thinking opened in the prompt."""
+    import shutil
+
+    import chat_templates
+
+    root = tmp_path_factory.mktemp("qwen_like") / "model"
+    shutil.copytree(tiny_model.root, root)
+    (root / "chat_template.jinja").write_text(chat_templates.HERMES)
+    return root
+
+
+@pytest.fixture(scope="module")
+def reading_server(qwen_like):
+    """A server on it that reads tool calls (--enable-auto-tool-choice) and reasoning from the template."""
+    from asyncserve.config import Config
+    from server_harness import ServerThread
+
+    st = ServerThread(Config(model=str(qwen_like), dtype="float32", device="cpu", served_model_name="qwen-like",
+                             enable_auto_tool_choice=True))
+    yield st
+    st.stop()
+
+
+@pytest.fixture(scope="module")
+def reading_client(reading_server):
+    import openai
+
+    return openai.OpenAI(base_url=reading_server.base + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference(qwen_like):
+    """The offline engine on the same model: the tokens the server's answers must be read from."""
+    from asyncserve import LLM
+
+    return LLM(model=str(qwen_like), dtype="float32", device="cpu")

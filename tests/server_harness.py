@@ -68,8 +68,9 @@ class ServerThread:
         except ValueError:
             return status, raw.decode(errors="replace"), hdrs
 
-    def stream(self, path: str, body: dict) -> list[dict]:
-        """The JSON chunks of a server-sent-event response, up to [DONE] (which must come)."""
+    def stream(self, path: str, body: dict, done: bool = True) -> list[dict]:
+        """The JSON chunks of a server-sent-event response, up to [DONE] (which must come; done=False:
+        to the end of the response, as /v1/responses ends its streams, and no [DONE] may come)."""
         req = urllib.request.Request(self.base + path, data=json.dumps(body).encode(), method="POST",
                                      headers={"Content-Type": "application/json"})
         chunks = []
@@ -78,9 +79,11 @@ class ServerThread:
                 if line.startswith(b"data: "):
                     data = line[len(b"data: "):].strip()
                     if data == b"[DONE]":
+                        assert done, "a data: [DONE] came"
                         return chunks
                     chunks.append(json.loads(data))
-        raise AssertionError("the stream ended without data: [DONE]")
+        assert not done, "the stream ended without data: [DONE]"
+        return chunks
 
     def metric(self, name: str, labels: str = "") -> float:
         text = self.request("GET", "/metrics")[1]

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 
-import openai
 import pytest
 
 import chat_templates as templates
-from asyncserve import LLM, SamplingParams, StructuredOutputs
+from chat_templates import CALL_REGEX, TOOLS
+from asyncserve import SamplingParams, StructuredOutputs
 from asyncserve.config import Config
 from asyncserve.ingress.chat_output import (ChatFormats, Hermes, Llama3Json, Mistral, OutputReader, Pythonic,
                                             Reading, check_format_names, detected_reasoning_format,
@@ -25,10 +24,6 @@ from asyncserve.ingress.chat_output import (ChatFormats, Hermes, Llama3Json, Mis
 from asyncserve.model.tokenizer import Tokenizer
 from server_harness import ServerThread
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
-                                            "parameters": {"type": "object", "properties": {
-                                                "city": {"type": "string"}}, "required": ["city"]}}},
-         {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
 CALL_SETS = [
     [("get_weather", {"city": "Paris"})],
     [("get_weather", {"city": "Oslo", "unit": "c"}), ("search", {"q": "h\u00e9llo \"x\" </tool_call> ]", "n": 3})],
@@ -209,37 +204,6 @@ def test_continue_final_message_and_tool_call_arguments_in_templates():
 
 # ---- over HTTP -------------------------------------------------------------------------------------
 
-CALL_REGEX = (r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Oslo|Rome)"\}\}\n'
-              r'</tool_call>(\n<tool_call>\n\{"name": "search", "arguments": \{"q": "[a-z]{1,6}"\}\}\n</tool_call>)?')
-
-
-@pytest.fixture(scope="module")
-def qwen_like(tiny_model, tmp_path_factory):
-    """The tiny model under a Qwen3.5-style template (hermes calls, thinking opened in the prompt)."""
-    root = tmp_path_factory.mktemp("qwen_like") / "model"
-    shutil.copytree(tiny_model.root, root)
-    (root / "chat_template.jinja").write_text(templates.HERMES)
-    return root
-
-
-@pytest.fixture(scope="module")
-def reading_server(qwen_like):
-    st = ServerThread(Config(model=str(qwen_like), dtype="float32", device="cpu", served_model_name="qwen-like",
-                             enable_auto_tool_choice=True))
-    yield st
-    st.stop()
-
-
-@pytest.fixture(scope="module")
-def reading_client(reading_server):
-    return openai.OpenAI(base_url=reading_server.base + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def reference(qwen_like):
-    return LLM(model=str(qwen_like), dtype="float32", device="cpu")
-
-
 def joined_stream(chunks) -> tuple[str, str, list, str | None]:
     reasoning = content = ""
     calls, finish = [], None
@@ -351,6 +315,7 @@ def test_auto_tool_choice_needs_the_flag(tiny_model, qwen_like):
                     "model": "m", "messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "max_tokens": 2,
                     **({"tool_choice": choice} if choice else {})})
                 assert status == 400 and body["error"]["param"] == "tool_choice"
-                assert "--enable-auto-tool-choice" in body["error"]["message"]
+                flag = "--tool-call-parser" if fields.get("enable_auto_tool_choice") else "--enable-auto-tool-choice"
+                assert flag in body["error"]["message"]
         finally:
             st.stop()

@@ -364,7 +364,8 @@ def test_forwarded_requests_stream_what_a_local_run_gives(nodes, offline):
     local_chat = nodes["c"].request("POST", "/v1/chat/completions", chat, AUTH)[1]
     for _ in range(3):
         status, out = a.request("POST", "/v1/completions", sampled, AUTH)
-        assert status == 200 and out["usage"] == local["usage"]
+        counts = ("prompt_tokens", "completion_tokens", "total_tokens")     # the cached tokens depend on the node
+        assert status == 200 and [out["usage"][k] for k in counts] == [local["usage"][k] for k in counts]
         same_choices(out["choices"], local["choices"])
         status, out = a.request("POST", "/v1/chat/completions", chat, AUTH)
         assert status == 200

@@ -864,7 +864,7 @@ def test_metrics_count_what_the_requests_did(srv, offline):
 
 def test_prefix_cache_hits_over_http(srv, offline):
     """A second request whose prompt starts with the first one's full blocks reuses their KV (the
-    hit counter grows by whole blocks) and answers as the offline engine does."""
+    hit counter grows by whole blocks, and its usage counts them) and answers as the offline engine does."""
     long_prompt = " ".join(PROMPTS) * 3
     hits = srv.metric("asyncserve_prefix_cache_hit_tokens_total")
     body = {"model": "r16_patterns", "prompt": long_prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -872,6 +872,10 @@ def test_prefix_cache_hits_over_http(srv, offline):
     second = srv.request("POST", "/v1/completions", {**body, "prompt": long_prompt + " fox"})[1]
     gained = srv.metric("asyncserve_prefix_cache_hit_tokens_total") - hits
     assert gained >= 16 and gained % 16 == 0
+    # each request's usage says how many of its prompt's tokens were found cached: the second, the first's
+    # blocks (the first, any an earlier test left)
+    cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in (first, second)]
+    assert sum(cached) == gained and cached[1] >= 16 and cached[1] % 16 == 0
     assert srv.metric("asyncserve_prefix_cache_queried_tokens_total") >= gained
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     expected = offline.generate([long_prompt, long_prompt + " fox"], params, adapters="r16_patterns")

@@ -174,8 +174,11 @@ def test_requests_cut_at_the_shutdown_grace_get_503(tiny_model, monkeypatch):
     results: dict = {}
     body = {"model": "tiny", "prompt": "the fox", "max_tokens": 400, "ignore_eos": True, "temperature": 0.0}
     threads = [_in_thread(results, "plain", st.request, "POST", "/v1/completions", body),
-               _in_thread(results, "stream", st.stream, "/v1/completions", {**body, "stream": True})]
-    _wait_for(lambda: len(st.server.engine.scheduler.running) == 2 and
+               _in_thread(results, "stream", st.stream, "/v1/completions", {**body, "stream": True}),
+               _in_thread(results, "responses", st.stream, "/v1/responses",
+                          {"model": "tiny", "input": "the fox", "max_output_tokens": 400, "temperature": 0.0,
+                           "ignore_eos": True, "stream": True}, False)]
+    _wait_for(lambda: len(st.server.engine.scheduler.running) == 3 and
               all(s.output_ids for s in st.server.engine.scheduler.running), "both requests should be generating")
     st.stop()
     for t in threads:
@@ -190,6 +193,13 @@ def test_requests_cut_at_the_shutdown_grace_get_503(tiny_model, monkeypatch):
     assert "".join(ch["text"] for c in chunks[:-1] for ch in c["choices"]) and "error" in chunks[-1]
     assert chunks[-1]["error"]["code"] == "server_shutting_down"
     assert all(ch["finish_reason"] is None for c in chunks for ch in c.get("choices", [])), chunks
+    # /v1/responses: the text deltas, then response.failed with the reason
+    events = results["responses"]
+    assert isinstance(events, list), events
+    assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert events[-1]["type"] == "response.failed" and events[-1]["response"]["status"] == "failed"
+    assert events[-1]["response"]["error"]["code"] == "server_shutting_down"
 
 
 def _is_gone(pid: int) -> bool:

@@ -152,7 +152,8 @@ class SchedulerActor:
                 top_logprobs=seq.top_logprobs[-len(u.new_token_ids):] if lp and u.new_token_ids else None,
                 prompt_logprobs=seq.prompt_logprobs if prompt_lp else None,
                 prompt_top_logprobs=seq.prompt_top_logprobs if prompt_lp else None,
-                num_prompt_tokens=len(seq.prompt_ids), num_output_tokens=len(seq.output_ids), error=u.error))
+                num_prompt_tokens=len(seq.prompt_ids), num_output_tokens=len(seq.output_ids),
+                num_cached_tokens=seq.num_cached_tokens or 0, error=u.error))
             if u.finished:
                 del self.streams[seq.request_id]
 

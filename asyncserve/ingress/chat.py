@@ -27,6 +27,13 @@ class ChatChoice(Choice):
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     server = ready_server(request)
     req = decode_body(await request.read(), ChatCompletionRequest)
+    choices, prompt_ids, tools = await prepared_chat(server, req)
+    return await ChatReply(server, req, choices, prompt_ids, tools).answer(request)
+
+
+async def prepared_chat(server, req: ChatCompletionRequest) -> tuple[list[ChatChoice], list[int], ToolPlan | None]:
+    """A chat request checked and made into its choices' sequences (not yet submitted), with its prompt's
+    token ids and what its tools ask of the output."""
     refuse_unsupported(req)
     tools = tool_plan(req, server.chat_formats)
     if tools is not None and tools.constraint is not None and req.logprobs:
@@ -53,7 +60,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     choices = [ChatChoice(sample, new_sequence(server, prompt_ids, sample_params(params, sample), adapter),
                           OutputReader(tool_format, reasoning, thinks) if read else None)
                for sample in range(num_samples(req))]
-    return await ChatReply(server, req, choices, prompt_ids, tools).answer(request)
+    return choices, prompt_ids, tools
 
 
 class ChatReply(Reply):

@@ -362,7 +362,7 @@ class OutputReader:
         self.starts_thinking = reasoning is not None and (prompt_thinks or (reasoning == "deepseek_r1"
                                                                             and prompt_thinks is None))
         self.text = ""
-        self.sent = Reading()
+        self.sent = Reading()              # what feed handed out so far: at the end, the whole reading
         self.memo: dict = {}
 
     def feed(self, delta: str, final: bool) -> Reading:
@@ -375,12 +375,18 @@ class OutputReader:
         self.sent = now
         return new
 
+    @property
+    def thinking(self) -> bool:
+        """The output fed so far ends inside its thinking (or may still begin it)."""
+        return self.memo.get("thinking", self.starts_thinking)
+
     def read(self, text: str, final: bool = True, memo: dict | None = None) -> Reading:
         """memo: feed's notes on the same growing text (None: read afresh)."""
         memo = {} if memo is None else memo
         reasoning, rest = "", text
         if self.reasoning is not None:
             reasoning, rest, thought = self.split_thinking(text, final, memo)
+            memo["thinking"] = rest is None
             if rest is None:
                 return Reading(reasoning)
             if thought:

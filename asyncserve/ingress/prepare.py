@@ -128,9 +128,9 @@ def chat_messages(req: ChatCompletionRequest | TokenizeRequest) -> list[dict]:
             message["tool_calls"] = m.tool_calls
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
-        reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
-        if reasoning is not None:
-            message["reasoning_content"] = reasoning     # the name templates (Qwen3's) read
+        for name in ("reasoning", "reasoning_content"):      # an assistant's earlier thinking
+            if getattr(m, name) is not None:
+                message[name] = getattr(m, name)
         out.append(message)
     return out
 

@@ -30,6 +30,7 @@ class Choice:
         self.index, self.seq = index, seq
         self.stream: asyncio.Queue | None = None    # its TokenEvents, once submitted
         self.num_output_tokens = 0
+        self.num_cached_tokens = 0                   # of its prompt, found in the prefix cache
         self.prompt_ids_sent = False                 # return_token_ids: the prompt's ids went out
 
 
@@ -107,7 +108,7 @@ class Collected:
     def __init__(self):
         self.text, self.tokens, self.logprobs, self.top = "", [], [], []
         self.prompt_logprobs, self.prompt_top = None, None
-        self.finish, self.n, self.error = None, 0, None
+        self.finish, self.n, self.cached, self.error = None, 0, 0, None
 
     async def add(self, event: TokenEvent) -> None:
         self.text += event.text
@@ -119,6 +120,7 @@ class Collected:
             self.prompt_logprobs, self.prompt_top = event.prompt_logprobs, event.prompt_top_logprobs
         if event.finished:
             self.finish, self.n, self.error = event.finish_reason, event.num_output_tokens, event.error
+            self.cached = event.num_cached_tokens
 
 
 # ---- the answer: streamed or collected -------------------------------------------------------------
@@ -140,12 +142,25 @@ class Reply(abc.ABC):
 
     async def answer(self, request: web.Request) -> web.StreamResponse:
         submit(self.server, self.choices)
-        self.id, self.created = f"{self.id_prefix}-{self.choices[0].seq.request_id}", now()
+        self.id, self.created = self.response_id(self.choices[0].seq.request_id), now()
         return await (self._stream(request) if self.req.stream else self._collect())
 
     # ---- what an endpoint family says ------------------------------------------------------------
+    def response_id(self, request_id: str) -> str:
+        return f"{self.id_prefix}-{request_id}"
+
     async def stream_start(self) -> None:
         """Chunks before any choice's events."""
+
+    async def stream_end(self) -> None:
+        """After every choice's last event: the usage chunk when asked, and [DONE]."""
+        if self.req.stream_options and self.req.stream_options.include_usage:
+            await self.send({**self.head(self.chunk_object, []), "usage": self.usage()})
+        await self.send("[DONE]")
+
+    async def stream_failure(self, choice: Choice, error: ApiError) -> None:
+        """A choice the server ended: an error event in OpenAI's shape (as vLLM sends one)."""
+        await self.send(error.body())
 
     @abc.abstractmethod
     async def stream_event(self, choice: Choice, event: TokenEvent) -> None:
@@ -155,9 +170,17 @@ class Reply(abc.ABC):
     def collected_choice(self, choice: Choice, collected: Collected) -> dict:
         """A finished choice's entry in the collected body's ``choices``."""
 
+    async def collect_event(self, choice: Choice, event: TokenEvent, collected: Collected) -> None:
+        """A choice's event, not streamed: gathered."""
+        await collected.add(event)
+
     def body_extra(self) -> dict:
         """Fields after the collected body's usage."""
         return {}
+
+    def collected_body(self, choices: list[dict]) -> dict:
+        """The collected answer, from each choice's collected_choice."""
+        return {**self.head(self.object, choices), "usage": self.usage(), **self.body_extra()}
 
     # ---- shared by the families ------------------------------------------------------------------
     def head(self, object_: str, choices: list[dict]) -> dict:
@@ -165,8 +188,11 @@ class Reply(abc.ABC):
                 "choices": choices}
 
     def usage(self) -> dict:
-        """Each prompt's tokens counted once however many samples it has, as OpenAI does."""
-        return usage(self.prompt_tokens, sum(choice.num_output_tokens for choice in self.choices))
+        """Each prompt's tokens counted once however many samples it has, as OpenAI does; of them, those
+        its first sample found in the prefix cache (the choices come prompt by prompt, n each)."""
+        cached = sum(choice.num_cached_tokens for choice in self.choices[::self.req.n])
+        return {**usage(self.prompt_tokens, sum(choice.num_output_tokens for choice in self.choices)),
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -196,27 +222,25 @@ class Reply(abc.ABC):
                 abort(self.server, choice.seq)
             raise
         await relay_all(self.server, self.choices, self.req.model, self._send_event)
-        if self.req.stream_options and self.req.stream_options.include_usage:
-            await self.send({**self.head(self.chunk_object, []), "usage": self.usage()})
-        await self.send("[DONE]")
+        await self.stream_end()
         return self.resp
 
     async def _send_event(self, choice: Choice, event: TokenEvent) -> None:
         if event.finished or event.error:
-            choice.num_output_tokens = event.num_output_tokens
-        if event.error:       # [DONE] still ends the stream
-            await self.send(failure_error(event.error).body())
+            choice.num_output_tokens, choice.num_cached_tokens = event.num_output_tokens, event.num_cached_tokens
+        if event.error:       # the stream's end still follows
+            await self.stream_failure(choice, failure_error(event.error))
         else:
             await self.stream_event(choice, event)
 
     async def _collect(self) -> web.Response:
         collected = [Collected() for _ in self.choices]
         await relay_all(self.server, self.choices, self.req.model,
-                        lambda choice, event: collected[choice.index].add(event))
+                        lambda choice, event: self.collect_event(choice, event, collected[choice.index]))
         out = []
         for choice, c in zip(self.choices, collected):
             if c.error:
                 raise failure_error(c.error)
-            choice.num_output_tokens = c.n
+            choice.num_output_tokens, choice.num_cached_tokens = c.n, c.cached
             out.append(self.collected_choice(choice, c))
-        return web.json_response({**self.head(self.object, out), "usage": self.usage(), **self.body_extra()})
+        return web.json_response(self.collected_body(out))

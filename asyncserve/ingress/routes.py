@@ -18,6 +18,7 @@ from asyncserve.ingress.chat import chat_completions
 from asyncserve.ingress.completions import completions
 from asyncserve.ingress.prepare import KEY_GIVEN, SERVER_KEY
 from asyncserve.ingress.protocol import ApiError
+from asyncserve.ingress.responses import responses
 from asyncserve.pager.adapters import printable
 
 log = logging.getLogger("asyncserve.ingress")
@@ -90,6 +91,7 @@ def build_app(server) -> web.Application:
     app[SERVER_KEY] = server
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_get("/v1/models", admin.models)
     app.router.add_post("/v1/load_lora_adapter", admin.load_lora_adapter)
     app.router.add_post("/v1/unload_lora_adapter", admin.unload_lora_adapter)

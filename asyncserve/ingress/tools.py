@@ -79,11 +79,11 @@ def tool_plan(req: ChatCompletionRequest, formats: ChatFormats) -> ToolPlan | No
         return None
     if choice is None or choice == "auto":
         if not formats.auto_tool_choice or formats.tools is None:
-            why = "--enable-auto-tool-choice" if not formats.auto_tool_choice else \
-                "--enable-auto-tool-choice and a --tool-call-parser (the chat template shows no format it knows)"
-            raise ApiError(400, f"tool_choice 'auto' (the default with tools) needs the server started with {why}; "
-                           "send tool_choice 'required', a named function ({'type': 'function', 'function': "
-                           "{'name': ...}}) or 'none'", param="tool_choice", code="invalid_value")
+            why = "the server started with --enable-auto-tool-choice" if not formats.auto_tool_choice else \
+                "a --tool-call-parser: this model's chat template shows no tool-call format the server knows"
+            raise ApiError(400, f"tool_choice 'auto' (the default with tools) needs {why}; send tool_choice "
+                           "'required', a named function ({'type': 'function', 'function': {'name': ...}}) or 'none'",
+                           param="tool_choice", code="invalid_value")
         return ToolPlan(None, format=formats.tools)
     if choice == "required":
         items = [{"type": "object", "required": ["name", "parameters"],

@@ -467,8 +467,11 @@ def _template_call(call: Any) -> Any:
 
 def _plain_message(message: Mapping[str, Any]) -> dict:
     """A copy without None values (templates test for missing keys), content parts joined into one string,
-    tool calls' arguments as objects."""
+    tool calls' arguments as objects, earlier thinking under the name templates read (vLLM's newer
+    ``reasoning`` is Qwen3's ``reasoning_content``)."""
     out = {k: v for k, v in message.items() if v is not None}
+    if "reasoning" in out:
+        out.setdefault("reasoning_content", out.pop("reasoning"))
     if isinstance(out.get("tool_calls"), list):
         out["tool_calls"] = [_template_call(call) for call in out["tool_calls"]]
     content = out.get("content")

@@ -91,6 +91,8 @@ class BlockManager:
             self.pool.share(page)
         self.prefix_queried_tokens += seq.num_tokens
         self.prefix_hit_tokens += len(pages) * self.pool.block_size
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = min(len(pages) * self.pool.block_size, len(seq.prompt_ids))
         return pages
 
     def cached_prefix_tokens(self, seq: Sequence) -> int:
