@@ -200,6 +200,9 @@ def test_requests_cut_at_the_shutdown_grace_get_503(tiny_model, monkeypatch):
     assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     assert events[-1]["type"] == "response.failed" and events[-1]["response"]["status"] == "failed"
     assert events[-1]["response"]["error"]["code"] == "server_shutting_down"
+    message, = events[-1]["response"]["output"]           # what was sent before the cut, kept
+    assert message["status"] == "incomplete" and message["content"][0]["text"] == \
+        "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
 
 
 def _is_gone(pid: int) -> bool:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from asyncserve.ingress.chat_output import OutputReader, prompt_thinking
+from asyncserve.ingress.chat_output import OutputReader, new_id, prompt_thinking
 from asyncserve.ingress.prepare import (max_tokens, new_sequence, num_samples, ready_server, sample_params,
                                         served_adapter, structured_outputs)
 from asyncserve.ingress.protocol import (ApiError, ChatCompletionRequest, decode_body, refuse_unsupported,
                                          sampling_params, truncated_prompt)
 from asyncserve.ingress.relay import Choice, Collected, Reply
 from asyncserve.ingress.tokenizing import chat_prompt
-from asyncserve.ingress.tools import ToolPlan, new_call_id, template_tools, tool_call, tool_plan
+from asyncserve.ingress.tools import ToolPlan, template_tools, tool_call, tool_plan
 from asyncserve.messages import TokenEvent
 
 
@@ -123,7 +123,7 @@ class ChatReply(Reply):
             # a named function: its arguments stream as they come, the first delta naming the call
             call = {"index": 0, "function": {"arguments": event.text}}
             if choice.tool_call_id is None:
-                choice.tool_call_id = new_call_id()
+                choice.tool_call_id = new_id("call")
                 call = {"index": 0, **tool_call(tools.function, event.text, choice.tool_call_id)}
             await self.send(self.chunk(choice, {"tool_calls": [call]}, None, token_ids=event.token_ids))
         elif tools.function is None:

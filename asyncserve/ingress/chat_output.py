@@ -50,6 +50,11 @@ class Reading:
 
 # ---- helpers -------------------------------------------------------------------------------------
 
+def new_id(prefix: str) -> str:
+    """An id for something answered (a call, a response item): the prefix and 24 random hex digits."""
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
 def held_back(text: str, marker: str) -> int:
     """How many characters at the end of ``text`` could be the start of ``marker``."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -131,7 +136,7 @@ class ToolFormat:
         raise NotImplementedError
 
     def call_id(self) -> str:
-        return f"call_{secrets.token_hex(12)}"
+        return new_id("call")
 
 
 class MarkedCalls(ToolFormat):

@@ -13,18 +13,17 @@ and a conversation goes on by sending its items back, as stateless clients do.
 from __future__ import annotations
 
 import json
-import secrets
 from typing import Union
 
 import msgspec
 from aiohttp import web
 
 from asyncserve.ingress.chat import ChatChoice, prepared_chat
-from asyncserve.ingress.chat_output import Reading
+from asyncserve.ingress.chat_output import Reading, new_id
 from asyncserve.ingress.prepare import ready_server
 from asyncserve.ingress.protocol import ApiError, ChatCompletionRequest, decode_body
 from asyncserve.ingress.relay import Collected, Reply
-from asyncserve.ingress.tools import ToolPlan, new_call_id
+from asyncserve.ingress.tools import ToolPlan
 from asyncserve.messages import TokenEvent
 
 
@@ -184,10 +183,6 @@ async def responses(request: web.Request) -> web.StreamResponse:
     return await ResponsesReply(server, req, chat, choices, prompt_ids, tools).answer(request)
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(12)}"
-
-
 class ResponsesReply(Reply):
     """One response (one choice). Its output items are built as the choice's output is read, streamed
     or not: ``self.output``, the last of them ``self.open`` while it may still grow."""
@@ -198,6 +193,7 @@ class ResponsesReply(Reply):
         self.request, self.tools = req, tools
         self.output: list[dict] = []
         self.open: dict | None = None
+        self.pieces: list[str] = []       # the open item's text (or arguments) so far, joined when it closes
         self.events = 0                   # sequence_number of the next streamed event
         self.required_text = ""           # tool_choice "required": the output, read at its end
         self.reasoning_tokens = 0
@@ -243,7 +239,7 @@ class ResponsesReply(Reply):
         elif tools is not None and tools.constraint is not None and tools.function is not None:
             if event.text:                # a named function: the text is its arguments
                 if self.open is None:
-                    await self.open_item(self.call_item(tools.function, ""))
+                    await self.open_item(self.call_item(tools.function))
                 await self.grow(event.text)
             return
         elif tools is not None and tools.constraint is not None:
@@ -267,45 +263,57 @@ class ResponsesReply(Reply):
                                                                            "annotations": [], "logprobs": []}]})
             await self.grow(new.content)
         for name, arguments in new.calls:
-            await self.open_item(self.call_item(name, ""))
+            await self.open_item(self.call_item(name))
             await self.grow(arguments)
 
-    def call_item(self, name: str, arguments: str) -> dict:
+    def call_item(self, name: str) -> dict:
         fmt = self.tools.format if self.tools is not None else None
-        return {"type": "function_call", "id": new_id("fc"), "call_id": fmt.call_id() if fmt else new_call_id(),
-                "name": name, "arguments": arguments, "status": "in_progress"}
+        return {"type": "function_call", "id": new_id("fc"), "call_id": fmt.call_id() if fmt else new_id("call"),
+                "name": name, "arguments": "", "status": "in_progress"}
 
     async def open_item(self, item: dict) -> None:
         await self.close_item("completed")
         self.output.append(item)
-        self.open = item
+        self.open, self.pieces = item, []
         if self.req.stream:
-            await self.event("response.output_item.added", output_index=len(self.output) - 1,
+            index = len(self.output) - 1
+            await self.event("response.output_item.added", output_index=index,
                              item={**item, "content": []} if "content" in item else dict(item))
             if "content" in item:
-                await self.event("response.content_part.added", item_id=item["id"], output_index=len(self.output) - 1,
+                await self.event("response.content_part.added", item_id=item["id"], output_index=index,
                                  content_index=0, part=dict(item["content"][0]))
 
     async def grow(self, delta: str) -> None:
         item, index = self.open, len(self.output) - 1
+        self.pieces.append(delta)
+        if not self.req.stream:
+            return
         if item["type"] == "function_call":
-            item["arguments"] += delta
-            kind = "response.function_call_arguments.delta"
+            await self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                             delta=delta)
+        elif item["type"] == "message":
+            await self.event("response.output_text.delta", item_id=item["id"], output_index=index, content_index=0,
+                             delta=delta, logprobs=[])
         else:
-            item["content"][0]["text"] += delta
-            kind = "response.output_text.delta" if item["type"] == "message" else "response.reasoning_text.delta"
-        if self.req.stream:
-            extra = {"logprobs": []} if item["type"] == "message" else {}
-            await self.event(kind, item_id=item["id"], output_index=index,
-                             **({} if item["type"] == "function_call" else {"content_index": 0}), delta=delta, **extra)
+            await self.event("response.reasoning_text.delta", item_id=item["id"], output_index=index,
+                             content_index=0, delta=delta)
+
+    def finish_item(self, status: str) -> dict | None:
+        """The open item made whole, with its status; None if none is open."""
+        item = self.open
+        if item is not None:
+            text = "".join(self.pieces)
+            if item["type"] == "function_call":
+                item["arguments"] = text
+            else:
+                item["content"][0]["text"] = text
+            item["status"] = status
+            self.open, self.pieces = None, []
+        return item
 
     async def close_item(self, status: str) -> None:
-        item, index = self.open, len(self.output) - 1
-        if item is None:
-            return
-        self.open = None
-        item["status"] = status
-        if not self.req.stream:
+        item, index = self.finish_item(status), len(self.output) - 1
+        if item is None or not self.req.stream:
             return
         if item["type"] == "function_call":
             await self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
@@ -336,6 +344,7 @@ class ResponsesReply(Reply):
 
     async def stream_end(self) -> None:
         if self.failed is not None:
+            self.finish_item("incomplete")
             await self.event("response.failed", response=self.response("failed"))
             return
         status = self.status()
@@ -353,7 +362,5 @@ class ResponsesReply(Reply):
 
     def collected_body(self, choices: list[dict]) -> dict:
         status = self.status()
-        if self.open is not None:
-            self.open["status"] = status
-            self.open = None
+        self.finish_item(status)
         return self.response(status)

@@ -13,10 +13,9 @@
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 
-from asyncserve.ingress.chat_output import ChatFormats, ToolFormat
+from asyncserve.ingress.chat_output import ChatFormats, ToolFormat, new_id
 from asyncserve.ingress.protocol import ApiError, ChatCompletionRequest
 from asyncserve.sampling_params import StructuredOutputs
 
@@ -41,11 +40,7 @@ class ToolPlan:
 
 
 def tool_call(name: str, arguments: str, call_id: str | None = None) -> dict:
-    return {"id": call_id or new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+    return {"id": call_id or new_id("call"), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def template_tools(req: ChatCompletionRequest) -> list[dict] | None:
