@@ -150,6 +150,9 @@ def test_what_does_not_read_as_calls_stays_content():
     text = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "g", "argu'
     assert assert_streams_as_read((Hermes(), None), text) == \
         Reading("", '\n<tool_call>\n{"name": "g", "argu', [("f", "{}")])
+    # parallel_tool_calls: false keeps the first call only
+    text = written_turn(templates.HERMES, CALL_SETS[2], content="Three.")
+    assert assert_streams_as_read((Hermes(), None, None, 1), text) == Reading("", "Three.", as_calls(CALL_SETS[2][:1]))
     # plain answers, and text that only looks like the start of a marker, pass through whole
     for fmt, text in ((Hermes(), "a <tool and a <tool_cal"), (Llama3Json(), "The answer: {x}"),
                       (Mistral(), "[TOOL_CALL"), (Pythonic(), "no calls [here]"), (Pythonic(), "  ")):
@@ -238,6 +241,17 @@ def test_auto_tool_calls_over_http_equal_the_offline_text_read(reading_server, r
         reasoning, content, calls, finish = joined_stream(reading_client.chat.completions.create(**kw, stream=True))
         assert (reasoning, content, [(name, args) for _, _, name, args in calls]) == ("", expected.content, expected.calls)
         assert [index for _, index, _, _ in calls] == list(range(len(calls))) and finish == choice.finish_reason
+    # two calls written, parallel_tool_calls: false answers with the first
+    two_calls = CALL_REGEX.replace(")?", ")")
+    params = SamplingParams(max_tokens=160, temperature=0.0, structured_outputs=StructuredOutputs(regex=two_calls))
+    expected = OutputReader(Hermes()).read(reference.chat(messages, params, tools=TOOLS)[0].text)
+    assert len(expected.calls) == 2
+    for parallel in (True, False):
+        r = reading_client.chat.completions.create(
+            model="qwen-like", messages=messages, tools=TOOLS, max_tokens=160, temperature=0,
+            parallel_tool_calls=parallel, extra_body={"structured_outputs": {"regex": two_calls}})
+        got = [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls]
+        assert got == expected.calls[:2 if parallel else 1]
 
 
 def test_reasoning_over_http_is_the_offline_text_read(reading_server, reading_client, reference):

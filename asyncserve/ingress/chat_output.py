@@ -360,10 +360,11 @@ class OutputReader:
     returns the new parts)."""
 
     def __init__(self, tools: ToolFormat | None = None, reasoning: str | None = None,
-                 prompt_thinks: bool | None = None):
+                 prompt_thinks: bool | None = None, max_calls: int | None = None):
         """prompt_thinks: prompt_thinking(the rendered prompt). A deepseek_r1 answer starts thinking
-        unless the prompt closed it; a qwen3 one when the prompt opened it."""
-        self.tools, self.reasoning = tools, reasoning
+        unless the prompt closed it; a qwen3 one when the prompt opened it. max_calls: calls past it
+        are dropped (parallel_tool_calls: false, as vLLM does)."""
+        self.tools, self.reasoning, self.max_calls = tools, reasoning, max_calls
         self.starts_thinking = reasoning is not None and (prompt_thinks or (reasoning == "deepseek_r1"
                                                                             and prompt_thinks is None))
         self.text = ""
@@ -398,7 +399,8 @@ class OutputReader:
                 rest = rest.lstrip()
         if self.tools is None:
             return Reading(reasoning, rest)
-        return Reading(reasoning, *self.tools.read(rest, final, memo))
+        content, calls = self.tools.read(rest, final, memo)
+        return Reading(reasoning, content, calls[:self.max_calls])
 
     def split_thinking(self, text: str, final: bool, memo: dict) -> tuple[str, str | None, bool]:
         """(reasoning, the rest or None while still thinking, whether there was thinking)."""
