@@ -174,6 +174,8 @@ def save_random_adapter(base_model, folder: Path, *, r: int, targets: list[str],
         for name, p in peft_model.named_parameters():
             if "lora_" in name:
                 p.normal_(0, 0.3 / max(1, r) ** 0.5)
+            elif ".modules_to_save." in name:     # a module trained whole: moved as far as its own spread
+                p.add_(torch.randn_like(p) * p.std())
         if extra.get("use_dora"):
             _trained_magnitudes(peft_model)
     peft_model.save_pretrained(folder)
@@ -218,6 +220,7 @@ def peft_references(base, adapter_paths: dict, cases, new_tokens: int) -> list[R
     from peft import PeftModel
 
     refs = [None] * len(cases)
+    weights = {k: v.clone() for k, v in base.state_dict().items()}
     for adapter in dict.fromkeys(a for _, a in cases):
         model = base if adapter is None else PeftModel.from_pretrained(base, adapter_paths[adapter]).eval()
         for i, (ids, a) in enumerate(cases):
@@ -225,6 +228,7 @@ def peft_references(base, adapter_paths: dict, cases, new_tokens: int) -> list[R
                 refs[i] = reference_greedy(model, ids, new_tokens)
         if adapter is not None:
             model.unload()   # restore the base modules for the next adapter
+            base.load_state_dict(weights)    # unload leaves modules_to_save's trained copies in their place
     return refs
 
 

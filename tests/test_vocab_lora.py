@@ -239,3 +239,100 @@ def test_make_adapters_vocab_copy_gives_peft_tokens(vocab_model, tmp_path):
     chosen = [(ids, "copy") for ids, a in cases if a == "plain"]
     _, tokens = generate_greedy(copied, chosen)
     check_greedy(tokens, chosen, peft_references(model.base, copied.adapters, chosen, NEW_TOKENS), "vocab_copy")
+
+
+# ---- modules_to_save: the embeddings or the head trained whole ------------------------------------
+
+SAVED_ADAPTERS = {
+    "saved_both": (4, ["q_proj", "v_proj"], {"modules_to_save": ["embed_tokens", "lm_head"]}),
+    "saved_head": (8, ["o_proj", "down_proj"], {"modules_to_save": ["lm_head"]}),
+    "saved_embed": (2, ["gate_proj"], {"modules_to_save": ["embed_tokens"]}),
+    "lora_head": (4, ["q_proj", "lm_head"], {}),
+    "plain": (4, ALL, {}),
+}
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    return with_references(build_with_adapters(tmp_path_factory.mktemp("saved"), "llama", SAVED_ADAPTERS))
+
+
+def test_peft_saves_the_trained_modules_under_their_own_names(saved_model):
+    model, _, _ = saved_model
+    keys = set(load_file(model.adapters["saved_both"] / "adapter_model.safetensors"))
+    assert {"base_model.model.model.embed_tokens.weight", "base_model.model.lm_head.weight"} <= keys
+
+
+@pytest.mark.parametrize("path", STEP_PATHS)
+def test_saved_embeddings_and_head_give_peft_tokens(saved_model, path, monkeypatch):
+    """Adapters with their own embeddings, head or both, beside one with head LoRA, a plain one and the
+    base, in the same steps on every path; a step with a head saved whole leaves the one-call layer loop
+    (which adds only LoRA to the base's head)."""
+    model, cases, refs = saved_model
+    llm = llm_on_path(model, path, monkeypatch)
+    head_steps, loop_in_head_step = record_native_loop(llm.engine, monkeypatch, lambda plan: any(
+        c.seq.adapter in ("saved_both", "saved_head") and c.num_sampled for c in plan.chunks))
+    outs = llm.generate([c[0] for c in cases], GREEDY, adapters=[c[1] for c in cases])
+    check_greedy([o.token_ids for o in outs], cases, refs, path)
+    assert sum(head_steps) >= NEW_TOKENS and not any(loop_in_head_step)
+    base_tokens = [o.token_ids for o, c in zip(outs, cases) if c[1] is None]
+    assert all(o.token_ids not in base_tokens for o, c in zip(outs, cases) if c[1] == "saved_both")
+
+
+@pytest.mark.parametrize("family", ["gemma2", "qwen2_tied"])
+def test_saved_modules_with_gemma_scale_and_tied_embeddings(family, tmp_path):
+    """Gemma 2: the saved embeddings scaled by sqrt(hidden), the saved head's logits soft-capped; tied
+    embeddings: a saved embed_tokens leaves the head the base's, as PEFT does."""
+    adapters = {"both": (4, ["q_proj"], {"modules_to_save": ["embed_tokens", "lm_head"]}),
+                "embed": (4, ["v_proj"], {"modules_to_save": ["embed_tokens"]}), "plain": (4, ["q_proj", "v_proj"], {})}
+    model = build_with_adapters(tmp_path, family.split("_")[0], adapters) if family == "gemma2" else \
+        _tied_qwen(tmp_path, adapters)
+    cases = cases_of(model, lengths=(5, 17))
+    _, tokens = generate_greedy(model, cases)
+    check_greedy(tokens, cases, peft_references(model.base, model.adapters, cases, NEW_TOKENS), family)
+
+
+def test_saved_modules_on_cold_adapters_and_never_merged(saved_model, tmp_path):
+    """cpu_assist="on": the workers add the projections' LoRA, the saved modules come from the host tier's
+    copy; such adapters are not merged."""
+    model, cases, refs = saved_model
+    llm = LLM(model=str(model.folder), adapters={k: str(v) for k, v in model.adapters.items()}, dtype="float32",
+              device=TEST_DEVICE, max_step_tokens=24, cpu_workers=1, cpu_assist="on", cpu_profile_dir=str(tmp_path))
+    try:
+        plans = record_steps(llm.engine)
+        outs = llm.generate([c[0] for c in cases], GREEDY, adapters=[c[1] for c in cases])
+        registry = llm.engine.pager.registry
+        assert {registry[n].load for n in ("saved_both", "saved_head")} <= {l for p in plans for l in p.assisted}
+        check_greedy([o.token_ids for o in outs], cases, refs, "cpu assist on")
+        assert "embeddings or the head" in llm.engine.merge_refusal("saved_embed")
+    finally:
+        llm.engine.close()
+
+
+def test_tensor_parallel_refuses_saved_modules(saved_model):
+    assert_tensor_parallel_refuses(saved_model[0], ["saved_both"])
+
+
+SAVED_BAD = {    # label: (config edit, tensors edit, the reason)
+    "a saved norm": (lambda c: c | {"modules_to_save": ["embed_tokens", "lm_head", "norm"]}, None,
+                     "only embed_tokens and lm_head"),
+    "a saved classifier": (lambda c: c | {"modules_to_save": ["score"]}, None, "only embed_tokens and lm_head"),
+    "listed, not saved": (None, lambda w: w.pop(_key(w, "model.lm_head.weight")), "holds no weight"),
+    "saved, not listed": (lambda c: c | {"modules_to_save": ["embed_tokens"]}, None, "does not name lm_head"),
+    "a resized vocabulary": (None, lambda w: _resize(w, "model.embed_tokens.weight", 300), "resized vocabulary"),
+    "another hidden size": (None, lambda w: _put(w, "lm_head.weight", lambda t: t[:, :-2].contiguous()),
+                            "the base's is"),
+    "NaN in the saved head": (None, lambda w: _put(w, "lm_head.weight", _nan), "NaN or infinite"),
+    "infinity in the saved embeddings": (None, lambda w: _put(w, "embed_tokens.weight", lambda t: t.fill_(float("inf"))),
+                                         "NaN or infinite"),
+    "saved and given LoRA": (lambda c: c | {"target_modules": c["target_modules"] + ["lm_head"]},
+                             lambda w: w.update({"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64),
+                                                 "base_model.model.lm_head.lora_B.weight": torch.zeros(384, 4)}),
+                             "both saved whole and given LoRA"),
+    "ensure_weight_tying": (lambda c: c | {"ensure_weight_tying": True}, None, "ensure_weight_tying"),
+}
+
+
+def test_bad_saved_modules_are_refused_each_alone(saved_model, tmp_path):
+    model, cases, refs = saved_model
+    assert_refused_each_alone(model, cases, refs, "saved_both", SAVED_BAD, tmp_path)

@@ -165,8 +165,10 @@ class PagerActor:
             if msg.name in pager.registry:
                 pager.unregister(msg.name)
             raise
-        log.info("loaded adapter %s from %s (%.1f MiB, ranks %s, %s%s)", msg.name, msg.path, adapter.nbytes / 2**20,
-                 adapter.ranks, pager.tier(msg.name), ", pinned" if msg.pinned else "")
+        beside = adapter.unpaged_nbytes
+        log.info("loaded adapter %s from %s (%.1f MiB%s, ranks %s, %s%s)", msg.name, msg.path, adapter.nbytes / 2**20,
+                 f" + {beside / 2**20:.1f} MiB beside the pool" if beside else "", adapter.ranks,
+                 pager.tier(msg.name), ", pinned" if msg.pinned else "")
         msg.reply.set_result(None)
 
     def _unload(self, msg: UnloadAdapter) -> None:

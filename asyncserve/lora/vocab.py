@@ -1,12 +1,17 @@
-"""LoRA on the token embeddings and the LM head (PEFT's target_modules "embed_tokens" and "lm_head").
+"""LoRA on the token embeddings and the LM head (PEFT's target_modules "embed_tokens" and "lm_head"),
+and those modules trained whole (PEFT's modules_to_save).
 
 Their rows are vocabulary-sized, so an adapter keeps them whole beside its pool pages
-(pager/adapters.py's VocabRows). A step adds, per run of one adapter's rows, what PEFT's layers add:
+(pager/adapters.py's VocabRows and SavedModule). A step does, per run of one adapter's rows, what
+PEFT's layers do:
 
     embeddings: h[t] += (A^T[token t] · B^T) · s       before the family's embedding scale (Gemma)
+                h[t] = E[token t]                       saved whole
     head:       logits[i] += ((hs[i] · A^T) · B^T) · s   before the final soft cap (Gemma 2)
+                logits[i] = hs[i] · W^T                  saved whole
 
-The one-call native layer loop adds the head's with the same calls (kernels/cpu/decoder.h, native_head).
+The one-call native layer loop adds the head's LoRA with the same calls (kernels/cpu/decoder.h,
+native_head); a step with a head saved whole takes the Python layer loop (replaces_head).
 """
 from __future__ import annotations
 
@@ -15,16 +20,16 @@ from typing import NamedTuple
 
 import torch
 
-from asyncserve.pager.adapters import VocabRows
+from asyncserve.pager.adapters import SavedModule, VocabRows
 
 
 class VocabRun(NamedTuple):
     start: int
     end: int
-    rows: VocabRows
+    rows: VocabRows | SavedModule
 
 
-def add_vocab_run(runs: list[VocabRun], start: int, end: int, rows: VocabRows | None) -> None:
+def add_vocab_run(runs: list[VocabRun], start: int, end: int, rows: VocabRows | SavedModule | None) -> None:
     """Rows [start, end) of an adapter join the runs if it has such LoRA (a run right after the same
     adapter's previous one extends it)."""
     if rows is None or start == end:
@@ -42,19 +47,33 @@ class VocabStep:
     embed_runs: list[VocabRun] = field(default_factory=list)
     head_runs: list[VocabRun] = field(default_factory=list)
 
+    @property
+    def replaces_head(self) -> bool:
+        """Some run's head is saved whole (native_head cannot take it)."""
+        return any(isinstance(r.rows, SavedModule) for r in self.head_runs)
+
     def embed_(self, h: torch.Tensor, ids: torch.Tensor) -> None:
-        """h [T, hidden] += each run's embedding LoRA of its tokens ids [T]."""
+        """h [T, hidden]: each run's tokens ids [T] embedded by its adapter's own embeddings, or plus its
+        embedding LoRA."""
         for start, end, v in self.embed_runs:
-            h[start:end] += (v.a[ids[start:end]] @ v.bt) * v.scaling                 # [n, r] @ [r, hidden]
+            if isinstance(v, SavedModule):
+                h[start:end] = v.weight[ids[start:end]]
+            else:
+                h[start:end] += (v.a[ids[start:end]] @ v.bt) * v.scaling             # [n, r] @ [r, hidden]
 
     def head_(self, logits: torch.Tensor, hs: torch.Tensor) -> None:
-        """logits [n, vocab] += each run's head LoRA of its final hidden states hs [n, hidden]."""
+        """logits [n, vocab]: each run's final hidden states hs [n, hidden] through its adapter's own head,
+        or plus its head LoRA."""
         for start, end, v in self.head_runs:
-            logits[start:end] += ((hs[start:end] @ v.a.T) @ v.bt) * v.scaling         # [n, r] @ [r, vocab]
+            if isinstance(v, SavedModule):
+                logits[start:end] = hs[start:end] @ v.weight.T                      # [n, hidden] @ [hidden, vocab]
+            else:
+                logits[start:end] += ((hs[start:end] @ v.a.T) @ v.bt) * v.scaling     # [n, r] @ [r, vocab]
 
     def native_head(self) -> tuple:
         """head_'s runs as decoder.h's forward takes them: (runs [n, 3] int64: first row, end row, index
-        into the lists, or None; A per adapter; B^T per adapter; scaling per adapter)."""
+        into the lists, or None; A per adapter; B^T per adapter; scaling per adapter). LoRA runs only
+        (see replaces_head)."""
         if not self.head_runs:
             return None, [], [], []
         adapters = list({id(r.rows): r.rows for r in self.head_runs}.values())

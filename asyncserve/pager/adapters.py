@@ -72,6 +72,8 @@ _GATE_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(mlp|block_sparse_moe)\.(gate|sh
 _VOCAB_KEY = re.compile(r"(?:^|\.)(embed_tokens|lm_head)\.(?:lora_embedding_([AB])|lora_([AB])(?:\.[\w-]+)?\.weight"
                         r"|(base_layer)\.weight|(lora_magnitude_vector)(?:\.[\w-]+)?(?:\.weight)?)$")
 VOCAB_MODULES = {"embed_tokens": "embed", "lm_head": "head"}
+# modules_to_save: PEFT saves the trained copy of a whole module under the module's own name
+_SAVED_KEY = re.compile(r"(?:^|\.)(embed_tokens|lm_head)\.weight$")
 
 # safetensors dtype -> (torch dtype, bytes per element); adapters are float tensors
 _DTYPES = {"F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2),
@@ -146,6 +148,16 @@ class VocabRows:
 
 
 @dataclass
+class SavedModule:
+    """A module the adapter trained whole (PEFT's modules_to_save): its embeddings or its head replace the
+    base's for the adapter's rows, kept beside the pool's pages as VocabRows are."""
+    weight: torch.Tensor         # [vocab, hidden]: a token's embedding row, or the head's row of a token
+
+    def to(self, device: torch.device) -> SavedModule:
+        return SavedModule(self.weight.to(device))
+
+
+@dataclass
 class HostAdapter:
     name: str
     path: str
@@ -154,12 +166,20 @@ class HostAdapter:
     a_rows: dict[tuple[int, int], torch.Tensor]   # (layer, proj) -> [r_p, in]
     b_rows: dict[tuple[int, int], torch.Tensor]   # (layer, proj) -> [r_p, out] (B transposed)
     dora_scale: torch.Tensor | None = None        # DoRA's g, [L, all projections' outputs] float32 (lora/dora.py)
-    embed: VocabRows | None = None
-    head: VocabRows | None = None
+    embed: VocabRows | SavedModule | None = None
+    head: VocabRows | SavedModule | None = None
 
     @property
     def nbytes(self) -> int:
+        """Bytes of its pool rows."""
         return sum(t.numel() * t.element_size() for d in (self.a_rows, self.b_rows) for t in d.values())
+
+    @property
+    def unpaged_nbytes(self) -> int:
+        """Bytes it keeps beside the pool: DoRA's scales, the vocabulary's LoRA rows or saved modules."""
+        parts = [self.dora_scale] + [t for v in (self.embed, self.head) if v is not None
+                                     for t in ((v.weight,) if isinstance(v, SavedModule) else (v.a, v.bt))]
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def row_lengths(self, config: ModelConfig) -> list[int]:
         return row_lengths(self.ranks, config)
@@ -203,7 +223,8 @@ class PeftFolder:
     fan_in_fan_out: bool
     weights: bytearray                   # adapter_model.safetensors
     dora: bool = False                   # use_dora: every module has a magnitude "M"
-    vocab: dict[str, tuple[StoredTensor, StoredTensor, float]] | None = None   # "embed"/"head": A, B, scaling
+    vocab: dict[str, tuple[StoredTensor, StoredTensor, float] | StoredTensor] | None = None
+    # "embed"/"head": LoRA's A, B and scaling, or the saved module's weight (modules_to_save)
 
 
 @dataclass
@@ -213,7 +234,7 @@ class AdapterInfo:
     path: str
     ranks: list[int]                     # per projection, the largest rank over the layers
     file_bytes: int                      # adapter_model.safetensors
-    vocab: bool = False                  # LoRA on the embeddings or the head (VocabRows)
+    vocab: bool = False                  # LoRA on the embeddings or the head, or either saved whole
 
 
 def load_peft_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.dtype,
@@ -304,9 +325,10 @@ def _peft_files(name: str, path: str | Path) -> tuple[Path, AdapterConfig, Path]
         raise AdapterError(f"adapter {name!r}: LoRA bias adapters are not supported")
     if acfg.bias not in ("none", None):
         raise AdapterError(f"adapter {name!r}: bias={acfg.bias!r} is not supported (only 'none')")
-    if acfg.modules_to_save:
-        raise AdapterError(f"adapter {name!r}: modules_to_save {acfg.modules_to_save} would replace base "
-                           "weights; only LoRA deltas are supported")
+    others = [m for m in acfg.modules_to_save or () if m.rsplit(".", 1)[-1] not in VOCAB_MODULES]
+    if others:
+        raise AdapterError(f"adapter {name!r}: modules_to_save {others} would replace base weights every "
+                           "request shares; of saved modules, only embed_tokens and lm_head are served")
     return folder, acfg, weights_file
 
 
@@ -410,8 +432,12 @@ def _check_against_model(name: str, path: str, acfg: AdapterConfig, stored: list
     experts = ExpertsFound()
     vocab_found: dict[str, dict[str, StoredTensor]] = {}
     base_copies: dict[str, StoredTensor] = {}
+    saved: dict[str, StoredTensor] = {}
     for t in stored:
         if config.moe is not None and experts.add(name, t, config):
+            continue
+        if (v := _SAVED_KEY.search(t.key)) is not None:
+            saved[VOCAB_MODULES[v.group(1)]] = t
             continue
         if (v := _VOCAB_KEY.search(t.key)) is not None:
             module = VOCAB_MODULES[v.group(1)]
@@ -444,6 +470,7 @@ def _check_against_model(name: str, path: str, acfg: AdapterConfig, stored: list
     expert_modules, expert_names = experts.modules(name, acfg, config)
     modules.update(expert_modules)
     vocab = _check_vocab(name, acfg, vocab_found, base_copies, config, rank_pattern, alpha_pattern, alpha)
+    vocab.update(_check_saved(name, acfg, saved, vocab, config))
 
     projections = config.lora_projections()
     ranks = [0] * len(projections)
@@ -519,6 +546,32 @@ def _check_vocab(name: str, acfg: AdapterConfig, found: dict[str, dict[str, Stor
         raise AdapterError(f"adapter {name!r}: ensure_weight_tying (one LoRA shared by tied embeddings and head) "
                            "is not served")
     return out
+
+
+def _check_saved(name: str, acfg: AdapterConfig, saved: dict[str, StoredTensor], lora: dict, config: ModelConfig
+                 ) -> dict[str, StoredTensor]:
+    """modules_to_save's embed_tokens and lm_head: "embed"/"head" -> the trained weight, each one the
+    config names, of the base's shape, and not also given LoRA."""
+    listed = {VOCAB_MODULES[m.rsplit(".", 1)[-1]] for m in acfg.modules_to_save or ()}
+    peft_names = {module: peft for peft, module in VOCAB_MODULES.items()}
+    if missing := sorted(peft_names[m] for m in listed - set(saved)):
+        raise AdapterError(f"adapter {name!r}: modules_to_save names {', '.join(missing)}, but "
+                           "adapter_model.safetensors holds no weight of it")
+    if saved and acfg.ensure_weight_tying:
+        raise AdapterError(f"adapter {name!r}: ensure_weight_tying (one saved module shared by tied embeddings "
+                           "and head) is not served")
+    want = (config.vocab_size, config.hidden_size)
+    for module, t in saved.items():
+        if module not in listed:
+            raise AdapterError(f"adapter {name!r}: {t.key!r} replaces a base weight, but modules_to_save does "
+                               f"not name {peft_names[module]}")
+        if module in lora:
+            raise AdapterError(f"adapter {name!r}: {peft_names[module]} is both saved whole and given LoRA")
+        if t.shape != want:
+            raise AdapterError(f"adapter {name!r}: its {t.key!r} is {list(t.shape)}, the base's is {list(want)}"
+                               + (": a resized vocabulary (added tokens) is not served" if len(t.shape) == 2
+                                  and t.shape[1] == want[1] else ""))
+    return saved
 
 
 def _split_fused_modules(name: str, found: dict[tuple[int, str], dict[str, StoredTensor]],
@@ -758,7 +811,8 @@ def build_in_pieces(folder: PeftFolder, dtype: torch.dtype, dora=None) -> Iterat
             built = 0
             yield None
     scaling = torch.tensor(folder.scaling, dtype=torch.float32)      # [L, P]
-    vocab = {module: _vocab_rows(folder, module, a, b, s, dtype) for module, (a, b, s) in (folder.vocab or {}).items()}
+    vocab = {module: _saved_module(folder, part, dtype) if isinstance(part, StoredTensor)
+             else _vocab_rows(folder, module, *part, dtype) for module, part in (folder.vocab or {}).items()}
     yield HostAdapter(name=folder.name, path=folder.path, ranks=list(ranks), scaling=scaling,
                       a_rows=a_rows, b_rows=b_rows, dora_scale=torch.stack(dora_scale) if dora_scale else None,
                       embed=vocab.get("embed"), head=vocab.get("head"))
@@ -771,6 +825,12 @@ def _vocab_rows(folder: PeftFolder, module: str, a: StoredTensor, b: StoredTenso
     if module == "embed":
         a_rows = a_rows.t()
     return VocabRows(_rows(folder, a, a_rows, a_rows.shape[0], dtype), _rows(folder, b, bt, bt.shape[0], dtype), scaling)
+
+
+def _saved_module(folder: PeftFolder, t: StoredTensor, dtype: torch.dtype) -> SavedModule:
+    """A module saved whole, in the serving dtype (refused unless finite there)."""
+    weight = _stored(folder, t)
+    return SavedModule(_rows(folder, t, weight, weight.shape[0], dtype))
 
 
 def _magnitude(folder: PeftFolder, t: StoredTensor) -> torch.Tensor:
