@@ -14,8 +14,9 @@ the LoRA backend kept on its eager plans where the native lora_segments kernel w
 is ours with the native GEMM kept on its vdpbf16ps tiles where it would run AMX tiles (kernels/cpu/gemm.h);
 ours-dora serves W1's adapters as DoRA adapters (make_adapters.dora_copy: magnitudes as PEFT initializes
 them, so the same tokens, DoRA's work on top), ours-vocab with random LoRA on the embeddings and the head
-added (make_adapters.vocab_copy); with --rounds, ours, ours-eager-lora, ours-no-amx, ours-dora, ours-vocab
-and ours-base alternate in one process. With
+added (make_adapters.vocab_copy), ours-saved with the embeddings and the head saved whole (modules_to_save,
+make_adapters.saved_copy); with --rounds, ours, ours-eager-lora, ours-no-amx, ours-dora, ours-vocab,
+ours-saved and ours-base alternate in one process. With
 --panel-steps, decode steps with Q4_0/Q4_1/Q4_K/Q6_K in panels against GGUF's blocks; with --build-steps --against
 CHECKOUT, this checkout's native kernels against that checkout's (scripts/kernel_builds.py); both alternate
 step by step in one engine at batches 1, 4 and 16.
@@ -44,21 +45,22 @@ def load_w1(args):
 
 
 def adapter_of(i: int, adapters: dict, prefix: str = "") -> str:
-    """Request i's adapter: a{i % n}, as W1 prescribes (prefix: its copy's name, ours-dora and ours-vocab)."""
+    """Request i's adapter: a{i % n}, as W1 prescribes (prefix: its copy's name, COPIES' systems)."""
     return f"{prefix}a{i % len(adapters)}"
 
 
 # the systems that serve copies of W1's adapters: system -> the copies' name prefix
-COPIES = {"ours-dora": "dora-", "ours-vocab": "vocab-"}
+COPIES = {"ours-dora": "dora-", "ours-vocab": "vocab-", "ours-saved": "saved-"}
 
 
 def load_copies(llm, adapters: dict, system: str, args) -> None:
     """W1's adapters again, loaded as PREFIXa0, PREFIXa1, ... beside them: ours-dora as DoRA adapters
     (make_adapters.dora_copy: the same tokens, DoRA's work on top), ours-vocab with LoRA on the
-    embeddings and the head added (make_adapters.vocab_copy)."""
+    embeddings and the head added (make_adapters.vocab_copy), ours-saved with both saved whole
+    (make_adapters.saved_copy)."""
     import tempfile
 
-    from make_adapters import dora_copy, vocab_copy
+    from make_adapters import dora_copy, saved_copy, vocab_copy
 
     from asyncserve.model.loader import load_model
 
@@ -68,7 +70,8 @@ def load_copies(llm, adapters: dict, system: str, args) -> None:
             if system == "ours-dora":
                 dora_copy(Path(path), Path(tmp) / name, loaded.weights)
             else:
-                vocab_copy(Path(path), Path(tmp) / name, loaded.config.vocab_size, loaded.config.hidden_size, seed=i)
+                copy = vocab_copy if system == "ours-vocab" else saved_copy
+                copy(Path(path), Path(tmp) / name, loaded.config.vocab_size, loaded.config.hidden_size, seed=i)
             llm.load_adapter(COPIES[system] + name, str(Path(tmp) / name))
 
 

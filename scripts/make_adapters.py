@@ -127,6 +127,21 @@ def vocab_copy(source: Path, out: Path, vocab_size: int, hidden: int, seed: int 
     (out / "adapter_config.json").write_text(json.dumps(config | {"target_modules": targets}, indent=1) + "\n")
 
 
+def saved_copy(source: Path, out: Path, vocab_size: int, hidden: int, seed: int = 0) -> None:
+    """The PEFT LoRA folder ``source`` with embed_tokens and lm_head trained whole (random, the spread of
+    a trained embedding), as PEFT saves modules_to_save (scripts/bench_offline.py's ours-saved)."""
+    config = json.loads((source / "adapter_config.json").read_text())
+    generator = torch.Generator().manual_seed(seed)
+    tensors = load_file(str(source / "adapter_model.safetensors"))
+    dtype = next(iter(tensors.values())).dtype
+    for key in ("base_model.model.model.embed_tokens.weight", "base_model.model.lm_head.weight"):
+        tensors[key] = (torch.randn((vocab_size, hidden), generator=generator) * 0.05).to(dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (out / "adapter_config.json").write_text(json.dumps(config | {"modules_to_save": ["embed_tokens", "lm_head"]},
+                                                        indent=1) + "\n")
+
+
 def parse_targets(spec: str) -> tuple[str, ...]:
     """Projections, "all" (ALL) or "experts" (a mixture's routed experts', expanded by with_experts)."""
     targets = ALL if spec == "all" else tuple(spec.split(","))
