@@ -279,7 +279,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="answer tool_choice 'auto' (OpenAI's default with tools): the calls the model writes are "
                         "read from its output by the --tool-call-parser (default: off, a 400 as in vLLM)")
     s.add_argument("--tool-call-parser", default="auto", metavar="NAME",
-                   help="how the model writes tool calls: hermes (Qwen2.5, Qwen3, Hermes), llama3_json (Llama "
+                   help="how the model writes tool calls: hermes (Qwen2.5, Qwen3, Hermes), qwen3_coder (Qwen3-Coder, "
+                        "Qwen3.5), llama3_json (Llama "
                         "3.1-3.3), mistral, pythonic (Llama 3.2/4's pythonic templates), auto (the one its chat "
                         "template shows) or none (default: auto)")
     s.add_argument("--reasoning-parser", default="auto", metavar="NAME",

@@ -2,9 +2,9 @@
 
 Each writes an assistant's tool calls (and Qwen's thinking) in the family's format; the text they
 give for an assistant turn was checked against the families' published templates (Qwen2.5-7B-
-Instruct, Qwen3-0.6B, Hermes-3, Llama-3.1/3.2/3.3-Instruct, Mistral-Nemo-Instruct-2407,
-Mistral-Small-3.2-24B-Instruct-2506, Devstral-Small-2507) on the same conversation: the same
-characters up to the end-of-turn token. Written short here, not copied."""
+Instruct, Qwen3-0.6B, Qwen3-Coder, Qwen3.5-4B, Hermes-3, Llama-3.1/3.2/3.3-Instruct,
+Mistral-Nemo-Instruct-2407, Mistral-Small-3.2-24B-Instruct-2506, Devstral-Small-2507) on the same
+conversation: the same characters up to the end-of-turn token. Written short here, not copied."""
 
 # Qwen3.5-style: the tools in the system turn, calls in <tool_call> blocks, the thinking begun in the
 # generation prompt (closed there by enable_thinking=false), earlier thinking from reasoning_content.
@@ -22,6 +22,19 @@ HERMES = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n"
     "{% if enable_thinking is defined and enable_thinking is false %}{{ '\\n</think>\\n\\n' }}{% endif %}{% endif %}")
+
+# Qwen3-Coder / Qwen3.5: a call's parameters as XML-like blocks of raw text (objects and lists as JSON,
+# other values as Jinja's string of them)
+QWEN3_CODER = (
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant"
+    "{% if m.content and m.content | trim %}{{ '\\n' + m.content | trim + '\\n' }}{% endif %}"
+    "{% for c in m.tool_calls %}{{ '\\n<tool_call>\\n<function=' + c.function.name + '>\\n' }}"
+    "{% for k, v in c.function.arguments | items %}{{ '<parameter=' + k + '>\\n' }}"
+    "{{ v | tojson if v is mapping or (v is sequence and v is not string) else v | string }}"
+    "{{ '\\n</parameter>\\n' }}{% endfor %}{{ '</function>\\n</tool_call>' }}{% endfor %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 # Llama 3.1-3.3: the tools in the user turn, a call as {"name", "parameters"}
 LLAMA3_JSON = (

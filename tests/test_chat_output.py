@@ -19,7 +19,7 @@ from chat_templates import CALL_REGEX, TOOLS
 from asyncserve import SamplingParams, StructuredOutputs
 from asyncserve.config import Config
 from asyncserve.ingress.chat_output import (ChatFormats, Hermes, Llama3Json, Mistral, OutputReader, Pythonic,
-                                            Reading, check_format_names, detected_reasoning_format,
+                                            Qwen3Coder, Reading, check_format_names, detected_reasoning_format,
                                             detected_tool_format, prompt_thinking)
 from asyncserve.model.tokenizer import Tokenizer
 from server_harness import ServerThread
@@ -32,6 +32,7 @@ CALL_SETS = [
 ]
 FORMATS = [  # (format, template, extra template variables, content before calls is written)
     (Hermes(), templates.HERMES, {}, True),
+    (Qwen3Coder(), templates.QWEN3_CODER, {}, True),
     (Llama3Json(), templates.LLAMA3_JSON, {}, False),
     (Mistral(), templates.MISTRAL_LIST, {}, False),
     (Mistral(), templates.MISTRAL_ARGS, {"with_ids": True}, True),
@@ -94,7 +95,8 @@ def as_calls(calls):
 
 
 @pytest.mark.parametrize("fmt,template,variables,with_content", FORMATS,
-                         ids=["hermes", "llama3_json", "mistral_list", "mistral_call_ids", "mistral_args", "pythonic"])
+                         ids=["hermes", "qwen3_coder", "llama3_json", "mistral_list", "mistral_call_ids", "mistral_args",
+                              "pythonic"])
 def test_each_format_reads_back_the_calls_its_template_writes(fmt, template, variables, with_content):
     for calls in CALL_SETS:
         if isinstance(fmt, Llama3Json):
@@ -138,6 +140,10 @@ def test_what_does_not_read_as_calls_stays_content():
         (Mistral(), '[TOOL_CALLS]not json'),
         (Mistral(), '[TOOL_CALLS][{"name": "f"}, 3]'),
         (Mistral(), '[TOOL_CALLS]f[ARGS]{"x": 1} trailing'),
+        (Qwen3Coder(), 'Sure <tool_call>\n<function=f>\n<parameter=x>\n1'),                # cut by max_tokens
+        (Qwen3Coder(), '<tool_call>\n<function=f>\n<parameter=x>\n1\n</function>\n</tool_call>'),  # not closed
+        (Qwen3Coder(), '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'),       # hermes' JSON
+        (Qwen3Coder(), '<tool_call>\n<function=>\n</function>\n</tool_call>'),              # no name
         (Pythonic(), '[f(1, 2)]'),                            # positional arguments
         (Pythonic(), '[f(x=open("/etc/passwd"))]'),           # not a literal
         (Pythonic(), '[f(**kw)]'),
@@ -159,11 +165,27 @@ def test_what_does_not_read_as_calls_stays_content():
         assert assert_streams_as_read((fmt, None), text) == Reading("", text)
 
 
+def test_qwen3_coder_values_are_typed_by_the_tools_schemas():
+    """Its values are raw text: a string parameter stays text (a zip code of digits too), others read as
+    JSON or as the Python literal the template wrote (True, None)."""
+    schema = {"properties": {"zip": {"type": "string"}, "days": {"type": "integer"}, "ok": {"type": "boolean"},
+                             "tags": {"type": "array"}, "note": {"type": ["string", "null"]}}}
+    text = written_turn(templates.QWEN3_CODER, [("f", {"zip": "75001", "days": 3, "ok": True, "tags": ["a", 1],
+                                                       "note": None, "free": "x y", "n": 2.5})])
+    assert "<parameter=ok>\nTrue\n</parameter>" in text and "<parameter=note>\nNone\n" in text
+    read = assert_streams_as_read((Qwen3Coder(), None, None, None, {"f": schema}), text)
+    assert json.loads(read.calls[0][1]) == {"zip": "75001", "days": 3, "ok": True, "tags": ["a", 1], "note": None,
+                                            "free": "x y", "n": 2.5}
+    unknown = json.loads(OutputReader(Qwen3Coder()).read(text).calls[0][1])
+    assert unknown["zip"] == 75001 and unknown["free"] == "x y"     # with no schema, what reads as JSON is JSON
+
+
 def test_formats_are_found_in_chat_templates(tiny_model):
-    assert [detected_tool_format(t) for t in (templates.HERMES, templates.LLAMA3_JSON, templates.MISTRAL_LIST,
-                                              templates.MISTRAL_ARGS, templates.PYTHONIC.replace("[", "<|python_start|>["),
+    assert [detected_tool_format(t) for t in (templates.HERMES, templates.QWEN3_CODER, templates.LLAMA3_JSON,
+                                              templates.MISTRAL_LIST, templates.MISTRAL_ARGS,
+                                              templates.PYTHONIC.replace("[", "<|python_start|>["),
                                               "{{ messages }}", None)] == \
-        ["hermes", "llama3_json", "mistral", "mistral", "pythonic", None, None]
+        ["hermes", "qwen3_coder", "llama3_json", "mistral", "mistral", "pythonic", None, None]
     assert detected_reasoning_format(templates.HERMES) == "qwen3"
     assert detected_reasoning_format("<｜Assistant｜><think>\n{% if x %}</think>{% endif %}") == "deepseek_r1"
     assert detected_reasoning_format(templates.LLAMA3_JSON) is None

@@ -56,10 +56,11 @@ async def prepared_chat(server, req: ChatCompletionRequest) -> tuple[list[ChatCh
     params = sampling_params(req, max_tokens(server, prompt_ids, requested, None, param), logprobs,
                              structured=structured)
     read = reasoning is not None or tool_format is not None
+    schemas = {t.function.name: t.function.parameters or {} for t in req.tools or ()}
     thinks = prompt_thinking(prompt_text) if read else None
     choices = [ChatChoice(sample, new_sequence(server, prompt_ids, sample_params(params, sample), adapter),
-                          OutputReader(tool_format, reasoning, thinks, None if req.parallel_tool_calls else 1)
-                          if read else None)
+                          OutputReader(tool_format, reasoning, thinks, None if req.parallel_tool_calls else 1,
+                                       schemas) if read else None)
                for sample in range(num_samples(req))]
     return choices, prompt_ids, tools
 

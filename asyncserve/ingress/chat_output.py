@@ -11,6 +11,8 @@ Tool-calling models write calls in the format of their chat template, which ``to
 reads back into ``tool_calls``:
 - ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, a block per call
   (Qwen2.5, Qwen3, Hermes 2/3);
+- ``qwen3_coder``: ``<tool_call><function=NAME><parameter=P>VALUE</parameter></function></tool_call>``
+  (Qwen3-Coder, Qwen3.5), values typed by the tools' schemas;
 - ``llama3_json``: the output is ``{"name": ..., "parameters": {...}}``, calls separated by ``;``,
   optionally after ``<|python_tag|>`` (Llama 3.1-3.3);
 - ``mistral``: ``[TOOL_CALLS]`` and a JSON list of ``{"name", "arguments"}`` (Mistral 7B v0.3,
@@ -132,7 +134,8 @@ class ToolFormat:
     keeps_special_tokens = False     # the format's markers are special tokens, which decoding would drop
 
     def read(self, text: str, final: bool, memo: dict) -> tuple[str, list[tuple[str, str]]]:
-        """memo: the reader's own notes between calls on the same growing output."""
+        """memo: this output's own state: the request's tool schemas ("schemas") and the format's notes
+        between calls on the same growing output."""
         raise NotImplementedError
 
     def call_id(self) -> str:
@@ -186,6 +189,46 @@ class Hermes(MarkedCalls):
             calls.append(call)
             pos = memo["pos"] = closed.end()
         return list(calls), pos
+
+
+class Qwen3Coder(MarkedCalls):
+    """<tool_call><function=NAME><parameter=P>VALUE</parameter>...</function></tool_call> (Qwen3-Coder,
+    Qwen3.5): a value is raw text, typed by the tool's JSON schema (memo["schemas"]): a string stays
+    text, anything else is read as JSON (or a Python literal, as the templates write True and None)."""
+    name, marker, end_marker = "qwen3_coder", "<tool_call>", "</tool_call>"
+    BLOCK = re.compile(r"\s*<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.DOTALL)
+    PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+    def calls(self, text, start, final, memo):
+        calls, pos = [], start
+        while (block := self.BLOCK.match(text, pos)) is not None:
+            name, body = block.group(1).strip(), block.group(2)
+            schema = (memo.get("schemas") or {}).get(name) or {}
+            arguments, at = {}, 0
+            while (p := self.PARAMETER.match(body, at)) is not None:
+                arguments[p.group(1).strip()] = self.value(p.group(2), schema.get("properties", {}).get(
+                    p.group(1).strip(), {}))
+                at = p.end()
+            if body[at:].strip() or not name:
+                break
+            calls.append((name, json.dumps(arguments, ensure_ascii=False)))
+            pos = block.end()
+        return calls, pos
+
+    @staticmethod
+    def value(text: str, schema: dict):
+        kinds = schema.get("type") if isinstance(schema, dict) else None
+        kinds = kinds if isinstance(kinds, list) else [kinds]
+        if "string" in kinds and len(kinds) == 1:
+            return text
+        try:
+            return json.loads(text)
+        except ValueError:
+            pass
+        try:
+            return ast.literal_eval(text.strip())
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            return text
 
 
 class Mistral(MarkedCalls):
@@ -291,7 +334,7 @@ class Pythonic(WholeOutputCalls):
         return ast.literal_eval(node)       # strings, numbers, and their signs
 
 
-TOOL_FORMATS = {f.name: f for f in (Hermes, Llama3Json, Mistral, Pythonic)}
+TOOL_FORMATS = {f.name: f for f in (Hermes, Qwen3Coder, Llama3Json, Mistral, Pythonic)}
 
 
 # ---- which formats a model uses --------------------------------------------------------------------
@@ -299,6 +342,8 @@ TOOL_FORMATS = {f.name: f for f in (Hermes, Llama3Json, Mistral, Pythonic)}
 def detected_tool_format(chat_template: str | None) -> str | None:
     """The tool-call format a chat template writes its calls in, if it is one of ours."""
     template = chat_template or ""
+    if "<function=" in template and "<parameter=" in template:
+        return "qwen3_coder"
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template:
@@ -360,16 +405,17 @@ class OutputReader:
     returns the new parts)."""
 
     def __init__(self, tools: ToolFormat | None = None, reasoning: str | None = None,
-                 prompt_thinks: bool | None = None, max_calls: int | None = None):
+                 prompt_thinks: bool | None = None, max_calls: int | None = None, schemas: dict | None = None):
         """prompt_thinks: prompt_thinking(the rendered prompt). A deepseek_r1 answer starts thinking
         unless the prompt closed it; a qwen3 one when the prompt opened it. max_calls: calls past it
-        are dropped (parallel_tool_calls: false, as vLLM does)."""
-        self.tools, self.reasoning, self.max_calls = tools, reasoning, max_calls
+        are dropped (parallel_tool_calls: false, as vLLM does). schemas: the request's tools' parameter
+        schemas by name (qwen3_coder types its values by them)."""
+        self.tools, self.reasoning, self.max_calls, self.schemas = tools, reasoning, max_calls, schemas or {}
         self.starts_thinking = reasoning is not None and (prompt_thinks or (reasoning == "deepseek_r1"
                                                                             and prompt_thinks is None))
         self.text = ""
         self.sent = Reading()              # what feed handed out so far: at the end, the whole reading
-        self.memo: dict = {}
+        self.memo: dict = {"schemas": self.schemas}
 
     def feed(self, delta: str, final: bool) -> Reading:
         if not delta and not final:
@@ -388,7 +434,7 @@ class OutputReader:
 
     def read(self, text: str, final: bool = True, memo: dict | None = None) -> Reading:
         """memo: feed's notes on the same growing text (None: read afresh)."""
-        memo = {} if memo is None else memo
+        memo = {"schemas": self.schemas} if memo is None else memo
         reasoning, rest = "", text
         if self.reasoning is not None:
             reasoning, rest, thought = self.split_thinking(text, final, memo)
