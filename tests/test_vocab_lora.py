@@ -266,17 +266,27 @@ def test_peft_saves_the_trained_modules_under_their_own_names(saved_model):
 @pytest.mark.parametrize("path", STEP_PATHS)
 def test_saved_embeddings_and_head_give_peft_tokens(saved_model, path, monkeypatch):
     """Adapters with their own embeddings, head or both, beside one with head LoRA, a plain one and the
-    base, in the same steps on every path; a step with a head saved whole leaves the one-call layer loop
-    (which adds only LoRA to the base's head)."""
+    base, in the same steps on every path (the one-call layer loop does the saved heads too)."""
     model, cases, refs = saved_model
     llm = llm_on_path(model, path, monkeypatch)
     head_steps, loop_in_head_step = record_native_loop(llm.engine, monkeypatch, lambda plan: any(
         c.seq.adapter in ("saved_both", "saved_head") and c.num_sampled for c in plan.chunks))
     outs = llm.generate([c[0] for c in cases], GREEDY, adapters=[c[1] for c in cases])
     check_greedy([o.token_ids for o in outs], cases, refs, path)
-    assert sum(head_steps) >= NEW_TOKENS and not any(loop_in_head_step)
+    assert sum(head_steps) >= NEW_TOKENS
+    assert sum(loop_in_head_step) == (sum(head_steps) if path == "loop" else 0)
     base_tokens = [o.token_ids for o, c in zip(outs, cases) if c[1] is None]
     assert all(o.token_ids not in base_tokens for o, c in zip(outs, cases) if c[1] == "saved_both")
+
+
+def test_native_layer_loop_gives_the_python_loops_bits_for_saved_heads(saved_model, monkeypatch):
+    """bf16: the one-call loop does a saved head with the Python loop's calls: the same tokens and top-5
+    logprobs, saved heads beside head LoRA and the base in one call."""
+    require_native_kernels()
+    model, cases, _ = saved_model
+    runs = bf16_runs_by_layer_loop(model.folder, model.adapters, cases, monkeypatch, NEW_TOKENS)
+    assert runs["1"][1] and not runs["0"][1]
+    assert runs["1"][0] == runs["0"][0]
 
 
 @pytest.mark.parametrize("family", ["gemma2", "qwen2_tied"])

@@ -10,8 +10,7 @@ PEFT's layers do:
     head:       logits[i] += ((hs[i] · A^T) · B^T) · s   before the final soft cap (Gemma 2)
                 logits[i] = hs[i] · W^T                  saved whole
 
-The one-call native layer loop adds the head's LoRA with the same calls (kernels/cpu/decoder.h,
-native_head); a step with a head saved whole takes the Python layer loop (replaces_head).
+The one-call native layer loop does the head's with the same calls (kernels/cpu/decoder.h, native_head).
 """
 from __future__ import annotations
 
@@ -47,11 +46,6 @@ class VocabStep:
     embed_runs: list[VocabRun] = field(default_factory=list)
     head_runs: list[VocabRun] = field(default_factory=list)
 
-    @property
-    def replaces_head(self) -> bool:
-        """Some run's head is saved whole (native_head cannot take it)."""
-        return any(isinstance(r.rows, SavedModule) for r in self.head_runs)
-
     def embed_(self, h: torch.Tensor, ids: torch.Tensor) -> None:
         """h [T, hidden]: each run's tokens ids [T] embedded by its adapter's own embeddings, or plus its
         embedding LoRA."""
@@ -72,11 +66,14 @@ class VocabStep:
 
     def native_head(self) -> tuple:
         """head_'s runs as decoder.h's forward takes them: (runs [n, 3] int64: first row, end row, index
-        into the lists, or None; A per adapter; B^T per adapter; scaling per adapter). LoRA runs only
-        (see replaces_head)."""
+        into the lists, or None; A per adapter; B^T per adapter; scaling per adapter). A head saved whole
+        goes as an empty A and its weight [vocab, hidden] for B^T."""
         if not self.head_runs:
             return None, [], [], []
         adapters = list({id(r.rows): r.rows for r in self.head_runs}.values())
         index = {id(v): i for i, v in enumerate(adapters)}
         runs = torch.tensor([(r.start, r.end, index[id(r.rows)]) for r in self.head_runs], dtype=torch.int64)
-        return runs, [v.a for v in adapters], [v.bt for v in adapters], [v.scaling for v in adapters]
+        saved = [isinstance(v, SavedModule) for v in adapters]
+        return (runs, [v.weight.new_empty(0) if s else v.a for v, s in zip(adapters, saved)],
+                [v.weight if s else v.bt for v, s in zip(adapters, saved)],
+                [1.0 if s else v.scaling for v, s in zip(adapters, saved)])

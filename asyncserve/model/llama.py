@@ -54,8 +54,6 @@ class LoraHook(Protocol):
 class VocabHook(Protocol):
     """A step's LoRA on the token embeddings and the LM head, or those saved whole (lora/vocab.py's VocabStep)."""
 
-    replaces_head: bool                      # some rows' head is the adapter's own: native_head cannot take it
-
     def embed_(self, h: torch.Tensor, ids: torch.Tensor) -> None: ...
 
     def head_(self, logits: torch.Tensor, hs: torch.Tensor) -> None: ...
@@ -431,7 +429,7 @@ def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, 
     # a step on fixed buffers (StepInputs.decode_tables: the CUDA graphs' decodes) plans no native attention
     plan = next(iter(step_attention.values()))
     decoder = (plan.native and config.moe is None and cpu_kernels.decoder_loop_enabled() and _loop_without(reduce)
-               and (inp.vocab is None or not inp.vocab.replaces_head) and w.native_decoder(config))
+               and w.native_decoder(config))
     step_lora = lora.native_step() if decoder and use_lora else None
     if decoder and (step_lora is not None or not use_lora):
         logits = _forward_native(decoder, h, rope, kv, inp, plan, step_lora)

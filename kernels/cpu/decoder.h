@@ -129,7 +129,8 @@ class NativeDecoder {
   // decode_lens [n]); the rest are prefill chunks (prefill_tables, prefill_starts, prefill_first_pos
   // as paged_prefill_attention takes them). Returns the logits of rows sample_index: [rows, vocab]
   // (before any final soft-capping). head_runs [n, 3] (first logits row, end row, index into head_a,
-  // head_bt and head_scaling): LoRA on the LM head added to those rows, as lora/vocab.py's head_.
+  // head_bt and head_scaling): LoRA on the LM head added to those rows, as lora/vocab.py's head_; an
+  // empty head_a marks a head saved whole, head_bt then its weight [vocab, hidden], whose logits replace them.
   at::Tensor forward(at::Tensor h, at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor local_cos,
                      at::Tensor local_sin, at::Tensor kv, at::Tensor write_rows, int64_t num_decode,
                      at::Tensor decode_tables, at::Tensor decode_lens, at::Tensor prefill_tables,
@@ -223,7 +224,8 @@ class NativeDecoder {
     return y;
   }
 
-  // LoRA on the LM head: logits[run] += ((hs[run] · A^T) · B^T) · s, the same ATen calls as VocabStep.head_.
+  // LoRA on the LM head: logits[run] += ((hs[run] · A^T) · B^T) · s, or a head saved whole (A empty, B^T
+  // its weight W): logits[run] = hs[run] · W^T; the same ATen calls as VocabStep.head_.
   static void add_head_lora(at::Tensor& logits, const at::Tensor& hs, const at::Tensor& runs,
                             const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& bt,
                             const std::vector<double>& scaling) {
@@ -234,7 +236,10 @@ class NativeDecoder {
       const int64_t start = r[i][0], n = r[i][1] - r[i][0], k = r[i][2];
       TORCH_CHECK(0 <= start && 0 <= n && r[i][1] <= logits.size(0) && 0 <= k && k < int64_t(a.size()),
                   "head LoRA run ", i, " outside the logits' rows or the adapters");
-      logits.narrow(0, start, n).add_(at::matmul(at::matmul(hs.narrow(0, start, n), a[k].t()), bt[k]).mul(scaling[k]));
+      if (a[k].numel() == 0)
+        logits.narrow(0, start, n).copy_(at::matmul(hs.narrow(0, start, n), bt[k].t()));
+      else
+        logits.narrow(0, start, n).add_(at::matmul(at::matmul(hs.narrow(0, start, n), a[k].t()), bt[k]).mul(scaling[k]));
     }
   }
 
