@@ -223,9 +223,11 @@ def test_dora_on_the_embeddings_is_refused_with_its_reason(vocab_model, tmp_path
         llm.load_adapter("dora", str(folder))
 
 
-def test_make_adapters_vocab_copy_gives_peft_tokens(vocab_model, tmp_path):
+@pytest.mark.parametrize("copy", ["vocab_copy", "saved_copy"])
+def test_make_adapters_copies_give_peft_tokens(vocab_model, copy, tmp_path):
     """scripts/make_adapters.py's vocab_copy (bench_offline.py's ours-vocab) adds LoRA on the embeddings
-    and the head to a plain folder as PEFT saves it: it loads in PEFT and here, with the same tokens."""
+    and the head to a plain folder, its saved_copy (ours-saved) the two saved whole, as PEFT saves them:
+    each loads in PEFT and here, with the same tokens."""
     import importlib.util
     from pathlib import Path
 
@@ -234,11 +236,11 @@ def test_make_adapters_vocab_copy_gives_peft_tokens(vocab_model, tmp_path):
     make_adapters = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make_adapters)
     config = model.base.config
-    make_adapters.vocab_copy(model.adapters["plain"], tmp_path / "copy", config.vocab_size, config.hidden_size)
+    getattr(make_adapters, copy)(model.adapters["plain"], tmp_path / "copy", config.vocab_size, config.hidden_size)
     copied = type(model)(model.family, model.folder, model.tokenizer, model.base, {"copy": tmp_path / "copy"})
     chosen = [(ids, "copy") for ids, a in cases if a == "plain"]
     _, tokens = generate_greedy(copied, chosen)
-    check_greedy(tokens, chosen, peft_references(model.base, copied.adapters, chosen, NEW_TOKENS), "vocab_copy")
+    check_greedy(tokens, chosen, peft_references(model.base, copied.adapters, chosen, NEW_TOKENS), copy)
 
 
 # ---- modules_to_save: the embeddings or the head trained whole ------------------------------------
