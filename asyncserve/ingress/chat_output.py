@@ -46,9 +46,6 @@ class Reading:
     content: str = ""
     calls: list[tuple[str, str]] = field(default_factory=list)     # (name, arguments as JSON text)
 
-    def __bool__(self) -> bool:
-        return bool(self.reasoning or self.content or self.calls)
-
 
 # ---- helpers -------------------------------------------------------------------------------------
 
@@ -195,7 +192,7 @@ class Qwen3Coder(MarkedCalls):
     """<tool_call><function=NAME><parameter=P>VALUE</parameter>...</function></tool_call> (Qwen3-Coder,
     Qwen3.5): a value is raw text, typed by the tool's JSON schema (memo["schemas"]): a string stays
     text, anything else is read as JSON (or a Python literal, as the templates write True and None)."""
-    name, marker, end_marker = "qwen3_coder", "<tool_call>", "</tool_call>"
+    name, marker = "qwen3_coder", "<tool_call>"
     BLOCK = re.compile(r"\s*<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.DOTALL)
     PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
 
