@@ -220,7 +220,7 @@ def test_continue_final_message_and_tool_call_arguments_in_templates():
         tok.apply_chat_template(messages, add_generation_prompt=True, continue_final_message=True)
     # arguments sent as JSON text reach the template as an object; text that is not an object stays text
     for arguments, written in (('{"city": "Oslo"}', '{"city": "Oslo"}'), ("not json", '"not json"'),
-                               ("[1, 2]", '"[1, 2]"')):
+                               ("[1, 2]", '"[1, 2]"'), ("[" * 100_000, json.dumps("[" * 100_000))):
         turn = {"role": "assistant", "content": "", "tool_calls": [
             {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}]}
         text = tok.apply_chat_template([messages[0], turn], add_generation_prompt=False)

@@ -151,6 +151,12 @@ def test_what_the_route_cannot_serve_is_a_400(reading_server):
         ({"tools": FUNCTIONS, "tool_choice": {"type": "web_search"}}, "tool_choice"),
         ({"tools": FUNCTIONS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
         ({"text": {"format": {"type": "json_schema"}}}, "response_format"),
+        ({"text": {"format": "json"}}, "text.format"),
+        ({"text": {"format": {"type": "xml"}}}, "response_format"),
+        ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
+        ({"instructions": "be brief", "input": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}]},
+         "input[1].role"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": {"a": 1}}]}, "input[0].output"),
         ({"model": "nope"}, "model"),
         ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ]

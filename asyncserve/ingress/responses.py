@@ -61,6 +61,7 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=False, kw_only=True
 
 
 TEXT_PARTS = ("input_text", "output_text", "text")
+ROLES = ("user", "assistant", "system", "developer")
 
 
 def refused(req: ResponsesRequest) -> None:
@@ -102,7 +103,10 @@ def chat_messages(req: ResponsesRequest) -> list[dict]:
         param = f"input[{i}]"
         kind = item.get("type", "message")
         if kind == "message":
-            message = {"role": item.get("role"), "content": item_text(item.get("content"), f"{param}.content")}
+            if item.get("role") not in ROLES:
+                raise ApiError(400, f"{param}.role must be one of {', '.join(ROLES)}", param=f"{param}.role",
+                               code="invalid_value")
+            message = {"role": item["role"], "content": item_text(item.get("content"), f"{param}.content")}
             if message["role"] == "assistant" and thought is not None:
                 message["reasoning"], thought = thought, None
             messages.append(message)
@@ -152,6 +156,8 @@ def chat_tools(req: ResponsesRequest) -> tuple[list[dict] | None, str | dict | N
 
 def response_format(req: ResponsesRequest) -> dict | None:
     fmt = (req.text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise ApiError(400, "text.format must be an object with a type", param="text.format", code="invalid_value")
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_schema":

@@ -460,7 +460,7 @@ def _template_call(call: Any) -> Any:
         return call
     try:
         arguments = json.loads(function["arguments"])
-    except ValueError:
+    except (ValueError, RecursionError):
         return call
     return {**call, "function": {**function, "arguments": arguments}} if isinstance(arguments, dict) else call
 
