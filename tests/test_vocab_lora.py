@@ -1,10 +1,12 @@
-"""LoRA on the token embeddings and the LM head (lora/vocab.py): PEFT folders targeting embed_tokens and
-lm_head (with the copies of the base weights PEFT saves beside them) give transformers+PEFT's tokens,
-batched with plain adapters and the base model, on every step path; on Gemma 2 (embedding scale, final
-soft cap) and on tied embeddings; CPU-assisted. Bad folders are refused each alone; merging, CUDA graphs
-and tensor parallelism leave them to the paths that serve them."""
+"""LoRA on the token embeddings and the LM head (lora/vocab.py), and those two trained whole (PEFT's
+modules_to_save): PEFT folders targeting embed_tokens and lm_head (with the copies of the base weights
+PEFT saves beside them), or saving them, give transformers+PEFT's tokens, batched with plain adapters
+and the base model, on every step path; on Gemma 2 (embedding scale, final soft cap) and on tied
+embeddings; CPU-assisted. Bad folders are refused each alone; merging, CUDA graphs and tensor
+parallelism leave them to the paths that serve them."""
 from __future__ import annotations
 
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -28,9 +30,47 @@ VOCAB_ADAPTERS = {
 }
 
 
+# modules_to_save: the embeddings or the head trained whole, beside head LoRA
+SAVED_ADAPTERS = {
+    "saved_both": (4, ["q_proj", "v_proj"], {"modules_to_save": ["embed_tokens", "lm_head"]}),
+    "saved_head": (8, ["o_proj", "down_proj"], {"modules_to_save": ["lm_head"]}),
+    "saved_embed": (2, ["gate_proj"], {"modules_to_save": ["embed_tokens"]}),
+    "lora_head": (4, ["q_proj", "lm_head"], {}),
+    "plain": (4, ALL, {}),
+}
+
+
+class Kind(NamedTuple):
+    """What the shared tests need of each kind of adapter on the vocabulary's layers."""
+    heads: tuple[str, ...]         # adapters with a head of their own (LoRA on it, or saved whole)
+    assisted: tuple[str, ...]      # adapters that must run CPU-assisted
+    unmerged: tuple[str, ...]      # adapters merged mode refuses
+    bad_source: str                # the adapter broken copies are made of
+    small: dict                    # the adapters of the Gemma 2 and tied-embeddings test
+
+
+KINDS = {
+    "vocab": Kind(("embed_head", "head"), ("embed_head", "head", "embed"), ("embed_head", "head"), "embed_head",
+                  {"both": (4, ["q_proj", "embed_tokens", "lm_head"], {}), "plain": (4, ["q_proj", "v_proj"], {})}),
+    "saved": Kind(("saved_both", "saved_head"), ("saved_both", "saved_head"), ("saved_both", "saved_embed"),
+                  "saved_both", {"both": (4, ["q_proj"], {"modules_to_save": ["embed_tokens", "lm_head"]}),
+                                 "embed": (4, ["v_proj"], {"modules_to_save": ["embed_tokens"]}),
+                                 "plain": (4, ["q_proj", "v_proj"], {})}),
+}
+
+
 @pytest.fixture(scope="module")
 def vocab_model(tmp_path_factory):
     return with_references(build_with_adapters(tmp_path_factory.mktemp("vocab"), "llama", VOCAB_ADAPTERS))
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    return with_references(build_with_adapters(tmp_path_factory.mktemp("saved"), "llama", SAVED_ADAPTERS))
+
+
+def model_of(request, kind: str):
+    return request.getfixturevalue(f"{kind}_model")
 
 
 def test_peft_saves_the_base_weights_beside_the_lora(vocab_model):
@@ -42,27 +82,39 @@ def test_peft_saves_the_base_weights_beside_the_lora(vocab_model):
             "base_model.model.model.embed_tokens.base_layer.weight"} <= keys
 
 
+def test_peft_saves_the_trained_modules_under_their_own_names(saved_model):
+    model, _, _ = saved_model
+    keys = set(load_file(model.adapters["saved_both"] / "adapter_model.safetensors"))
+    assert {"base_model.model.model.embed_tokens.weight", "base_model.model.lm_head.weight"} <= keys
+
+
 @pytest.mark.parametrize("path", STEP_PATHS)
-def test_embedding_and_head_lora_give_peft_tokens(vocab_model, path, monkeypatch):
-    """loop: the one-call native layer loop (decoder.h adds the head's LoRA); ops: the Python loop over the
-    native kernels; eager: torch ops; triton: the Triton LoRA kernels in the interpreter. The base, three
-    adapters with LoRA on the embeddings, the head or both, and a plain one in the same steps."""
-    model, cases, refs = vocab_model
+@pytest.mark.parametrize("kind", KINDS)
+def test_embeddings_and_head_give_peft_tokens(request, kind, path, monkeypatch):
+    """loop: the one-call native layer loop (decoder.h adds the head's LoRA, or does a saved head); ops:
+    the Python loop over the native kernels; eager: torch ops; triton: the Triton LoRA kernels in the
+    interpreter. vocab: the base, three adapters with LoRA on the embeddings, the head or both, and a
+    plain one in the same steps; saved: adapters with their own embeddings, head or both, beside one with
+    head LoRA, a plain one and the base."""
+    model, cases, refs = model_of(request, kind)
     llm = llm_on_path(model, path, monkeypatch)
     head_steps, loop_in_head_step = record_native_loop(llm.engine, monkeypatch, lambda plan: any(
-        c.seq.adapter in ("embed_head", "head") and c.num_sampled for c in plan.chunks))
+        c.seq.adapter in KINDS[kind].heads and c.num_sampled for c in plan.chunks))
     outs = llm.generate([c[0] for c in cases], GREEDY, adapters=[c[1] for c in cases])
     check_greedy([o.token_ids for o in outs], cases, refs, path)
     assert sum(head_steps) >= NEW_TOKENS
     assert sum(loop_in_head_step) == (sum(head_steps) if path == "loop" else 0)
     assert llm.engine.pool.counts().kv == 0
+    base_tokens = [o.token_ids for o, c in zip(outs, cases) if c[1] is None]
+    assert all(o.token_ids not in base_tokens for o, c in zip(outs, cases) if c[1] == KINDS[kind].heads[0])
 
 
-def test_native_layer_loop_gives_the_python_loops_bits(vocab_model, monkeypatch):
-    """bf16: the one-call loop adds the head's LoRA with the Python loop's calls: the same tokens and top-5
-    logprobs, all four adapters and the base in one call."""
+@pytest.mark.parametrize("kind", KINDS)
+def test_native_layer_loop_gives_the_python_loops_bits(request, kind, monkeypatch):
+    """bf16: the one-call loop adds the head's LoRA (or does a saved head) with the Python loop's calls:
+    the same tokens and top-5 logprobs, all the adapters and the base in one call."""
     require_native_kernels()
-    model, cases, _ = vocab_model
+    model, cases, _ = model_of(request, kind)
     runs = bf16_runs_by_layer_loop(model.folder, model.adapters, cases, monkeypatch, NEW_TOKENS)
     assert runs["1"][1] and not runs["0"][1]
     assert runs["1"][0] == runs["0"][0]
@@ -90,10 +142,12 @@ def test_prompt_logprobs_see_the_heads_lora(vocab_model):
 
 
 @pytest.mark.parametrize("family", ["gemma2", "qwen2_tied"])
-def test_gemma_scale_and_soft_cap_and_tied_embeddings(family, tmp_path):
-    """Gemma 2: the embeddings' LoRA before the sqrt(hidden) scale, the head's before the final soft cap;
-    Qwen2 with tied embeddings: LoRA on the embeddings and on the head are apart, as PEFT keeps them."""
-    adapters = {"both": (4, ["q_proj", "embed_tokens", "lm_head"], {}), "plain": (4, ["q_proj", "v_proj"], {})}
+@pytest.mark.parametrize("kind", KINDS)
+def test_gemma_scale_and_soft_cap_and_tied_embeddings(kind, family, tmp_path):
+    """Gemma 2: the embeddings' LoRA (or saved embeddings) before the sqrt(hidden) scale, the head's
+    before the final soft cap; Qwen2 with tied embeddings: LoRA on the embeddings and on the head are
+    apart, and a saved embed_tokens leaves the head the base's, as PEFT keeps them."""
+    adapters = KINDS[kind].small
     model = build_with_adapters(tmp_path, family.split("_")[0], adapters) if family == "gemma2" else \
         _tied_qwen(tmp_path, adapters)
     cases = cases_of(model, lengths=(5, 17))
@@ -114,27 +168,29 @@ def _tied_qwen(root, adapters):
     return FamilyModel("qwen2", root / "base", tok, base, paths)
 
 
-def test_cold_adapters_with_vocab_lora_prefill_on_the_workers(vocab_model, tmp_path):
+@pytest.mark.parametrize("kind", KINDS)
+def test_cold_adapters_with_vocab_lora_prefill_on_the_workers(request, kind, tmp_path):
     """cpu_assist="on": the workers compute the projections' LoRA of cold adapters; their embeddings' and
-    head's LoRA is added from the host tier's copy; every request gives PEFT's tokens."""
-    model, cases, refs = vocab_model
+    head's LoRA, or those saved whole, come from the host tier's copy; every request gives PEFT's tokens."""
+    model, cases, refs = model_of(request, kind)
     llm = LLM(model=str(model.folder), adapters={k: str(v) for k, v in model.adapters.items()}, dtype="float32",
               device=TEST_DEVICE, max_step_tokens=24, cpu_workers=1, cpu_assist="on", cpu_profile_dir=str(tmp_path))
     try:
         plans = record_steps(llm.engine)
         outs = llm.generate([c[0] for c in cases], GREEDY, adapters=[c[1] for c in cases])
         registry = llm.engine.pager.registry
-        assert {registry[n].load for n in ("embed_head", "head", "embed")} <= {l for p in plans for l in p.assisted}
+        assert {registry[n].load for n in KINDS[kind].assisted} <= {l for p in plans for l in p.assisted}
         check_greedy([o.token_ids for o in outs], cases, refs, "cpu assist on")
     finally:
         llm.engine.close()
 
 
-def test_such_adapters_are_never_merged(vocab_model):
-    model, _, _ = vocab_model
+@pytest.mark.parametrize("kind", KINDS)
+def test_such_adapters_are_never_merged(request, kind):
+    model, _, _ = model_of(request, kind)
     llm = LLM(model=str(model.folder), adapters={k: str(v) for k, v in model.adapters.items()}, dtype="float32")
-    assert "embeddings or the head" in llm.engine.merge_refusal("embed_head")
-    assert "embeddings or the head" in llm.engine.merge_refusal("head")
+    for name in KINDS[kind].unmerged:
+        assert "embeddings or the head" in llm.engine.merge_refusal(name)
     assert llm.engine.merge_refusal("plain") is None
 
 
@@ -155,8 +211,9 @@ def test_decode_steps_with_them_run_eagerly_beside_graphs(vocab_model):
     assert not [key for key in llm.engine.runner.graphs._graphs if key[1]]
 
 
-def test_tensor_parallel_refuses_them_with_a_reason(vocab_model):
+def test_tensor_parallel_refuses_them_with_a_reason(vocab_model, saved_model):
     assert_tensor_parallel_refuses(vocab_model[0], ["embed", "head"])
+    assert_tensor_parallel_refuses(saved_model[0], ["saved_both"])
 
 
 def _key(weights, end):
@@ -196,11 +253,33 @@ BAD = {    # label: (config edit, tensors edit, the reason)
 }
 
 
-def test_bad_folders_are_refused_each_alone(vocab_model, tmp_path):
+SAVED_BAD = {    # label: (config edit, tensors edit, the reason)
+    "a saved norm": (lambda c: c | {"modules_to_save": ["embed_tokens", "lm_head", "norm"]}, None,
+                     "only embed_tokens and lm_head"),
+    "a saved classifier": (lambda c: c | {"modules_to_save": ["score"]}, None, "only embed_tokens and lm_head"),
+    "listed, not saved": (None, lambda w: w.pop(_key(w, "model.lm_head.weight")), "holds no weight"),
+    "saved, not listed": (lambda c: c | {"modules_to_save": ["embed_tokens"]}, None, "does not name lm_head"),
+    "a resized vocabulary": (None, lambda w: _resize(w, "model.embed_tokens.weight", 300), "resized vocabulary"),
+    "another hidden size": (None, lambda w: _put(w, "lm_head.weight", lambda t: t[:, :-2].contiguous()),
+                            "the base's is"),
+    "NaN in the saved head": (None, lambda w: _put(w, "lm_head.weight", _nan), "NaN or infinite"),
+    "infinity in the saved embeddings": (None, lambda w: _put(w, "embed_tokens.weight", lambda t: t.fill_(float("inf"))),
+                                         "NaN or infinite"),
+    "saved and given LoRA": (lambda c: c | {"target_modules": c["target_modules"] + ["lm_head"]},
+                             lambda w: w.update({"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64),
+                                                 "base_model.model.lm_head.lora_B.weight": torch.zeros(384, 4)}),
+                             "both saved whole and given LoRA"),
+    "ensure_weight_tying": (lambda c: c | {"ensure_weight_tying": True}, None, "ensure_weight_tying"),
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bad_folders_are_refused_each_alone(request, kind, tmp_path):
     """Each broken copy is refused at load with its reason; the adapters loaded before still give PEFT's
     tokens."""
-    model, cases, refs = vocab_model
-    assert_refused_each_alone(model, cases, refs, "embed_head", BAD, tmp_path)
+    model, cases, refs = model_of(request, kind)
+    assert_refused_each_alone(model, cases, refs, KINDS[kind].bad_source, BAD if kind == "vocab" else SAVED_BAD,
+                              tmp_path)
 
 
 def test_lora_on_the_embeddings_alone_is_refused(vocab_model, tmp_path):
@@ -241,110 +320,3 @@ def test_make_adapters_copies_give_peft_tokens(vocab_model, copy, tmp_path):
     chosen = [(ids, "copy") for ids, a in cases if a == "plain"]
     _, tokens = generate_greedy(copied, chosen)
     check_greedy(tokens, chosen, peft_references(model.base, copied.adapters, chosen, NEW_TOKENS), copy)
-
-
-# ---- modules_to_save: the embeddings or the head trained whole ------------------------------------
-
-SAVED_ADAPTERS = {
-    "saved_both": (4, ["q_proj", "v_proj"], {"modules_to_save": ["embed_tokens", "lm_head"]}),
-    "saved_head": (8, ["o_proj", "down_proj"], {"modules_to_save": ["lm_head"]}),
-    "saved_embed": (2, ["gate_proj"], {"modules_to_save": ["embed_tokens"]}),
-    "lora_head": (4, ["q_proj", "lm_head"], {}),
-    "plain": (4, ALL, {}),
-}
-
-
-@pytest.fixture(scope="module")
-def saved_model(tmp_path_factory):
-    return with_references(build_with_adapters(tmp_path_factory.mktemp("saved"), "llama", SAVED_ADAPTERS))
-
-
-def test_peft_saves_the_trained_modules_under_their_own_names(saved_model):
-    model, _, _ = saved_model
-    keys = set(load_file(model.adapters["saved_both"] / "adapter_model.safetensors"))
-    assert {"base_model.model.model.embed_tokens.weight", "base_model.model.lm_head.weight"} <= keys
-
-
-@pytest.mark.parametrize("path", STEP_PATHS)
-def test_saved_embeddings_and_head_give_peft_tokens(saved_model, path, monkeypatch):
-    """Adapters with their own embeddings, head or both, beside one with head LoRA, a plain one and the
-    base, in the same steps on every path (the one-call layer loop does the saved heads too)."""
-    model, cases, refs = saved_model
-    llm = llm_on_path(model, path, monkeypatch)
-    head_steps, loop_in_head_step = record_native_loop(llm.engine, monkeypatch, lambda plan: any(
-        c.seq.adapter in ("saved_both", "saved_head") and c.num_sampled for c in plan.chunks))
-    outs = llm.generate([c[0] for c in cases], GREEDY, adapters=[c[1] for c in cases])
-    check_greedy([o.token_ids for o in outs], cases, refs, path)
-    assert sum(head_steps) >= NEW_TOKENS
-    assert sum(loop_in_head_step) == (sum(head_steps) if path == "loop" else 0)
-    base_tokens = [o.token_ids for o, c in zip(outs, cases) if c[1] is None]
-    assert all(o.token_ids not in base_tokens for o, c in zip(outs, cases) if c[1] == "saved_both")
-
-
-def test_native_layer_loop_gives_the_python_loops_bits_for_saved_heads(saved_model, monkeypatch):
-    """bf16: the one-call loop does a saved head with the Python loop's calls: the same tokens and top-5
-    logprobs, saved heads beside head LoRA and the base in one call."""
-    require_native_kernels()
-    model, cases, _ = saved_model
-    runs = bf16_runs_by_layer_loop(model.folder, model.adapters, cases, monkeypatch, NEW_TOKENS)
-    assert runs["1"][1] and not runs["0"][1]
-    assert runs["1"][0] == runs["0"][0]
-
-
-@pytest.mark.parametrize("family", ["gemma2", "qwen2_tied"])
-def test_saved_modules_with_gemma_scale_and_tied_embeddings(family, tmp_path):
-    """Gemma 2: the saved embeddings scaled by sqrt(hidden), the saved head's logits soft-capped; tied
-    embeddings: a saved embed_tokens leaves the head the base's, as PEFT does."""
-    adapters = {"both": (4, ["q_proj"], {"modules_to_save": ["embed_tokens", "lm_head"]}),
-                "embed": (4, ["v_proj"], {"modules_to_save": ["embed_tokens"]}), "plain": (4, ["q_proj", "v_proj"], {})}
-    model = build_with_adapters(tmp_path, family.split("_")[0], adapters) if family == "gemma2" else \
-        _tied_qwen(tmp_path, adapters)
-    cases = cases_of(model, lengths=(5, 17))
-    _, tokens = generate_greedy(model, cases)
-    check_greedy(tokens, cases, peft_references(model.base, model.adapters, cases, NEW_TOKENS), family)
-
-
-def test_saved_modules_on_cold_adapters_and_never_merged(saved_model, tmp_path):
-    """cpu_assist="on": the workers add the projections' LoRA, the saved modules come from the host tier's
-    copy; such adapters are not merged."""
-    model, cases, refs = saved_model
-    llm = LLM(model=str(model.folder), adapters={k: str(v) for k, v in model.adapters.items()}, dtype="float32",
-              device=TEST_DEVICE, max_step_tokens=24, cpu_workers=1, cpu_assist="on", cpu_profile_dir=str(tmp_path))
-    try:
-        plans = record_steps(llm.engine)
-        outs = llm.generate([c[0] for c in cases], GREEDY, adapters=[c[1] for c in cases])
-        registry = llm.engine.pager.registry
-        assert {registry[n].load for n in ("saved_both", "saved_head")} <= {l for p in plans for l in p.assisted}
-        check_greedy([o.token_ids for o in outs], cases, refs, "cpu assist on")
-        assert "embeddings or the head" in llm.engine.merge_refusal("saved_embed")
-    finally:
-        llm.engine.close()
-
-
-def test_tensor_parallel_refuses_saved_modules(saved_model):
-    assert_tensor_parallel_refuses(saved_model[0], ["saved_both"])
-
-
-SAVED_BAD = {    # label: (config edit, tensors edit, the reason)
-    "a saved norm": (lambda c: c | {"modules_to_save": ["embed_tokens", "lm_head", "norm"]}, None,
-                     "only embed_tokens and lm_head"),
-    "a saved classifier": (lambda c: c | {"modules_to_save": ["score"]}, None, "only embed_tokens and lm_head"),
-    "listed, not saved": (None, lambda w: w.pop(_key(w, "model.lm_head.weight")), "holds no weight"),
-    "saved, not listed": (lambda c: c | {"modules_to_save": ["embed_tokens"]}, None, "does not name lm_head"),
-    "a resized vocabulary": (None, lambda w: _resize(w, "model.embed_tokens.weight", 300), "resized vocabulary"),
-    "another hidden size": (None, lambda w: _put(w, "lm_head.weight", lambda t: t[:, :-2].contiguous()),
-                            "the base's is"),
-    "NaN in the saved head": (None, lambda w: _put(w, "lm_head.weight", _nan), "NaN or infinite"),
-    "infinity in the saved embeddings": (None, lambda w: _put(w, "embed_tokens.weight", lambda t: t.fill_(float("inf"))),
-                                         "NaN or infinite"),
-    "saved and given LoRA": (lambda c: c | {"target_modules": c["target_modules"] + ["lm_head"]},
-                             lambda w: w.update({"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64),
-                                                 "base_model.model.lm_head.lora_B.weight": torch.zeros(384, 4)}),
-                             "both saved whole and given LoRA"),
-    "ensure_weight_tying": (lambda c: c | {"ensure_weight_tying": True}, None, "ensure_weight_tying"),
-}
-
-
-def test_bad_saved_modules_are_refused_each_alone(saved_model, tmp_path):
-    model, cases, refs = saved_model
-    assert_refused_each_alone(model, cases, refs, "saved_both", SAVED_BAD, tmp_path)
