@@ -2,6 +2,7 @@
 PEFT adapters on each family's target names, for tests/test_families.py and the GGUF tests."""
 from __future__ import annotations
 
+import math
 import random
 import shutil
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from model_io_helpers import backend_vocab, sentencepiece_model, write_gguf, write_sentencepiece_gguf
+from model_io_helpers import backend_vocab, llama_cpp_permute, sentencepiece_model, write_gguf, write_sentencepiece_gguf
 from quant_helpers import dequantized, quantize
 from reference import TEST_DEVICE, assert_greedy_matches, make_tiny_tokenizer, save_random_adapter, save_tiny_model
 
@@ -133,11 +134,14 @@ _GEMMA_LAYER = {"post_attention_layernorm": "post_attention_norm", "pre_feedforw
                 "post_feedforward_layernorm": "post_ffw_norm"}
 
 
-def write_family_gguf(model: FamilyModel, path: Path, projections=None) -> Path:
-    """The model as llama.cpp's convert_hf_to_gguf writes it (float32 tensors): its names, Gemma's
-    norms as 1 + w, Phi-3's fused tensors and longrope factors as tensors, the family's metadata keys.
-    projections: a gguf.GGMLQuantizationType for the layers' projections, whose blocks' values then
-    replace model.base's weights (the reference runs the file's weights)."""
+def write_family_gguf(model: FamilyModel, path: Path, projections=None, metadata_changes: dict | None = None,
+                      tensor_changes: dict | None = None) -> Path:
+    """The model as llama.cpp's convert_hf_to_gguf writes it (float32 tensors): its names, Llama's Q/K
+    rows interleaved, Gemma's norms as 1 + w, Phi-3's fused tensors and longrope factors and Llama
+    3.1's RoPE divisors as tensors, the family's metadata keys. projections: a
+    gguf.GGMLQuantizationType for the layers' projections, whose blocks' values then replace
+    model.base's weights (the reference runs the file's weights). metadata_changes (keys after
+    "{arch}.") and tensor_changes (a float32 array, or None to leave the tensor out): a bad file."""
     cfg, family = model.base.config, model.family
     gemma = family.startswith("gemma")
     names = {**_GGUF_LAYER, **(_GEMMA_LAYER if gemma else {})}
@@ -153,6 +157,9 @@ def write_family_gguf(model: FamilyModel, path: Path, projections=None) -> Path:
                          "lm_head.weight": "output.weight"}[name]
         if gemma and name.endswith("norm.weight"):
             weight = weight + 1.0
+        if family == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+            weight = llama_cpp_permute(weight, heads)
         if projections is not None and name.endswith("proj.weight"):
             blocks = quantize(weight.float().numpy(), projections)
             with torch.no_grad():
@@ -172,6 +179,15 @@ def write_family_gguf(model: FamilyModel, path: Path, projections=None) -> Path:
     metadata["rope.freq_base"] = float(rope["rope_theta"])
     if rope.get("rope_type") == "linear":
         metadata.update({"rope.scaling.type": "linear", "rope.scaling.factor": float(rope["factor"])})
+    if rope.get("rope_type") == "yarn":
+        metadata.update({"rope.scaling.type": "yarn", "rope.scaling.factor": float(rope["factor"]),
+                         "rope.scaling.original_context_length": rope["original_max_position_embeddings"]})
+        for key, gguf_key in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow"),
+                              ("attention_factor", "yarn_attn_factor")):
+            if rope.get(key) is not None:
+                metadata[f"rope.scaling.{gguf_key}"] = float(rope[key])
+    if rope.get("rope_type") == "llama3":
+        tensors["rope_freqs.weight"] = (llama3_rope_divisors(rope, metadata["rope.dimension_count"]), None)
     if gemma:
         metadata["attention.sliding_window"] = cfg.sliding_window
         if cfg.final_logit_softcapping is not None:
@@ -187,6 +203,12 @@ def write_family_gguf(model: FamilyModel, path: Path, projections=None) -> Path:
         original = rope["original_max_position_embeddings"]
         metadata.update({"rope.scaling.original_context_length": original, "rope.scaling.attn_factor": float(
             np.sqrt(1 + np.log(cfg.max_position_embeddings / original) / np.log(original)))})
+    metadata.update(metadata_changes or {})
+    for name, values in (tensor_changes or {}).items():
+        if values is None:
+            tensors.pop(name)
+        else:
+            tensors[name] = (values, None)
     if model.sentencepiece:
         return write_sentencepiece_gguf(path, gemma, architecture=family, chat_template=model.tokenizer.chat_template,
                                         llama=metadata, tensors=tensors)
@@ -194,6 +216,24 @@ def write_family_gguf(model: FamilyModel, path: Path, projections=None) -> Path:
     return write_gguf(path, architecture=family, tokens=tokens, merges=merges, special=special,
                       bos_id=model.tokenizer.bos_token_id, eos_id=model.tokenizer.eos_token_id,
                       chat_template=model.tokenizer.chat_template, llama=metadata, tensors=tensors)
+
+
+def llama3_rope_divisors(rope: dict, dim: int) -> np.ndarray:
+    """Llama 3.1's RoPE scaling as llama.cpp's converter stores it (rope_freqs): per frequency, what its
+    inverse frequency is divided by (1 for the fast ones, factor for the slow ones, a blend between)."""
+    factor, low, high = rope["factor"], rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    original = rope["original_max_position_embeddings"]
+    divisors = []
+    for i in range(0, dim, 2):
+        wavelength = 2 * math.pi * rope["rope_theta"] ** (i / dim)
+        if wavelength < original / high:
+            divisors.append(1.0)
+        elif wavelength > original / low:
+            divisors.append(factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(divisors, dtype=np.float32)
 
 
 def loads_as_the_folder(path: Path, folder: Path):

@@ -12,14 +12,16 @@ import random
 import shutil
 
 import pytest
+import numpy as np
 import torch
 
 import kernels.cpu as cpu_kernels
 from asyncserve import LLM, SamplingParams
 from asyncserve.model import llama
-from asyncserve.model.config import GROUPS
+from asyncserve.model.config import GROUPS, ModelLoadError
 from asyncserve.pager.adapters import AdapterError
-from family_models import ALL, FAMILIES, FamilyModel, build_family_model, loads_as_the_folder, write_family_gguf
+from family_models import (ALL, FAMILIES, FamilyModel, build_family_model, llama3_rope_divisors, loads_as_the_folder,
+                           write_family_gguf)
 from reference import (TEST_DEVICE, assert_greedy_matches, bf16_runs_by_layer_loop, make_tiny_tokenizer,
                        peft_references, record_calls, require_native_kernels, run_merged, save_random_adapter,
                        save_tiny_model)
@@ -43,7 +45,7 @@ def family_model(request, tmp_path_factory):
 
 def generate(model, cases, **kwargs):
     llm = LLM(model=str(model.folder), adapters={k: str(v) for k, v in model.adapters.items()}, dtype="float32",
-              device=TEST_DEVICE, max_step_tokens=16, **{**SERVED.get(model.family, {}), **kwargs})
+              device=TEST_DEVICE, **{"max_step_tokens": 16, **SERVED.get(model.family, {}), **kwargs})
     outs = llm.generate([c[0] for c in cases], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True),
                         adapters=[c[1] for c in cases])
     return llm, [o.token_ids for o in outs]
@@ -230,6 +232,127 @@ def test_longrope_greedy_tokens_equal_transformers(tmp_path):
                                                                    ignore_eos=True), adapters=[c[1] for c in cases])
         for i, (out, ref) in enumerate(zip(outs, refs)):
             assert_greedy_matches(out.token_ids, ref, tie_tol=1e-3, label=f"max_model_len {max_model_len} case {i}")
+
+
+# long-context RoPE: (family, its transformers config arguments) with the pretraining context (64)
+# shorter than the tests' sequences; YaRN's beta and attention factor given or transformers' defaults
+ROPE_SCALINGS = {
+    "llama3": ("llama", dict(max_position_embeddings=512, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64})),
+    "yarn": ("qwen3", dict(max_position_embeddings=64, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 64})),
+    "yarn_betas": ("qwen2", dict(max_position_embeddings=64, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 3.0, "original_max_position_embeddings": 64,
+        "beta_fast": 16.0, "beta_slow": 2.0, "attention_factor": 1.2})),
+}
+
+
+def rope_scaled_model(root, scaling: str) -> FamilyModel:
+    family, config = ROPE_SCALINGS[scaling]
+    shape = {**FAMILIES["qwen3" if family == "qwen3" else "qwen2"], **config}
+    tok = make_tiny_tokenizer()
+    base = save_tiny_model(root / "base", tok, family, random_vectors=True, **{**shape, "rope_theta": None})
+    save_random_adapter(base, root / "adapters" / "all", r=4, targets=ALL, seed=200)
+    return FamilyModel(family, root / "base", tok, base, {"all": root / "adapters" / "all"})
+
+
+@pytest.mark.parametrize("scaling", list(ROPE_SCALINGS))
+def test_long_context_rope_tables_and_tokens_equal_transformers(scaling, tmp_path):
+    """Llama 3.1's and YaRN's RoPE (Qwen's long-context recipe: max_position_embeddings left at the
+    pretraining context, served to its factor times that, as vLLM does): our cos/sin tables are
+    transformers' rotary embedding's, and greedy tokens of prompts longer than the pretraining
+    context equal transformers+PEFT's, base and an adapter."""
+    from asyncserve.model.llama import Rope
+    from asyncserve.model.loader import load_model
+
+    model = rope_scaled_model(tmp_path, scaling)
+    config = load_model(str(model.folder)).config
+    rope = model.base.config.rope_parameters
+    assert config.rope_scaling["rope_type"] == rope["rope_type"]
+    if rope["rope_type"] == "yarn":
+        assert config.max_position == 64 * rope["factor"]
+    positions = torch.arange(config.max_position)[None]
+    cos, sin = model.base.model.rotary_emb(torch.zeros(1), positions)
+    ours = Rope(config, torch.device("cpu"), torch.float32)
+    torch.testing.assert_close(ours.cos, cos[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours.sin, sin[0], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(ours.cos, torch.cat([torch.outer(positions[0].float(), llama.rope_inv_freq(
+        type(config)(**{**vars(config), "rope_scaling": None}))[0])] * 2, -1).cos(), atol=1e-3)
+
+    rng = random.Random(13)
+    prompts = [[rng.randrange(3, len(model.tokenizer)) for _ in range(n)] for n in (20, 90, 150)]
+    cases = [(ids, adapter) for ids in prompts for adapter in (None, "all")]
+    refs = peft_references(model.base, model.adapters, cases, NEW_TOKENS)
+    _, tokens = generate(model, cases, max_step_tokens=64)
+    for i, (ours, ref) in enumerate(zip(tokens, refs)):
+        assert_greedy_matches(ours, ref, tie_tol=1e-3, label=f"{scaling} case {i}")
+
+
+@pytest.mark.parametrize("scaling", list(ROPE_SCALINGS))
+def test_gguf_long_context_rope_gives_the_hf_folders_tokens(scaling, tmp_path):
+    """The same checkpoints as llama.cpp's converter writes them: Llama 3.1's scaling as the rope_freqs
+    tensor (one divisor per frequency, what Llama 3.1/3.2/3.3 GGUF files hold), YaRN as
+    rope.scaling.* keys (beta and attention factor as yarn_* keys): the same RoPE tables and
+    greedy tokens as the HF folder beyond the pretraining context."""
+    from asyncserve.model.llama import Rope
+
+    model = rope_scaled_model(tmp_path, scaling)
+    path = write_family_gguf(model, tmp_path / f"{scaling}.gguf")
+    from_gguf, from_folder = loads_as_the_folder(path, model.folder)
+    expected = "freq_factors" if scaling == "llama3" else "yarn"
+    assert from_gguf.config.rope_scaling["rope_type"] == expected
+    assert from_gguf.config.max_position == from_folder.config.max_position
+    ours, theirs = (Rope(m.config, torch.device("cpu"), torch.float32) for m in (from_gguf, from_folder))
+    torch.testing.assert_close(ours.cos, theirs.cos, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours.sin, theirs.sin, rtol=1e-5, atol=1e-5)
+    rng = random.Random(17)
+    prompts = [[rng.randrange(3, len(model.tokenizer)) for _ in range(n)] for n in (30, 120)]
+    cases = [(ids, adapter) for ids in prompts for adapter in (None, "all")]
+    gguf_model = type(model)(model.family, path, model.tokenizer, model.base, model.adapters)
+    assert generate(gguf_model, cases, max_step_tokens=64)[1] == generate(model, cases, max_step_tokens=64)[1]
+
+
+def test_rope_scalings_not_implemented_are_refused_at_load():
+    """Dynamic NTK (and any other unknown RoPE scaling) is refused when the model loads, naming what is
+    implemented, never at the first step; a GGUF's bad rope_freqs, or YaRN without its context, too."""
+    from asyncserve.model.loader_hf import model_config
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 2048}
+    for scaling in ({"type": "dynamic", "factor": 2.0}, {"rope_type": "ntk-by-parts", "factor": 2.0},
+                    {"rope_type": "mrope", "mrope_section": [2, 2]}):
+        with pytest.raises(ModelLoadError, match="RoPE scaling; asyncserve implements plain RoPE and linear"):
+            model_config({**cfg, "rope_scaling": scaling}, "m")
+    yarn = model_config({**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "m")
+    assert yarn.rope_scaling["original_max_position_embeddings"] == 2048 and yarn.max_position == 8192
+
+
+def test_gguf_rope_refusals(tmp_path):
+    """A GGUF whose rope_freqs is the wrong length or not positive and finite, or that sets it beside
+    another scaling; YaRN without its original context or with another extrapolation factor; a
+    scaling type not implemented."""
+    from asyncserve.model.loader import load_model
+
+    model = rope_scaled_model(tmp_path, "llama3")
+    divisors = llama3_rope_divisors({**model.base.config.rope_parameters}, 16)
+    for label, values in {"short": divisors[:-1], "zero": np.where(np.arange(8) == 2, 0, divisors),
+                          "nan": np.where(np.arange(8) == 1, np.nan, divisors)}.items():
+        path = write_family_gguf(model, tmp_path / f"{label}.gguf",
+                                 tensor_changes={"rope_freqs.weight": values.astype(np.float32)})
+        with pytest.raises(ModelLoadError, match="rope_freqs should hold 8 positive finite factors"):
+            load_model(str(path))
+    yarn = {"rope.scaling.type": "yarn", "rope.scaling.factor": 2.0}
+    cases = {"beside": ({"rope.scaling.type": "linear", "rope.scaling.factor": 2.0}, "rope_freqs beside 'linear'"),
+             "no_context": (yarn, "YaRN RoPE scaling without rope.scaling.original_context_length"),
+             "ext_factor": ({**yarn, "rope.scaling.original_context_length": 64, "rope.scaling.yarn_ext_factor": 0.5},
+                            "yarn_ext_factor"),
+             "dynamic": ({"rope.scaling.type": "dynamic", "rope.scaling.factor": 2.0}, "'dynamic' RoPE scaling")}
+    for label, (fields, message) in cases.items():
+        path = write_family_gguf(model, tmp_path / f"{label}.gguf", metadata_changes=fields,
+                                 tensor_changes={} if label == "beside" else {"rope_freqs.weight": None})
+        with pytest.raises(ModelLoadError, match=message):
+            load_model(str(path))
 
 
 def test_quantized_projections_run_in_the_native_layer_loop(tmp_path, monkeypatch):

@@ -30,6 +30,26 @@ PROJ_INDEX = {name: i for i, name in enumerate(PROJECTIONS)}
 # Each routed expert's projections an adapter may adapt (ModelConfig.lora_projections names them
 # experts.{e}.{projection}, after PROJECTIONS).
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# RoPE scalings the forward implements: HF's (transformers' _compute_*_parameters) and llama.cpp's
+# per-frequency divisors (freq_factors: a GGUF's rope_freqs tensor, Llama 3.1's scaling as it stores it)
+ROPE_TYPES = ("linear", "llama3", "longrope", "yarn", "freq_factors")
+
+
+def check_rope_type(scaling: dict, source: str) -> None:
+    if scaling["rope_type"] not in ROPE_TYPES:
+        raise ModelLoadError(f"model {source} uses {scaling['rope_type']!r} RoPE scaling; asyncserve implements "
+                             f"plain RoPE and {', '.join(ROPE_TYPES)}")
+
+
+def rope_context(scaling: dict | None, max_position: int) -> int:
+    """The positions a model rotates: YaRN's original context times its factor where that is longer
+    than max_position_embeddings (Qwen's long-context recipe leaves that at the original; vLLM serves
+    the product), else max_position_embeddings."""
+    if scaling and scaling["rope_type"] == "yarn":
+        return max(max_position, int(scaling["original_max_position_embeddings"] * scaling["factor"]))
+    return max_position
+
+
 # Projections that share an input run as one fused base matmul, and their LoRA as one group.
 GROUPS = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -115,7 +135,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    # None, or {"rope_type": "linear"|"llama3"|"dynamic"|"yarn"|..., "factor": ..., ...} as in HF config.json
+    # None, or {"rope_type": one of ROPE_TYPES, "factor": ..., ...} as in HF config.json
     rope_scaling: dict | None = None
     max_position: int = 4096
     tie_word_embeddings: bool = False

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 import kernels.cpu as cpu_kernels
 from asyncserve.model import hugepages
-from asyncserve.model.config import GROUPS, ModelConfig, MoeConfig
+from asyncserve.model.config import GROUPS, ROPE_TYPES, ModelConfig, MoeConfig
 from asyncserve.model.linear import (Linear, QuantEmbedding, QuantizedWeight, QuantLinear, make_embedding,
                                      make_linear, make_weight_linear)
 
@@ -321,9 +321,38 @@ def rope_inv_freq(config: ModelConfig, theta: float | None = None, long: bool = 
         blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
         inv_freq = torch.where(wavelen > low_wavelen, inv_freq / factor,
                                torch.where(wavelen < high_wavelen, inv_freq, blended))
+    elif kind == "yarn":
+        inv_freq, attn_factor = _yarn(inv_freq, scaling, dim, config.rope_theta)
+    elif kind == "freq_factors":
+        inv_freq = inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float64)
     else:
-        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, longrope)")
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, {', '.join(ROPE_TYPES)})")
     return inv_freq.float(), attn_factor
+
+
+def _yarn(inv_freq: torch.Tensor, scaling: dict, dim: int, theta: float) -> tuple[torch.Tensor, float]:
+    """YaRN (transformers' _compute_yarn_parameters, llama.cpp's rope_yarn): the fast frequencies kept,
+    the slow ones divided by the factor, a linear ramp between the dimensions that turn beta_fast and
+    beta_slow times in the original context; cos/sin scaled by 0.1 ln(factor) + 1."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn_factor = scaling.get("attention_factor")
+    if attn_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attn_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def turning_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = turning_dim(scaling.get("beta_fast") or 32), turning_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / max(high - low, 0.001)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp), attn_factor
 
 
 class Rope:

@@ -4,7 +4,8 @@ keep_quantized the projections and embeddings of the types the CPU kernels run k
 Architectures llama (Mixtral: llama with experts), qwen2, qwen3, gemma2, gemma3, phi3, qwen2moe and
 qwen3moe, with llama.cpp's conventions undone: Llama's and Mixtral's Q/K rows interleaved per head (the
 other families rotate halves, as HF does), Gemma's norm weights stored as 1 + w, Phi-3's longrope
-factors stored as tensors, a mixture's experts stacked in one tensor per projection."""
+factors and Llama 3.1's RoPE scaling (rope_freqs: a divisor per frequency) stored as tensors, a
+mixture's experts stacked in one tensor per projection."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,7 +16,8 @@ import numpy as np
 import torch
 
 from asyncserve.model.checkpoint import LoadedModel, ProgressCallback, select_weights, split_fused
-from asyncserve.model.config import FAMILIES, LLAMA, Family, ModelConfig, ModelLoadError, MoeConfig
+from asyncserve.model.config import (FAMILIES, LLAMA, Family, ModelConfig, ModelLoadError, MoeConfig, check_rope_type,
+                                     rope_context)
 from asyncserve.model.linear import QUANT_BLOCKS, QuantizedWeight
 from asyncserve.model.tokenizer import Tokenizer
 
@@ -81,12 +83,10 @@ def load_gguf_file(path: Path, progress: ProgressCallback | None = None, keep_qu
         raise ModelLoadError(f"{path} holds a {architecture!r} model; asyncserve serves GGUF files of "
                              f"general.architecture {', '.join(repr(a) for a in _ARCHITECTURES)}")
     by_name = {tensor.name: tensor for tensor in reader.tensors}
-    if "rope_freqs.weight" in by_name:
-        raise ModelLoadError(f"{path} stores per-frequency RoPE factors (rope_freqs, Llama 3.1-style scaling), whose "
-                             "parameters a GGUF does not record; serve the model's HF folder instead")
     if "token_embd.weight" not in by_name:
         raise ModelLoadError(f"{path} is missing tensor token_embd.weight")
     rope_factors = {name: by_name.pop(name) for name in _ROPE_FACTORS if name in by_name}
+    freq_factors = by_name.pop("rope_freqs.weight", None)
     if family is LLAMA and _value(fields, "llama.expert_count", path, 0):
         family = _MIXTRAL
     hf_names = {name: hf_name(name, family, path) for name in by_name}   # refuse unknown tensors before dequantizing
@@ -95,6 +95,8 @@ def load_gguf_file(path: Path, progress: ProgressCallback | None = None, keep_qu
                            tied="output.weight" not in by_name)
     if rope_factors:
         _longrope(config, fields, family, rope_factors, path)
+    if freq_factors is not None:
+        _freq_factors(config, freq_factors, path)
     tokenizer = Tokenizer.from_gguf(fields)
     config.bos_token_id = tokenizer.bos_token_id
     config.eos_token_ids = tokenizer.eos_token_ids
@@ -142,6 +144,7 @@ def _model_config(fields: dict[str, Any], family: Family, path: Path, vocab_size
     # 27B models (query_pre_attn_scalar, which a GGUF does not record)
     big = {"gemma2": 46, "gemma3": 62}.get(family.name) == num_layers
     moe = _moe(llama, family, path)
+    scaling = _rope_scaling(llama, path)
     return ModelConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -152,8 +155,8 @@ def _model_config(fields: dict[str, Any], family: Family, path: Path, vocab_size
         head_dim=head_dim,
         rms_norm_eps=llama("attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta=llama("rope.freq_base", 10000.0),
-        rope_scaling=_rope_scaling(llama),
-        max_position=max_position,
+        rope_scaling=scaling,
+        max_position=rope_context(scaling, max_position),
         tie_word_embeddings=tied,
         name=path.stem,          # an id clients can type; general.name is free text with spaces
         family=family,
@@ -212,7 +215,24 @@ def _longrope(config: ModelConfig, fields: dict[str, Any], family: Family, facto
                            "factor": config.max_position / original, "attention_factor": key("attn_factor", None)}
 
 
-def _rope_scaling(llama) -> dict | None:
+def _freq_factors(config: ModelConfig, tensor, path: Path) -> None:
+    """llama.cpp's rope_freqs: one divisor per rotated frequency (its converter's form of Llama 3.1's
+    scaling), applied as llama.cpp applies it: each frequency divided by its factor."""
+    factors = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(-1)
+    if config.rope_scaling is not None:
+        raise ModelLoadError(f"{path} has rope_freqs beside {config.rope_scaling['rope_type']!r} RoPE scaling; "
+                             "asyncserve applies one or the other")
+    if factors.size != config.head_dim // 2 or not np.all(np.isfinite(factors)) or not np.all(factors > 0):
+        raise ModelLoadError(f"{path}: rope_freqs should hold {config.head_dim // 2} positive finite factors, "
+                             f"one per rotated frequency")
+    config.rope_scaling = {"rope_type": "freq_factors", "freq_factors": factors.astype(np.float64).tolist()}
+
+
+# llama.cpp's YaRN keys (rope.scaling.yarn_*) -> transformers' rope_scaling keys, as its converter writes them
+_YARN_KEYS = {"yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow", "yarn_attn_factor": "attention_factor"}
+
+
+def _rope_scaling(llama, path: Path) -> dict | None:
     """HF-style rope_scaling from llama.rope.scaling.* (or the older llama.rope.scale_linear)."""
     kind, factor = llama("rope.scaling.type", None), llama("rope.scaling.factor", None)
     if kind is None and llama("rope.scale_linear", None) is not None:
@@ -220,9 +240,17 @@ def _rope_scaling(llama) -> dict | None:
     if kind in (None, "none") or factor in (None, 1.0):
         return None
     scaling = {"rope_type": kind, "factor": factor}
+    check_rope_type(scaling, str(path))
     original_context = llama("rope.scaling.original_context_length", None)
     if original_context is not None:
         scaling["original_max_position_embeddings"] = original_context
+    if kind == "yarn":
+        if original_context is None:
+            raise ModelLoadError(f"{path} has YaRN RoPE scaling without rope.scaling.original_context_length")
+        if llama("rope.scaling.yarn_ext_factor", 1.0) != 1.0:
+            raise ModelLoadError(f"{path} sets rope.scaling.yarn_ext_factor; asyncserve implements YaRN's own (1.0)")
+        scaling.update({hf: llama(f"rope.scaling.{key}") for key, hf in _YARN_KEYS.items()
+                        if llama(f"rope.scaling.{key}", None) is not None})
     return scaling
 
 

@@ -8,7 +8,8 @@ import torch
 from safetensors import safe_open
 
 from asyncserve.model.checkpoint import LoadedModel, ProgressCallback, expert_names, select_weights, split_fused
-from asyncserve.model.config import FAMILIES, Family, ModelConfig, ModelLoadError, MoeConfig, read_json
+from asyncserve.model.config import (FAMILIES, Family, ModelConfig, ModelLoadError, MoeConfig, check_rope_type,
+                                     read_json, rope_context)
 from asyncserve.model.shard import Shard, shard_config, shard_ranges
 from asyncserve.model.tokenizer import Tokenizer
 
@@ -69,7 +70,7 @@ def model_config(cfg: dict[str, Any], name: str) -> ModelConfig:
 
     hidden, heads = required("hidden_size"), required("num_attention_heads")
     num_layers = required("num_hidden_layers")
-    rope_theta, rope_scaling, local_theta = _rope(cfg, family)
+    rope_theta, rope_scaling, local_theta = _rope(cfg, family, name)
     gemma = family.name.startswith("gemma")
     moe = _moe(cfg, family, name)
     return ModelConfig(
@@ -83,7 +84,7 @@ def model_config(cfg: dict[str, Any], name: str) -> ModelConfig:
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        max_position=cfg.get("max_position_embeddings") or ModelConfig.max_position,
+        max_position=rope_context(rope_scaling, cfg.get("max_position_embeddings") or ModelConfig.max_position),
         # Gemma's configs tie by default (transformers writes the key only when it differs)
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
         name=name,
@@ -170,7 +171,7 @@ def _refuse_unsupported_features(cfg: dict[str, Any], family: Family, name: str)
                              "asyncserve loads float safetensors checkpoints or GGUF files")
 
 
-def _rope(cfg: dict[str, Any], family: Family) -> tuple[float, dict | None, float | None]:
+def _rope(cfg: dict[str, Any], family: Family, name: str) -> tuple[float, dict | None, float | None]:
     """rope_theta, the scaling dict and (Gemma 3) the sliding layers' base, from the older
     rope_theta/rope_scaling keys or transformers 5's rope_parameters (per layer type for Gemma 3);
     scaling is normalised to have `rope_type`, and None for plain RoPE."""
@@ -191,8 +192,12 @@ def _rope(cfg: dict[str, Any], family: Family) -> tuple[float, dict | None, floa
         scaling["rope_type"] = "longrope"          # Phi-3's older names for it, as transformers reads them
     if scaling.get("rope_type", "default") == "default":
         return float(theta), None, local_theta
+    check_rope_type(scaling, name)
     if "original_max_position_embeddings" in cfg:  # Phi-3 keeps it beside rope_scaling
         scaling.setdefault("original_max_position_embeddings", cfg["original_max_position_embeddings"])
+    if scaling["rope_type"] in ("llama3", "yarn", "longrope"):    # the pretraining context, as transformers reads it
+        scaling.setdefault("original_max_position_embeddings",
+                           cfg.get("max_position_embeddings") or ModelConfig.max_position)
     if scaling["rope_type"] == "longrope" and "factor" not in scaling and "original_max_position_embeddings" in scaling:
         scaling["factor"] = (cfg.get("max_position_embeddings") or ModelConfig.max_position) / \
             scaling["original_max_position_embeddings"]
