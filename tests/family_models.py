@@ -134,6 +134,10 @@ _GEMMA_LAYER = {"post_attention_layernorm": "post_attention_norm", "pre_feedforw
                 "post_feedforward_layernorm": "post_ffw_norm"}
 
 
+# the tokenizer.ggml.pre llama.cpp's converter writes for the real checkpoints of these families
+_CONVERTER_PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}
+
+
 def write_family_gguf(model: FamilyModel, path: Path, projections=None, metadata_changes: dict | None = None,
                       tensor_changes: dict | None = None) -> Path:
     """The model as llama.cpp's convert_hf_to_gguf writes it (float32 tensors): its names, Llama's Q/K
@@ -214,6 +218,7 @@ def write_family_gguf(model: FamilyModel, path: Path, projections=None, metadata
                                         llama=metadata, tensors=tensors)
     tokens, merges, special = backend_vocab(model.tokenizer.backend_tokenizer)
     return write_gguf(path, architecture=family, tokens=tokens, merges=merges, special=special,
+                      pre=_CONVERTER_PRE.get(family, "gpt-2"),
                       bos_id=model.tokenizer.bos_token_id, eos_id=model.tokenizer.eos_token_id,
                       chat_template=model.tokenizer.chat_template, llama=metadata, tensors=tensors)
 

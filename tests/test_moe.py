@@ -269,6 +269,7 @@ def write_moe_gguf(model: FamilyModel, path, projections=None, metadata_edits=No
         _load_values(model.base, config, values)
     tokens, merges, special = backend_vocab(model.tokenizer.backend_tokenizer)
     return write_gguf(path, architecture=arch, tokens=tokens, merges=merges, special=special,
+                      pre="llama-bpe" if arch == "llama" else "qwen2",    # as the converter names them
                       bos_id=model.tokenizer.bos_token_id, eos_id=model.tokenizer.eos_token_id,
                       chat_template=model.tokenizer.chat_template, llama=metadata, tensors=tensors)
 

@@ -106,8 +106,18 @@ def tiny_vocab():
     return backend_vocab(make_tiny_tokenizer().backend_tokenizer)
 
 
-@pytest.mark.parametrize("pre, add_bos", [("gpt-2", None), ("llama-bpe", True), ("tekken", True), ("smaug-bpe", False)])
+# the pre-tokenizers of the files users bring: Llama 3.x (llama-bpe), Mistral Nemo (tekken), Qwen2.5/3
+# and the R1 distills of Qwen (qwen2, deepseek-r1-qwen), Qwen3.5, Phi-4-mini (gpt-4o), Llama 4
+PRE_TOKENIZERS = [("gpt-2", None), ("llama-bpe", True), ("tekken", True), ("smaug-bpe", False), ("qwen2", False),
+                  ("deepseek-r1-qwen", True), ("qwen35", False), ("gpt-4o", False), ("llama4", True)]
+SPLIT_BATTERY = TEXT_BATTERY + ["12345 678 9 + ٣٤٥٦", "I'M SURE You'RE fine, don'T", "cafe\u0301 nai\u0308ve a\u0308b",
+                                "path/to/file.txt\n/usr/bin", "camelCaseWords and HTTPServer x2y3"]
+
+
+@pytest.mark.parametrize("pre, add_bos", PRE_TOKENIZERS)
 def test_tiny_gguf_tokenizer_matches_transformers(tmp_path, tiny_vocab, pre, add_bos):
+    """Each pre-tokenizer splits text as transformers' GGUF loader does (its table of llama.cpp's
+    tokenizer.ggml.pre names): the same pieces, ids, decoded text and BOS."""
     from transformers import AutoTokenizer
 
     tokens, merges, special = tiny_vocab
@@ -115,13 +125,31 @@ def test_tiny_gguf_tokenizer_matches_transformers(tmp_path, tiny_vocab, pre, add
                       llama={"block_count": 1, "embedding_length": 8, "attention.head_count": 2})
     ours = Tokenizer.from_gguf(gguf.GGUFReader(path).fields)
     theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
-    for text in TEXT_BATTERY:
+    for text in SPLIT_BATTERY:
+        pieces = ours.backend.pre_tokenizer.pre_tokenize_str(text)
+        assert pieces == theirs.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text), (pre, text)
         for add_special_tokens in (True, False):
             expected = theirs.encode(text, add_special_tokens=add_special_tokens)
             assert ours.encode(text, add_special_tokens=add_special_tokens) == expected, (pre, text)
         ids = theirs.encode(text)
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
     assert (ours.encode("hi")[0] == 1) == bool(add_bos)
+
+
+def test_pre_tokenizers_split_differently(tmp_path, tiny_vocab):
+    """The battery tells the regexes apart (so the test above checks each one): every pre-tokenizer but
+    the aliases of another (smaug-bpe of llama-bpe, deepseek-r1-qwen of qwen2, llama4 of gpt-4o)
+    splits it its own way."""
+    tokens, merges, special = tiny_vocab
+    splits = {}
+    for pre, _ in PRE_TOKENIZERS:
+        path = write_gguf(tmp_path / f"{pre}.gguf", tokens=tokens, merges=merges, special=special, pre=pre)
+        tokenizer = Tokenizer.from_gguf(gguf.GGUFReader(path).fields)
+        splits[pre] = [tokenizer.backend.pre_tokenizer.pre_tokenize_str(text) for text in SPLIT_BATTERY]
+    assert splits["smaug-bpe"] == splits["llama-bpe"] and splits["deepseek-r1-qwen"] == splits["qwen2"]
+    assert splits["llama4"] == splits["gpt-4o"]
+    distinct = ["gpt-2", "llama-bpe", "tekken", "qwen2", "qwen35", "gpt-4o"]
+    assert len({repr(splits[pre]) for pre in distinct}) == len(distinct)
 
 
 def test_unsupported_gguf_tokenizers(tmp_path, tiny_vocab):
