@@ -38,6 +38,13 @@ FAMILIES = {
                  pad_token_id=0, tie_word_embeddings=False,
                  rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
                                "long_factor": [2.0 + 0.5 * i for i in range(8)]}),
+    # Phi-4-mini's shape of Phi-3: RoPE on half of each head (its 0.75 of 128; factors per rotated
+    # frequency), tied embeddings
+    "phi3_partial": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=512, original_max_position_embeddings=128,
+                         pad_token_id=0, tie_word_embeddings=True, partial_rotary_factor=0.5,
+                         rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.2 * i for i in range(4)],
+                                       "long_factor": [2.0 + 0.7 * i for i in range(4)]}),
 }
 # mixtures of experts (tests/test_moe.py): 4 or 8 experts, 2 per token; Qwen2-MoE with its shared expert
 # and without renormalized top-k probabilities, Qwen3-MoE with them (as its real checkpoints)
@@ -178,7 +185,7 @@ def write_family_gguf(model: FamilyModel, path: Path, projections=None, metadata
         "attention.key_length": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
         "attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
     }
-    metadata["rope.dimension_count"] = metadata["attention.key_length"]
+    metadata["rope.dimension_count"] = int(metadata["attention.key_length"] * getattr(cfg, "partial_rotary_factor", 1.0))
     rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
     metadata["rope.freq_base"] = float(rope["rope_theta"])
     if rope.get("rope_type") == "linear":

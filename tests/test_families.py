@@ -331,7 +331,7 @@ def test_rope_scalings_not_implemented_are_refused_at_load():
 def test_gguf_rope_refusals(tmp_path):
     """A GGUF whose rope_freqs is the wrong length or not positive and finite, or that sets it beside
     another scaling; YaRN without its original context or with another extrapolation factor; a
-    scaling type not implemented."""
+    scaling type not implemented; partial RoPE on a family transformers rotates whole."""
     from asyncserve.model.loader import load_model
 
     model = rope_scaled_model(tmp_path, "llama3")
@@ -347,7 +347,8 @@ def test_gguf_rope_refusals(tmp_path):
              "no_context": (yarn, "YaRN RoPE scaling without rope.scaling.original_context_length"),
              "ext_factor": ({**yarn, "rope.scaling.original_context_length": 64, "rope.scaling.yarn_ext_factor": 0.5},
                             "yarn_ext_factor"),
-             "dynamic": ({"rope.scaling.type": "dynamic", "rope.scaling.factor": 2.0}, "'dynamic' RoPE scaling")}
+             "dynamic": ({"rope.scaling.type": "dynamic", "rope.scaling.factor": 2.0}, "'dynamic' RoPE scaling"),
+             "partial": ({"rope.dimension_count": 8}, "partial RoPE.*Phi-3 and Phi-4-mini")}
     for label, (fields, message) in cases.items():
         path = write_family_gguf(model, tmp_path / f"{label}.gguf", metadata_changes=fields,
                                  tensor_changes={} if label == "beside" else {"rope_freqs.weight": None})

@@ -199,8 +199,14 @@ def test_config_refusals():
         model_config({**qwen2, "mlp_bias": True}, "m")
     with pytest.raises(ModelLoadError, match="activation 'gelu'.*implements silu"):
         model_config({**qwen2, "hidden_act": "gelu"}, "m")
-    with pytest.raises(ModelLoadError, match="partial_rotary_factor"):
-        model_config({**LLAMA_CONFIG, "architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.75}, "m")
+    phi3 = {**LLAMA_CONFIG, "architectures": ["Phi3ForCausalLM"]}
+    assert model_config({**phi3, "partial_rotary_factor": 0.75}, "m").rotary_dim == 12     # Phi-4-mini's
+    assert model_config(phi3, "m").rotary_dim is None and model_config(phi3, "m").rope_dim == 16
+    for config, message in (({**LLAMA_CONFIG, "partial_rotary_factor": 0.5}, "for Phi-3 and Phi-4-mini only"),
+                            ({**phi3, "partial_rotary_factor": 0.6875}, "an even number"),
+                            ({**phi3, "partial_rotary_factor": 1.5}, "an even number")):
+        with pytest.raises(ModelLoadError, match=message):
+            model_config(config, "m")
     with pytest.raises(ModelLoadError, match="layer_types"):
         model_config({**mistral, "sliding_window": 8, "layer_types": ["sliding_attention"]}, "m")
     with pytest.raises(ModelLoadError, match="no 'intermediate_size'"):

@@ -394,12 +394,14 @@ def test_norm_weights_of_another_dtype_are_refused():
 # ---- RoPE + KV write -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("tokens, nh, nkv, hd", [(1, 4, 2, 16), (7, 9, 3, 64), (40, 5, 1, 10)])
-def test_rope_write_kv_equals_float64(dtype, tokens, nh, nkv, hd):
+@pytest.mark.parametrize("tokens, nh, nkv, hd, rot", [(1, 4, 2, 16, 16), (7, 9, 3, 64, 64), (40, 5, 1, 10, 10),
+                                                     (7, 4, 2, 32, 24), (3, 3, 1, 16, 2)])
+def test_rope_write_kv_equals_float64(dtype, tokens, nh, nkv, hd, rot):
+    """rot < hd: partial RoPE (Phi-4-mini), the tables [max_pos, rot], each head's other dimensions kept."""
     g = torch.Generator().manual_seed(tokens * nh)
     layers, block, pages, max_pos = 3, 4, 32, 300
     kv_size = nkv * hd
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
     freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
@@ -420,8 +422,9 @@ def test_rope_write_kv_equals_float64(dtype, tokens, nh, nkv, hd):
 
     x = before[:, :(nh + nkv) * hd].double().view(tokens, nh + nkv, hd)
     c, s = cos[positions].double()[:, None], sin[positions].double()[:, None]
-    rotated = torch.cat([-x[..., hd // 2:], x[..., :hd // 2]], dim=-1)
-    expected = (x * c + rotated * s).view(tokens, -1)
+    part = x[..., :rot]
+    rotated = torch.cat([-part[..., rot // 2:], part[..., :rot // 2]], dim=-1)
+    expected = torch.cat([part * c + rotated * s, x[..., rot:]], dim=-1).view(tokens, -1)
     got = qkv[:, :(nh + nkv) * hd].double()
     torch.testing.assert_close(got, expected, rtol=0.0, atol=ATOL[dtype] * 4)
     assert torch.equal(qkv[:, (nh + nkv) * hd:], before[:, (nh + nkv) * hd:]), "v must stay as it was"
@@ -435,11 +438,14 @@ def test_rope_write_kv_equals_float64(dtype, tokens, nh, nkv, hd):
     assert torch.equal(kv, want), "K and V must land in their slots of the layer, and nothing else change"
 
 
-def test_rope_write_kv_rejects_rows_outside_the_pool():
+def test_rope_write_kv_rejects_rows_outside_the_pool_and_bad_tables():
     qkv, table = torch.zeros(1, 4 * 8), torch.zeros(16, 8)
     kv_rows = torch.zeros(10, 8)
     with pytest.raises(RuntimeError, match="outside the pool"):
         cpu_kernels.rope_write_kv(qkv, torch.tensor([0]), table, table, kv_rows, torch.tensor([9]), 0, 4, 2, 1)
+    for bad in (torch.zeros(16, 10), torch.zeros(16, 5)):       # wider than a head, odd
+        with pytest.raises(RuntimeError, match=r"\[max_pos, rot\]"):
+            cpu_kernels.rope_write_kv(qkv, torch.tensor([0]), bad, bad, kv_rows, torch.tensor([0]), 0, 4, 2, 1)
 
 
 # ---- LoRA of a step's segments -------------------------------------------------------------------

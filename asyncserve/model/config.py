@@ -151,6 +151,8 @@ class ModelConfig:
     # for global attention; an empty list: every layer global
     layer_windows: list[int | None] = field(default_factory=list)
     rope_local_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (plain RoPE); None: as the others
+    # Phi-4-mini: RoPE on each head's first rotary_dim dimensions only (partial_rotary_factor); None: on all
+    rotary_dim: int | None = None
     # a mixture-of-experts MLP in every layer; intermediate_size is then its shared expert's (the dense
     # MLP that LoRA on gate/up/down_proj adapts), or, with none, the experts' (nothing dense to adapt)
     moe: MoeConfig | None = None
@@ -161,6 +163,10 @@ class ModelConfig:
     @property
     def scale(self) -> float:
         return self.head_dim ** -0.5 if self.attn_scale is None else self.attn_scale
+
+    @property
+    def rope_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
 
     @property
     def q_size(self) -> int:

@@ -291,7 +291,7 @@ def _check_shapes(config: ModelConfig, embed: torch.Tensor | QuantEmbedding, lay
 def rope_inv_freq(config: ModelConfig, theta: float | None = None, long: bool = False) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [head_dim/2] and the attention scaling factor for the config's RoPE; theta:
     another base, with plain RoPE (Gemma 3's sliding layers); long: longrope's long-context factors."""
-    dim = config.head_dim
+    dim = config.rope_dim
     if theta is not None:
         return (1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))).float(), 1.0
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
@@ -383,14 +383,18 @@ class Rope:
         return (emb.cos() * factor).to(device=device, dtype=dtype), (emb.sin() * factor).to(device=device, dtype=dtype)
 
     def tables(self, positions: torch.Tensor, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [tokens] -> cos, sin: [tokens, 1, hd]
+        # positions: [tokens] -> cos, sin: [tokens, 1, rope_dim]
         cos, sin = (self.local_cos, self.local_sin) if local else (self.cos, self.sin)
         return cos[positions][:, None, :], sin[positions][:, None, :]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [tokens, heads, hd] (HF rotate-half convention, Q/K weights un-permuted)
-    half = x.shape[-1] // 2
+    # x: [tokens, heads, hd]; cos, sin: [tokens, 1, rope_dim] (HF rotate-half convention over the first
+    # rope_dim dimensions, Q/K weights un-permuted; the rest pass unrotated)
+    rope_dim = cos.shape[-1]
+    if rope_dim < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :rope_dim], cos, sin), x[..., rope_dim:]], dim=-1)
+    half = rope_dim // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
 

@@ -124,9 +124,9 @@ def _model_config(fields: dict[str, Any], family: Family, path: Path, vocab_size
     hidden, heads = llama("embedding_length"), llama("attention.head_count")
     head_dim = llama("attention.key_length", hidden // heads)
     rope_dim = llama("rope.dimension_count", head_dim)
-    if rope_dim != head_dim:
-        raise ModelLoadError(f"{path} rotates {rope_dim} of {head_dim} head dimensions (partial RoPE), "
-                             "which asyncserve does not implement")
+    if rope_dim != head_dim and (family.name != "phi3" or not 0 < rope_dim < head_dim or rope_dim % 2):
+        raise ModelLoadError(f"{path} rotates {rope_dim} of {head_dim} head dimensions (partial RoPE), which "
+                             "asyncserve implements for Phi-3 and Phi-4-mini (phi3) only, as transformers does")
     num_layers = llama("block_count")
     gemma = family.name.startswith("gemma")
     window = llama("attention.sliding_window", None)
@@ -153,6 +153,7 @@ def _model_config(fields: dict[str, Any], family: Family, path: Path, vocab_size
         num_heads=heads,
         num_kv_heads=llama("attention.head_count_kv", heads),
         head_dim=head_dim,
+        rotary_dim=rope_dim if rope_dim != head_dim else None,
         rms_norm_eps=llama("attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta=llama("rope.freq_base", 10000.0),
         rope_scaling=scaling,
@@ -222,8 +223,8 @@ def _freq_factors(config: ModelConfig, tensor, path: Path) -> None:
     if config.rope_scaling is not None:
         raise ModelLoadError(f"{path} has rope_freqs beside {config.rope_scaling['rope_type']!r} RoPE scaling; "
                              "asyncserve applies one or the other")
-    if factors.size != config.head_dim // 2 or not np.all(np.isfinite(factors)) or not np.all(factors > 0):
-        raise ModelLoadError(f"{path}: rope_freqs should hold {config.head_dim // 2} positive finite factors, "
+    if factors.size != config.rope_dim // 2 or not np.all(np.isfinite(factors)) or not np.all(factors > 0):
+        raise ModelLoadError(f"{path}: rope_freqs should hold {config.rope_dim // 2} positive finite factors, "
                              f"one per rotated frequency")
     config.rope_scaling = {"rope_type": "freq_factors", "freq_factors": factors.astype(np.float64).tolist()}
 

@@ -70,6 +70,7 @@ def model_config(cfg: dict[str, Any], name: str) -> ModelConfig:
 
     hidden, heads = required("hidden_size"), required("num_attention_heads")
     num_layers = required("num_hidden_layers")
+    head_dim = cfg.get("head_dim") or hidden // heads
     rope_theta, rope_scaling, local_theta = _rope(cfg, family, name)
     gemma = family.name.startswith("gemma")
     moe = _moe(cfg, family, name)
@@ -80,7 +81,8 @@ def model_config(cfg: dict[str, Any], name: str) -> ModelConfig:
         num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or hidden // heads,
+        head_dim=head_dim,
+        rotary_dim=_rotary_dim(cfg, head_dim, name),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
@@ -161,10 +163,9 @@ def _refuse_unsupported_features(cfg: dict[str, Any], family: Family, name: str)
                              f"implements {want[0]}")
     if cfg.get("use_bidirectional_attention"):
         raise ModelLoadError(f"model {name} uses bidirectional attention; asyncserve serves causal decoders")
-    rotary = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-    if float(rotary) != 1.0:
+    if _rotary_fraction(cfg) != 1.0 and family.name != "phi3":
         raise ModelLoadError(f"model {name} rotates part of each head (partial_rotary_factor), which "
-                             "asyncserve does not implement")
+                             f"asyncserve implements for Phi-3 and Phi-4-mini only, as transformers does")
     quantization = cfg.get("quantization_config")
     if quantization:
         raise ModelLoadError(f"model {name} is a quantized checkpoint ({quantization.get('quant_method', '?')}); "
@@ -202,6 +203,22 @@ def _rope(cfg: dict[str, Any], family: Family, name: str) -> tuple[float, dict |
         scaling["factor"] = (cfg.get("max_position_embeddings") or ModelConfig.max_position) / \
             scaling["original_max_position_embeddings"]
     return float(theta), scaling, local_theta
+
+
+def _rotary_fraction(cfg: dict[str, Any]) -> float:
+    return float((cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+
+
+def _rotary_dim(cfg: dict[str, Any], head_dim: int, name: str) -> int | None:
+    """The dimensions of each head RoPE rotates (transformers' int(head_dim * partial_rotary_factor)); None: all."""
+    fraction = _rotary_fraction(cfg)
+    if fraction == 1.0:
+        return None
+    dim = int(head_dim * fraction)
+    if not 0 < fraction < 1 or dim % 2:
+        raise ModelLoadError(f"model {name}: partial_rotary_factor {fraction} should rotate an even number of "
+                             f"each head's {head_dim} dimensions")
+    return dim
 
 
 def _ids(value: int | list[int] | None) -> list[int]:

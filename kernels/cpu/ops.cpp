@@ -128,7 +128,7 @@ std::tuple<at::Tensor, at::Tensor> greedy_rows_op(at::Tensor logits) {
 }
 
 // qkv: [tokens, (nh + 2 nkv) hd], rotated in place; positions, write_rows: [tokens];
-// cos, sin: [max_pos, hd]; kv_rows: [rows, nkv hd], the pool's KV rows.
+// cos, sin: [max_pos, rot], rot <= hd the dimensions rotated; kv_rows: [rows, nkv hd], the pool's KV rows.
 void rope_write_kv_op(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor kv_rows,
                       at::Tensor write_rows, int64_t k_offset, int64_t v_offset, int64_t nh, int64_t nkv) {
   check_like(qkv, qkv, "qkv");
@@ -138,8 +138,8 @@ void rope_write_kv_op(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::
   TORCH_CHECK(hd % 2 == 0, "head_dim must be even");
   check_like(cos, qkv, "cos");
   check_like(sin, qkv, "sin");
-  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == hd && sin.sizes() == cos.sizes() && sin.strides() == cos.strides(),
-              "cos and sin must be [max_pos, head_dim] with the same strides");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) <= hd && cos.size(1) % 2 == 0 && sin.sizes() == cos.sizes() &&
+              sin.strides() == cos.strides(), "cos and sin must be [max_pos, rot] (rot even, at most head_dim) with the same strides");
   check_like(kv_rows, qkv, "kv_rows");
   TORCH_CHECK(kv_rows.dim() == 2 && kv_rows.size(1) == nkv * hd && kv_rows.is_contiguous(),
               "kv_rows must be contiguous [rows, nkv * head_dim]");
@@ -156,7 +156,7 @@ void rope_write_kv_op(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::
   dispatch_dtype(qkv, [&](auto zero) {
     using T = decltype(zero);
     rope_write_kv<T>(qkv.data_ptr<T>(), qkv.stride(0), pos, cos.data_ptr<T>(), sin.data_ptr<T>(), cos.stride(0),
-                     kv_rows.data_ptr<T>(), rows, k_offset, v_offset, tokens, nh, nkv, hd);
+                     kv_rows.data_ptr<T>(), rows, k_offset, v_offset, tokens, nh, nkv, hd, cos.size(1));
   });
 }
 
