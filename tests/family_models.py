@@ -45,6 +45,10 @@ FAMILIES = {
                          pad_token_id=0, tie_word_embeddings=True, partial_rotary_factor=0.5,
                          rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.2 * i for i in range(4)],
                                        "long_factor": [2.0 + 0.7 * i for i in range(4)]}),
+    # SmolLM3: every 4th layer without RoPE (NoPE), tied embeddings
+    "smollm3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=512, rope_theta=50000.0, tie_word_embeddings=True,
+                    pad_token_id=0),
 }
 # mixtures of experts (tests/test_moe.py): 4 or 8 experts, 2 per token; Qwen2-MoE with its shared expert
 # and without renormalized top-k probabilities, Qwen3-MoE with them (as its real checkpoints)
@@ -142,7 +146,7 @@ _GEMMA_LAYER = {"post_attention_layernorm": "post_attention_norm", "pre_feedforw
 
 
 # the tokenizer.ggml.pre llama.cpp's converter writes for the real checkpoints of these families
-_CONVERTER_PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}
+_CONVERTER_PRE = {"llama": "llama-bpe", "smollm3": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}
 
 
 def write_family_gguf(model: FamilyModel, path: Path, projections=None, metadata_changes: dict | None = None,
@@ -168,7 +172,7 @@ def write_family_gguf(model: FamilyModel, path: Path, projections=None, metadata
                          "lm_head.weight": "output.weight"}[name]
         if gemma and name.endswith("norm.weight"):
             weight = weight + 1.0
-        if family == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if family in ("llama", "smollm3") and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
             weight = llama_cpp_permute(weight, heads)
         if projections is not None and name.endswith("proj.weight"):

@@ -1,4 +1,5 @@
-"""Qwen2 (tied and untied), Qwen3, Gemma 2, Gemma 3 and Phi-3 against transformers+PEFT, fp32.
+"""Qwen2 (tied and untied), Qwen3, Gemma 2, Gemma 3, Phi-3 (and Phi-4-mini's partial RoPE) and SmolLM3 against
+transformers+PEFT, fp32.
 
 Per family: a tiny random checkpoint made with transformers' own config class (sharded safetensors,
 random norms and biases, sliding windows shorter than the sequences for Gemma), two random PEFT
@@ -326,6 +327,27 @@ def test_rope_scalings_not_implemented_are_refused_at_load():
             model_config({**cfg, "rope_scaling": scaling}, "m")
     yarn = model_config({**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "m")
     assert yarn.rope_scaling["original_max_position_embeddings"] == 2048 and yarn.max_position == 8192
+
+
+def test_smollm3_nope_layers_from_config_json():
+    """SmolLM3's layers without RoPE: no_rope_layers as config.json lists them (1: RoPE), else every
+    no_rope_layer_interval-th; its sliding window (with use_sliding_window) on those layers only, as
+    transformers' SmolLM3Config sets layer_types; a malformed list refused."""
+    from asyncserve.model.loader_hf import model_config
+
+    cfg = {"architectures": ["SmolLM3ForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 6, "num_attention_heads": 4, "max_position_embeddings": 2048}
+    assert model_config(cfg, "m").nope_layers == [False, False, False, True, False, False]
+    assert model_config({**cfg, "no_rope_layer_interval": 2}, "m").nope_layers == [False, True] * 3
+    listed = model_config({**cfg, "no_rope_layers": [1, 0, 1, 1, 0, 1]}, "m")
+    assert listed.nope_layers == [False, True, False, False, True, False]
+    assert [listed.local_rope(i) for i in range(6)] == listed.nope_layers and listed.layer_windows == []
+    sliding = model_config({**cfg, "use_sliding_window": True, "sliding_window": 64}, "m")
+    assert sliding.layer_windows == [None, None, None, 64, None, None]
+    assert model_config({**cfg, "sliding_window": 64}, "m").layer_windows == []     # not without use_sliding_window
+    for flags in ([1, 0, 1], [1, 0, 1, 1, 0, 2], "1,0", [True, None, 1, 1, 1, 1]):
+        with pytest.raises(ModelLoadError, match="no_rope_layers should hold 1"):
+            model_config({**cfg, "no_rope_layers": flags}, "m")
 
 
 def test_gguf_rope_refusals(tmp_path):

@@ -1,6 +1,6 @@
 """Architecture description of a decoder (Llama and the families that differ from it in small
-pieces: Qwen2/2.5, Qwen3, Gemma 2/3, Phi-3, and the mixture-of-experts Mixtral, Qwen2-MoE and
-Qwen3-MoE), filled by the HF and GGUF loaders."""
+pieces: Qwen2/2.5, Qwen3, Gemma 2/3, Phi-3, SmolLM3, and the mixture-of-experts Mixtral, Qwen2-MoE
+and Qwen3-MoE), filled by the HF and GGUF loaders."""
 from __future__ import annotations
 
 import json
@@ -76,8 +76,10 @@ class Family:
     # in the order layer_types lists them when config.json does not: "all" layers slide when the config
     # sets a window, "every_other" from layer 0 (Gemma 2), "pattern" (Gemma 3: all but every
     # sliding_window_pattern-th), "from_max_window_layers" (Qwen: layers from max_window_layers on,
-    # when use_sliding_window)
+    # when use_sliding_window), "nope_layers" (SmolLM3: its NoPE layers, when use_sliding_window)
     sliding_layers: str = "all"
+    # SmolLM3: every nope_interval-th layer applies no RoPE (NoPE), unless config.json lists no_rope_layers
+    nope_interval: int = 0
 
     def peft_modules(self) -> dict[str, tuple[str, ...]]:
         """PEFT module name -> the projections (PROJECTIONS) whose output slices it covers, in order."""
@@ -98,6 +100,7 @@ FAMILIES = (
     Family("gemma3", ("gemma3_text",), ("Gemma3ForCausalLM",), "gemma3", qk_norm=True, unit_offset_norms=True,
            sandwich_norms=True, activation="gelu_tanh", scaled_embeddings=True, sliding_layers="pattern"),
     Family("phi3", ("phi3",), ("Phi3ForCausalLM",), "phi3", fused_projections=True),
+    Family("smollm3", ("smollm3",), ("SmolLM3ForCausalLM",), "smollm3", sliding_layers="nope_layers", nope_interval=4),
     # mixture-of-experts MLPs (ModelConfig.moe); llama.cpp files Mixtral as "llama" with experts
     Family("mixtral", ("mixtral",), ("MixtralForCausalLM",), "llama"),
     Family("qwen2_moe", ("qwen2_moe",), ("Qwen2MoeForCausalLM",), "qwen2moe", qkv_bias=True,
@@ -153,12 +156,19 @@ class ModelConfig:
     rope_local_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (plain RoPE); None: as the others
     # Phi-4-mini: RoPE on each head's first rotary_dim dimensions only (partial_rotary_factor); None: on all
     rotary_dim: int | None = None
+    # SmolLM3: per layer, True where it applies no RoPE; empty: every layer rotates
+    nope_layers: list[bool] = field(default_factory=list)
     # a mixture-of-experts MLP in every layer; intermediate_size is then its shared expert's (the dense
     # MLP that LoRA on gate/up/down_proj adapts), or, with none, the experts' (nothing dense to adapt)
     moe: MoeConfig | None = None
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether the layer rotates with Rope's local tables: SmolLM3's NoPE layers (identity tables),
+        else the sliding layers (Gemma 3's own base; the other families' local tables are the global ones)."""
+        return self.nope_layers[layer] if self.nope_layers else self.window(layer) is not None
 
     @property
     def scale(self) -> float:

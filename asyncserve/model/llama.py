@@ -165,7 +165,8 @@ class LlamaWeights:
                 [t for lw in self.layers for t in (lw.input_norm, lw.post_norm, lw.qkv_bias, lw.q_norm, lw.k_norm,
                                                    lw.attn_out_norm, lw.mlp_out_norm)],
                 *_native_projections(self.linears()),
-                [config.window(i) or 0 for i in range(config.num_layers)], self.norm, config.num_heads,
+                [config.window(i) or 0 for i in range(config.num_layers)],
+                [config.local_rope(i) for i in range(config.num_layers)], self.norm, config.num_heads,
                 config.num_kv_heads, config.head_dim, config.rms_norm_eps, config.scale, config.attn_softcap,
                 config.family.activation == "gelu_tanh")
         return self._decoder
@@ -373,7 +374,10 @@ class Rope:
         freqs = torch.outer(pos, inv_freq)                      # [max_pos, hd/2]
         self.cos, self.sin = self._tables(freqs, self.attn_factor, device, dtype)
         self.local_cos, self.local_sin = self.cos, self.sin
-        if config.rope_local_theta is not None:
+        if config.nope_layers:             # identity tables (cos 1, sin 0), one row repeated: no rotation
+            ones = torch.ones(1, config.rope_dim, device=device, dtype=dtype)
+            self.local_cos, self.local_sin = ones.expand(config.max_position, -1), (0 * ones).expand(config.max_position, -1)
+        elif config.rope_local_theta is not None:
             local = torch.outer(pos, rope_inv_freq(config, theta=config.rope_local_theta)[0])
             self.local_cos, self.local_sin = self._tables(local, 1.0, device, dtype)
 
@@ -512,7 +516,7 @@ def _forward_layers(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.
     h, x = _residual_norm(h, None, w.layers[0].input_norm, eps, native)
     for li, lw in enumerate(w.layers):
         window = config.window(li)
-        local = window is not None          # sliding layers take the local RoPE tables (Gemma 3)
+        local = config.local_rope(li)
         qkv = lora.project(li, "qkv", x, lw.qkv) if use_lora else lw.qkv(x)       # [T, q + 2kv]
         if lw.qkv_bias is not None:
             qkv += lw.qkv_bias

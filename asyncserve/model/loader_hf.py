@@ -83,6 +83,7 @@ def model_config(cfg: dict[str, Any], name: str) -> ModelConfig:
         num_kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=head_dim,
         rotary_dim=_rotary_dim(cfg, head_dim, name),
+        nope_layers=_nope_layers(cfg, family, num_layers, name),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
@@ -94,7 +95,7 @@ def model_config(cfg: dict[str, Any], name: str) -> ModelConfig:
         attn_scale=cfg["query_pre_attn_scalar"] ** -0.5 if gemma and cfg.get("query_pre_attn_scalar") else None,
         attn_softcap=cfg.get("attn_logit_softcapping") if family.name == "gemma2" else None,
         final_softcap=cfg.get("final_logit_softcapping") if gemma else None,
-        layer_windows=_layer_windows(cfg, family, num_layers),
+        layer_windows=_layer_windows(cfg, family, num_layers, name),
         rope_local_theta=local_theta,
         moe=moe,
     )
@@ -125,11 +126,11 @@ def _moe(cfg: dict[str, Any], family: Family, name: str) -> MoeConfig | None:
                      shared_size=count("shared_expert_intermediate_size") if shared else 0)
 
 
-def _layer_windows(cfg: dict[str, Any], family: Family, num_layers: int) -> list[int | None]:
+def _layer_windows(cfg: dict[str, Any], family: Family, num_layers: int, name: str) -> list[int | None]:
     """Per layer its sliding window or None, from layer_types where config.json lists them, else by the
     family's rule; [] when no layer slides (or the window covers the whole context)."""
     window = cfg.get("sliding_window")
-    if family.sliding_layers == "from_max_window_layers" and not cfg.get("use_sliding_window"):
+    if family.sliding_layers in ("from_max_window_layers", "nope_layers") and not cfg.get("use_sliding_window"):
         window = None
     if not window or window >= (cfg.get("max_position_embeddings") or ModelConfig.max_position):
         return []
@@ -146,6 +147,8 @@ def _layer_windows(cfg: dict[str, Any], family: Family, num_layers: int) -> list
         sliding = [(i + 1) % pattern != 0 for i in range(num_layers)]
     elif family.sliding_layers == "from_max_window_layers":
         sliding = [i >= cfg.get("max_window_layers", num_layers) for i in range(num_layers)]
+    elif family.sliding_layers == "nope_layers":
+        sliding = _nope_layers(cfg, family, num_layers, name)
     else:
         sliding = [True] * num_layers
     return [window if s else None for s in sliding] if any(sliding) else []
@@ -203,6 +206,21 @@ def _rope(cfg: dict[str, Any], family: Family, name: str) -> tuple[float, dict |
         scaling["factor"] = (cfg.get("max_position_embeddings") or ModelConfig.max_position) / \
             scaling["original_max_position_embeddings"]
     return float(theta), scaling, local_theta
+
+
+def _nope_layers(cfg: dict[str, Any], family: Family, num_layers: int, name: str) -> list[bool]:
+    """SmolLM3's layers without RoPE: where no_rope_layers says 0 (1: RoPE), else every
+    no_rope_layer_interval-th layer, as transformers' SmolLM3Config fills it."""
+    if not family.nope_interval:
+        return []
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = cfg.get("no_rope_layer_interval") or family.nope_interval
+        return [(i + 1) % interval == 0 for i in range(num_layers)]
+    if not isinstance(flags, list) or len(flags) != num_layers or not set(flags) <= {0, 1}:
+        raise ModelLoadError(f"model {name}: config.json's no_rope_layers should hold 1 (RoPE) or 0 (none) for "
+                             f"each of its {num_layers} layers, not {flags!r}")
+    return [not flag for flag in flags]
 
 
 def _rotary_fraction(cfg: dict[str, Any]) -> float:

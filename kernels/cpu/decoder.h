@@ -66,6 +66,8 @@ struct DecoderLayer {
   c10::optional<at::Tensor> attn_out_norm;      // [hidden], on the attention's output (Gemma)
   c10::optional<at::Tensor> mlp_out_norm;       // [hidden], on the MLP's output (Gemma)
   int64_t window;                               // sliding window; 0: global attention
+  bool local_rope;                              // RoPE from the local tables (Gemma 3's sliding layers'
+                                                // base; SmolLM3's NoPE layers: identity tables)
 };
 
 // The step's LoRA as lora_segments takes it: flat pool, adapter tables and, per group, its runs
@@ -92,18 +94,19 @@ class NativeDecoder {
   // mlp_out_norm (None where the family has none); weights, types, out_features: qkv, o, gate_up,
   // down per layer (kGroups order), then the lm_head's, each as its Linear holds it (Projection: one
   // dense weight and no types, or GGUF parts and their types); windows: per layer, 0 for global
-  // attention; final_norm: [hidden]. scale, softcap (0: none): the attention scores'; gelu: GeGLU,
+  // attention; local_rope: per layer, whether it takes forward's local tables; final_norm: [hidden]. scale, softcap (0: none): the attention scores'; gelu: GeGLU,
   // else SwiGLU.
   NativeDecoder(std::vector<c10::optional<at::Tensor>> layer_tensors, std::vector<std::vector<at::Tensor>> weights,
                 std::vector<std::vector<int64_t>> types, std::vector<int64_t> out_features,
-                std::vector<int64_t> windows, at::Tensor final_norm, int64_t num_heads, int64_t num_kv_heads,
+                std::vector<int64_t> windows, std::vector<bool> local_rope, at::Tensor final_norm, int64_t num_heads, int64_t num_kv_heads,
                 int64_t head_dim, double eps, double scale, double softcap, bool gelu)
       : final_norm_(std::move(final_norm)), nh_(num_heads), nkv_(num_kv_heads), hd_(head_dim), eps_(eps),
         scale_(scale), softcap_(softcap), gelu_(gelu) {
     const size_t layers = windows.size();
     TORCH_CHECK(layer_tensors.size() == kLayerTensors * layers && weights.size() == kGroups * layers + 1 &&
-                    types.size() == weights.size() && out_features.size() == weights.size(),
-                "seven norm and bias tensors per layer, four projections per layer and the lm_head");
+                    types.size() == weights.size() && out_features.size() == weights.size() &&
+                    local_rope.size() == layers,
+                "seven norm and bias tensors, four projections and a local_rope flag per layer, and the lm_head");
     std::vector<Projection> projections;
     for (size_t i = 0; i < weights.size(); ++i) {
       TORCH_CHECK(types[i].empty() ? weights[i].size() == 1 : weights[i].size() == types[i].size(),
@@ -115,7 +118,7 @@ class NativeDecoder {
       TORCH_CHECK(t[0] && t[1] && t[3].has_value() == t[4].has_value() && t[5].has_value() == t[6].has_value(),
                   "layer ", l, ": both input norms, q and k norms both or neither, output norms both or neither");
       TORCH_CHECK(windows[l] >= 0, "windows must be 0 (global) or positive");
-      DecoderLayer layer{*t[0], *t[1], {}, t[2], t[3], t[4], t[5], t[6], windows[l]};
+      DecoderLayer layer{*t[0], *t[1], {}, t[2], t[3], t[4], t[5], t[6], windows[l], local_rope[l]};
       for (int g = 0; g < kGroups; ++g) layer.groups[g] = projections[kGroups * l + g];
       layers_.push_back(std::move(layer));
     }
@@ -176,7 +179,7 @@ class NativeDecoder {
       const at::Tensor qkv = project(kQkv, li, x, L, lora);                       // [T, q + 2 kv]
       if (L.qkv_bias) qkv.add_(*L.qkv_bias);
       if (L.q_norm) head_rms_norm_op(qkv, *L.q_norm, *L.k_norm, nh_, nkv_, eps_);
-      const bool local = L.window > 0;
+      const bool local = L.local_rope;
       rope_write_kv_op(qkv, positions, local ? local_cos : cos, local ? local_sin : sin, kv_rows, write_rows,
                        li * block, (layers + li) * block, nh_, nkv_);
       const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, nh_, hd_});

@@ -519,7 +519,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether the native decoder's GEMMs ask for the next LoRA call's rows (on at start); returns the previous setting");
   py::class_<NativeDecoder>(m, "NativeDecoder", py::module_local())   // local: another build may load beside it
       .def(py::init<std::vector<c10::optional<at::Tensor>>, std::vector<std::vector<at::Tensor>>,
-                    std::vector<std::vector<int64_t>>, std::vector<int64_t>, std::vector<int64_t>, at::Tensor, int64_t,
+                    std::vector<std::vector<int64_t>>, std::vector<int64_t>, std::vector<int64_t>, std::vector<bool>,
+                    at::Tensor, int64_t,
                     int64_t, int64_t, double, double, double, bool>())
       .def("forward", &NativeDecoder::forward, no_gil, "the layers, final norm and lm_head of one step");
   py::class_<NativeExperts>(m, "NativeExperts", py::module_local())
