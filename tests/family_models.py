@@ -49,6 +49,10 @@ FAMILIES = {
     "smollm3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                     num_key_value_heads=2, max_position_embeddings=512, rope_theta=50000.0, tie_word_embeddings=True,
                     pad_token_id=0),
+    # Granite: its four multipliers away from 1 (embeddings, each residual branch, the scores, the logits)
+    "granite": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+                    embedding_multiplier=3.0, residual_multiplier=0.6, attention_multiplier=0.2, logits_scaling=2.5),
 }
 # mixtures of experts (tests/test_moe.py): 4 or 8 experts, 2 per token; Qwen2-MoE with its shared expert
 # and without renormalized top-k probabilities, Qwen3-MoE with them (as its real checkpoints)
@@ -172,7 +176,7 @@ def write_family_gguf(model: FamilyModel, path: Path, projections=None, metadata
                          "lm_head.weight": "output.weight"}[name]
         if gemma and name.endswith("norm.weight"):
             weight = weight + 1.0
-        if family in ("llama", "smollm3") and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if family in ("llama", "smollm3", "granite") and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
             weight = llama_cpp_permute(weight, heads)
         if projections is not None and name.endswith("proj.weight"):
@@ -209,6 +213,9 @@ def write_family_gguf(model: FamilyModel, path: Path, projections=None, metadata
             metadata["final_logit_softcapping"] = float(cfg.final_logit_softcapping)
     if family == "gemma2":
         metadata["attn_logit_softcapping"] = float(cfg.attn_logit_softcapping)
+    if family == "granite":
+        metadata.update({"embedding_scale": cfg.embedding_multiplier, "residual_scale": cfg.residual_multiplier,
+                         "attention.scale": cfg.attention_multiplier, "logit_scale": cfg.logits_scaling})
     if family == "gemma3":
         metadata["attention.sliding_window_pattern"] = [t == "sliding_attention" for t in cfg.layer_types]
         metadata["rope.freq_base_swa"] = float(cfg.rope_parameters["sliding_attention"]["rope_theta"])

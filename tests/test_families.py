@@ -329,6 +329,47 @@ def test_rope_scalings_not_implemented_are_refused_at_load():
     assert yarn.rope_scaling["original_max_position_embeddings"] == 2048 and yarn.max_position == 8192
 
 
+@pytest.mark.parametrize("source", ["folder", "gguf"])
+def test_granite_logprobs_equal_transformers(source, tmp_path):
+    """Granite's multipliers, the logits' included (greedy tokens do not see a positive scale): each
+    generated token's logprob and the top-5 equal transformers' log_softmax, base and an adapter,
+    from the HF folder and from its GGUF file (the multipliers as granite.*_scale keys)."""
+    model = build_family_model(tmp_path, "granite")
+    path = model.folder if source == "folder" else write_family_gguf(model, tmp_path / "granite.gguf")
+    prompt = model.tokenizer.encode("the fox jumps over lazy dog adapters serve many models")
+    llm = LLM(model=str(path), adapters={"all": str(model.adapters["all"])}, dtype="float32", device="cpu")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=5)
+    for adapter in (None, "all"):
+        out = llm.generate([prompt], params, adapters=[adapter])[0]
+        refs = peft_references(model.base, model.adapters, [(prompt, adapter)], 4)[0]
+        assert out.token_ids == refs.tokens
+        for step, (logprob, top, logits) in enumerate(zip(out.logprobs, out.top_logprobs, refs.logits)):
+            expected = torch.log_softmax(logits, -1)
+            assert logprob == pytest.approx(float(expected[out.token_ids[step]]), abs=2e-4), (adapter, step)
+            values, ids = expected.topk(5)
+            assert [t for t, _ in top] == ids.tolist()
+            assert [v for _, v in top] == pytest.approx(values.tolist(), abs=2e-4)
+
+
+def test_granite_multipliers_from_config_json():
+    """Granite's multipliers from config.json (transformers' defaults 1.0 where absent: the scores'
+    scale too, not head_dim ** -0.5); non-numbers, zero and infinities refused."""
+    from asyncserve.model.loader_hf import model_config
+
+    cfg = {"architectures": ["GraniteForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 2048}
+    plain = model_config(cfg, "m")
+    assert (plain.embedding_multiplier, plain.residual_multiplier, plain.logits_scaling, plain.scale) == (1, 1, 1, 1)
+    set_ = model_config({**cfg, "embedding_multiplier": 12, "residual_multiplier": 0.22, "logits_scaling": 8.0,
+                         "attention_multiplier": 0.0078125}, "m")
+    assert (set_.embedding_multiplier, set_.residual_multiplier, set_.logits_scaling, set_.scale) == (
+        12.0, 0.22, 8.0, 0.0078125)
+    for key, value in (("residual_multiplier", "0.5"), ("logits_scaling", 0), ("embedding_multiplier", float("inf")),
+                       ("logits_scaling", True), ("residual_multiplier", None)):
+        with pytest.raises(ModelLoadError, match=f"{key} should be a finite non-zero number"):
+            model_config({**cfg, key: value}, "m")
+
+
 def test_smollm3_nope_layers_from_config_json():
     """SmolLM3's layers without RoPE: no_rope_layers as config.json lists them (1: RoPE), else every
     no_rope_layer_interval-th; its sliding window (with use_sliding_window) on those layers only, as

@@ -1,6 +1,6 @@
 """Architecture description of a decoder (Llama and the families that differ from it in small
-pieces: Qwen2/2.5, Qwen3, Gemma 2/3, Phi-3, SmolLM3, and the mixture-of-experts Mixtral, Qwen2-MoE
-and Qwen3-MoE), filled by the HF and GGUF loaders."""
+pieces: Qwen2/2.5, Qwen3, Gemma 2/3, Phi-3, SmolLM3, Granite, and the mixture-of-experts Mixtral,
+Qwen2-MoE and Qwen3-MoE), filled by the HF and GGUF loaders."""
 from __future__ import annotations
 
 import json
@@ -101,6 +101,7 @@ FAMILIES = (
            sandwich_norms=True, activation="gelu_tanh", scaled_embeddings=True, sliding_layers="pattern"),
     Family("phi3", ("phi3",), ("Phi3ForCausalLM",), "phi3", fused_projections=True),
     Family("smollm3", ("smollm3",), ("SmolLM3ForCausalLM",), "smollm3", sliding_layers="nope_layers", nope_interval=4),
+    Family("granite", ("granite",), ("GraniteForCausalLM",), "granite"),
     # mixture-of-experts MLPs (ModelConfig.moe); llama.cpp files Mixtral as "llama" with experts
     Family("mixtral", ("mixtral",), ("MixtralForCausalLM",), "llama"),
     Family("qwen2_moe", ("qwen2_moe",), ("Qwen2MoeForCausalLM",), "qwen2moe", qkv_bias=True,
@@ -158,6 +159,11 @@ class ModelConfig:
     rotary_dim: int | None = None
     # SmolLM3: per layer, True where it applies no RoPE; empty: every layer rotates
     nope_layers: list[bool] = field(default_factory=list)
+    # Granite: embeddings times embedding_multiplier, each attention and MLP output times
+    # residual_multiplier before its residual add, logits divided by logits_scaling
+    embedding_multiplier: float | None = None
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     # a mixture-of-experts MLP in every layer; intermediate_size is then its shared expert's (the dense
     # MLP that LoRA on gate/up/down_proj adapts), or, with none, the experts' (nothing dense to adapt)
     moe: MoeConfig | None = None

@@ -143,7 +143,7 @@ class LlamaWeights:
     norm: torch.Tensor         # [hidden]
     lm_head: Linear | None     # hidden -> vocab (over the embedding itself when tied, unless reordered);
                                # None on a tensor-parallel rank that computes no logits (model/shard.py)
-    embed_scale: float | None = None   # Gemma: sqrt(hidden) as the weights' dtype rounds it
+    embed_scale: float | None = None   # Gemma: sqrt(hidden) as the weights' dtype rounds it; Granite's multiplier
     # the native layer loop over these weights (kernels.cpu.native_decoder), built on first use
     _decoder: object = field(default=None, repr=False, compare=False)
 
@@ -168,7 +168,7 @@ class LlamaWeights:
                 [config.window(i) or 0 for i in range(config.num_layers)],
                 [config.local_rope(i) for i in range(config.num_layers)], self.norm, config.num_heads,
                 config.num_kv_heads, config.head_dim, config.rms_norm_eps, config.scale, config.attn_softcap,
-                config.family.activation == "gelu_tanh")
+                config.family.activation == "gelu_tanh", config.residual_multiplier)
         return self._decoder
 
     def nbytes(self) -> int:
@@ -257,7 +257,8 @@ def build_weights(config: ModelConfig, weights: dict[str, torch.Tensor | Quantiz
     else:
         lm_head = linear("lm_head.weight")
     _check_shapes(config, embed, layers[0], lm_head)
-    embed_scale = float(torch.tensor(config.hidden_size ** 0.5, dtype=dtype)) if family.scaled_embeddings else None
+    embed_scale = float(torch.tensor(config.hidden_size ** 0.5, dtype=dtype)) if family.scaled_embeddings \
+        else config.embedding_multiplier
     if device.type == "cpu":
         hugepages.return_freed_memory()
     return LlamaWeights(embed=embed, layers=layers, norm=norm("model.norm.weight"), lm_head=lm_head,
@@ -474,6 +475,8 @@ def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, 
         logits = _forward_layers(w, config, rope, kv, inp, lora, h, step_attention, native, reduce)
     if config.final_softcap and logits is not None:      # Gemma 2: tanh(logits / cap) * cap
         logits = torch.tanh(logits / config.final_softcap) * config.final_softcap
+    if config.logits_scaling != 1.0 and logits is not None:     # Granite
+        logits = logits / config.logits_scaling
     return logits
 
 
@@ -546,6 +549,8 @@ def _forward_layers(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.
             o = reduce(o)
         if lw.attn_out_norm is not None:    # Gemma: the attention's output normed before the residual add
             o = _norm(o, lw.attn_out_norm, eps, native)
+        if config.residual_multiplier != 1.0:      # Granite
+            o = o * config.residual_multiplier
         h, x = _residual_norm(h, o, lw.post_norm, eps, native)
         d = _dense_mlp(li, lw, x, lora, use_lora, gelu, native) if lw.gate_up is not None else None
         if lw.experts is not None:
@@ -554,6 +559,8 @@ def _forward_layers(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.
             d = reduce(d)
         if lw.mlp_out_norm is not None:
             d = _norm(d, lw.mlp_out_norm, eps, native)
+        if config.residual_multiplier != 1.0:
+            d = d * config.residual_multiplier
         if li + 1 < len(w.layers):
             h, x = _residual_norm(h, d, w.layers[li + 1].input_norm, eps, native)
         else:

@@ -1,8 +1,9 @@
 """Loading a llama.cpp GGUF file: metadata, weights in HF naming (dequantized to float32, or with
 keep_quantized the projections and embeddings of the types the CPU kernels run kept as their blocks), tokenizer.
 
-Architectures llama (Mixtral: llama with experts), qwen2, qwen3, gemma2, gemma3, phi3, smollm3, qwen2moe
-and qwen3moe, with llama.cpp's conventions undone: Llama's, Mixtral's and SmolLM3's Q/K rows interleaved per head (the
+Architectures llama (Mixtral: llama with experts), qwen2, qwen3, gemma2, gemma3, phi3, smollm3, granite,
+qwen2moe and qwen3moe, with llama.cpp's conventions undone: Llama's, Mixtral's, SmolLM3's and Granite's
+Q/K rows interleaved per head (the
 other families rotate halves, as HF does), Gemma's norm weights stored as 1 + w, Phi-3's longrope
 factors and Llama 3.1's RoPE scaling (rope_freqs: a divisor per frequency) stored as tensors, a
 mixture's experts stacked in one tensor per projection."""
@@ -58,7 +59,7 @@ _FAMILY_LAYER_TENSORS = {
 _ARCHITECTURES = {family.gguf_architecture: family for family in FAMILIES if family.name != "mixtral"}
 _MIXTRAL = next(family for family in FAMILIES if family.name == "mixtral")
 # whose Q/K rows llama.cpp's converter interleaves per head
-_INTERLEAVED = (LLAMA.name, _MIXTRAL.name, "smollm3")
+_INTERLEAVED = (LLAMA.name, _MIXTRAL.name, "smollm3", "granite")
 # llama.cpp renormalizes the top-k router probabilities of these (a GGUF does not record norm_topk_prob)
 _NORMALIZED_TOP_K = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True}
 _ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")     # Phi-3's longrope, per frequency
@@ -156,6 +157,10 @@ def _model_config(fields: dict[str, Any], family: Family, path: Path, vocab_size
         rotary_dim=rope_dim if rope_dim != head_dim else None,
         # llama.cpp's SmolLM3: every 4th layer without RoPE (a step of its own, not in the file)
         nope_layers=[(i + 1) % family.nope_interval == 0 for i in range(num_layers)] if family.nope_interval else [],
+        # Granite's multipliers (the converter writes each only when non-zero; llama.cpp: none without)
+        embedding_multiplier=llama("embedding_scale", None),
+        residual_multiplier=llama("residual_scale", 1.0) or 1.0,
+        logits_scaling=llama("logit_scale", 1.0) or 1.0,
         rms_norm_eps=llama("attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta=llama("rope.freq_base", 10000.0),
         rope_scaling=scaling,
@@ -163,7 +168,8 @@ def _model_config(fields: dict[str, Any], family: Family, path: Path, vocab_size
         tie_word_embeddings=tied,
         name=path.stem,          # an id clients can type; general.name is free text with spaces
         family=family,
-        attn_scale=((hidden / heads) if big else head_dim) ** -0.5 if gemma else None,
+        # Granite: its attention.scale where the file has one (llama.cpp: head_dim ** -0.5 without)
+        attn_scale=((hidden / heads) if big else head_dim) ** -0.5 if gemma else llama("attention.scale", None),
         attn_softcap=llama("attn_logit_softcapping", None) if family.name == "gemma2" else None,
         final_softcap=llama("final_logit_softcapping", None) if gemma else None,
         layer_windows=windows,

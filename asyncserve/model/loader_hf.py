@@ -1,6 +1,7 @@
 """Loading an HF model folder: config.json, safetensors weights (single or sharded), tokenizer files."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Callable
 
@@ -84,6 +85,7 @@ def model_config(cfg: dict[str, Any], name: str) -> ModelConfig:
         head_dim=head_dim,
         rotary_dim=_rotary_dim(cfg, head_dim, name),
         nope_layers=_nope_layers(cfg, family, num_layers, name),
+        **(_granite_multipliers(cfg, name) if family.name == "granite" else {}),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
@@ -92,7 +94,7 @@ def model_config(cfg: dict[str, Any], name: str) -> ModelConfig:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
         name=name,
         family=family,
-        attn_scale=cfg["query_pre_attn_scalar"] ** -0.5 if gemma and cfg.get("query_pre_attn_scalar") else None,
+        attn_scale=_attention_scale(cfg, family),
         attn_softcap=cfg.get("attn_logit_softcapping") if family.name == "gemma2" else None,
         final_softcap=cfg.get("final_logit_softcapping") if gemma else None,
         layer_windows=_layer_windows(cfg, family, num_layers, name),
@@ -206,6 +208,25 @@ def _rope(cfg: dict[str, Any], family: Family, name: str) -> tuple[float, dict |
         scaling["factor"] = (cfg.get("max_position_embeddings") or ModelConfig.max_position) / \
             scaling["original_max_position_embeddings"]
     return float(theta), scaling, local_theta
+
+
+def _attention_scale(cfg: dict[str, Any], family: Family) -> float | None:
+    """The scores' scale where it is not head_dim ** -0.5: Gemma's query_pre_attn_scalar ** -0.5,
+    Granite's attention_multiplier (transformers' default 1.0)."""
+    if family.name.startswith("gemma") and cfg.get("query_pre_attn_scalar"):
+        return cfg["query_pre_attn_scalar"] ** -0.5
+    if family.name == "granite":
+        return float(cfg.get("attention_multiplier", 1.0))
+    return None
+
+
+def _granite_multipliers(cfg: dict[str, Any], name: str) -> dict[str, float]:
+    """Granite's embedding_multiplier, residual_multiplier and logits_scaling (transformers' defaults 1.0)."""
+    values = {key: cfg.get(key, 1.0) for key in ("embedding_multiplier", "residual_multiplier", "logits_scaling")}
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value == 0:
+            raise ModelLoadError(f"model {name}: config.json's {key} should be a finite non-zero number, not {value!r}")
+    return {key: float(value) for key, value in values.items()}
 
 
 def _nope_layers(cfg: dict[str, Any], family: Family, num_layers: int, name: str) -> list[bool]:

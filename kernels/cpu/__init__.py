@@ -285,16 +285,18 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> t
 def native_decoder(layer_tensors: list[torch.Tensor | None], weights: list[list[torch.Tensor]], types: list[list[int]],
                    out_features: list[int], windows: list[int], local_rope: list[bool], final_norm: torch.Tensor,
                    num_heads: int,
-                   num_kv_heads: int, head_dim: int, eps: float, scale: float, softcap: float | None, gelu: bool):
+                   num_kv_heads: int, head_dim: int, eps: float, scale: float, softcap: float | None, gelu: bool,
+                   residual_scale: float = 1.0):
     """The layer loop of one step in one call (decoder.h). layer_tensors: per layer input_norm, post_norm,
     qkv_bias, q_norm, k_norm, attn_out_norm, mlp_out_norm (None where the family has none); weights,
     types, out_features: the projections, qkv, o, gate_up, down per layer, then lm_head's: each its
     Linear's one weight (packed, oneDNN's or dense) and no types, or its GGUF parts and their ggml
     types (QuantLinear, as quant_linear takes them); windows: per layer its sliding window, 0 for
     global; local_rope: per layer, whether it rotates with forward's local tables (ModelConfig.local_rope);
-    scale, softcap: the attention scores'; gelu: GeGLU, else SwiGLU."""
+    scale, softcap: the attention scores'; gelu: GeGLU, else SwiGLU; residual_scale: each attention and MLP
+    output's factor before its residual add (Granite's residual_multiplier)."""
     return _lib().NativeDecoder(layer_tensors, weights, types, out_features, windows, local_rope, final_norm, num_heads,
-                                num_kv_heads, head_dim, eps, scale, softcap or 0.0, gelu)
+                                num_kv_heads, head_dim, eps, scale, softcap or 0.0, gelu, residual_scale)
 
 
 def native_experts(weights: list[list[torch.Tensor]], types: list[list[int]], out_features: list[int]):

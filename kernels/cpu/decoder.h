@@ -94,14 +94,15 @@ class NativeDecoder {
   // mlp_out_norm (None where the family has none); weights, types, out_features: qkv, o, gate_up,
   // down per layer (kGroups order), then the lm_head's, each as its Linear holds it (Projection: one
   // dense weight and no types, or GGUF parts and their types); windows: per layer, 0 for global
-  // attention; local_rope: per layer, whether it takes forward's local tables; final_norm: [hidden]. scale, softcap (0: none): the attention scores'; gelu: GeGLU,
+  // attention; local_rope: per layer, whether it takes forward's local tables; final_norm: [hidden];
+  // residual_scale: each attention and MLP output's factor before its residual add (Granite). scale, softcap (0: none): the attention scores'; gelu: GeGLU,
   // else SwiGLU.
   NativeDecoder(std::vector<c10::optional<at::Tensor>> layer_tensors, std::vector<std::vector<at::Tensor>> weights,
                 std::vector<std::vector<int64_t>> types, std::vector<int64_t> out_features,
                 std::vector<int64_t> windows, std::vector<bool> local_rope, at::Tensor final_norm, int64_t num_heads, int64_t num_kv_heads,
-                int64_t head_dim, double eps, double scale, double softcap, bool gelu)
+                int64_t head_dim, double eps, double scale, double softcap, bool gelu, double residual_scale)
       : final_norm_(std::move(final_norm)), nh_(num_heads), nkv_(num_kv_heads), hd_(head_dim), eps_(eps),
-        scale_(scale), softcap_(softcap), gelu_(gelu) {
+        scale_(scale), softcap_(softcap), gelu_(gelu), residual_scale_(residual_scale) {
     const size_t layers = windows.size();
     TORCH_CHECK(layer_tensors.size() == kLayerTensors * layers && weights.size() == kGroups * layers + 1 &&
                     types.size() == weights.size() && out_features.size() == weights.size() &&
@@ -194,11 +195,13 @@ class NativeDecoder {
       const at::Tensor attn_rows = attn.view({T, q_size});
       at::Tensor o = project(kO, li, attn_rows, L, lora);
       if (L.attn_out_norm) o = add_rms_norm_op(o, c10::nullopt, *L.attn_out_norm, eps_);
+      if (residual_scale_ != 1.0) scale_rows(o, residual_scale_);
       x = add_rms_norm_op(h, o, L.post_norm, eps_);                               // h += o
       const at::Tensor gate_up = project(kGateUp, li, x, L, lora);                // [T, 2 inter]
       const at::Tensor act = gelu_ ? gated_mul_op<gelu_tanh>(gate_up) : gated_mul_op<silu>(gate_up);   // [T, inter]
       at::Tensor d = project(kDown, li, act, L, lora);
       if (L.mlp_out_norm) d = add_rms_norm_op(d, c10::nullopt, *L.mlp_out_norm, eps_);
+      if (residual_scale_ != 1.0) scale_rows(d, residual_scale_);
       if (li + 1 < layers)
         x = add_rms_norm_op(h, d, layers_[li + 1].input_norm, eps_);              // h += d
       else
@@ -225,6 +228,18 @@ class NativeDecoder {
                        lora.projections[g]);
     if (lora.dora_runs) scale_dora_rows(y, g, layer, lora);
     return y;
+  }
+
+  // y *= factor as torch's `y * factor` rounds it (the product in float, one rounding): ATen's
+  // Tensor::mul_(double) rounds the factor to a bfloat16 tensor's type first.
+  static void scale_rows(at::Tensor& y, double factor) {
+    TORCH_CHECK(y.is_contiguous(), "scale_rows: y must be contiguous");
+    dispatch_dtype(y, [&](auto zero) {
+      using T = decltype(zero);
+      T* v = y.data_ptr<T>();
+      const float f = static_cast<float>(factor);
+      for (int64_t i = 0, n = y.numel(); i < n; ++i) v[i] = from_float<T>(to_float(v[i]) * f);
+    });
   }
 
   // LoRA on the LM head: logits[run] += ((hs[run] · A^T) · B^T) · s, or a head saved whole (A empty, B^T
@@ -298,6 +313,7 @@ class NativeDecoder {
   int64_t nh_, nkv_, hd_;
   double eps_, scale_, softcap_;
   bool gelu_;
+  double residual_scale_;
 };
 
 }  // namespace asyncserve

@@ -521,7 +521,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<c10::optional<at::Tensor>>, std::vector<std::vector<at::Tensor>>,
                     std::vector<std::vector<int64_t>>, std::vector<int64_t>, std::vector<int64_t>, std::vector<bool>,
                     at::Tensor, int64_t,
-                    int64_t, int64_t, double, double, double, bool>())
+                    int64_t, int64_t, double, double, double, bool, double>())
       .def("forward", &NativeDecoder::forward, no_gil, "the layers, final norm and lm_head of one step");
   py::class_<NativeExperts>(m, "NativeExperts", py::module_local())
       .def(py::init<std::vector<std::vector<at::Tensor>>, std::vector<std::vector<int64_t>>, std::vector<int64_t>>())
