@@ -24,6 +24,9 @@ FAMILIES = {
                        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True),
     "qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=32, max_position_embeddings=512, tie_word_embeddings=False),
+    # Gemma (1): multi-query attention as Gemma 2B, its configs' legacy hidden_act "gelu" (the tanh form)
+    "gemma": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=1, head_dim=32, max_position_embeddings=512, hidden_act="gelu"),
     "gemma2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=32, max_position_embeddings=512, sliding_window=8,
                    query_pre_attn_scalar=24, attn_logit_softcapping=3.0, final_logit_softcapping=5.0),
@@ -49,6 +52,9 @@ FAMILIES = {
     "smollm3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                     num_key_value_heads=2, max_position_embeddings=512, rope_theta=50000.0, tie_word_embeddings=True,
                     pad_token_id=0),
+    # OLMo 2: norms on the attention's and the MLP's outputs only, q and k normed whole
+    "olmo2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, pad_token_id=0),
     # Granite: its four multipliers away from 1 (embeddings, each residual branch, the scores, the logits)
     "granite": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
@@ -163,7 +169,8 @@ def write_family_gguf(model: FamilyModel, path: Path, projections=None, metadata
     "{arch}.") and tensor_changes (a float32 array, or None to leave the tensor out): a bad file."""
     cfg, family = model.base.config, model.family
     gemma = family.startswith("gemma")
-    names = {**_GGUF_LAYER, **(_GEMMA_LAYER if gemma else {})}
+    sandwich = family in ("gemma2", "gemma3")       # Gemma 2 and 3: four norms a layer, windows, soft caps
+    names = {**_GGUF_LAYER, **(_GEMMA_LAYER if sandwich or family == "olmo2" else {})}
     tensors = {}
     for name, weight in model.base.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -207,7 +214,7 @@ def write_family_gguf(model: FamilyModel, path: Path, projections=None, metadata
                 metadata[f"rope.scaling.{gguf_key}"] = float(rope[key])
     if rope.get("rope_type") == "llama3":
         tensors["rope_freqs.weight"] = (llama3_rope_divisors(rope, metadata["rope.dimension_count"]), None)
-    if gemma:
+    if sandwich:
         metadata["attention.sliding_window"] = cfg.sliding_window
         if cfg.final_logit_softcapping is not None:
             metadata["final_logit_softcapping"] = float(cfg.final_logit_softcapping)

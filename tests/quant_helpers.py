@@ -17,13 +17,31 @@ def _set_half(blocks: np.ndarray, offset: int, values: np.ndarray) -> None:
 
 def quantize(w: np.ndarray, qtype: Q) -> np.ndarray:
     """[out, in] float32 -> [out, in / block * bytes] uint8 blocks of qtype."""
-    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0):
         return gguf.quants.quantize(w, qtype)
     out = w.shape[0]
+    if qtype == Q.IQ4_NL:
+        return _quantize_iq4_nl(w.reshape(-1, 32).astype(np.float32)).reshape(out, -1)
     x = w.reshape(-1, 256).astype(np.float32)
     if qtype == Q.Q6_K:
         return _quantize_q6_k(x).reshape(out, -1)
     return _quantize_q45_k(x, 15 if qtype == Q.Q4_K else 31).reshape(out, -1)
+
+
+# ggml's kvalues_iq4nl
+IQ4_NL_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+
+
+def _quantize_iq4_nl(x: np.ndarray) -> np.ndarray:
+    """[n, 32] -> IQ4_NL blocks [n, 18]: d = max |x| / 127, each weight its nearest level (valid blocks,
+    not llama.cpp's searched scales)."""
+    d = _half(np.abs(x).max(axis=1) / 127).astype(np.float32)
+    safe = np.where(d == 0, 1, d)[:, None, None]
+    idx = np.abs(x[:, :, None] / safe - IQ4_NL_LEVELS).argmin(axis=2).astype(np.uint8)      # [n, 32]
+    blocks = np.empty((x.shape[0], 18), dtype=np.uint8)
+    blocks[:, :2] = _half(d)[:, None].view(np.uint8)
+    blocks[:, 2:] = idx[:, :16] | (idx[:, 16:] << 4)
+    return blocks
 
 
 def _half(v: np.ndarray) -> np.ndarray:

@@ -1,5 +1,5 @@
-"""Qwen2 (tied and untied), Qwen3, Gemma 2, Gemma 3, Phi-3 (and Phi-4-mini's partial RoPE) and SmolLM3 against
-transformers+PEFT, fp32.
+"""Qwen2 (tied and untied), Qwen3, Gemma 1, 2 and 3, Phi-3 (and Phi-4-mini's partial RoPE), SmolLM3 and
+Granite against transformers+PEFT, fp32.
 
 Per family: a tiny random checkpoint made with transformers' own config class (sharded safetensors,
 random norms and biases, sliding windows shorter than the sequences for Gemma), two random PEFT
@@ -62,21 +62,26 @@ def check(tokens, cases, refs, label):
     assert sum(t != base[tuple(c[0])] for c, t in zip(cases, tokens) if c[1] is not None) >= 2, label
 
 
-def test_mistral_whose_every_layer_slides(tmp_path):
+@pytest.mark.parametrize("family, layer_types", [
+    ("mistral", None), ("ministral", ["sliding_attention", "full_attention", "sliding_attention"])])
+def test_mistral_and_ministral_sliding_windows(family, layer_types, tmp_path):
     """Mistral's window shorter than the sequences: every layer slides, so the step has no global
-    layers' attention plan and the layer loop stays in Python; tokens equal transformers+PEFT's."""
+    layers' attention plan and the layer loop stays in Python; Ministral's (8B) layer_types mix
+    sliding and global layers. Tokens equal transformers+PEFT's."""
     tok = make_tiny_tokenizer()
-    base = save_tiny_model(tmp_path / "base", tok, "mistral", random_vectors=True, hidden_size=64,
-                           intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                           max_position_embeddings=512, sliding_window=8)
+    base = save_tiny_model(tmp_path / "base", tok, family, random_vectors=True, hidden_size=64,
+                           intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=512, sliding_window=8, head_dim=16,
+                           **({"layer_types": layer_types} if layer_types else {}))
     adapters = {"all": tmp_path / "adapters" / "all"}
     save_random_adapter(base, adapters["all"], r=4, targets=ALL, seed=200)
-    model = FamilyModel("mistral", tmp_path / "base", tok, base, adapters)
+    model = FamilyModel(family, tmp_path / "base", tok, base, adapters)
     prompts = [tok.encode(" ".join(["the fox jumps over lazy dog adapters serve"] * n)) for n in (1, 2, 3)]
     cases = [(ids, adapter) for ids in prompts for adapter in (None, "all")]
     llm, tokens = generate(model, cases)
-    assert all(w == 8 for w in llm.engine.model_config.layer_windows)
-    check(tokens, cases, peft_references(base, adapters, cases, NEW_TOKENS), "mistral")
+    expected = [8 if t == "sliding_attention" else None for t in layer_types] if layer_types else [8] * 3
+    assert llm.engine.model_config.layer_windows == expected
+    check(tokens, cases, peft_references(base, adapters, cases, NEW_TOKENS), family)
 
 
 @pytest.mark.parametrize("path", ["loop", "ops", "eager"])
@@ -182,7 +187,7 @@ def test_the_step_time_model_gets_the_models_windows(family_model):
     llm = LLM(model=str(model.folder), dtype="float32", device=TEST_DEVICE)
     config = llm.engine.model_config
     assert llm.engine.latency.attention_windows == config.layer_windows
-    assert any(config.layer_windows) == model.family.startswith("gemma")
+    assert any(config.layer_windows) == (model.family in ("gemma2", "gemma3"))
 
 
 def test_longrope_tables_equal_transformers_short_and_long():
@@ -368,6 +373,27 @@ def test_granite_multipliers_from_config_json():
                        ("logits_scaling", True), ("residual_multiplier", None)):
         with pytest.raises(ModelLoadError, match=f"{key} should be a finite non-zero number"):
             model_config({**cfg, key: value}, "m")
+
+
+def test_olmo2_refusals(tmp_path):
+    """OLMo 2 under tensor parallelism (its q and k norms span every head) and an OLMo 3 GGUF file
+    (olmo2 with sliding windows) are refused at load with the reason."""
+    from asyncserve.model.loader import load_model
+    from asyncserve.model.loader_hf import model_config
+    from asyncserve.model.shard import shard_config
+
+    config = model_config({"architectures": ["Olmo2ForCausalLM"], "vocab_size": 100, "hidden_size": 64,
+                           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}, "m")
+    assert config.family.whole_qk_norm and shard_config(config, 1) is config
+    for world in (2, 4):
+        with pytest.raises(ModelLoadError, match="norms q and k over all heads"):
+            shard_config(config, world)
+    model = build_family_model(tmp_path, "olmo2")
+    for window in (4, 4096):
+        path = write_family_gguf(model, tmp_path / f"olmo3-{window}.gguf",
+                                 metadata_changes={"attention.sliding_window": window})
+        with pytest.raises(ModelLoadError, match="OLMo 3 file"):
+            load_model(str(path))
 
 
 def test_smollm3_nope_layers_from_config_json():

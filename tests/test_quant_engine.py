@@ -1,6 +1,7 @@
 """The engine on tiny GGUF files whose projections stay quantized (QuantLinear, kernels/cpu/quant.h):
 greedy tokens against transformers+PEFT on the same weights dequantized (a twin file of F32 tensors),
-with adapters, a Q4_K_M-shaped file (Q4_K, Q6_K for v, down and the head) and a Q8_0/Q4_0/Q4_1 one;
+with adapters, a Q4_K_M-shaped file (Q4_K, Q6_K for v, down and the head), a Q8_0/Q4_0/Q4_1 one and one of
+the Q5_0 and IQ4_NL that llama.cpp falls back to (kept as Q8_0 blocks);
 the weights' size is the blocks' size; --keep-quantized and merged mode."""
 import gguf
 import numpy as np
@@ -27,6 +28,10 @@ TIE_TOL = 0.2
 Q4_K_M = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q4_K, "ffn_gate": Q.Q4_K,
           "ffn_up": Q.Q4_K, "ffn_down": Q.Q6_K, "output": Q.Q6_K}
 Q5_K_M = {**Q4_K_M, "attn_q": Q.Q5_K, "attn_k": Q.Q5_K, "attn_output": Q.Q5_K, "ffn_gate": Q.Q5_K, "ffn_up": Q.Q5_K}
+# what llama.cpp's K-quant files hold where rows are not a multiple of 256 (Qwen2.5-0.5B's): Q5_0 and IQ4_NL,
+# kept as Q8_0 blocks of the same values
+FALLBACK = {"attn_q": Q.Q5_0, "attn_k": Q.IQ4_NL, "attn_v": Q.Q8_0, "attn_output": Q.Q5_0, "ffn_gate": Q.Q5_0,
+            "ffn_up": Q.IQ4_NL, "ffn_down": Q.Q5_0, "output": Q.Q8_0}
 LEGACY = {"attn_q": Q.Q8_0, "attn_k": Q.Q4_0, "attn_v": Q.Q4_1, "attn_output": Q.Q8_0, "ffn_gate": Q.Q4_0,
           "ffn_up": Q.Q4_0, "ffn_down": Q.Q4_1, "output": Q.Q8_0}
 SHAPES = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * 64, HIDDEN), "attn_v": (KV_HEADS * 64, HIDDEN),
@@ -85,10 +90,12 @@ def held_bytes(blocks: np.ndarray, qtype: Q) -> int:
     144, Q5_K's 180 per 176)."""
     panels = qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K) and len(blocks) % 8 == 0 and cpu_kernels.quant_panels()
     grown = {Q.Q4_K: (148, 144), Q.Q5_K: (180, 176)}.get(qtype) if panels else None
+    grown = {Q.Q5_0: (34, 22), Q.IQ4_NL: (34, 18)}.get(qtype, grown)     # kept as Q8_0 blocks
     return blocks.nbytes * grown[0] // grown[1] if grown else blocks.nbytes
 
 
-@pytest.mark.parametrize("types", [Q4_K_M, Q5_K_M, LEGACY], ids=["q4_k_m", "q5_k_m", "q8_0-q4_0-q4_1"])
+@pytest.mark.parametrize("types", [Q4_K_M, Q5_K_M, LEGACY, FALLBACK],
+                         ids=["q4_k_m", "q5_k_m", "q8_0-q4_0-q4_1", "q5_0-iq4_nl"])
 def test_quantized_engine_matches_dequantized_reference(tmp_path, types):
     from transformers import AutoModelForCausalLM
 
@@ -287,19 +294,23 @@ def test_blocks_are_dequantized_where_the_kernels_do_not_run(monkeypatch, caplog
     assert torch.equal(make_embedding(table, torch.bfloat16, torch.device("cpu")), dense[:8].bfloat16())
 
 
-def test_kept_blocks_are_the_dequantized_weights(tmp_path):
+@pytest.mark.parametrize("types", [Q4_K_M, FALLBACK], ids=["q4_k_m", "q5_0-iq4_nl"])
+def test_kept_blocks_are_the_dequantized_weights(tmp_path, types):
     """load_model(keep_quantized=True): each kept tensor's blocks dequantize to exactly the tensor the
-    plain load gives (Q/K rows un-interleaved alike), the rest is identical."""
+    plain load gives (Q/K rows un-interleaved alike), the rest is identical; Q5_0 and IQ4_NL kept as
+    Q8_0 blocks of the very same values."""
     from asyncserve.model.linear import QuantizedWeight
     from asyncserve.model.loader import load_model
 
-    q_path, _, _ = write_pair(tmp_path, Q4_K_M, seed=7)
+    q_path, _, _ = write_pair(tmp_path, types, seed=7)
     kept, dense = load_model(str(q_path), keep_quantized=True).weights, load_model(str(q_path)).weights
     assert kept.keys() == dense.keys()
     quantized_names = {name for name, t in kept.items() if isinstance(t, QuantizedWeight)}
     assert quantized_names == {name for name in dense if name.endswith("proj.weight")} | {"lm_head.weight"}
     for name, tensor in kept.items():
         assert torch.equal(tensor.dequantize() if name in quantized_names else tensor, dense[name]), name
+    if types is FALLBACK:
+        assert {t for name in quantized_names for _, t in kept[name].parts} == {int(Q.Q8_0)}
 
 
 @pytest.mark.parametrize("qtype, offset, value", [

@@ -30,8 +30,10 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
     for layer in range(config.num_layers):
         p = f"model.layers.{layer}."
+        family = config.family
+        if family.pre_norms:
+            shapes[p + "input_layernorm.weight"] = (h,)
         shapes.update({
-            p + "input_layernorm.weight": (h,),
             p + "self_attn.q_proj.weight": (config.q_size, h),
             p + "self_attn.k_proj.weight": (config.kv_size, h),
             p + "self_attn.v_proj.weight": (config.kv_size, h),
@@ -48,16 +50,17 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                 shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
         else:
             shapes.update(_mlp_shapes(p + "mlp.", h, i))
-        family = config.family
         if family.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (config.q_size,),
                            p + "self_attn.k_proj.bias": (config.kv_size,),
                            p + "self_attn.v_proj.bias": (config.kv_size,)})
-        if family.qk_norm:
-            shapes.update({p + "self_attn.q_norm.weight": (config.head_dim,),
-                           p + "self_attn.k_norm.weight": (config.head_dim,)})
+        if family.qk_norm or family.whole_qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (config.q_size if family.whole_qk_norm else config.head_dim,),
+                           p + "self_attn.k_norm.weight": (config.kv_size if family.whole_qk_norm else config.head_dim,)})
         if family.sandwich_norms:
-            shapes.update({p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)})
+            shapes[p + "post_feedforward_layernorm.weight"] = (h,)
+            if family.pre_norms:
+                shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (vocab, h)
     return shapes

@@ -1,5 +1,5 @@
 """Architecture description of a decoder (Llama and the families that differ from it in small
-pieces: Qwen2/2.5, Qwen3, Gemma 2/3, Phi-3, SmolLM3, Granite, and the mixture-of-experts Mixtral,
+pieces: Qwen2/2.5, Qwen3, Gemma 1/2/3, Phi-3, SmolLM3, Granite, OLMo 2, and the mixture-of-experts Mixtral,
 Qwen2-MoE and Qwen3-MoE), filled by the HF and GGUF loaders."""
 from __future__ import annotations
 
@@ -70,6 +70,10 @@ class Family:
     qk_norm: bool = False                 # Qwen3, Gemma 3: RMSNorm over each head of q and k, before RoPE
     unit_offset_norms: bool = False       # Gemma: RMSNorm weights stored as w, applied as (1 + w), in float32
     sandwich_norms: bool = False          # Gemma: norms on the attention's and the MLP's outputs as well
+    # OLMo 2: no norm before attention and MLP (their outputs' sandwich norms only), and q and k normed
+    # whole (RMSNorm over all heads of each), before RoPE
+    pre_norms: bool = True
+    whole_qk_norm: bool = False
     activation: str = "silu"              # the MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     scaled_embeddings: bool = False       # Gemma: embeddings times sqrt(hidden), rounded to the weights' dtype
     fused_projections: bool = False       # Phi-3: qkv_proj and gate_up_proj in the checkpoint and PEFT adapters
@@ -89,17 +93,22 @@ class Family:
         return {p: (p,) for p in PROJECTIONS}
 
 
-LLAMA = Family("llama", ("llama", "mistral"), ("LlamaForCausalLM", "MistralForCausalLM"), "llama")
+LLAMA = Family("llama", ("llama", "mistral", "ministral"), ("LlamaForCausalLM", "MistralForCausalLM",
+                                                            "MinistralForCausalLM"), "llama")
 FAMILIES = (
     LLAMA,
     Family("qwen2", ("qwen2",), ("Qwen2ForCausalLM",), "qwen2", qkv_bias=True,
            sliding_layers="from_max_window_layers"),
     Family("qwen3", ("qwen3",), ("Qwen3ForCausalLM",), "qwen3", qk_norm=True, sliding_layers="from_max_window_layers"),
+    Family("gemma", ("gemma",), ("GemmaForCausalLM",), "gemma", unit_offset_norms=True, activation="gelu_tanh",
+           scaled_embeddings=True),
     Family("gemma2", ("gemma2",), ("Gemma2ForCausalLM",), "gemma2", unit_offset_norms=True, sandwich_norms=True,
            activation="gelu_tanh", scaled_embeddings=True, sliding_layers="every_other"),
     Family("gemma3", ("gemma3_text",), ("Gemma3ForCausalLM",), "gemma3", qk_norm=True, unit_offset_norms=True,
            sandwich_norms=True, activation="gelu_tanh", scaled_embeddings=True, sliding_layers="pattern"),
     Family("phi3", ("phi3",), ("Phi3ForCausalLM",), "phi3", fused_projections=True),
+    Family("olmo2", ("olmo2",), ("Olmo2ForCausalLM",), "olmo2", sandwich_norms=True, pre_norms=False,
+           whole_qk_norm=True),
     Family("smollm3", ("smollm3",), ("SmolLM3ForCausalLM",), "smollm3", sliding_layers="nope_layers", nope_interval=4),
     Family("granite", ("granite",), ("GraniteForCausalLM",), "granite"),
     # mixture-of-experts MLPs (ModelConfig.moe); llama.cpp files Mixtral as "llama" with experts

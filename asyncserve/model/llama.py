@@ -121,16 +121,16 @@ def _native_projections(linears: list[Linear]) -> tuple[list, list, list]:
 
 @dataclass
 class LayerWeights:
-    input_norm: torch.Tensor   # [hidden]
+    input_norm: torch.Tensor | None   # [hidden]; None: no norm before attention (OLMo 2)
     qkv: Linear                # hidden -> q + 2 kv
     o: Linear                  # q -> hidden
-    post_norm: torch.Tensor    # [hidden]
+    post_norm: torch.Tensor | None    # [hidden], before the MLP; None: none (OLMo 2)
     gate_up: Linear | None     # hidden -> 2 inter: the dense MLP (a mixture's shared expert; None: it has none)
     down: Linear | None        # inter -> hidden
     # as the family has them (norm weights: (1 + w) in float32 for Gemma's, see build_weights)
     qkv_bias: torch.Tensor | None = None       # [q + 2 kv]
-    q_norm: torch.Tensor | None = None         # [head_dim]
-    k_norm: torch.Tensor | None = None         # [head_dim]
+    q_norm: torch.Tensor | None = None         # [head_dim], or [q] normed whole (OLMo 2)
+    k_norm: torch.Tensor | None = None         # [head_dim], or [kv]
     attn_out_norm: torch.Tensor | None = None  # [hidden] Gemma's post_attention_layernorm
     mlp_out_norm: torch.Tensor | None = None   # [hidden] Gemma's post_feedforward_layernorm
     experts: ExpertWeights | None = None       # a mixture of experts in place of (or beside) the dense MLP
@@ -229,18 +229,20 @@ def build_weights(config: ModelConfig, weights: dict[str, torch.Tensor | Quantiz
     mlp = config.mlp_module() + "."
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        sandwich = family.sandwich_norms
+        sandwich, pre = family.sandwich_norms, family.pre_norms
+        qk_norm = family.qk_norm or family.whole_qk_norm
         layers.append(LayerWeights(
-            input_norm=norm(p + "input_layernorm.weight"),
+            input_norm=norm(p + "input_layernorm.weight") if pre else None,
             qkv=linear(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")),
             o=linear(p + "self_attn.o_proj.weight"),
             # the MLP's input norm (Gemma names the attention output's norm post_attention_layernorm)
-            post_norm=norm(p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")),
+            post_norm=norm(p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight"))
+            if pre else None,
             gate_up=linear(p + mlp + "gate_proj.weight", p + mlp + "up_proj.weight") if config.dense_mlp else None,
             down=linear(p + mlp + "down_proj.weight") if config.dense_mlp else None,
             qkv_bias=put(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])) if family.qkv_bias else None,
-            q_norm=norm(p + "self_attn.q_norm.weight") if family.qk_norm else None,
-            k_norm=norm(p + "self_attn.k_norm.weight") if family.qk_norm else None,
+            q_norm=norm(p + "self_attn.q_norm.weight") if qk_norm else None,
+            k_norm=norm(p + "self_attn.k_norm.weight") if qk_norm else None,
             attn_out_norm=norm(p + "post_attention_layernorm.weight") if sandwich else None,
             mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if sandwich else None,
             experts=experts(p, config.moe),
@@ -525,10 +527,11 @@ def _forward_layers(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.
             qkv += lw.qkv_bias
         if lw.q_norm is not None and native:    # per head, before RoPE, in place
             cpu_kernels.head_rms_norm(qkv, lw.q_norm, lw.k_norm, nh, nkv, eps)
-        elif lw.q_norm is not None:
+        elif lw.q_norm is not None:         # per head, or (OLMo 2) q and k whole
             qk = qkv[:, :q_size + kv_size]
-            qk[:, :q_size] = _rms_norm(qk[:, :q_size].view(T, nh, hd), lw.q_norm, eps).view(T, q_size)
-            qk[:, q_size:] = _rms_norm(qk[:, q_size:].view(T, nkv, hd), lw.k_norm, eps).view(T, kv_size)
+            q_heads, k_heads = (nh, nkv) if lw.q_norm.numel() == hd else (1, 1)
+            qk[:, :q_size] = _rms_norm(qk[:, :q_size].view(T, q_heads, -1), lw.q_norm, eps).view(T, q_size)
+            qk[:, q_size:] = _rms_norm(qk[:, q_size:].view(T, k_heads, -1), lw.k_norm, eps).view(T, kv_size)
         if native:
             # in place in qkv; the layer's K rows start li blocks into a page, its V rows num_layers further
             cos_table, sin_table = (rope.local_cos, rope.local_sin) if local else (rope.cos, rope.sin)
@@ -724,10 +727,14 @@ def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, native: bool) -> to
     return cpu_kernels.add_rms_norm(x, None, weight, eps) if native else _rms_norm(x, weight, eps)
 
 
-def _residual_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+def _residual_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
                    native: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h + delta, rms_norm(h + delta) * weight), delta None adding nothing. h: [T, hidden]. The native
-    kernel does both in one pass and adds into h in place (it is this step's own activation)."""
+    """(h + delta, rms_norm(h + delta) * weight), delta None adding nothing; weight None (OLMo 2: no norm
+    before attention or the MLP): a copy of h + delta. h: [T, hidden]. The native kernel does both in one
+    pass and adds into h in place (it is this step's own activation)."""
+    if weight is None:
+        h = h + delta if delta is not None else h
+        return h, h.clone()
     if native:
         return h, cpu_kernels.add_rms_norm(h, delta, weight, eps)
     if delta is not None:

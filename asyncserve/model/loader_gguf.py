@@ -1,8 +1,8 @@
 """Loading a llama.cpp GGUF file: metadata, weights in HF naming (dequantized to float32, or with
 keep_quantized the projections and embeddings of the types the CPU kernels run kept as their blocks), tokenizer.
 
-Architectures llama (Mixtral: llama with experts), qwen2, qwen3, gemma2, gemma3, phi3, smollm3, granite,
-qwen2moe and qwen3moe, with llama.cpp's conventions undone: Llama's, Mixtral's, SmolLM3's and Granite's
+Architectures llama (Mixtral: llama with experts), qwen2, qwen3, gemma, gemma2, gemma3, phi3, smollm3, granite,
+olmo2, qwen2moe and qwen3moe, with llama.cpp's conventions undone: Llama's, Mixtral's, SmolLM3's and Granite's
 Q/K rows interleaved per head (the
 other families rotate halves, as HF does), Gemma's norm weights stored as 1 + w, Phi-3's longrope
 factors and Llama 3.1's RoPE scaling (rope_freqs: a divisor per frequency) stored as tensors, a
@@ -54,6 +54,7 @@ _FAMILY_LAYER_TENSORS = {
     "gemma2": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm"},
     "gemma3": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm"},
     "phi3": {"ffn_up": "mlp.gate_up_proj"},
+    "olmo2": {"post_attention_norm": "post_attention_layernorm"},
 }
 # llama.cpp files Mixtral as llama with experts (_model_config tells them apart)
 _ARCHITECTURES = {family.gguf_architecture: family for family in FAMILIES if family.name != "mixtral"}
@@ -131,6 +132,9 @@ def _model_config(fields: dict[str, Any], family: Family, path: Path, vocab_size
     num_layers = llama("block_count")
     gemma = family.name.startswith("gemma")
     window = llama("attention.sliding_window", None)
+    if family.name == "olmo2" and window:
+        raise ModelLoadError(f"{path} is an OLMo 3 file (olmo2 with sliding windows), whose layer pattern and "
+                             "RoPE asyncserve does not implement; OLMo 2 files are served")
     if family.sliding_layers == "every_other":
         sliding = [i % 2 == 0 for i in range(num_layers)]
     elif family.sliding_layers == "pattern":
@@ -310,10 +314,44 @@ def mostly_k_quants(path: Path) -> bool:
     return counts[True] > counts[False]
 
 
+# IQ4_NL's 16 levels (ggml's kvalues_iq4nl): a block's weights are d times these
+_IQ4_NL_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+
+
+def _q5_0_values(blocks: np.ndarray) -> np.ndarray:
+    """Q5_0 blocks [n, 22] (fp16 d, 32 fifth bits, 16 bytes of nibbles) -> their integers q - 16 [n, 32]."""
+    high = np.unpackbits(blocks[:, 2:6], axis=1, bitorder="little")          # bit j: weight j's fifth bit
+    low = np.concatenate([blocks[:, 6:] & 0x0F, blocks[:, 6:] >> 4], axis=1)  # weights 0..15, then 16..31
+    return (low | (high << 4)).astype(np.int16) - 16
+
+
+def _iq4_nl_values(blocks: np.ndarray) -> np.ndarray:
+    """IQ4_NL blocks [n, 18] (fp16 d, 16 bytes of nibbles) -> their levels [n, 32]."""
+    return _IQ4_NL_LEVELS[np.concatenate([blocks[:, 2:] & 0x0F, blocks[:, 2:] >> 4], axis=1)]
+
+
+# 32-weight blocks of an fp16 d times small integers: the same values as Q8_0 blocks (d's bits kept, the
+# integers as int8), which the kernels run. llama.cpp's K-quant files fall back to Q5_0 and IQ4_NL for
+# rows not a multiple of 256 (Qwen2.5-0.5B's 896: most of its Q4_K_M file is Q5_0).
+_AS_Q8_0 = {gguf.GGMLQuantizationType.Q5_0: (22, _q5_0_values), gguf.GGMLQuantizationType.IQ4_NL: (18, _iq4_nl_values)}
+
+
+def _as_q8_0(blocks: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+    """Rows of Q5_0 or IQ4_NL blocks [rows, n * size] -> the same rows of Q8_0 blocks [rows, n * 34]."""
+    size, values = _AS_Q8_0[qtype]
+    rows = blocks.shape[0]
+    flat = np.ascontiguousarray(blocks).reshape(-1, size)
+    q8 = np.empty((flat.shape[0], 34), dtype=np.uint8)
+    q8[:, :2] = flat[:, :2]
+    q8[:, 2:] = values(flat).astype(np.int8).view(np.uint8)
+    return q8.reshape(rows, -1)
+
+
 def _keeps(tensor: gguf.ReaderTensor) -> bool:
     """Projections, the output head and the embeddings (rows dequantized at lookup; a tied model's head
-    too) of a kernel type."""
-    return tensor.tensor_type in KEPT_QUANTIZED and (len(tensor.shape) == 2 or tensor.name.endswith("_exps.weight"))
+    too) of a kernel type, or of one whose blocks are Q8_0's values (_AS_Q8_0)."""
+    return ((tensor.tensor_type in KEPT_QUANTIZED or tensor.tensor_type in _AS_Q8_0)
+            and (len(tensor.shape) == 2 or tensor.name.endswith("_exps.weight")))
 
 
 def _quantized(tensor: gguf.ReaderTensor, config: ModelConfig, path: Path) -> QuantizedWeight:
@@ -327,11 +365,13 @@ def _quantized(tensor: gguf.ReaderTensor, config: ModelConfig, path: Path) -> Qu
         blocks = unpermute(blocks, config.num_heads)
     elif interleaved and tensor.name.endswith("attn_k.weight"):
         blocks = unpermute(blocks, config.num_kv_heads)
-    # copied out of the mapping (which closes with the reader)
-    weight = QuantizedWeight([(torch.from_numpy(np.array(blocks, dtype=np.uint8)), int(tensor.tensor_type))], fan_in)
+    qtype = tensor.tensor_type
+    if qtype in _AS_Q8_0:        # copied out of the mapping (which closes with the reader) as it converts
+        blocks, qtype = _as_q8_0(blocks, qtype), gguf.GGMLQuantizationType.Q8_0
+    weight = QuantizedWeight([(torch.from_numpy(np.array(blocks, dtype=np.uint8)), int(qtype))], fan_in)
     if bad := weight.nonfinite_scales():      # the kernels would spread NaN through every row of x
         raise ModelLoadError(f"{path}: tensor {tensor.name} ({tensor.tensor_type.name}) has a NaN or infinite "
-                             f"block scale in {bad} of its {weight.nbytes // QUANT_BLOCKS[tensor.tensor_type][0]} "
+                             f"block scale in {bad} of its {weight.nbytes // QUANT_BLOCKS[qtype][0]} "
                              "blocks; the file is corrupt")
     return weight
 

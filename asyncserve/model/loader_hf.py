@@ -163,6 +163,8 @@ def _refuse_unsupported_features(cfg: dict[str, Any], family: Family, name: str)
             raise ModelLoadError(f"model {name} has {flag}: true; asyncserve's {family.name} has no such bias terms")
     activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
     want = {"silu": ("silu",), "gelu_tanh": ("gelu_pytorch_tanh", "gelu_tanh")}[family.activation]
+    if family.name == "gemma":      # Gemma's released configs say "gelu", meaning the tanh form (as transformers reads it)
+        want += ("gelu",)
     if activation not in want:
         raise ModelLoadError(f"model {name} uses activation {activation!r}; asyncserve's {family.name} "
                              f"implements {want[0]}")

@@ -44,6 +44,9 @@ def shard_config(config: ModelConfig, world: int) -> ModelConfig:
     if config.moe is not None:
         raise ModelLoadError(f"--tensor-parallel {world}: model {config.name} is a mixture of experts, which "
                              "asyncserve serves on one device (its experts are not sharded)")
+    if config.family.whole_qk_norm:
+        raise ModelLoadError(f"--tensor-parallel {world}: model {config.name} norms q and k over all heads "
+                             f"({config.family.name}), which a rank holding some heads cannot; serve it on one device")
     for what, n in (("attention heads", config.num_heads), ("key/value heads", config.num_kv_heads),
                     ("intermediate size", config.intermediate_size)):
         if n % world:

@@ -174,8 +174,9 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 
 def head_rms_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_heads: int,
                   num_kv_heads: int, eps: float) -> None:
-    """qkv: [T, (nh + 2 nkv) hd]: each q head rms-normed with q_weight [hd], each k head with k_weight,
-    in place (weights as add_rms_norm takes them); v untouched."""
+    """qkv: [T, (nh + 2 nkv) hd]: each q head rms-normed with q_weight [hd], each k head with k_weight, or
+    (OLMo 2) q whole with q_weight [nh hd] and k whole with k_weight [nkv hd], in place (weights as
+    add_rms_norm takes them); v untouched."""
     _lib().head_rms_norm(qkv, q_weight, k_weight, num_heads, num_kv_heads, eps)
 
 

@@ -59,10 +59,12 @@ struct Projection {
 // weights of h's dtype, or float32 for Gemma's (1 + w) (norm.h); the optional pieces undefined
 // where the family has none.
 struct DecoderLayer {
-  at::Tensor input_norm, post_norm;             // [hidden]: attention's and MLP's input norms
+  at::Tensor input_norm, post_norm;             // [hidden]: attention's and MLP's input norms; undefined:
+                                                // none (OLMo 2: the outputs' norms only)
   Projection groups[kGroups];
   c10::optional<at::Tensor> qkv_bias;           // [q + 2 kv] (Qwen2)
-  c10::optional<at::Tensor> q_norm, k_norm;     // [head_dim], per head before RoPE (Qwen3, Gemma 3)
+  c10::optional<at::Tensor> q_norm, k_norm;     // [head_dim], per head before RoPE (Qwen3, Gemma 3); or
+                                                // [q], [kv]: q and k whole (OLMo 2)
   c10::optional<at::Tensor> attn_out_norm;      // [hidden], on the attention's output (Gemma)
   c10::optional<at::Tensor> mlp_out_norm;       // [hidden], on the MLP's output (Gemma)
   int64_t window;                               // sliding window; 0: global attention
@@ -116,10 +118,13 @@ class NativeDecoder {
     }
     for (size_t l = 0; l < layers; ++l) {
       const auto* t = layer_tensors.data() + kLayerTensors * l;
-      TORCH_CHECK(t[0] && t[1] && t[3].has_value() == t[4].has_value() && t[5].has_value() == t[6].has_value(),
-                  "layer ", l, ": both input norms, q and k norms both or neither, output norms both or neither");
+      TORCH_CHECK(t[0].has_value() == t[1].has_value() && t[3].has_value() == t[4].has_value() &&
+                      t[5].has_value() == t[6].has_value() && (t[0] || t[5]),
+                  "layer ", l, ": input norms both or neither (then output norms), q and k norms both or neither, "
+                  "output norms both or neither");
       TORCH_CHECK(windows[l] >= 0, "windows must be 0 (global) or positive");
-      DecoderLayer layer{*t[0], *t[1], {}, t[2], t[3], t[4], t[5], t[6], windows[l], local_rope[l]};
+      DecoderLayer layer{t[0] ? *t[0] : at::Tensor(), t[1] ? *t[1] : at::Tensor(), {}, t[2], t[3], t[4], t[5], t[6],
+                         windows[l], local_rope[l]};
       for (int g = 0; g < kGroups; ++g) layer.groups[g] = projections[kGroups * l + g];
       layers_.push_back(std::move(layer));
     }
@@ -174,7 +179,7 @@ class NativeDecoder {
     }
     const int64_t block = kv.size(3), q_size = nh_ * hd_;
     const at::Tensor kv_rows = kv.view({-1, kv.size(4)});
-    at::Tensor x = add_rms_norm_op(h, c10::nullopt, layers_[0].input_norm, eps_);
+    at::Tensor x = residual_norm(h, c10::nullopt, layers_[0].input_norm);
     for (int64_t li = 0; li < layers; ++li) {
       const DecoderLayer& L = layers_[li];
       const at::Tensor qkv = project(kQkv, li, x, L, lora);                       // [T, q + 2 kv]
@@ -196,14 +201,14 @@ class NativeDecoder {
       at::Tensor o = project(kO, li, attn_rows, L, lora);
       if (L.attn_out_norm) o = add_rms_norm_op(o, c10::nullopt, *L.attn_out_norm, eps_);
       if (residual_scale_ != 1.0) scale_rows(o, residual_scale_);
-      x = add_rms_norm_op(h, o, L.post_norm, eps_);                               // h += o
+      x = residual_norm(h, o, L.post_norm);                                      // h += o
       const at::Tensor gate_up = project(kGateUp, li, x, L, lora);                // [T, 2 inter]
       const at::Tensor act = gelu_ ? gated_mul_op<gelu_tanh>(gate_up) : gated_mul_op<silu>(gate_up);   // [T, inter]
       at::Tensor d = project(kDown, li, act, L, lora);
       if (L.mlp_out_norm) d = add_rms_norm_op(d, c10::nullopt, *L.mlp_out_norm, eps_);
       if (residual_scale_ != 1.0) scale_rows(d, residual_scale_);
       if (li + 1 < layers)
-        x = add_rms_norm_op(h, d, layers_[li + 1].input_norm, eps_);              // h += d
+        x = residual_norm(h, d, layers_[li + 1].input_norm);                     // h += d
       else
         h.add_(d);
     }
@@ -228,6 +233,13 @@ class NativeDecoder {
                        lora.projections[g]);
     if (lora.dora_runs) scale_dora_rows(y, g, layer, lora);
     return y;
+  }
+
+  // h += delta, and the next input: h normed with norm, or (undefined norm: OLMo 2) a copy of h.
+  at::Tensor residual_norm(at::Tensor& h, const c10::optional<at::Tensor>& delta, const at::Tensor& norm) const {
+    if (norm.defined()) return add_rms_norm_op(h, delta, norm, eps_);
+    if (delta) h.add_(*delta);
+    return h.clone();
   }
 
   // y *= factor as torch's `y * factor` rounds it (the product in float, one rounding): ATen's

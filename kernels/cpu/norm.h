@@ -49,18 +49,22 @@ void add_rms_norm(T* h, int64_t h_stride, const T* delta, int64_t delta_stride, 
   });
 }
 
-// qkv: [tokens, (nh + 2 nkv) * hd] (row stride qkv_stride): each of the nh q heads normed in place
-// with q_weight [hd], each of the nkv k heads with k_weight (Qwen3's and Gemma 3's q/k norms,
-// before RoPE); v untouched.
+// qkv: [tokens, (nh + 2 nkv) * hd] (row stride qkv_stride): q normed in place in nq parts of
+// q_width with q_weight [q_width], k in nk parts of k_width with k_weight; v untouched. Per head
+// (Qwen3's and Gemma 3's q/k norms: nq = nh, nk = nkv, widths hd) or whole (OLMo 2's: one part
+// each), before RoPE.
 template <typename T, typename W>
-void head_rms_norm(T* qkv, int64_t qkv_stride, const W* q_weight, const W* k_weight, int64_t tokens, int64_t nh,
-                   int64_t nkv, int64_t hd, float eps) {
-  const int64_t grain = std::max<int64_t>(1, 16384 / ((nh + nkv) * hd));
+void head_rms_norm(T* qkv, int64_t qkv_stride, const W* q_weight, const W* k_weight, int64_t tokens, int64_t nq,
+                   int64_t q_width, int64_t nk, int64_t k_width, float eps) {
+  const int64_t q_size = nq * q_width;
+  const int64_t grain = std::max<int64_t>(1, 16384 / (q_size + nk * k_width));
   at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       T* row = qkv + t * qkv_stride;
-      for (int64_t head = 0; head < nh + nkv; ++head)
-        rms_norm_row(row + head * hd, head < nh ? q_weight : k_weight, row + head * hd, hd, eps);
+      for (int64_t part = 0; part < nq; ++part)
+        rms_norm_row(row + part * q_width, q_weight, row + part * q_width, q_width, eps);
+      for (int64_t part = 0; part < nk; ++part)
+        rms_norm_row(row + q_size + part * k_width, k_weight, row + q_size + part * k_width, k_width, eps);
     }
   });
 }

@@ -84,15 +84,18 @@ void head_rms_norm_op(at::Tensor qkv, at::Tensor q_weight, at::Tensor k_weight, 
   TORCH_CHECK(qkv.dim() == 2 && nh > 0 && nkv > 0 && qkv.size(1) % (nh + 2 * nkv) == 0,
               "qkv must be [tokens, (nh + 2 nkv) * hd]");
   const int64_t hd = qkv.size(1) / (nh + 2 * nkv);
-  TORCH_CHECK(q_weight.numel() == hd && k_weight.sizes() == q_weight.sizes() && k_weight.is_contiguous() &&
-                  k_weight.device().is_cpu() && k_weight.scalar_type() == q_weight.scalar_type(),
-              "q_weight and k_weight must be contiguous [head_dim] CPU tensors of one dtype");
+  const bool whole = q_weight.numel() == nh * hd && k_weight.numel() == nkv * hd && nh * nkv > 1;
+  TORCH_CHECK((whole || (q_weight.numel() == hd && k_weight.numel() == hd)) && k_weight.dim() == 1 &&
+                  k_weight.is_contiguous() && k_weight.device().is_cpu() && k_weight.scalar_type() == q_weight.scalar_type(),
+              "q_weight and k_weight must be contiguous CPU tensors of one dtype, [head_dim] each (per head) or "
+              "[nh * head_dim] and [nkv * head_dim] (q and k whole)");
+  const int64_t nq = whole ? 1 : nh, nk = whole ? 1 : nkv;
   dispatch_dtype(qkv, [&](auto zero) {
     using T = decltype(zero);
     dispatch_norm_weight<T>(q_weight, qkv, "q_weight", [&](auto* q_w) {
       using W = std::remove_pointer_t<decltype(q_w)>;
-      head_rms_norm(qkv.data_ptr<T>(), qkv.stride(0), q_w, k_weight.data_ptr<W>(), qkv.size(0), nh, nkv, hd,
-                    float(eps));
+      head_rms_norm(qkv.data_ptr<T>(), qkv.stride(0), q_w, k_weight.data_ptr<W>(), qkv.size(0), nq, nh * hd / nq,
+                    nk, nkv * hd / nk, float(eps));
     });
   });
 }
@@ -474,7 +477,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace asyncserve;
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.def("add_rms_norm", &add_rms_norm_op, no_gil, "h += delta (if given); returns rms_norm(h) * weight");
-  m.def("head_rms_norm", &head_rms_norm_op, no_gil, "per-head RMSNorm of qkv's q and k heads, in place");
+  m.def("head_rms_norm", &head_rms_norm_op, no_gil, "RMSNorm of qkv's q and k per head or whole, in place");
   m.def("silu_mul", &gated_mul_op<silu>, no_gil, "silu(gate) * up of gate_up = [gate, up]");
   m.def("gelu_tanh_mul", &gated_mul_op<gelu_tanh>, no_gil, "gelu_tanh(gate) * up of gate_up = [gate, up]");
   m.def("greedy_rows", &greedy_rows_op, no_gil, "argmax per row (torch's ties and NaN) and its finiteness");

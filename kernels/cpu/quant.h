@@ -619,6 +619,14 @@ inline void decode_column(const uint8_t* row, int64_t K, DecodedColumn& c) {
   }
 }
 
+// sum + a[i] * b[i] for the groups past dot_floats' multiples of 8, in order, one fused multiply-add
+// each: written out so that the fused and the decoded-column paths give the same bits whatever the
+// compiler contracts (a plain `sum += a * b` became an fma in one and not the other on a Zen 4 build)
+inline float add_tail_products(float sum, const float* a, const float* b, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) sum = std::fma(a[i], b[i], sum);
+  return sum;
+}
+
 #if ASYNCSERVE_QUANT_AVX2
 
 // 8 int32 lanes, lane l the sum over bytes 4l..4l+3 of w * x (w unsigned bytes <= 128 ... here
@@ -835,8 +843,7 @@ inline void fused_block32_tile(const uint8_t* column, const QuantizedRows& a, in
   const int64_t body = groups / 8 * 8;
   for (int r = 0; r < R; ++r) {
     float offset = kSigned ? 0.0f : sum_lanes8(off[r]);
-    if constexpr (!kSigned)
-      for (int64_t g = body; g < groups; ++g) offset += offsets[g - body] * a.s16[(m + r) * groups + g];
+    if constexpr (!kSigned) offset = add_tail_products(offset, offsets, a.s16.data() + (m + r) * groups + body, groups - body);
     out[r] = sum_lanes8(acc[r]) + offset;
   }
 }
@@ -998,8 +1005,7 @@ inline void quant_columns(const uint8_t* blocks, int64_t row_bytes, int64_t n0, 
           const float* s16 = a.s16.data() + row * groups;
           const int64_t body = groups / 8 * 8;
           float off = kSigned ? 0.0f : dot_floats(c.offset.data(), s16, body);
-          if constexpr (!kSigned)
-            for (int64_t g = body; g < groups; ++g) off += c.offset[g] * s16[g];
+          if constexpr (!kSigned) off = add_tail_products(off, c.offset.data() + body, s16 + body, groups - body);
           store(row, dot + off);
         });
   }
