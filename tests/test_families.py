@@ -321,7 +321,8 @@ def test_gguf_long_context_rope_gives_the_hf_folders_tokens(scaling, tmp_path):
 
 def test_rope_scalings_not_implemented_are_refused_at_load():
     """Dynamic NTK (and any other unknown RoPE scaling) is refused when the model loads, naming what is
-    implemented, never at the first step; a GGUF's bad rope_freqs, or YaRN without its context, too."""
+    implemented, never at the first step; so are factors that are not finite positive numbers (or below
+    1 for YaRN, as transformers refuses them) and original contexts that are not positive integers."""
     from asyncserve.model.loader_hf import model_config
 
     cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
@@ -332,6 +333,15 @@ def test_rope_scalings_not_implemented_are_refused_at_load():
             model_config({**cfg, "rope_scaling": scaling}, "m")
     yarn = model_config({**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "m")
     assert yarn.rope_scaling["original_max_position_embeddings"] == 2048 and yarn.max_position == 8192
+    for scaling in ({"rope_type": "yarn", "factor": 0.5}, {"rope_type": "linear", "factor": 0},
+                    {"rope_type": "yarn", "factor": float("inf")}, {"rope_type": "llama3", "factor": "8"},
+                    {"rope_type": "linear", "factor": True}):
+        with pytest.raises(ModelLoadError, match="RoPE scaling factor should be a finite number"):
+            model_config({**cfg, "rope_scaling": scaling}, "m")
+    for original in (-1, 2.5, "4096"):
+        with pytest.raises(ModelLoadError, match="original_max_position_embeddings should be a positive integer"):
+            model_config({**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 2.0,
+                                                  "original_max_position_embeddings": original}}, "m")
 
 
 @pytest.mark.parametrize("source", ["folder", "gguf"])

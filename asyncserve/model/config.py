@@ -4,6 +4,7 @@ Qwen2-MoE and Qwen3-MoE), filled by the HF and GGUF loaders."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,10 +36,21 @@ EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 ROPE_TYPES = ("linear", "llama3", "longrope", "yarn", "freq_factors")
 
 
-def check_rope_type(scaling: dict, source: str) -> None:
+def check_rope(scaling: dict, source: str) -> None:
+    """A scaling the forward implements, its factor (where it has one) a finite number (at least 1 for
+    YaRN, as transformers requires) and its original context a positive integer."""
     if scaling["rope_type"] not in ROPE_TYPES:
         raise ModelLoadError(f"model {source} uses {scaling['rope_type']!r} RoPE scaling; asyncserve implements "
                              f"plain RoPE and {', '.join(ROPE_TYPES)}")
+    factor, original = scaling.get("factor"), scaling.get("original_max_position_embeddings")
+    least = 1.0 if scaling["rope_type"] == "yarn" else 0.0
+    if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
+                               or not math.isfinite(factor) or factor <= 0 or factor < least):
+        raise ModelLoadError(f"model {source}: the RoPE scaling factor should be a finite number "
+                             f"{'of at least 1' if least else 'above 0'}, not {factor!r}")
+    if original is not None and (isinstance(original, bool) or not isinstance(original, int) or original < 1):
+        raise ModelLoadError(f"model {source}: original_max_position_embeddings should be a positive integer, "
+                             f"not {original!r}")
 
 
 def rope_context(scaling: dict | None, max_position: int) -> int:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from asyncserve.model.checkpoint import LoadedModel, ProgressCallback, select_weights, split_fused
-from asyncserve.model.config import (FAMILIES, LLAMA, Family, ModelConfig, ModelLoadError, MoeConfig, check_rope_type,
+from asyncserve.model.config import (FAMILIES, LLAMA, Family, ModelConfig, ModelLoadError, MoeConfig, check_rope,
                                      rope_context)
 from asyncserve.model.linear import QUANT_BLOCKS, QuantizedWeight
 from asyncserve.model.tokenizer import Tokenizer
@@ -253,7 +253,6 @@ def _rope_scaling(llama, path: Path) -> dict | None:
     if kind in (None, "none") or factor in (None, 1.0):
         return None
     scaling = {"rope_type": kind, "factor": factor}
-    check_rope_type(scaling, str(path))
     original_context = llama("rope.scaling.original_context_length", None)
     if original_context is not None:
         scaling["original_max_position_embeddings"] = original_context
@@ -264,6 +263,7 @@ def _rope_scaling(llama, path: Path) -> dict | None:
             raise ModelLoadError(f"{path} sets rope.scaling.yarn_ext_factor; asyncserve implements YaRN's own (1.0)")
         scaling.update({hf: llama(f"rope.scaling.{key}") for key, hf in _YARN_KEYS.items()
                         if llama(f"rope.scaling.{key}", None) is not None})
+    check_rope(scaling, str(path))
     return scaling
 
 

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from asyncserve.model.checkpoint import LoadedModel, ProgressCallback, expert_names, select_weights, split_fused
-from asyncserve.model.config import (FAMILIES, Family, ModelConfig, ModelLoadError, MoeConfig, check_rope_type,
+from asyncserve.model.config import (FAMILIES, Family, ModelConfig, ModelLoadError, MoeConfig, check_rope,
                                      read_json, rope_context)
 from asyncserve.model.shard import Shard, shard_config, shard_ranges
 from asyncserve.model.tokenizer import Tokenizer
@@ -200,7 +200,6 @@ def _rope(cfg: dict[str, Any], family: Family, name: str) -> tuple[float, dict |
         scaling["rope_type"] = "longrope"          # Phi-3's older names for it, as transformers reads them
     if scaling.get("rope_type", "default") == "default":
         return float(theta), None, local_theta
-    check_rope_type(scaling, name)
     if "original_max_position_embeddings" in cfg:  # Phi-3 keeps it beside rope_scaling
         scaling.setdefault("original_max_position_embeddings", cfg["original_max_position_embeddings"])
     if scaling["rope_type"] in ("llama3", "yarn", "longrope"):    # the pretraining context, as transformers reads it
@@ -209,6 +208,7 @@ def _rope(cfg: dict[str, Any], family: Family, name: str) -> tuple[float, dict |
     if scaling["rope_type"] == "longrope" and "factor" not in scaling and "original_max_position_embeddings" in scaling:
         scaling["factor"] = (cfg.get("max_position_embeddings") or ModelConfig.max_position) / \
             scaling["original_max_position_embeddings"]
+    check_rope(scaling, name)
     return float(theta), scaling, local_theta
 
 
