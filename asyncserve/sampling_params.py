@@ -11,12 +11,23 @@ MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
+class ThinkingMarks:
+    """A model's thinking markers as single tokens: where a constraint starts when the model thinks first."""
+    end: int                      # the token that ends the thinking: the constraint holds from the next one
+    begin: int | None = None      # the token that begins it: allowed as the first one where the prompt has not
+    open: bool = False            # the prompt leaves the answer thinking
+
+
+@dataclass(frozen=True)
 class StructuredOutputs:
     """A constraint on the generated text (vLLM's StructuredOutputsParams): exactly one of these."""
     json: dict | str | None = None       # a JSON schema, as an object or as JSON text
     regex: str | None = None             # the whole output matches it (Rust regex syntax)
     choice: tuple[str, ...] | None = None   # the output is one of these strings
     json_object: bool = False            # any JSON object
+    # the constraint holds after the model's thinking (vLLM's structured outputs with a reasoning
+    # parser): set by the chat route for a model whose template thinks; None: from the first token
+    thinking: ThinkingMarks | None = None
 
     def __post_init__(self) -> None:
         if self.choice is not None:

@@ -26,7 +26,7 @@ import torch
 from outlines_core.json_schema import build_regex_from_schema
 
 from asyncserve.model.tokenizer import gpt2_byte_chars
-from asyncserve.sampling_params import StructuredOutputs
+from asyncserve.sampling_params import StructuredOutputs, ThinkingMarks
 
 # Indexes kept (the one for any JSON object is ~26 MB on a 49k vocabulary; a schema's far smaller).
 CACHED_INDEXES = 32
@@ -132,10 +132,12 @@ class GuideCompiler:
                 self._indexes.move_to_end(regex)
             return self._indexes.get(regex)
 
-    def guide(self, spec: StructuredOutputs) -> SequenceGuide:
-        """A fresh walk over the constraint's automaton, for one sequence."""
+    def guide(self, spec: StructuredOutputs) -> SequenceGuide | ThinkingGate:
+        """A fresh walk over the constraint's automaton, for one sequence (from the end of its thinking
+        where spec.thinking says so)."""
         regex = constraint_regex(spec)
-        return SequenceGuide(outlines_core.Guide(self._index(regex)), regex, self.biases)
+        guide = SequenceGuide(outlines_core.Guide(self._index(regex)), regex, self.biases)
+        return guide if spec.thinking is None else ThinkingGate(guide, spec.thinking)
 
 
 def build_index(regex: str, eos_token_id: int, vocabulary: dict[bytes, list[int]]) -> outlines_core.Index:
@@ -165,6 +167,7 @@ def build_index(regex: str, eos_token_id: int, vocabulary: dict[bytes, list[int]
 class SequenceGuide:
     """One sequence's walk over its constraint's automaton: advanced by the scheduler with each
     token sampled, read by the sampler as a logit bias."""
+    constraining = True           # the next token is held to the constraint (ThinkingGate: not while thinking)
 
     def __init__(self, guide: outlines_core.Guide, key: str, biases: BiasCache):
         self._guide, self._key, self._biases = guide, key, biases
@@ -175,6 +178,10 @@ class SequenceGuide:
     def bias(self, vocab: int) -> torch.Tensor:
         """[vocab] float32: 0 for the tokens allowed next, -inf for the others."""
         return self._biases.get((self._key, self._guide.get_state(), vocab), self._guide)
+
+    def free_bias(self, vocab: int) -> torch.Tensor:
+        """[vocab] zeros: every token allowed (ThinkingGate's, while the model thinks)."""
+        return self._biases.free(vocab)
 
     # speculative decoding: a draft's rows are sampled under the states the draft walks to
     def accepted(self, tokens: list[int]) -> int:
@@ -207,6 +214,74 @@ class GuideAfter:
         return self.guide.bias_after(self.tokens, vocab)
 
 
+class ThinkingGate:
+    """A constraint that holds from the end of the model's thinking, as vLLM's structured outputs do with a
+    reasoning parser: while the answer thinks every token is allowed, the end marker's token closes the
+    thinking and the constraint's walk starts with the next token. Where the prompt has not left the
+    answer thinking, its first token may be the begin marker's (it then thinks) or one the constraint
+    allows (the walk starts there): a model that does not think is held from its first token."""
+
+    def __init__(self, guide: SequenceGuide, marks: ThinkingMarks):
+        self.guide, self.marks = guide, marks
+        self.state = "thinking" if marks.open else "first"      # then "walk"
+
+    @property
+    def constraining(self) -> bool:
+        return self.state != "thinking"
+
+    def _next(self, state: str, token: int) -> str:
+        if state == "thinking":
+            return "walk" if token == self.marks.end else "thinking"
+        if state == "first" and token == self.marks.begin:
+            return "thinking"
+        return "walk"
+
+    def advance(self, token_id: int) -> None:
+        walking = self.state == "walk" or (self.state == "first" and token_id != self.marks.begin)
+        self.state = self._next(self.state, token_id)
+        if walking:
+            self.guide.advance(token_id)
+
+    def _bias(self, state: str, guide: SequenceGuide | GuideAfter, vocab: int) -> torch.Tensor:
+        if state == "thinking":
+            return self.guide.free_bias(vocab)
+        bias = guide.bias(vocab)
+        if state == "first" and self.marks.begin is not None and self.marks.begin < vocab:
+            bias = bias.clone()
+            bias[self.marks.begin] = 0.0
+        return bias
+
+    def bias(self, vocab: int) -> torch.Tensor:
+        return self._bias(self.state, self.guide, vocab)
+
+    def _walk(self, tokens: list[int]) -> tuple[str, int]:
+        """(the state after tokens, how many of them come before the walk's)."""
+        state = self.state
+        for i, token in enumerate(tokens):
+            if state == "walk" or (state == "first" and token != self.marks.begin):
+                return "walk", i
+            state = self._next(state, token)
+        return state, len(tokens)
+
+    def accepted(self, tokens: list[int]) -> int:
+        state, before = self._walk(tokens)
+        return before + (self.guide.accepted(tokens[before:]) if state == "walk" else 0)
+
+    def after(self, tokens: list[int]) -> ThinkingGate | GateAfter:
+        return GateAfter(self, tokens) if tokens else self
+
+
+class GateAfter:
+    """ThinkingGate.after: reads as the gate would after some tokens, leaving it where it is."""
+
+    def __init__(self, gate: ThinkingGate, tokens: list[int]):
+        self.gate, self.tokens = gate, tokens
+
+    def bias(self, vocab: int) -> torch.Tensor:
+        state, before = self.gate._walk(self.tokens)
+        return self.gate._bias(state, self.gate.guide.after(self.tokens[before:]), vocab)
+
+
 class BiasCache:
     """Logit biases by (constraint, automaton state, vocab size), least recently used dropped past
     CACHED_BIAS_BYTES. Writing a state's mask walks its allowed tokens (~50 us for a state inside a
@@ -221,6 +296,15 @@ class BiasCache:
 
     def __len__(self) -> int:
         return len(self._biases)
+
+    def free(self, vocab: int) -> torch.Tensor:
+        """[vocab] zeros: every token allowed."""
+        key = ("free", vocab)
+        if key not in self._biases:
+            self._biases[key] = torch.zeros(vocab, device=self.device)
+            self.nbytes += 4 * vocab
+        self._biases.move_to_end(key)
+        return self._biases[key]
 
     def get(self, key: tuple, guide: outlines_core.Guide) -> torch.Tensor:
         bias = self._biases.get(key)

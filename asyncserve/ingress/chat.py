@@ -2,9 +2,11 @@
 output read into reasoning, content and calls (chat_output.py)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from aiohttp import web
 
-from asyncserve.ingress.chat_output import OutputReader, new_id, prompt_thinking
+from asyncserve.ingress.chat_output import OutputReader, new_id, prompt_thinking, thinking_marks
 from asyncserve.ingress.prepare import (max_tokens, new_sequence, num_samples, ready_server, sample_params,
                                         served_adapter, structured_outputs)
 from asyncserve.ingress.protocol import (ApiError, ChatCompletionRequest, decode_body, refuse_unsupported,
@@ -47,9 +49,19 @@ async def prepared_chat(server, req: ChatCompletionRequest) -> tuple[list[ChatCh
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     structured = await structured_outputs(server, req, tools)
-    # "auto": calls are read from the output, constrained or not (as in vLLM); thinking only from a free
-    # one, since a constraint holds the output from its first token
-    reasoning = server.chat_formats.reasoning if structured is None else None
+    # "auto": calls are read from the output, constrained or not (as in vLLM). A response format holds
+    # from the end of the thinking, where the model's markers are tokens (vLLM's structured outputs
+    # with a reasoning parser); else, and for a tool choice's constraint, from the first token, and the
+    # output is not read for thinking
+    reasoning = server.chat_formats.reasoning
+    thinks = prompt_thinking(prompt_text)
+    if structured is not None and reasoning is not None:
+        tool_constraint = tools is not None and tools.constraint is not None
+        marks = None if tool_constraint else thinking_marks(server.engine.tokenizer, reasoning, thinks)
+        if marks is not None:
+            structured = replace(structured, thinking=marks)
+        elif thinks is not False:
+            reasoning = None
     tool_format = tools.format if tools is not None else None
     if tool_format is not None and tool_format.keeps_special_tokens:
         req.skip_special_tokens = False              # its markers are special tokens
@@ -57,7 +69,6 @@ async def prepared_chat(server, req: ChatCompletionRequest) -> tuple[list[ChatCh
                              structured=structured)
     read = reasoning is not None or tool_format is not None
     schemas = {t.function.name: t.function.parameters or {} for t in req.tools or ()}
-    thinks = prompt_thinking(prompt_text) if read else None
     choices = [ChatChoice(sample, new_sequence(server, prompt_ids, sample_params(params, sample), adapter),
                           OutputReader(tool_format, reasoning, thinks, None if req.parallel_tool_calls else 1,
                                        schemas) if read else None)

@@ -35,6 +35,8 @@ import secrets
 import string
 from dataclasses import dataclass, field
 
+from asyncserve.sampling_params import ThinkingMarks
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 REASONING_FORMATS = ("qwen3", "deepseek_r1")
 
@@ -368,6 +370,23 @@ def prompt_thinking(prompt: str) -> bool | None:
     return False if prompt.rstrip().endswith(THINK_CLOSE) else None
 
 
+def starts_thinking(reasoning: str | None, prompt_thinks: bool | None) -> bool:
+    """Whether the answer starts inside its thinking: a deepseek_r1 one unless the prompt closed it, a
+    qwen3 one when the prompt opened it."""
+    return reasoning is not None and bool(prompt_thinks or (reasoning == "deepseek_r1" and prompt_thinks is None))
+
+
+def thinking_marks(tokenizer, reasoning: str, prompt_thinks: bool | None) -> ThinkingMarks | None:
+    """Where a constraint starts on a model that thinks first (StructuredOutputs.thinking): None when the
+    prompt closed the thinking, or when the vocabulary has no single token for its end (the constraint
+    then holds from the first token, and the thinking is not read)."""
+    end = tokenizer.backend.token_to_id(THINK_CLOSE)
+    if prompt_thinks is False or end is None:
+        return None
+    return ThinkingMarks(end=end, begin=tokenizer.backend.token_to_id(THINK_OPEN),
+                         open=starts_thinking(reasoning, prompt_thinks))
+
+
 @dataclass(frozen=True)
 class ChatFormats:
     """The server's reading of chat outputs: from --tool-call-parser and --reasoning-parser, or what
@@ -408,8 +427,7 @@ class OutputReader:
         are dropped (parallel_tool_calls: false, as vLLM does). schemas: the request's tools' parameter
         schemas by name (qwen3_coder types its values by them)."""
         self.tools, self.reasoning, self.max_calls, self.schemas = tools, reasoning, max_calls, schemas or {}
-        self.starts_thinking = reasoning is not None and (prompt_thinks or (reasoning == "deepseek_r1"
-                                                                            and prompt_thinks is None))
+        self.starts_thinking = starts_thinking(reasoning, prompt_thinks)
         self.text = ""
         self.sent = Reading()              # what feed handed out so far: at the end, the whole reading
         self.memo: dict = {"schemas": self.schemas}

@@ -38,7 +38,7 @@ class OutputProcessor:
         reason = None
         # a guide allows the end-of-sequence token only where its text is complete: that ends the
         # sequence whatever ignore_eos and min_tokens say
-        guide_done = seq.guide is not None and token in self.tokenizer.eos_token_ids
+        guide_done = seq.guide is not None and seq.guide.constraining and token in self.tokenizer.eos_token_ids
         if seq.guide is not None and not guide_done:
             try:
                 seq.guide.advance(token)
