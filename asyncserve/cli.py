@@ -30,7 +30,8 @@ def _engine_args(p: argparse.ArgumentParser, step_profile: str = "off") -> None:
     off for a one-off `generate`)."""
     p.add_argument("--model", default=None, metavar="PATH",
                    help="HF folder, .gguf file or Hugging Face Hub id (org/name: from the HF cache, downloaded when "
-                        "online; HF_HOME, HF_HUB_OFFLINE) (default: SmolLM2-135M-Instruct)")
+                        "online; HF_HOME, HF_HUB_OFFLINE; a repository of GGUF files as org/name:Q8_0, its Q4_K_M "
+                        "file without a quantization, as llama.cpp's -hf) (default: SmolLM2-135M-Instruct)")
     p.add_argument("--revision", default=None, help="the --model Hub id's branch, tag or commit (default: main)")
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
                    help="serve the PEFT LoRA folder, llama.cpp LoRA file (.gguf, as llama-server --lora takes), "
