@@ -299,6 +299,7 @@ def test_gguf_unsupported_architecture(tmp_path):
     for architecture in ("falcon", "mamba", "deepseek2"):
         path = write_gguf(tmp_path / f"{architecture}.gguf", architecture=architecture, tokens=tokens, merges=merges,
                           special=special, llama={"block_count": 1})
-        with pytest.raises(ModelLoadError, match=f"'{architecture}' model.*'llama', 'qwen2', 'qwen3', 'gemma2', "
-                                                 "'gemma3', 'phi3', 'smollm3', 'granite', 'qwen2moe', 'qwen3moe'"):
+        with pytest.raises(ModelLoadError, match=f"'{architecture}' model.*'llama', 'qwen2', 'qwen3', 'gemma', "
+                                                 "'gemma2', 'gemma3', 'phi3', 'olmo2', 'smollm3', 'granite', "
+                                                 "'qwen2moe', 'qwen3moe'"):
             load_model(str(path))
