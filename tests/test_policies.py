@@ -274,7 +274,8 @@ def test_offline_an_unattainable_request_finishes_with_its_error(llm):
     latency = llm.engine.latency
     latency.coefficients = latency.start
     try:
-        outs = llm.generate(["the fox jumps"], SamplingParams(max_tokens=4), NAMES[0])
+        # ignore_eos: a sampled end-of-sequence token would finish it sooner, with "stop"
+        outs = llm.generate(["the fox jumps"], SamplingParams(max_tokens=4, ignore_eos=True), NAMES[0])
         assert outs[0].finish_reason == "length" and len(outs[0].token_ids) == 4
     finally:
         latency.coefficients = FIXED
