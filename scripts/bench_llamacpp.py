@@ -12,6 +12,9 @@ asyncserve runs.
     python scripts/make_w1.py --model MODEL.gguf --out /tmp/bench    # /tmp/bench/w1: prompts, PEFT adapters a0..a3
     python scripts/bench_llamacpp.py --gguf MODEL.gguf --bench-dir /tmp/bench \\
         --llama-server BUILD/bin/llama-server --lora-gguf a0.gguf,a1.gguf,a2.gguf,a3.gguf --rounds 3
+    # several asyncserve settings (and another checkout of it, e.g. the commit before a change) interleaved
+    python scripts/bench_llamacpp.py --gguf MODEL.gguf --loads base --asyncserve-flags="--keep-quantized --dtype float32" \\
+        --asyncserve-flags=--no-keep-quantized --baseline-repo /tmp/before
 
 Run it on a quiet machine: the servers' threads spin at barriers, and any other busy process collapses
 either one's throughput.
@@ -46,9 +49,10 @@ def cpu_description() -> str:
     return f"{info.get('model name', platform.processor())}, {os.cpu_count()} CPUs, {' '.join(sorted(flags))}"
 
 
-def start(name: str, cmd: list[str], port: int, args, env: dict | None = None) -> subprocess.Popen:
-    log = open(args.out / f"{name}.log", "w")
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
+def start(name: str, cmd: list[str], port: int, args, repo: Path = REPO) -> subprocess.Popen:
+    log = open(args.out / f"{name.replace(' ', '_')}.log", "w")
+    env = {**os.environ, "PYTHONPATH": str(repo)}       # repo: this checkout, or --baseline-repo's
+    proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + args.start_timeout
     while True:
         try:
@@ -61,12 +65,12 @@ def start(name: str, cmd: list[str], port: int, args, env: dict | None = None) -
             time.sleep(0.5)
 
 
-def asyncserve_command(args) -> list[str]:
+def asyncserve_command(args, flags: list[str]) -> list[str]:
     adapters = [f"{adapter_name('a', k)}={w1_file(args.bench_dir, 'adapters') / adapter_name('a', k)}"
                 for k in range(W1_NUM_ADAPTERS)]
     cmd = [sys.executable, "-m", "asyncserve.cli", "serve", "--model", str(args.gguf), "--port", str(args.port),
-           "--threads", str(args.threads), "--no-prefix-caching", "--log-level", "WARNING", *args.asyncserve_flags]
-    return cmd + [flag for a in adapters for flag in ("--adapter", a)]
+           "--threads", str(args.threads), "--no-prefix-caching", "--log-level", "WARNING", *flags]
+    return cmd + [flag for a in adapters for flag in ("--adapter", a)] * ("adapters" in args.loads.split(","))
 
 
 def llama_server_command(args) -> list[str]:
@@ -99,8 +103,11 @@ def main() -> None:
     ap.add_argument("--lora-gguf", type=lambda s: [Path(p) for p in s.split(",")], default=[],
                     help="a0..a3 converted by llama.cpp's convert_lora_to_gguf.py, comma-separated, in order")
     ap.add_argument("--loads", default="base,adapters", help="base and/or adapters (4 per request, W1's)")
-    ap.add_argument("--asyncserve-flags", default="--keep-quantized --dtype float32",
-                    help="more asyncserve serve flags (default: %(default)s)")
+    ap.add_argument("--asyncserve-flags", action="append", default=None,
+                    help="more asyncserve serve flags; repeat for several settings, each its own system "
+                         "(default: --keep-quantized --dtype float32)")
+    ap.add_argument("--baseline-repo", type=Path, help="another checkout of asyncserve (e.g. the commit before a "
+                    "change), run with the first --asyncserve-flags as system 'baseline'")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--max-in-flight", type=int, default=16, help="and llama-server's -np")
@@ -111,14 +118,17 @@ def main() -> None:
     ap.add_argument("--request-timeout", type=float, default=1800.0)
     ap.add_argument("--out", type=Path, default=Path("bench-llamacpp"), help="logs and results.json")
     args = ap.parse_args()
-    args.asyncserve_flags = args.asyncserve_flags.split()
+    settings = [flags.split() for flags in args.asyncserve_flags or ["--keep-quantized --dtype float32"]]
     loads = args.loads.split(",")
     if "adapters" in loads and args.llama_server and len(args.lora_gguf) != W1_NUM_ADAPTERS:
         raise SystemExit(f"--lora-gguf needs W1's {W1_NUM_ADAPTERS} adapters converted for llama-server")
     args.out.mkdir(parents=True, exist_ok=True)
-    systems = {"asyncserve": (asyncserve_command(args), args.port)}
+    systems = {"asyncserve" if len(settings) == 1 else f"asyncserve {' '.join(flags)}":
+               (asyncserve_command(args, flags), args.port, REPO) for flags in settings}
+    if args.baseline_repo:
+        systems["baseline"] = (asyncserve_command(args, settings[0]), args.port, args.baseline_repo.resolve())
     if args.llama_server:
-        systems["llama-server"] = (llama_server_command(args), args.port + 1)
+        systems["llama-server"] = (llama_server_command(args), args.port + 1, REPO)
     print(f"CPU: {cpu_description()}; {args.gguf.name}; {args.num_requests} requests, {args.max_in_flight} in flight",
           flush=True)
 
@@ -126,9 +136,9 @@ def main() -> None:
     for round_ in range(args.rounds):
         order = list(systems) if round_ % 2 == 0 else list(reversed(systems))   # neither always runs first
         for system in order:
-            cmd, port = systems[system]
+            cmd, port, repo = systems[system]
             for load in loads:
-                proc = start(f"{system}-{load}-{round_}", cmd, port, args)   # a fresh server: a cold cache
+                proc = start(f"{system}-{load}-{round_}", cmd, port, args, repo)   # a fresh server: a cold cache
                 try:
                     loadavg = os.getloadavg()[0]
                     summary = run_load(system, port, load, args)
@@ -148,8 +158,8 @@ def main() -> None:
     for load in loads:
         speeds = {s: statistics.median(r["tok_s"] for r in rows if r["system"] == s and r["load"] == load)
                   for s in systems}
-        ratio = (f"; asyncserve / llama-server {speeds['asyncserve'] / speeds['llama-server']:.2f}x"
-                 if "llama-server" in speeds else "")
+        ratio = "".join(f"; {s} / llama-server {v / speeds['llama-server']:.2f}x" for s, v in speeds.items()
+                        if s != "llama-server" and "llama-server" in speeds)
         print(f"  {load}: " + ", ".join(f"{s} {v:.1f} tok/s" for s, v in speeds.items()) + ratio)
     (args.out / "results.json").write_text(json.dumps({"cpu": cpu_description(), "gguf": str(args.gguf),
                                                        "args": {k: str(v) for k, v in vars(args).items()},
