@@ -1,9 +1,11 @@
 """Llama-family decoder as plain functions over a flat batch of tokens (gpt-fast style).
 
 One forward for every family (model/config.py's Family: Qwen2's q/k/v biases, Qwen3's and Gemma 3's
-q/k norms, Gemma's (1 + w) norms around attention and MLP, GeGLU, scaled embeddings, soft-capping
-and sliding windows, Phi-3 as Llama once its fused projections are split, Mixtral's and Qwen-MoE's
-mixtures of experts), each feature a small branch on data the weights or the config carry.
+q/k norms (OLMo 2's over all heads), Gemma's (1 + w) norms around attention and MLP (OLMo 2's only
+after them), GeGLU, scaled embeddings, soft-capping and sliding windows, Phi-3 as Llama once its fused
+projections are split (Phi-4-mini's RoPE on part of each head), SmolLM3's layers without RoPE,
+Granite's multipliers, Mixtral's and Qwen-MoE's mixtures of experts), each feature a small branch on
+data the weights or the config carry.
 
 A step's tokens from many sequences are concatenated: decode tokens first (one per sequence), then
 prefill chunks. Base projections run once for all tokens; when a step has LoRA tokens, the
@@ -361,7 +363,8 @@ def _yarn(inv_freq: torch.Tensor, scaling: dict, dim: int, theta: float) -> tupl
 
 class Rope:
     """cos/sin tables up to max_position, indexed per step by token positions; local_cos/local_sin
-    those of the sliding layers (Gemma 3's own base; the same tensors otherwise)."""
+    those of the layers ModelConfig.local_rope names (Gemma 3's sliding layers: their own base;
+    SmolLM3's NoPE layers: identity; the same tensors otherwise)."""
 
     def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype):
         scaling = config.rope_scaling or {}
