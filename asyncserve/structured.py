@@ -237,9 +237,8 @@ class ThinkingGate:
         return "walk"
 
     def advance(self, token_id: int) -> None:
-        walking = self.state == "walk" or (self.state == "first" and token_id != self.marks.begin)
-        self.state = self._next(self.state, token_id)
-        if walking:
+        self.state, before = self._walk([token_id])
+        if self.state == "walk" and before == 0:       # the token is the walk's own, not the end of thinking
             self.guide.advance(token_id)
 
     def _bias(self, state: str, guide: SequenceGuide | GuideAfter, vocab: int) -> torch.Tensor:
