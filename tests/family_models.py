@@ -453,3 +453,67 @@ def assert_tensor_parallel_refuses(model: FamilyModel, names: list[str]) -> None
     finally:
         llm.engine.close()
 
+
+# ---- multimodal checkpoints (tests/test_multimodal_text.py): tiny towers, the language model as above ----
+
+MULTIMODAL_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2)
+SIGLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+              patch_size=14)
+QWEN_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+# wrapper -> (config class, model class, the language model's family, config arguments)
+WRAPPERS = {
+    "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration", "gemma3", dict(
+        text_config=dict(MULTIMODAL_TEXT, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+                         layer_types=["sliding_attention", "full_attention"],
+                         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                          "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                             "rope_theta": 1e6}}),
+        vision_config=SIGLIP, mm_tokens_per_image=4)),
+    "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration", "llama", dict(
+        text_config=dict(MULTIMODAL_TEXT, model_type="mistral", head_dim=16, tie_word_embeddings=False),
+        tie_word_embeddings=False,
+        vision_config=dict(SIGLIP, model_type="pixtral", head_dim=16))),
+    "llava": ("LlavaConfig", "LlavaForConditionalGeneration", "qwen2", dict(
+        text_config=dict(MULTIMODAL_TEXT, model_type="qwen2"),
+        vision_config=dict(SIGLIP, model_type="siglip_vision_model"),
+        vision_feature_layer=-1)),
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", "qwen2", dict(
+        text_config=dict(MULTIMODAL_TEXT, rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                                           "rope_theta": 1e6}),
+        vision_config=dict(QWEN_VISION, fullatt_block_indexes=[0]))),
+    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", "qwen3", dict(
+        text_config=dict(MULTIMODAL_TEXT, head_dim=16,
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                          "mrope_interleaved": True, "rope_theta": 5e6}),
+        vision_config=dict(QWEN_VISION, deepstack_visual_indexes=[0]), tie_word_embeddings=True)),
+}
+# "all-linear": every projection of the language model and the towers; "qv": two of the language model's,
+# one layer's v_proj at another rank by its path under the wrapper (PEFT matches rank_pattern keys to the end
+# of the module's whole name)
+MULTIMODAL_ADAPTERS = {"all": (4, "all-linear", dict(rslora=False)),
+            "qv": (8, ["q_proj", "v_proj"],
+                   dict(rslora=True, rank_pattern={"language_model.layers.1.self_attn.v_proj": 2}))}
+
+
+def build_multimodal(root: Path, wrapper: str, text_overrides: dict | None = None) -> FamilyModel:
+    """A tiny random multimodal checkpoint (WRAPPERS) and its MULTIMODAL_ADAPTERS."""
+    import json
+
+    import transformers
+
+    from reference import save_random_model
+
+    config_class, model_class, family, arguments = WRAPPERS[wrapper]
+    tok = make_tiny_tokenizer()
+    arguments = json.loads(json.dumps(arguments))
+    arguments["text_config"].update(vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                                    eos_token_id=tok.eos_token_id, **(text_overrides or {}))
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**arguments)).eval()
+    save_random_model(root / "base", model, tok, family, random_vectors=True)
+    paths = {}
+    for i, (name, (r, targets, extra)) in enumerate(MULTIMODAL_ADAPTERS.items()):
+        paths[name] = root / "adapters" / name
+        save_random_adapter(model, paths[name], r=r, targets=targets, seed=400 + i, **extra)
+    return FamilyModel(family, root / "base", tok, model, paths)

@@ -134,13 +134,20 @@ def save_tiny_model(folder: Path, tokenizer_source, family: str = "llama", *, se
     arguments) and saved as an HF folder with the given HF tokenizer. random_vectors: norm weights
     and biases random too (transformers starts them at 1 or 0, which hides a wrong (1 + w) or bias)."""
     import transformers
-    from transformers import GenerationConfig
 
     config_class, model_class = (getattr(transformers, name) for name in FAMILY_CLASSES[family])
     torch.manual_seed(seed)
     cfg = config_class(vocab_size=len(tokenizer_source), bos_token_id=tokenizer_source.bos_token_id,
                        eos_token_id=tokenizer_source.eos_token_id, **config)
     model = model_class(cfg).eval()
+    save_random_model(folder, model, tokenizer_source, family, random_vectors, max_shard_size)
+    return model
+
+
+def save_random_model(folder: Path, model, tokenizer_source, family: str, random_vectors=False, max_shard_size=None):
+    """``model``'s weights drawn wider than transformers' init, saved as an HF folder with the tokenizer."""
+    from transformers import GenerationConfig
+
     # the default init is tiny (std 0.02): widen it so logits are far from ties and LoRA deltas matter
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -153,8 +160,8 @@ def save_tiny_model(folder: Path, tokenizer_source, family: str = "llama", *, se
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, safe_serialization=True, **kwargs)
     tokenizer_source.save_pretrained(folder)
-    GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=[cfg.eos_token_id]).save_pretrained(folder)
-    return model
+    text = model.config.get_text_config()
+    GenerationConfig(bos_token_id=text.bos_token_id, eos_token_id=[text.eos_token_id]).save_pretrained(folder)
 
 
 def save_tiny_llama(folder: Path, tokenizer_source, *, hidden=64, layers=2, heads=4, kv_heads=2,

@@ -185,8 +185,9 @@ def test_config_rope_variants():
 def test_config_refusals():
     with pytest.raises(ModelLoadError, match="GPT2LMHeadModel is not supported.*LlamaForCausalLM, Mistral"):
         model_config({**LLAMA_CONFIG, "architectures": ["GPT2LMHeadModel"]}, "m")
-    with pytest.raises(ModelLoadError, match="Gemma3ForConditionalGeneration.*multimodal"):
-        model_config({**LLAMA_CONFIG, "architectures": ["Gemma3ForConditionalGeneration"]}, "m")
+    with pytest.raises(ModelLoadError, match="Gemma3nForConditionalGeneration is not supported.*the language models "
+                                             "of Gemma3ForConditionalGeneration"):
+        model_config({**LLAMA_CONFIG, "architectures": ["Gemma3nForConditionalGeneration"]}, "m")
     mistral = {**LLAMA_CONFIG, "architectures": ["MistralForCausalLM"]}
     assert model_config({**mistral, "sliding_window": None}, "m").layer_windows == []
     assert model_config({**mistral, "sliding_window": 4096}, "m").layer_windows == []    # beyond the context

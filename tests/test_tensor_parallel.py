@@ -339,6 +339,27 @@ def test_tp2_gemma2_merged(tmp_path):
         assert_greedy_matches(ours, ref, tie_tol=1e-3, label=f"merged case {i} adapter {case[1]}")
 
 
+def test_tp2_language_model_of_a_multimodal_checkpoint(tmp_path):
+    """Gemma 3's multimodal checkpoint: each rank reads its slices of the language model under the
+    checkpoint's language_model.model.* names, and none of the vision tower; the all-linear adapter's
+    tower LoRA is skipped on every rank."""
+    from family_models import build_multimodal
+    from reference import assert_greedy_matches, peft_references
+
+    model = build_multimodal(tmp_path, "gemma3")
+    prompts = [[5, 17, 33, 60, 91, 120, 7], [200, 3, 44, 150]]
+    cases = [(p, a) for p in prompts for a in [None, *model.adapters]]
+    refs = peft_references(model.base, model.adapters, cases, NEW_TOKENS)
+    before = shm_names()
+    llm = tp_llm(model.folder, model.adapters, tensor_parallel=2)
+    try:
+        got = greedy(llm, cases)
+    finally:
+        assert closed(llm, before) == []
+    for i, (ours, case, ref) in enumerate(zip(got, cases, refs)):
+        assert_greedy_matches(ours, ref, tie_tol=1e-3, label=f"case {i} adapter {case[1]}")
+
+
 def child_pids(pid: int, module: str) -> list[int]:
     """The children of process ``pid`` (started by any of its threads) running ``python -m module``."""
     children = [c for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]

@@ -117,10 +117,13 @@ def chat_messages(req: ChatCompletionRequest | TokenizeRequest) -> list[dict]:
         content = m.content
         if isinstance(content, list):
             texts = []
-            for part in content:
+            for j, part in enumerate(content):
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ApiError(400, f"messages[{i}].content: only text parts are supported",
-                                   param=f"messages[{i}].content", code="invalid_value")
+                    kind = part.get("type") if isinstance(part.get("type"), str) else "untyped"
+                    raise ApiError(400, f"messages[{i}].content[{j}] is a {kind[:40]!r} part; asyncserve "
+                                   "serves text only (a multimodal model's language model, without its vision "
+                                   "encoder): give text parts", param=f"messages[{i}].content[{j}]",
+                                   code="invalid_value")
                 texts.append(part["text"])
             content = "".join(texts)
         message = {"role": m.role, "content": content or ""}

@@ -1,6 +1,7 @@
 """Architecture description of a decoder (Llama and the families that differ from it in small
 pieces: Qwen2/2.5, Qwen3, Gemma 1/2/3, Phi-3, SmolLM3, Granite, OLMo 2, and the mixture-of-experts Mixtral,
-Qwen2-MoE and Qwen3-MoE), filled by the HF and GGUF loaders."""
+Qwen2-MoE and Qwen3-MoE; the language models of multimodal checkpoints as their text family), filled by the
+HF and GGUF loaders."""
 from __future__ import annotations
 
 import json
@@ -109,9 +110,11 @@ LLAMA = Family("llama", ("llama", "mistral", "ministral"), ("LlamaForCausalLM", 
                                                             "MinistralForCausalLM"), "llama")
 FAMILIES = (
     LLAMA,
-    Family("qwen2", ("qwen2",), ("Qwen2ForCausalLM",), "qwen2", qkv_bias=True,
+    # Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's language models (their text_config's model_type) are Qwen2's and Qwen3's
+    Family("qwen2", ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text"), ("Qwen2ForCausalLM",), "qwen2", qkv_bias=True,
            sliding_layers="from_max_window_layers"),
-    Family("qwen3", ("qwen3",), ("Qwen3ForCausalLM",), "qwen3", qk_norm=True, sliding_layers="from_max_window_layers"),
+    Family("qwen3", ("qwen3", "qwen3_vl_text"), ("Qwen3ForCausalLM",), "qwen3", qk_norm=True,
+           sliding_layers="from_max_window_layers"),
     Family("gemma", ("gemma",), ("GemmaForCausalLM",), "gemma", unit_offset_norms=True, activation="gelu_tanh",
            scaled_embeddings=True),
     Family("gemma2", ("gemma2",), ("Gemma2ForCausalLM",), "gemma2", unit_offset_norms=True, sandwich_norms=True,
@@ -188,6 +191,9 @@ class ModelConfig:
     # a mixture-of-experts MLP in every layer; intermediate_size is then its shared expert's (the dense
     # MLP that LoRA on gate/up/down_proj adapts), or, with none, the experts' (nothing dense to adapt)
     moe: MoeConfig | None = None
+    # a multimodal checkpoint's language model: the modules outside it (loader_hf.TOWERS), whose LoRA an
+    # adapter may carry and text never runs; empty for a text model
+    towers: tuple[str, ...] = ()
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None

@@ -17,15 +17,23 @@ from asyncserve.model.tokenizer import Tokenizer
 
 def load_hf_folder(folder: Path, progress: ProgressCallback | None = None, shard: Shard | None = None) -> LoadedModel:
     """shard: a tensor-parallel rank's slices only (model/shard.py), read as slices of the files; the
-    config stays the whole model's."""
+    config stays the whole model's. A multimodal checkpoint (MULTIMODAL) serves its language model:
+    the vision encoder's and projector's tensors are never read."""
     config_json = read_json(folder / "config.json")
     generation_file = folder / "generation_config.json"
     generation = read_json(generation_file) if generation_file.is_file() else {}
-    config = model_config(config_json, name=folder.name)
+    text_json, wrapper = language_model_config(config_json, folder.name)
+    config = model_config(text_json, name=folder.name)
     weight_files = _safetensors_files(folder)     # refuse a pickle-only checkpoint before any slow work
+    names = _text_weight_names(weight_files) if wrapper else None
+    if names is not None:
+        # tied where the checkpoint has no head of its own, as transformers ties (and unties) composite models
+        config.tie_word_embeddings = "lm_head.weight" not in names.values()
+        config.towers = TOWERS
 
     # generation stops at any eos the model declares: generation_config.json's and config.json's
-    eos_ids = list(dict.fromkeys(_ids(generation.get("eos_token_id")) + _ids(config_json.get("eos_token_id"))))
+    eos_ids = list(dict.fromkeys(_ids(generation.get("eos_token_id")) + _ids(config_json.get("eos_token_id"))
+                                 + (_ids(text_json.get("eos_token_id")) if wrapper else [])))
     tokenizer = Tokenizer.from_hf_folder(folder, generation_eos_ids=eos_ids)
     config.eos_token_ids = tokenizer.eos_token_ids
     config.bos_token_id = next((i for i in (config_json.get("bos_token_id"), generation.get("bos_token_id"),
@@ -33,7 +41,7 @@ def load_hf_folder(folder: Path, progress: ProgressCallback | None = None, shard
 
     shard = shard or Shard(0, 1)
     local = shard_config(config, shard.world)
-    tensors = _read_safetensors(weight_files, progress, lambda name: shard_ranges(name, config, shard))
+    tensors = _read_safetensors(weight_files, progress, lambda name: shard_ranges(name, config, shard), names)
     if config.family.fused_projections:
         split_fused(local, tensors)
     if config.moe is not None:
@@ -44,6 +52,86 @@ def load_hf_folder(folder: Path, progress: ProgressCallback | None = None, shard
     return LoadedModel(config, weights, tokenizer, str(folder))
 
 
+# Multimodal checkpoints whose language model is a family served here, served for text as vLLM serves
+# them text-only requests: architecture -> (the language model's model_type where the config does not
+# name it, whether the wrapper ties the head by default, and transformers' defaults for what a text_config
+# of that model_type may leave out: transformers writes a composite's text_config as its difference from them).
+# RoPE bases are given as rope_theta (Gemma 3's sliding layers': rope_local_base_freq), so that a
+# text_config's own rope_scaling or rope_parameters is read as it stands.
+MULTIMODAL: dict[str, tuple[str, bool, dict[str, Any]]] = {
+    "Gemma3ForConditionalGeneration": ("gemma3_text", True, dict(
+        vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072,
+        rms_norm_eps=1e-6, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, query_pre_attn_scalar=256,
+        sliding_window=4096, sliding_window_pattern=6, attn_logit_softcapping=None, final_logit_softcapping=None)),
+    "Mistral3ForConditionalGeneration": ("mistral", True, dict(
+        vocab_size=131072, hidden_size=5120, intermediate_size=32768, num_hidden_layers=40, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, hidden_act="silu", max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_theta=1_000_000_000.0, sliding_window=None)),
+    "LlavaForConditionalGeneration": ("llama", False, dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, head_dim=128, hidden_act="silu", max_position_embeddings=2048, rms_norm_eps=1e-6,
+        rope_theta=10000.0)),
+    **{architecture: (text_type, False, dict(
+        vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
+        num_key_value_heads=8, hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-5,
+        rope_theta=1_000_000.0, sliding_window=None, use_sliding_window=False, max_window_layers=80))
+       for architecture, text_type in (("Qwen2VLForConditionalGeneration", "qwen2_vl_text"),
+                                       ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl_text"))},
+    "Qwen3VLForConditionalGeneration": ("qwen3_vl_text", False, dict(
+        vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, head_dim=128, hidden_act="silu", max_position_embeddings=128000, rms_norm_eps=1e-6,
+        rope_theta=500_000.0)),
+}
+# a multimodal checkpoint's modules outside its language model (vision encoders, projectors), at the
+# root or under "model." as checkpoints and PEFT adapters name them
+TOWERS = ("vision_tower", "multi_modal_projector", "visual")
+
+
+def language_model_config(cfg: dict[str, Any], name: str) -> tuple[dict[str, Any], str | None]:
+    """(the language model's config, the MULTIMODAL architecture it comes from or None): config.json
+    itself, or a multimodal config's text_config over its wrapper's defaults (Qwen2-VL's and Qwen2.5-VL's
+    configs before transformers 4.53 keep the language model's keys at the top)."""
+    wrapper = next((a for a in cfg.get("architectures") or [] if a in MULTIMODAL), None)
+    if wrapper is None:
+        return cfg, None
+    model_type, tied, defaults = MULTIMODAL[wrapper]
+    text = cfg.get("text_config")
+    if text is None:
+        text = {key: value for key, value in cfg.items() if key not in ("model_type", "vision_config")}
+    if not isinstance(text, dict):
+        raise ModelLoadError(f"model {name}: config.json's text_config should be an object")
+    # the defaults are those of the wrapper's own text model (Llava's text may be any family's)
+    merged = {**(defaults if text.get("model_type", model_type) == model_type else {}), **text,
+              "model_type": text.get("model_type", model_type)}
+    merged.pop("architectures", None)
+    merged["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", tied) or text.get("tie_word_embeddings"))
+    return merged, wrapper
+
+
+def text_weight_name(name: str) -> str | None:
+    """A multimodal checkpoint's tensor under the language model's own names (model.*, lm_head.*), or
+    None for a tower's: transformers saves model.language_model.* (Qwen3-VL), language_model.model.* and
+    language_model.lm_head.* (Gemma 3, Mistral 3, Llava, as their Hub checkpoints), or model.* (Qwen2.5-VL)."""
+    root = name.removeprefix("model.")
+    if root.split(".", 1)[0] in TOWERS:
+        return None
+    for prefix, to in (("model.language_model.", "model."), ("language_model.model.", "model."),
+                       ("language_model.", "")):
+        if name.startswith(prefix):
+            return to + name[len(prefix):]
+    return name
+
+
+def _text_weight_names(files: list[Path]) -> dict[str, str]:
+    """A multimodal checkpoint's tensors of the language model: stored name -> text_weight_name."""
+    names = {}
+    for path in files:
+        with _safetensors_call(path, lambda: safe_open(path, "pt")) as f:
+            names.update({stored: text for stored in f.keys() if (text := text_weight_name(stored)) is not None})
+    return names
+
+
 def family_of(cfg: dict[str, Any], name: str) -> Family:
     """The family config.json names, by its architectures (or, lacking them, its model_type)."""
     architectures = cfg.get("architectures") or []
@@ -52,11 +140,9 @@ def family_of(cfg: dict[str, Any], name: str) -> Family:
                 not architectures and cfg.get("model_type") in family.model_types):
             return family
     supported = ", ".join(a for f in FAMILIES for a in f.architectures)
-    hint = ""
-    if "Gemma3ForConditionalGeneration" in architectures:
-        hint = " (Gemma 3's multimodal checkpoints are not; its text-only Gemma3ForCausalLM ones are)"
     raise ModelLoadError(f"model {name}: architecture {', '.join(architectures) or '(none given)'} is not "
-                         f"supported; asyncserve serves {supported}{hint}")
+                         f"supported; asyncserve serves {supported}, and the language models of "
+                         f"{', '.join(MULTIMODAL)}")
 
 
 def model_config(cfg: dict[str, Any], name: str) -> ModelConfig:
@@ -196,6 +282,10 @@ def _rope(cfg: dict[str, Any], family: Family, name: str) -> tuple[float, dict |
     scaling.pop("partial_rotary_factor", None)
     if "type" in scaling:             # the pre-4.45 spelling of rope_type
         scaling.setdefault("rope_type", scaling.pop("type"))
+    if scaling.get("rope_type") == "mrope" and str(cfg.get("model_type")).endswith("_vl_text"):
+        # Qwen2-VL's and Qwen2.5-VL's multimodal RoPE: on text alone its three position ids are equal,
+        # which rotates as plain RoPE (transformers reads it as "default")
+        scaling["rope_type"] = "default"
     if scaling.get("rope_type") == "su" or (family.name == "phi3" and scaling.get("rope_type") == "yarn"):
         scaling["rope_type"] = "longrope"          # Phi-3's older names for it, as transformers reads them
     if scaling.get("rope_type", "default") == "default":
@@ -289,15 +379,20 @@ def _safetensors_files(folder: Path) -> list[Path]:
 
 
 def _read_safetensors(files: list[Path], progress: ProgressCallback | None,
-                      ranges: Callable[[str], tuple[int, list[tuple[int, int]]] | None]) -> dict[str, torch.Tensor]:
+                      ranges: Callable[[str], tuple[int, list[tuple[int, int]]] | None],
+                      names: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of the files, or where ranges(name) gives (dim, [(start, end), ...]) only those slices
-    of it, concatenated (read as slices: the rest of the tensor is never loaded)."""
+    of it, concatenated (read as slices: the rest of the tensor is never loaded). names: only these
+    stored tensors, under these names (a multimodal checkpoint's language model)."""
     opened = {path: _safetensors_call(path, lambda: safe_open(path, "pt")) for path in files}
-    total = sum(len(f.keys()) for f in opened.values())
+    total = len(names) if names is not None else sum(len(f.keys()) for f in opened.values())
     tensors: dict[str, torch.Tensor] = {}
     for path, f in opened.items():
-        for name in f.keys():
-            tensors[name] = _safetensors_call(path, lambda: _read_tensor(f, name, ranges(name)))
+        for stored in f.keys():
+            name = stored if names is None else names.get(stored)
+            if name is None:
+                continue
+            tensors[name] = _safetensors_call(path, lambda: _read_tensor(f, stored, ranges(name)))
             if progress is not None:
                 progress(len(tensors), total)
     return tensors

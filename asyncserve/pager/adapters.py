@@ -433,7 +433,10 @@ def _check_against_model(name: str, path: str, acfg: AdapterConfig, stored: list
     vocab_found: dict[str, dict[str, StoredTensor]] = {}
     base_copies: dict[str, StoredTensor] = {}
     saved: dict[str, StoredTensor] = {}
+    prefixes: dict[int, str] = {}         # per layer, the path PEFT names its modules under (model.)
     for t in stored:
+        if config.towers and _module_root(t.key) in config.towers:
+            continue       # a multimodal base's vision encoder or projector: text never runs through them
         if config.moe is not None and experts.add(name, t, config):
             continue
         if (v := _SAVED_KEY.search(t.key)) is not None:
@@ -463,6 +466,7 @@ def _check_against_model(name: str, path: str, acfg: AdapterConfig, stored: list
             raise AdapterError(f"adapter {name!r}: {t.key!r} is for layer {layer}, the base model has "
                                f"{config.num_layers} layers")
         found.setdefault((layer, module), {})[ab] = t
+        prefixes.setdefault(layer, _module_path(t.key[:m.start(1)]).removesuffix("layers."))
     if not found and not experts.any:
         raise AdapterError(f"adapter {name!r}: no LoRA tensors on the decoder layers' projections in "
                            f"{path}/adapter_model.safetensors (LoRA on the embeddings or the head alone is not served)")
@@ -496,10 +500,20 @@ def _check_against_model(name: str, path: str, acfg: AdapterConfig, stored: list
                 f"model needs A [r, {fan_in}] and B [{fan_out}, r] — was it trained for a different base model?")
         if (module := expert_names.get((layer, p))) is None:
             peft_name = _peft_name(config, proj)
-            module = f"model.layers.{layer}.{_container(config, peft_name)}.{peft_name}"
+            module = f"{prefixes.get(layer, 'model.')}layers.{layer}.{_container(config, peft_name)}.{peft_name}"
         scaling[layer][p] = _module_scaling(name, acfg, module, r, rank_pattern, alpha_pattern, alpha)
         ranks[p] = max(ranks[p], r)
     return ranks, scaling, modules, fan_in_fan_out, vocab
+
+
+def _module_path(key: str) -> str:
+    """A tensor's name as the model names it: without PEFT's base_model.model. wrapper."""
+    return key.removeprefix("base_model.model.")
+
+
+def _module_root(key: str) -> str:
+    """The top module a tensor is in, under the model's "model." (a multimodal model's vision_tower)."""
+    return _module_path(key).removeprefix("model.").split(".", 1)[0]
 
 
 def _module_scaling(name: str, acfg: AdapterConfig, module: str, r: int, rank_pattern: PatternTable,
