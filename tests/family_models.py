@@ -55,6 +55,13 @@ FAMILIES = {
     # OLMo 2: norms on the attention's and the MLP's outputs only, q and k normed whole
     "olmo2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, pad_token_id=0),
+    # OLMo 3: OLMo 2's layer, three sliding layers (window 8) to one global; YaRN on the global layer only
+    "olmo3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, pad_token_id=0,
+                  sliding_window=8,
+                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 5e5},
+                                   "full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5,
+                                                      "original_max_position_embeddings": 128}}),
     # Granite: its four multipliers away from 1 (embeddings, each residual branch, the scores, the logits)
     "granite": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
@@ -170,7 +177,8 @@ def write_family_gguf(model: FamilyModel, path: Path, projections=None, metadata
     cfg, family = model.base.config, model.family
     gemma = family.startswith("gemma")
     sandwich = family in ("gemma2", "gemma3")       # Gemma 2 and 3: four norms a layer, windows, soft caps
-    names = {**_GGUF_LAYER, **(_GEMMA_LAYER if sandwich or family == "olmo2" else {})}
+    olmo = family in ("olmo2", "olmo3")
+    names = {**_GGUF_LAYER, **(_GEMMA_LAYER if sandwich or olmo else {})}
     tensors = {}
     for name, weight in model.base.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -223,8 +231,11 @@ def write_family_gguf(model: FamilyModel, path: Path, projections=None, metadata
     if family == "granite":
         metadata.update({"embedding_scale": cfg.embedding_multiplier, "residual_scale": cfg.residual_multiplier,
                          "attention.scale": cfg.attention_multiplier, "logit_scale": cfg.logits_scaling})
-    if family == "gemma3":
+    if family == "olmo3":
+        metadata["attention.sliding_window"] = cfg.sliding_window
+    if family in ("gemma3", "olmo3"):
         metadata["attention.sliding_window_pattern"] = [t == "sliding_attention" for t in cfg.layer_types]
+    if family == "gemma3":
         metadata["rope.freq_base_swa"] = float(cfg.rope_parameters["sliding_attention"]["rope_theta"])
     if family == "phi3":
         for kind in ("long", "short"):
@@ -242,7 +253,7 @@ def write_family_gguf(model: FamilyModel, path: Path, projections=None, metadata
         return write_sentencepiece_gguf(path, gemma, architecture=family, chat_template=model.tokenizer.chat_template,
                                         llama=metadata, tensors=tensors)
     tokens, merges, special = backend_vocab(model.tokenizer.backend_tokenizer)
-    return write_gguf(path, architecture=family, tokens=tokens, merges=merges, special=special,
+    return write_gguf(path, architecture="olmo2" if olmo else family, tokens=tokens, merges=merges, special=special,
                       pre=_CONVERTER_PRE.get(family, "gpt-2"),
                       bos_id=model.tokenizer.bos_token_id, eos_id=model.tokenizer.eos_token_id,
                       chat_template=model.tokenizer.chat_template, llama=metadata, tensors=tensors)

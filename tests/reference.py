@@ -122,6 +122,7 @@ FAMILY_CLASSES = {
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
     "granite": ("GraniteConfig", "GraniteForCausalLM"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),

@@ -187,7 +187,7 @@ def test_the_step_time_model_gets_the_models_windows(family_model):
     llm = LLM(model=str(model.folder), dtype="float32", device=TEST_DEVICE)
     config = llm.engine.model_config
     assert llm.engine.latency.attention_windows == config.layer_windows
-    assert any(config.layer_windows) == (model.family in ("gemma2", "gemma3"))
+    assert any(config.layer_windows) == (model.family in ("gemma2", "gemma3", "olmo3"))
 
 
 def test_longrope_tables_equal_transformers_short_and_long():
@@ -385,9 +385,10 @@ def test_granite_multipliers_from_config_json():
             model_config({**cfg, key: value}, "m")
 
 
-def test_olmo2_refusals(tmp_path):
-    """OLMo 2 under tensor parallelism (its q and k norms span every head) and an OLMo 3 GGUF file
-    (olmo2 with sliding windows) are refused at load with the reason."""
+def test_olmo2_refusals_and_olmo3_files(tmp_path):
+    """OLMo 2 under tensor parallelism (its q and k norms span every head) is refused at load with the
+    reason; an olmo2 GGUF file with sliding windows is OLMo 3's, every 4th layer global where the file
+    lists no pattern (llama.cpp's default)."""
     from asyncserve.model.loader import load_model
     from asyncserve.model.loader_hf import model_config
     from asyncserve.model.shard import shard_config
@@ -398,12 +399,13 @@ def test_olmo2_refusals(tmp_path):
     for world in (2, 4):
         with pytest.raises(ModelLoadError, match="norms q and k over all heads"):
             shard_config(config, world)
-    model = build_family_model(tmp_path, "olmo2")
-    for window in (4, 4096):
+    model = build_family_model(tmp_path, "olmo2", num_hidden_layers=5)
+    for window, windows in ((4, [4, 4, 4, None, 4]), (4096, [])):
         path = write_family_gguf(model, tmp_path / f"olmo3-{window}.gguf",
                                  metadata_changes={"attention.sliding_window": window})
-        with pytest.raises(ModelLoadError, match="OLMo 3 file"):
-            load_model(str(path))
+        config = load_model(str(path)).config
+        assert (config.family.name, config.layer_windows, config.rope_local_theta) == ("olmo3", windows,
+                                                                                       config.rope_theta)
 
 
 def test_smollm3_nope_layers_from_config_json():

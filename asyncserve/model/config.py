@@ -1,5 +1,5 @@
 """Architecture description of a decoder (Llama and the families that differ from it in small
-pieces: Qwen2/2.5, Qwen3, Gemma 1/2/3, Phi-3, SmolLM3, Granite, OLMo 2, and the mixture-of-experts Mixtral,
+pieces: Qwen2/2.5, Qwen3, Gemma 1/2/3, Phi-3, SmolLM3, Granite, OLMo 2/3, and the mixture-of-experts Mixtral,
 Qwen2-MoE and Qwen3-MoE; the language models of multimodal checkpoints as their text family), filled by the
 HF and GGUF loaders."""
 from __future__ import annotations
@@ -97,6 +97,11 @@ class Family:
     sliding_layers: str = "all"
     # SmolLM3: every nope_interval-th layer applies no RoPE (NoPE), unless config.json lists no_rope_layers
     nope_interval: int = 0
+    # "pattern": every window_pattern-th layer global where neither config.json nor the GGUF lists them
+    window_pattern: int = 6
+    # Gemma 3, OLMo 3: the sliding layers rotate with plain RoPE at their own base (rope_parameters'
+    # sliding_attention; ModelConfig.rope_local_theta), the RoPE scaling on the global layers only
+    local_rope_base: bool = False
 
     def peft_modules(self) -> dict[str, tuple[str, ...]]:
         """PEFT module name -> the projections (PROJECTIONS) whose output slices it covers, in order."""
@@ -120,10 +125,14 @@ FAMILIES = (
     Family("gemma2", ("gemma2",), ("Gemma2ForCausalLM",), "gemma2", unit_offset_norms=True, sandwich_norms=True,
            activation="gelu_tanh", scaled_embeddings=True, sliding_layers="every_other"),
     Family("gemma3", ("gemma3_text",), ("Gemma3ForCausalLM",), "gemma3", qk_norm=True, unit_offset_norms=True,
-           sandwich_norms=True, activation="gelu_tanh", scaled_embeddings=True, sliding_layers="pattern"),
+           sandwich_norms=True, activation="gelu_tanh", scaled_embeddings=True, sliding_layers="pattern",
+           local_rope_base=True),
     Family("phi3", ("phi3",), ("Phi3ForCausalLM",), "phi3", fused_projections=True),
     Family("olmo2", ("olmo2",), ("Olmo2ForCausalLM",), "olmo2", sandwich_norms=True, pre_norms=False,
            whole_qk_norm=True),
+    # OLMo 3: OLMo 2's layer, three sliding layers to one global; llama.cpp files it as olmo2 with windows
+    Family("olmo3", ("olmo3",), ("Olmo3ForCausalLM",), "olmo2", sandwich_norms=True, pre_norms=False,
+           whole_qk_norm=True, sliding_layers="pattern", window_pattern=4, local_rope_base=True),
     Family("smollm3", ("smollm3",), ("SmolLM3ForCausalLM",), "smollm3", sliding_layers="nope_layers", nope_interval=4),
     Family("granite", ("granite",), ("GraniteForCausalLM",), "granite"),
     # mixture-of-experts MLPs (ModelConfig.moe); llama.cpp files Mixtral as "llama" with experts
@@ -178,7 +187,8 @@ class ModelConfig:
     # per layer, its sliding window (a query sees the last `window` positions, its own included), None
     # for global attention; an empty list: every layer global
     layer_windows: list[int | None] = field(default_factory=list)
-    rope_local_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (plain RoPE); None: as the others
+    # Gemma 3, OLMo 3: the sliding layers' RoPE base (plain RoPE); None: they rotate as the others
+    rope_local_theta: float | None = None
     # Phi-4-mini: RoPE on each head's first rotary_dim dimensions only (partial_rotary_factor); None: on all
     rotary_dim: int | None = None
     # SmolLM3: per layer, True where it applies no RoPE; empty: every layer rotates

@@ -2,11 +2,11 @@
 keep_quantized the projections and embeddings of the types the CPU kernels run kept as their blocks), tokenizer.
 
 Architectures llama (Mixtral: llama with experts), qwen2, qwen3, gemma, gemma2, gemma3, phi3, smollm3, granite,
-olmo2, qwen2moe and qwen3moe, with llama.cpp's conventions undone: Llama's, Mixtral's, SmolLM3's and Granite's
-Q/K rows interleaved per head (the
-other families rotate halves, as HF does), Gemma's norm weights stored as 1 + w, Phi-3's longrope
-factors and Llama 3.1's RoPE scaling (rope_freqs: a divisor per frequency) stored as tensors, a
-mixture's experts stacked in one tensor per projection."""
+olmo2 (OLMo 3: olmo2 with sliding windows), qwen2moe and qwen3moe, with llama.cpp's conventions undone:
+Llama's, Mixtral's, SmolLM3's and Granite's Q/K rows interleaved per head (the other families rotate
+halves, as HF does), Gemma's norm weights stored as 1 + w, Phi-3's longrope factors and Llama 3.1's RoPE
+scaling (rope_freqs: a divisor per frequency) stored as tensors, a mixture's experts stacked in one
+tensor per projection."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -55,10 +55,12 @@ _FAMILY_LAYER_TENSORS = {
     "gemma3": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm"},
     "phi3": {"ffn_up": "mlp.gate_up_proj"},
     "olmo2": {"post_attention_norm": "post_attention_layernorm"},
+    "olmo3": {"post_attention_norm": "post_attention_layernorm"},
 }
-# llama.cpp files Mixtral as llama with experts (_model_config tells them apart)
-_ARCHITECTURES = {family.gguf_architecture: family for family in FAMILIES if family.name != "mixtral"}
+# llama.cpp files Mixtral as llama with experts, OLMo 3 as olmo2 with sliding windows (load_gguf_file tells them apart)
+_ARCHITECTURES = {family.gguf_architecture: family for family in FAMILIES if family.name not in ("mixtral", "olmo3")}
 _MIXTRAL = next(family for family in FAMILIES if family.name == "mixtral")
+_OLMO3 = next(family for family in FAMILIES if family.name == "olmo3")
 # whose Q/K rows llama.cpp's converter interleaves per head
 _INTERLEAVED = (LLAMA.name, _MIXTRAL.name, "smollm3", "granite")
 # llama.cpp renormalizes the top-k router probabilities of these (a GGUF does not record norm_topk_prob)
@@ -91,6 +93,8 @@ def load_gguf_file(path: Path, progress: ProgressCallback | None = None, keep_qu
     freq_factors = by_name.pop("rope_freqs.weight", None)
     if family is LLAMA and _value(fields, "llama.expert_count", path, 0):
         family = _MIXTRAL
+    if family.gguf_architecture == "olmo2" and _value(fields, "olmo2.attention.sliding_window", path, 0):
+        family = _OLMO3
     hf_names = {name: hf_name(name, family, path) for name in by_name}   # refuse unknown tensors before dequantizing
 
     config = _model_config(fields, family, path, vocab_size=int(by_name["token_embd.weight"].shape[1]),
@@ -132,14 +136,12 @@ def _model_config(fields: dict[str, Any], family: Family, path: Path, vocab_size
     num_layers = llama("block_count")
     gemma = family.name.startswith("gemma")
     window = llama("attention.sliding_window", None)
-    if family.name == "olmo2" and window:
-        raise ModelLoadError(f"{path} is an OLMo 3 file (olmo2 with sliding windows), whose layer pattern and "
-                             "RoPE asyncserve does not implement; OLMo 2 files are served")
     if family.sliding_layers == "every_other":
         sliding = [i % 2 == 0 for i in range(num_layers)]
     elif family.sliding_layers == "pattern":
-        # llama.cpp's Gemma 3: every sliding_window_pattern-th layer global (6 unless the file says)
-        pattern = llama("attention.sliding_window_pattern", 6)
+        # llama.cpp's Gemma 3 and OLMo 3: every sliding_window_pattern-th layer global (6 and 4 unless the
+        # file says), or a flag per layer
+        pattern = llama("attention.sliding_window_pattern", family.window_pattern)
         sliding = list(pattern) if isinstance(pattern, list) else [(i + 1) % pattern != 0 for i in range(num_layers)]
     else:
         sliding = [True] * num_layers
@@ -177,7 +179,9 @@ def _model_config(fields: dict[str, Any], family: Family, path: Path, vocab_size
         attn_softcap=llama("attn_logit_softcapping", None) if family.name == "gemma2" else None,
         final_softcap=llama("final_logit_softcapping", None) if gemma else None,
         layer_windows=windows,
-        rope_local_theta=llama("rope.freq_base_swa", 10000.0) if family.name == "gemma3" else None,
+        # the sliding layers' plain RoPE: Gemma 3's base of their own, OLMo 3's the global layers' unless set
+        rope_local_theta=llama("rope.freq_base_swa", 10000.0 if family.name == "gemma3" else
+                               llama("rope.freq_base", 10000.0)) if family.local_rope_base else None,
         moe=moe,
     )
 

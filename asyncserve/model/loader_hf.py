@@ -231,7 +231,7 @@ def _layer_windows(cfg: dict[str, Any], family: Family, num_layers: int, name: s
     elif family.sliding_layers == "every_other":
         sliding = [(i + 1) % 2 == 1 for i in range(num_layers)]
     elif family.sliding_layers == "pattern":
-        pattern = cfg.get("sliding_window_pattern", 6)
+        pattern = cfg.get("sliding_window_pattern", family.window_pattern)
         sliding = [(i + 1) % pattern != 0 for i in range(num_layers)]
     elif family.sliding_layers == "from_max_window_layers":
         sliding = [i >= cfg.get("max_window_layers", num_layers) for i in range(num_layers)]
@@ -266,18 +266,20 @@ def _refuse_unsupported_features(cfg: dict[str, Any], family: Family, name: str)
 
 
 def _rope(cfg: dict[str, Any], family: Family, name: str) -> tuple[float, dict | None, float | None]:
-    """rope_theta, the scaling dict and (Gemma 3) the sliding layers' base, from the older
-    rope_theta/rope_scaling keys or transformers 5's rope_parameters (per layer type for Gemma 3);
+    """rope_theta, the scaling dict and (Gemma 3, OLMo 3) the sliding layers' base, from the older
+    rope_theta/rope_scaling keys or transformers 5's rope_parameters (per layer type for Gemma 3 and OLMo 3);
     scaling is normalised to have `rope_type`, and None for plain RoPE."""
     parameters = dict(cfg.get("rope_parameters") or {})
-    local_theta = None
-    if family.name == "gemma3":
+    local = {}
+    if family.local_rope_base:
         local = parameters.pop("sliding_attention", None) or {}
         parameters = dict(parameters.pop("full_attention", None) or parameters)
-        local_theta = float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0)))
         if local.get("rope_type", "default") != "default":
-            raise ModelLoadError(f"Gemma 3 with {local['rope_type']!r} RoPE on its sliding layers is not supported")
+            raise ModelLoadError(f"model {name}: {local['rope_type']!r} RoPE on the sliding layers is not supported")
     theta = parameters.pop("rope_theta", cfg.get("rope_theta", 1e6 if family.name == "gemma3" else 10000.0))
+    # Gemma 3's sliding layers default to a base of their own, OLMo 3's to the global layers'
+    local_theta = float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0) if family.name == "gemma3"
+                                  else theta)) if family.local_rope_base else None
     scaling = {**(cfg.get("rope_scaling") or {}), **parameters}
     scaling.pop("partial_rotary_factor", None)
     if "type" in scaling:             # the pre-4.45 spelling of rope_type
