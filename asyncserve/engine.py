@@ -27,6 +27,7 @@ from asyncserve.cpus import describe as describe_cpus
 from asyncserve.lora.dora import DoraBase
 from asyncserve.model import hub
 from asyncserve.model.config import ModelLoadError
+from asyncserve.model.linear_attention import LinearStates
 from asyncserve.model.llama import build_weights
 from asyncserve.model.loader import gguf_k_quants, load_model
 from asyncserve.model.shard import Shard, shard_config
@@ -157,16 +158,26 @@ class Engine:
         mc.layer_windows = windows if any(windows) else []
         # the decoder this process runs: the whole model, or rank 0's shard of it (model/shard.py)
         self.shard_config = sc = shard_config(mc, tp)
+        if mc.linear_layers:
+            _check_linear_attention_settings(config, self.device)
         weights = build_weights(sc, loaded.weights, self.dtype, self.device)
         weight_bytes = weights.nbytes()
 
         # a page holds the KV of the rank's KV heads: every rank's pool has the same pages (pool_mem each)
-        page_bytes = PagedPool.page_bytes(mc.num_layers, config.block_size, sc.kv_size, self.dtype)
-        num_pages = config.pool_bytes(self.device, weight_bytes) // page_bytes
+        page_bytes = PagedPool.page_bytes(mc.kv_layers, config.block_size, sc.kv_size, self.dtype)
+        # linear-attention layers keep a state per running sequence instead, out of the same memory
+        state_slots = config.max_running if mc.linear_layers else 0
+        state_bytes = state_slots * LinearStates.nbytes_per_slot(mc.linear_attention, sum(mc.linear_layers),
+                                                                 self.dtype) if state_slots else 0
+        num_pages = (config.pool_bytes(self.device, weight_bytes) - state_bytes) // page_bytes
         if num_pages < 1:
-            raise ValueError(f"the pool ({config.pool_bytes(self.device, weight_bytes)} bytes) is smaller than one "
-                             f"page of {page_bytes} bytes ({config.block_size} tokens of KV); raise pool_mem")
-        self.pool = PagedPool(num_pages, mc.num_layers, config.block_size, sc.num_kv_heads, mc.head_dim,
+            raise ValueError(f"the pool ({config.pool_bytes(self.device, weight_bytes)} bytes, {state_bytes} of them "
+                             f"for linear-attention states) is smaller than one page of {page_bytes} bytes "
+                             f"({config.block_size} tokens of KV); raise pool_mem")
+        if state_slots:
+            log.info("linear-attention states: %d slots (max_running) x %.1f MiB = %.2f GiB of the pool's memory",
+                     state_slots, state_bytes / state_slots / 2**20, state_bytes / 2**30)
+        self.pool = PagedPool(num_pages, mc.kv_layers, config.block_size, sc.num_kv_heads, mc.head_dim,
                               self.dtype, self.device)
         removed = cleanup_stale()          # shared memory of asyncserve processes killed before their exit
         if removed:
@@ -183,7 +194,7 @@ class Engine:
         self.lora_backend_name = config.resolved_lora_backend(self.device)
         lora = make_lora_backend(self.lora_backend_name, self.pool, sc)
         eos = self.tokenizer.eos_token_ids
-        self.runner = ModelRunner(sc, weights, self.pool, self.pager, lora, eos)
+        self.runner = ModelRunner(sc, weights, self.pool, self.pager, lora, eos, state_slots)
         if self.tp is not None:
             self._wait_ranks()
         # ASYNCSERVE_ENFORCE_EAGER=1: --enforce-eager for every engine of the process (the GPU test runs)
@@ -195,6 +206,9 @@ class Engine:
         if graphs and mc.moe is not None:
             # which expert runs which tokens is read back from the router mid-step: nothing to capture
             log.info("CUDA graphs off: %s is a mixture of experts, routed on the host each step", mc.name)
+            graphs = False
+        if graphs and mc.linear_layers:
+            log.info("CUDA graphs off: %s has linear-attention layers, run eagerly", mc.name)
             graphs = False
         if graphs and self.tp is not None:
             # a replayed decode step skips the plan every rank runs; replaying on every rank in step would
@@ -216,12 +230,13 @@ class Engine:
             max_running=config.max_running, max_step_tokens=max_step_tokens, latency=self.latency,
             max_step_adapters=config.max_step_adapters, slo_ttft_s=config.slo_ttft_s, slo_tpot_s=config.slo_tpot_s,
             switch_seconds=self.merge_seconds, merge_refusal=self.merge_refusal))
-        draft_tokens = config.resolved_speculative_tokens(self.device)
+        draft_tokens = 0 if mc.linear_layers else config.resolved_speculative_tokens(self.device)
         drafter = NgramDrafter(draft_tokens, config.prompt_lookup_min, config.prompt_lookup_max,
                                config.speculative_max_batch) if draft_tokens else None
         self.scheduler = Scheduler(self.pool, self.pager, self.tokenizer, policy, max_running=config.max_running,
                                    max_step_tokens=max_step_tokens, max_model_len=self.max_model_len,
-                                   prefix_caching=config.prefix_caching, drafter=drafter)
+                                   prefix_caching=config.prefix_caching and not mc.linear_layers, drafter=drafter,
+                                   state_slots=state_slots)
         self._seeds = random.Random(config.seed)
         self.guides = GuideCompiler(self.tokenizer, self.device)
         log.info("model %s: %d layers, %s on %s, LoRA backend %s; pool %d pages x %.1f KiB = %.2f GiB",
@@ -241,7 +256,7 @@ class Engine:
             if start is not None:
                 self.latency.start_from(start)
         self.assist: CpuAssist | None = None
-        workers = config.resolved_cpu_workers(self.device)
+        workers = 0 if mc.linear_layers else config.resolved_cpu_workers(self.device)
         if workers:       # last: nothing after it can fail and leave the workers running
             # under tensor parallelism rank 0's workers compute its shard, on its cores (each rank has its own)
             self.assist = CpuAssist(self.pager.arena, sc, workers, self.dtype, self.device,
@@ -890,21 +905,40 @@ class Engine:
         held. The idle pool's pages only; free them with release_placed. RuntimeError if the adapter
         does not fit in the pool."""
         seq = self.make_sequence(prompt_ids, params, adapter)
+        if not self.scheduler.blocks.hold_state_slot(seq):
+            raise RuntimeError("no linear-attention state slot is free (max_running)")
         seq.block_table = self.pool.allocate(self.pool.pages_for_tokens(len(prompt_ids)), "kv")
         seq.num_computed = computed
         if adapter is not None:
             if self.pager.ensure_resident(adapter, admission=False) is None:
-                self.pool.release(seq.block_table)
+                self.scheduler.blocks.free(seq)
                 raise RuntimeError(f"adapter {adapter!r} does not fit in the pool")
             seq.adapter_load = self.pager.registration(adapter)
             self.pager.acquire(seq.adapter_load)
         return seq
 
     def release_placed(self, seq: Sequence) -> None:
-        """Free a place_sequence's pages and its hold on its adapter."""
-        self.pool.release(seq.block_table)
+        """Free a place_sequence's pages, state slot and hold on its adapter."""
+        self.scheduler.blocks.free(seq)
         if seq.adapter_load is not None:
             self.pager.release(seq.adapter_load)
+
+
+def _check_linear_attention_settings(config: Config, device: torch.device) -> None:
+    """A model with linear-attention layers (Qwen3.5) keeps each sequence's state where others keep KV pages:
+    what rests on pages alone is off (prefix caching, speculative decoding's drafts, CPU assist; said in
+    the log when they would have been on by default), and refused when asked for."""
+    asked = [what for what, on in (("speculative decoding", bool(config.speculative_tokens)),
+                                   ("--cpu-assist on", config.cpu_assist == "on")) if on]
+    if asked:
+        raise ValueError(f"{' and '.join(asked)}: not served with linear-attention layers, whose per-sequence state "
+                         "cannot take back a rejected draft token nor be computed by the CPU workers")
+    off = [what for what, on in (("prefix caching", config.prefix_caching),
+                                 ("speculative decoding", config.resolved_speculative_tokens(device) > 0),
+                                 ("CPU assist", config.resolved_cpu_workers(device) > 0)) if on]
+    if off:
+        log.info("%s off: the model has linear-attention layers, whose state a cached prefix, a draft or a CPU "
+                 "worker does not carry", ", ".join(off))
 
 
 def _rank_chunks(plan: StepPlan) -> list[StepChunk]:

@@ -24,6 +24,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     block_table: list[int] = field(default_factory=list)
+    state_slot: int | None = None       # Qwen3.5: its linear-attention states' slot while it holds pages
     num_computed: int = 0               # tokens whose KV is in the cache
     finish_reason: str | None = None
     num_preemptions: int = 0

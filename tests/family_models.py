@@ -13,7 +13,8 @@ import torch
 
 from model_io_helpers import backend_vocab, llama_cpp_permute, sentencepiece_model, write_gguf, write_sentencepiece_gguf
 from quant_helpers import dequantized, quantize
-from reference import TEST_DEVICE, assert_greedy_matches, make_tiny_tokenizer, save_random_adapter, save_tiny_model
+from reference import (FAMILY_CLASSES, TEST_DEVICE, assert_greedy_matches, make_tiny_tokenizer, save_random_adapter,
+                       save_tiny_model)
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # family -> transformers config arguments: hidden 64, GQA, windows shorter than the tests' sequences
@@ -79,6 +80,14 @@ MOE_FAMILIES = {
                       num_key_value_heads=2, head_dim=32, max_position_embeddings=512, num_experts=8,
                       num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True),
 }
+# hybrids of linear and full attention (tests/test_qwen3_5.py): Qwen3.5, three Gated DeltaNet layers (2 key
+# heads grouped over 4 value heads) to one gated attention layer rotating a quarter of each head
+HYBRID_FAMILIES = {
+    "qwen3_5": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                    linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=512,
+                    tie_word_embeddings=False),
+}
 # family -> two adapters: (rank, targets, rsLoRA); the first on every projection
 ADAPTERS = {
     "phi3": {"all": (4, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], False),
@@ -134,16 +143,16 @@ def sentencepiece_hf_tokenizer(family: str, folder: Path):
 
 
 def build_family_model(root: Path, name: str, sentencepiece: bool = False, **overrides) -> FamilyModel:
-    """name: a key of FAMILIES (qwen2_tied: Qwen2 with tied embeddings); sentencepiece: a SentencePiece
+    """name: a key of FAMILIES or HYBRID_FAMILIES (qwen2_tied: Qwen2 with tied embeddings); sentencepiece: a SentencePiece
     vocabulary as Gemma's and Phi-3's (else a byte-level BPE); overrides: config arguments."""
-    family = name.split("_")[0]
+    family = name if name in FAMILY_CLASSES else name.rsplit("_", 1)[0]
     if sentencepiece:
         (root / "tokenizer").mkdir(parents=True, exist_ok=True)
         tok = sentencepiece_hf_tokenizer(family, root / "tokenizer")
     else:
         tok = make_tiny_tokenizer()
     base = save_tiny_model(root / "base", tok, family, max_shard_size="100KB", random_vectors=True,
-                           **{**FAMILIES[name], **overrides})
+                           **{**(FAMILIES.get(name) or HYBRID_FAMILIES[name]), **overrides})
     paths = {}
     for i, (adapter, (r, targets, rslora)) in enumerate(ADAPTERS.get(family, DEFAULT_ADAPTERS).items()):
         paths[adapter] = root / "adapters" / adapter
@@ -163,7 +172,9 @@ _GEMMA_LAYER = {"post_attention_layernorm": "post_attention_norm", "pre_feedforw
 
 
 # the tokenizer.ggml.pre llama.cpp's converter writes for the real checkpoints of these families
-_CONVERTER_PRE = {"llama": "llama-bpe", "smollm3": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}
+_CONVERTER_PRE = {"llama": "llama-bpe", "smollm3": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "qwen3_5": "qwen35"}
+# general.architecture where llama.cpp's differs from the family's name
+_GGUF_ARCHITECTURE = {"olmo3": "olmo2", "qwen3_5": "qwen35"}
 
 
 def write_family_gguf(model: FamilyModel, path: Path, projections=None, metadata_changes: dict | None = None,
@@ -183,13 +194,16 @@ def write_family_gguf(model: FamilyModel, path: Path, projections=None, metadata
     for name, weight in model.base.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
+        if family == "qwen3_5" and (qwen35 := _qwen35_gguf_tensor(name, weight, cfg)) is not None:
+            tensors[qwen35[0]] = (qwen35[1].float().numpy(), None)      # float: the loader dequantizes them
+            continue
         if name.startswith("model.layers."):
             _, _, layer, *module, kind = name.split(".")
             gguf_name = f"blk.{layer}.{names['.'.join(module)]}.{kind}"
         else:
             gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                          "lm_head.weight": "output.weight"}[name]
-        if gemma and name.endswith("norm.weight"):
+        if (gemma or family == "qwen3_5") and name.endswith("norm.weight") and ".linear_attn." not in name:
             weight = weight + 1.0
         if family in ("llama", "smollm3", "granite") and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
@@ -208,7 +222,8 @@ def write_family_gguf(model: FamilyModel, path: Path, projections=None, metadata
         "attention.key_length": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
         "attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
     }
-    metadata["rope.dimension_count"] = int(metadata["attention.key_length"] * getattr(cfg, "partial_rotary_factor", 1.0))
+    fraction = (cfg.rope_parameters or {}).get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
+    metadata["rope.dimension_count"] = int(metadata["attention.key_length"] * fraction)
     rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
     metadata["rope.freq_base"] = float(rope["rope_theta"])
     if rope.get("rope_type") == "linear":
@@ -237,6 +252,12 @@ def write_family_gguf(model: FamilyModel, path: Path, projections=None, metadata
         metadata["attention.sliding_window_pattern"] = [t == "sliding_attention" for t in cfg.layer_types]
     if family == "gemma3":
         metadata["rope.freq_base_swa"] = float(cfg.rope_parameters["sliding_attention"]["rope_theta"])
+    if family == "qwen3_5":
+        metadata.update({"ssm.conv_kernel": cfg.linear_conv_kernel_dim, "ssm.state_size": cfg.linear_key_head_dim,
+                         "ssm.group_count": cfg.linear_num_key_heads, "ssm.time_step_rank": cfg.linear_num_value_heads,
+                         "ssm.inner_size": cfg.linear_value_head_dim * cfg.linear_num_value_heads,
+                         "attention.recurrent_layers": [t == "linear_attention" for t in cfg.layer_types],
+                         "full_attention_interval": 4})
     if family == "phi3":
         for kind in ("long", "short"):
             tensors[f"rope_factors_{kind}.weight"] = (np.array(rope[f"{kind}_factor"], dtype=np.float32), None)
@@ -253,7 +274,7 @@ def write_family_gguf(model: FamilyModel, path: Path, projections=None, metadata
         return write_sentencepiece_gguf(path, gemma, architecture=family, chat_template=model.tokenizer.chat_template,
                                         llama=metadata, tensors=tensors)
     tokens, merges, special = backend_vocab(model.tokenizer.backend_tokenizer)
-    return write_gguf(path, architecture="olmo2" if olmo else family, tokens=tokens, merges=merges, special=special,
+    return write_gguf(path, architecture=_GGUF_ARCHITECTURE.get(family, family), tokens=tokens, merges=merges, special=special,
                       pre=_CONVERTER_PRE.get(family, "gpt-2"),
                       bos_id=model.tokenizer.bos_token_id, eos_id=model.tokenizer.eos_token_id,
                       chat_template=model.tokenizer.chat_template, llama=metadata, tensors=tensors)
@@ -275,6 +296,51 @@ def llama3_rope_divisors(rope: dict, dim: int) -> np.ndarray:
             smooth = (original / wavelength - low) / (high - low)
             divisors.append(1 / ((1 - smooth) / factor + smooth))
     return np.array(divisors, dtype=np.float32)
+
+
+# Qwen3.5's layer tensors as llama.cpp's converter names them (_qwen35_gguf_tensor)
+_QWEN35_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+                 "linear_attn.in_proj_qkv": "attn_qkv", "linear_attn.in_proj_z": "attn_gate",
+                 "linear_attn.in_proj_b": "ssm_beta", "linear_attn.in_proj_a": "ssm_alpha",
+                 "linear_attn.conv1d": "ssm_conv1d", "linear_attn.norm": "ssm_norm", "linear_attn.out_proj": "ssm_out"}
+
+
+def _qwen35_gguf_tensor(name: str, weight, cfg):
+    """(GGUF name, tensor) of a Qwen3.5 layer tensor the converter writes otherwise than the generic names, as
+    it writes it: the value heads tiled (head j of key head i at j * key_heads + i) in the linear-attention
+    tensors, -exp(A_log), the conv's taps squeezed; None for the rest."""
+    if not name.startswith("model.layers."):
+        return None
+    _, _, layer, rest = name.split(".", 3)
+    module, _, kind = rest.rpartition(".")
+    if rest in ("linear_attn.A_log", "linear_attn.dt_bias"):
+        module, kind = rest, ""
+    k_heads, v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    per_key, v_dim = v_heads // k_heads, cfg.linear_value_head_dim
+
+    def tiled(t, dim, head):
+        shape = list(t.shape)
+        return t.reshape(*shape[:dim], k_heads, per_key, head, *shape[dim + 1:]).transpose(dim, dim + 1).reshape(shape)
+
+    qk = 2 * k_heads * cfg.linear_key_head_dim
+    if module == "linear_attn.A_log":
+        return f"blk.{layer}.ssm_a", -tiled(weight.exp(), 0, 1)
+    if module == "linear_attn.dt_bias":
+        return f"blk.{layer}.ssm_dt.bias", tiled(weight, 0, 1)
+    if module in ("linear_attn.in_proj_qkv", "linear_attn.conv1d"):
+        weight = weight.reshape(weight.shape[0], -1)
+        weight = torch.cat([weight[:qk], tiled(weight[qk:], 0, v_dim)])
+    elif module == "linear_attn.in_proj_z":
+        weight = tiled(weight, 0, v_dim)
+    elif module in ("linear_attn.in_proj_a", "linear_attn.in_proj_b"):
+        weight = tiled(weight, 0, 1)
+    elif module == "linear_attn.out_proj":
+        weight = tiled(weight, 1, v_dim)
+    elif module not in _QWEN35_LAYER:
+        return None
+    if module.endswith("norm") and module != "linear_attn.norm":
+        weight = weight + 1.0
+    return f"blk.{layer}.{_QWEN35_LAYER[module]}.{kind}", weight
 
 
 def loads_as_the_folder(path: Path, folder: Path):

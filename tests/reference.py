@@ -123,6 +123,7 @@ FAMILY_CLASSES = {
     "granite": ("GraniteConfig", "GraniteForCausalLM"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),

@@ -449,7 +449,7 @@ def test_gguf_rope_refusals(tmp_path):
              "ext_factor": ({**yarn, "rope.scaling.original_context_length": 64, "rope.scaling.yarn_ext_factor": 0.5},
                             "yarn_ext_factor"),
              "dynamic": ({"rope.scaling.type": "dynamic", "rope.scaling.factor": 2.0}, "'dynamic' RoPE scaling"),
-             "partial": ({"rope.dimension_count": 8}, "partial RoPE.*Phi-3 and Phi-4-mini")}
+             "partial": ({"rope.dimension_count": 8}, "partial RoPE.*Phi-3, Phi-4-mini \\(phi3\\) and Qwen3.5")}
     for label, (fields, message) in cases.items():
         path = write_family_gguf(model, tmp_path / f"{label}.gguf", metadata_changes=fields,
                                  tensor_changes={} if label == "beside" else {"rope_freqs.weight": None})

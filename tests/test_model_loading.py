@@ -203,7 +203,7 @@ def test_config_refusals():
     phi3 = {**LLAMA_CONFIG, "architectures": ["Phi3ForCausalLM"]}
     assert model_config({**phi3, "partial_rotary_factor": 0.75}, "m").rotary_dim == 12     # Phi-4-mini's
     assert model_config(phi3, "m").rotary_dim is None and model_config(phi3, "m").rope_dim == 16
-    for config, message in (({**LLAMA_CONFIG, "partial_rotary_factor": 0.5}, "for Phi-3 and Phi-4-mini only"),
+    for config, message in (({**LLAMA_CONFIG, "partial_rotary_factor": 0.5}, "for Phi-3, Phi-4-mini and Qwen3.5 only"),
                             ({**phi3, "partial_rotary_factor": 0.6875}, "an even number"),
                             ({**phi3, "partial_rotary_factor": 1.5}, "an even number")):
         with pytest.raises(ModelLoadError, match=message):

@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from asyncserve.model.config import ModelConfig, ModelLoadError
+from asyncserve.model.config import LinearAttention, ModelConfig, ModelLoadError
 from asyncserve.model.linear import QuantizedWeight
 from asyncserve.model.tokenizer import Tokenizer
 
@@ -33,13 +33,16 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         family = config.family
         if family.pre_norms:
             shapes[p + "input_layernorm.weight"] = (h,)
-        shapes.update({
-            p + "self_attn.q_proj.weight": (config.q_size, h),
-            p + "self_attn.k_proj.weight": (config.kv_size, h),
-            p + "self_attn.v_proj.weight": (config.kv_size, h),
-            p + "self_attn.o_proj.weight": (h, config.q_size),
-            p + "post_attention_layernorm.weight": (h,),
-        })
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if config.is_linear(layer):
+            shapes.update(_linear_attention_shapes(p + "linear_attn.", h, config.linear_attention))
+        else:
+            shapes.update({
+                p + "self_attn.q_proj.weight": (config.q_proj_size, h),
+                p + "self_attn.k_proj.weight": (config.kv_size, h),
+                p + "self_attn.v_proj.weight": (config.kv_size, h),
+                p + "self_attn.o_proj.weight": (h, config.q_size),
+            })
         moe = config.moe
         if moe is not None:
             shapes[p + "mlp.gate.weight"] = (moe.num_experts, h)
@@ -50,11 +53,13 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                 shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
         else:
             shapes.update(_mlp_shapes(p + "mlp.", h, i))
-        if family.qkv_bias:
+        if config.is_linear(layer):
+            pass
+        elif family.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (config.q_size,),
                            p + "self_attn.k_proj.bias": (config.kv_size,),
                            p + "self_attn.v_proj.bias": (config.kv_size,)})
-        if family.qk_norm or family.whole_qk_norm:
+        if (family.qk_norm or family.whole_qk_norm) and not config.is_linear(layer):
             shapes.update({p + "self_attn.q_norm.weight": (config.q_size if family.whole_qk_norm else config.head_dim,),
                            p + "self_attn.k_norm.weight": (config.kv_size if family.whole_qk_norm else config.head_dim,)})
         if family.sandwich_norms:
@@ -64,6 +69,15 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (vocab, h)
     return shapes
+
+
+def _linear_attention_shapes(prefix: str, hidden: int, la: LinearAttention) -> dict[str, tuple[int, ...]]:
+    """A Gated DeltaNet layer's tensors (Qwen3.5's linear_attn)."""
+    return {prefix + "in_proj_qkv.weight": (la.conv_dim, hidden), prefix + "in_proj_z.weight": (la.value_dim, hidden),
+            prefix + "in_proj_b.weight": (la.num_v_heads, hidden), prefix + "in_proj_a.weight": (la.num_v_heads, hidden),
+            prefix + "conv1d.weight": (la.conv_dim, 1, la.conv_kernel), prefix + "dt_bias": (la.num_v_heads,),
+            prefix + "A_log": (la.num_v_heads,), prefix + "norm.weight": (la.v_head_dim,),
+            prefix + "out_proj.weight": (hidden, la.value_dim)}
 
 
 def _mlp_shapes(prefix: str, hidden: int, inter: int) -> dict[str, tuple[int, int]]:

@@ -1,5 +1,6 @@
 """Architecture description of a decoder (Llama and the families that differ from it in small
-pieces: Qwen2/2.5, Qwen3, Gemma 1/2/3, Phi-3, SmolLM3, Granite, OLMo 2/3, and the mixture-of-experts Mixtral,
+pieces: Qwen2/2.5, Qwen3, Gemma 1/2/3, Phi-3, SmolLM3, Granite, OLMo 2/3, Qwen3.5 (its linear-attention layers:
+linear_attention.py), and the mixture-of-experts Mixtral,
 Qwen2-MoE and Qwen3-MoE; the language models of multimodal checkpoints as their text family), filled by the
 HF and GGUF loaders."""
 from __future__ import annotations
@@ -102,6 +103,12 @@ class Family:
     # Gemma 3, OLMo 3: the sliding layers rotate with plain RoPE at their own base (rope_parameters'
     # sliding_attention; ModelConfig.rope_local_theta), the RoPE scaling on the global layers only
     local_rope_base: bool = False
+    # Phi-3, Qwen3.5: RoPE may rotate only part of each head (partial_rotary_factor; its default here)
+    partial_rope: bool = False
+    rotary_fraction: float = 1.0
+    # Qwen3.5: q_proj gives each head's query and an output gate; the attention's output is multiplied by
+    # sigmoid(gate) before o_proj
+    gated_attention: bool = False
 
     def peft_modules(self) -> dict[str, tuple[str, ...]]:
         """PEFT module name -> the projections (PROJECTIONS) whose output slices it covers, in order."""
@@ -127,7 +134,7 @@ FAMILIES = (
     Family("gemma3", ("gemma3_text",), ("Gemma3ForCausalLM",), "gemma3", qk_norm=True, unit_offset_norms=True,
            sandwich_norms=True, activation="gelu_tanh", scaled_embeddings=True, sliding_layers="pattern",
            local_rope_base=True),
-    Family("phi3", ("phi3",), ("Phi3ForCausalLM",), "phi3", fused_projections=True),
+    Family("phi3", ("phi3",), ("Phi3ForCausalLM",), "phi3", fused_projections=True, partial_rope=True),
     Family("olmo2", ("olmo2",), ("Olmo2ForCausalLM",), "olmo2", sandwich_norms=True, pre_norms=False,
            whole_qk_norm=True),
     # OLMo 3: OLMo 2's layer, three sliding layers to one global; llama.cpp files it as olmo2 with windows
@@ -135,6 +142,10 @@ FAMILIES = (
            whole_qk_norm=True, sliding_layers="pattern", window_pattern=4, local_rope_base=True),
     Family("smollm3", ("smollm3",), ("SmolLM3ForCausalLM",), "smollm3", sliding_layers="nope_layers", nope_interval=4),
     Family("granite", ("granite",), ("GraniteForCausalLM",), "granite"),
+    # Qwen3.5: Gated DeltaNet (linear attention, ModelConfig.linear_attention) in three layers of four, gated
+    # full attention with q/k norms and a quarter of each head rotated in the fourth; (1 + w) norms
+    Family("qwen3_5", ("qwen3_5_text",), ("Qwen3_5ForCausalLM",), "qwen35", qk_norm=True, unit_offset_norms=True,
+           partial_rope=True, rotary_fraction=0.25, gated_attention=True),
     # mixture-of-experts MLPs (ModelConfig.moe); llama.cpp files Mixtral as "llama" with experts
     Family("mixtral", ("mixtral",), ("MixtralForCausalLM",), "llama"),
     Family("qwen2_moe", ("qwen2_moe",), ("Qwen2MoeForCausalLM",), "qwen2moe", qkv_bias=True,
@@ -159,6 +170,31 @@ class MoeConfig:
     def __post_init__(self):
         if not 0 < self.top_k <= self.num_experts:
             raise ModelLoadError(f"the model routes each token to {self.top_k} of {self.num_experts} experts")
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """Qwen3.5's Gated DeltaNet layers: q, k (num_k_heads) and v (num_v_heads) from in_proj_qkv through a
+    causal depthwise conv1d of conv_kernel taps and SiLU; per v head a recurrent state [k_head_dim,
+    v_head_dim] decayed by exp(g) and updated by the delta rule with rate beta; the read RMS-normed and
+    gated by SiLU(z) before out_proj. Each sequence carries its conv window and its states (LinearStates)."""
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.v_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
 
 
 @dataclass
@@ -204,6 +240,10 @@ class ModelConfig:
     # a multimodal checkpoint's language model: the modules outside it (loader_hf.TOWERS), whose LoRA an
     # adapter may carry and text never runs; empty for a text model
     towers: tuple[str, ...] = ()
+    # Qwen3.5: per layer, True where it is linear attention (Gated DeltaNet: no q/k/v/o, no KV); the
+    # others are full attention. Empty: every layer attends.
+    linear_layers: list[bool] = field(default_factory=list)
+    linear_attention: LinearAttention | None = None
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
@@ -224,6 +264,23 @@ class ModelConfig:
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
+
+    @property
+    def q_proj_size(self) -> int:
+        """q_proj's outputs: the queries, and with gated attention each head's gate after its query."""
+        return self.q_size * (2 if self.family.gated_attention else 1)
+
+    def is_linear(self, layer: int) -> bool:
+        return bool(self.linear_layers) and self.linear_layers[layer]
+
+    @property
+    def kv_layers(self) -> int:
+        """The layers that keep KV in the pool's pages: all but the linear-attention ones."""
+        return self.num_layers - sum(self.linear_layers)
+
+    def state_index(self, layer: int) -> int:
+        """An attention layer's index among the kv_layers; a linear-attention layer's among those."""
+        return sum(self.is_linear(i) == self.is_linear(layer) for i in range(layer))
 
     @property
     def kv_size(self) -> int:
@@ -267,7 +324,7 @@ class ModelConfig:
         """(in_features, out_features) of every LoRA-targetable projection (lora_projections' names)."""
         h, i = self.hidden_size, self.intermediate_size
         shapes = {
-            "q_proj": (h, self.q_size),
+            "q_proj": (h, self.q_proj_size),
             "k_proj": (h, self.kv_size),
             "v_proj": (h, self.kv_size),
             "o_proj": (self.q_size, h),

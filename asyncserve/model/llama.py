@@ -29,6 +29,7 @@ import torch.nn.functional as F
 import kernels.cpu as cpu_kernels
 from asyncserve.model import hugepages
 from asyncserve.model.config import GROUPS, ROPE_TYPES, ModelConfig, MoeConfig
+from asyncserve.model.linear_attention import LinearAttnWeights, LinearStep, gated_delta_net
 from asyncserve.model.linear import (Linear, QuantEmbedding, QuantizedWeight, QuantLinear, make_embedding,
                                      make_linear, make_weight_linear)
 
@@ -124,8 +125,8 @@ def _native_projections(linears: list[Linear]) -> tuple[list, list, list]:
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor | None   # [hidden]; None: no norm before attention (OLMo 2)
-    qkv: Linear                # hidden -> q + 2 kv
-    o: Linear                  # q -> hidden
+    qkv: Linear | None         # hidden -> q + 2 kv (gated attention: q_proj's queries and gates, then k, v);
+    o: Linear | None           # q -> hidden;  both None in a linear-attention layer (Qwen3.5)
     post_norm: torch.Tensor | None    # [hidden], before the MLP; None: none (OLMo 2)
     gate_up: Linear | None     # hidden -> 2 inter: the dense MLP (a mixture's shared expert; None: it has none)
     down: Linear | None        # inter -> hidden
@@ -136,6 +137,7 @@ class LayerWeights:
     attn_out_norm: torch.Tensor | None = None  # [hidden] Gemma's post_attention_layernorm
     mlp_out_norm: torch.Tensor | None = None   # [hidden] Gemma's post_feedforward_layernorm
     experts: ExpertWeights | None = None       # a mixture of experts in place of (or beside) the dense MLP
+    linear: LinearAttnWeights | None = None    # Qwen3.5's Gated DeltaNet in place of attention
 
 
 @dataclass
@@ -177,12 +179,16 @@ class LlamaWeights:
         tensors = [self.norm] + [t for lw in self.layers for t in (
             lw.input_norm, lw.post_norm, lw.qkv_bias, lw.q_norm, lw.k_norm, lw.attn_out_norm, lw.mlp_out_norm)
             if t is not None]
+        tensors += [t for lw in self.layers if lw.linear is not None
+                    for t in (lw.linear.conv, lw.linear.dt_bias, lw.linear.decay_rate, lw.linear.norm)]
+        linear_attention = [p for lw in self.layers if lw.linear is not None
+                            for p in (lw.linear.in_proj, lw.linear.out_proj)]
         quantized = isinstance(self.embed, QuantEmbedding)
         embed = self.embed.nbytes if quantized else self.embed.numel() * self.embed.element_size()
         shared = self.lm_head is not None and self.lm_head.weight is (self.embed.weight if quantized else self.embed)
         experts = [p for lw in self.layers if lw.experts is not None for p in lw.experts.linears()]
         return (embed + sum(t.numel() * t.element_size() for t in tensors)
-                + sum(p.nbytes for p in self.linears() + experts if p is not None)
+                + sum(p.nbytes for p in self.linears() + experts + linear_attention if p is not None)
                 - (self.lm_head.nbytes if shared else 0))
 
 
@@ -227,27 +233,38 @@ def build_weights(config: ModelConfig, weights: dict[str, torch.Tensor | Quantiz
             down=[linear(f"{p}mlp.experts.{e}.down_proj.weight") for e in range(moe.num_experts)],
             shared_gate=linear(p + "mlp.shared_expert_gate.weight") if moe.shared_size else None)
 
+    def linear_attention(p: str) -> LinearAttnWeights:
+        p += "linear_attn."
+        return LinearAttnWeights(
+            in_proj=linear(*(p + f"in_proj_{n}.weight" for n in ("qkv", "z", "b", "a"))),
+            conv=put(take(p + "conv1d.weight")[:, 0]), dt_bias=take(p + "dt_bias").float().to(device),
+            decay_rate=-take(p + "A_log").float().exp().to(device), norm=put(take(p + "norm.weight")),
+            out_proj=linear(p + "out_proj.weight"))
+
     layers = []
     mlp = config.mlp_module() + "."
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         sandwich, pre = family.sandwich_norms, family.pre_norms
-        qk_norm = family.qk_norm or family.whole_qk_norm
+        attends = not config.is_linear(i)
+        qk_norm = (family.qk_norm or family.whole_qk_norm) and attends
         layers.append(LayerWeights(
             input_norm=norm(p + "input_layernorm.weight") if pre else None,
-            qkv=linear(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")),
-            o=linear(p + "self_attn.o_proj.weight"),
+            qkv=linear(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")) if attends else None,
+            o=linear(p + "self_attn.o_proj.weight") if attends else None,
             # the MLP's input norm (Gemma names the attention output's norm post_attention_layernorm)
             post_norm=norm(p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight"))
             if pre else None,
             gate_up=linear(p + mlp + "gate_proj.weight", p + mlp + "up_proj.weight") if config.dense_mlp else None,
             down=linear(p + mlp + "down_proj.weight") if config.dense_mlp else None,
-            qkv_bias=put(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])) if family.qkv_bias else None,
+            qkv_bias=put(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+            if family.qkv_bias and attends else None,
             q_norm=norm(p + "self_attn.q_norm.weight") if qk_norm else None,
             k_norm=norm(p + "self_attn.k_norm.weight") if qk_norm else None,
             attn_out_norm=norm(p + "post_attention_layernorm.weight") if sandwich else None,
             mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if sandwich else None,
             experts=experts(p, config.moe),
+            linear=None if attends else linear_attention(p),
         ))
     embed = make_embedding(take("model.embed_tokens.weight"), dtype, device)
     if not head:
@@ -260,7 +277,7 @@ def build_weights(config: ModelConfig, weights: dict[str, torch.Tensor | Quantiz
             else make_linear(embed)
     else:
         lm_head = linear("lm_head.weight")
-    _check_shapes(config, embed, layers[0], lm_head)
+    _check_shapes(config, embed, next(lw for lw in layers if lw.qkv is not None), lm_head)
     embed_scale = float(torch.tensor(config.hidden_size ** 0.5, dtype=dtype)) if family.scaled_embeddings \
         else config.embedding_multiplier
     if device.type == "cpu":
@@ -274,7 +291,7 @@ def _check_shapes(config: ModelConfig, embed: torch.Tensor | QuantEmbedding, lay
     h = config.hidden_size
     expected = {
         "embed_tokens": (tuple(embed.shape), (config.vocab_size, h)),
-        "q/k/v_proj": (layer.qkv.shape, (config.q_size + 2 * config.kv_size, h)),
+        "q/k/v_proj": (layer.qkv.shape, (config.q_proj_size + 2 * config.kv_size, h)),
         "o_proj": (layer.o.shape, (h, config.q_size)),
     }
     if layer.gate_up is not None:
@@ -435,6 +452,7 @@ class StepInputs:
                                                 # kernels.paged_attention (CUDA, CUDA graphs), which reads only
                                                 # each context's rows; None: the gather paths above
     vocab: VocabHook | None = None  # LoRA on the embeddings and the head
+    linear: LinearStep | None = None   # Qwen3.5's linear-attention layers: each sequence's run and state
 
 
 def decode_masks(ctx: torch.Tensor, max_pages: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -471,8 +489,8 @@ def forward(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.Tensor, 
         h = h * w.embed_scale
     # a step on fixed buffers (StepInputs.decode_tables: the CUDA graphs' decodes) plans no native attention
     plan = next(iter(step_attention.values()))
-    decoder = (plan.native and config.moe is None and cpu_kernels.decoder_loop_enabled() and _loop_without(reduce)
-               and w.native_decoder(config))
+    decoder = (plan.native and config.moe is None and not config.linear_layers and cpu_kernels.decoder_loop_enabled()
+               and _loop_without(reduce) and w.native_decoder(config))
     step_lora = lora.native_step() if decoder and use_lora else None
     if decoder and (step_lora is not None or not use_lora):
         logits = _forward_native(decoder, h, rope, kv, inp, plan, step_lora)
@@ -523,9 +541,20 @@ def _forward_layers(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.
         layer_rows = torch.cat([layer_rows, layer_rows + num_layers * block], dim=1)
     h, x = _residual_norm(h, None, w.layers[0].input_norm, eps, native)
     for li, lw in enumerate(w.layers):
+        if lw.linear is not None:
+            o = gated_delta_net(lw.linear, config.linear_attention, config.state_index(li), x, inp.linear, eps)
+            h, x = _residual_norm(h, o, lw.post_norm, eps, native)
+            h, x = _mlp_and_next_norm(w, config, li, lw, h, x, lora, use_lora, gelu, native, expert_lora, reduce)
+            continue
+        kl = config.state_index(li) if config.linear_layers else li      # the layer's KV in the pages
         window = config.window(li)
         local = config.local_rope(li)
         qkv = lora.project(li, "qkv", x, lw.qkv) if use_lora else lw.qkv(x)       # [T, q + 2kv]
+        gate = None
+        if config.family.gated_attention:   # Qwen3.5: each head's query, then its gate
+            q_gate = qkv[:, :2 * q_size].view(T, nh, 2, hd)
+            gate = q_gate[:, :, 1].reshape(T, q_size)
+            qkv = torch.cat([q_gate[:, :, 0].reshape(T, q_size), qkv[:, 2 * q_size:]], dim=1)
         if lw.qkv_bias is not None:
             qkv += lw.qkv_bias
         if lw.q_norm is not None and native:    # per head, before RoPE, in place
@@ -539,7 +568,7 @@ def _forward_layers(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.
             # in place in qkv; the layer's K rows start li blocks into a page, its V rows num_layers further
             cos_table, sin_table = (rope.local_cos, rope.local_sin) if local else (rope.cos, rope.sin)
             cpu_kernels.rope_write_kv(qkv, inp.positions, cos_table, sin_table, kv_rows, inp.write_rows,
-                                      li * block, (num_layers + li) * block, nh, nkv)
+                                      kl * block, (num_layers + kl) * block, nh, nkv)
             q = qkv[:, :q_size].view(T, nh, hd)
             k = qkv[:, q_size:q_size + kv_size].view(T, nkv, hd)
         else:
@@ -548,8 +577,10 @@ def _forward_layers(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.
             q, k = qk[:, :nh], qk[:, nh:]                          # [T, nh, hd], [T, nkv, hd]
         v = qkv[:, q_size + kv_size:]
         if not native:
-            kv_rows.index_copy_(0, layer_rows[li], torch.cat([k.reshape(T, kv_size), v]))
-        attn = attention(q, k, v.view(T, nkv, hd), kv[:, 0, li], kv[:, 1, li], inp, step_attention[window])  # [T, q]
+            kv_rows.index_copy_(0, layer_rows[kl], torch.cat([k.reshape(T, kv_size), v]))
+        attn = attention(q, k, v.view(T, nkv, hd), kv[:, 0, kl], kv[:, 1, kl], inp, step_attention[window])  # [T, q]
+        if gate is not None:
+            attn = attn * torch.sigmoid(gate)
         o = lora.project(li, "o", attn, lw.o) if use_lora else lw.o(attn)
         if reduce is not None:              # row-parallel: the ranks' partial sums (their LoRA's too)
             o = reduce(o)
@@ -558,19 +589,7 @@ def _forward_layers(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.
         if config.residual_multiplier != 1.0:      # Granite
             o = o * config.residual_multiplier
         h, x = _residual_norm(h, o, lw.post_norm, eps, native)
-        d = _dense_mlp(li, lw, x, lora, use_lora, gelu, native) if lw.gate_up is not None else None
-        if lw.experts is not None:
-            d = moe_mlp(x, lw.experts, config.moe, native, d, expert_lora, li)
-        if reduce is not None:
-            d = reduce(d)
-        if lw.mlp_out_norm is not None:
-            d = _norm(d, lw.mlp_out_norm, eps, native)
-        if config.residual_multiplier != 1.0:
-            d = d * config.residual_multiplier
-        if li + 1 < len(w.layers):
-            h, x = _residual_norm(h, d, w.layers[li + 1].input_norm, eps, native)
-        else:
-            h = h + d
+        h, x = _mlp_and_next_norm(w, config, li, lw, h, x, lora, use_lora, gelu, native, expert_lora, reduce)
     if w.lm_head is None:
         return None
     _, hs = _residual_norm(h[inp.sample_index], None, w.norm, eps, native)
@@ -578,6 +597,25 @@ def _forward_layers(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.
     if inp.vocab is not None:
         inp.vocab.head_(logits, hs)
     return logits
+
+
+def _mlp_and_next_norm(w: LlamaWeights, config: ModelConfig, li: int, lw: LayerWeights, h: torch.Tensor,
+                       x: torch.Tensor, lora: LoraHook, use_lora: bool, gelu: bool, native: bool, expert_lora,
+                       reduce) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A layer's MLP on its normed input x, added to the residual h; (h, the next layer's normed input)."""
+    eps = config.rms_norm_eps
+    d = _dense_mlp(li, lw, x, lora, use_lora, gelu, native) if lw.gate_up is not None else None
+    if lw.experts is not None:
+        d = moe_mlp(x, lw.experts, config.moe, native, d, expert_lora, li)
+    if reduce is not None:
+        d = reduce(d)
+    if lw.mlp_out_norm is not None:
+        d = _norm(d, lw.mlp_out_norm, eps, native)
+    if config.residual_multiplier != 1.0:
+        d = d * config.residual_multiplier
+    if li + 1 < len(w.layers):
+        return _residual_norm(h, d, w.layers[li + 1].input_norm, eps, native)
+    return h + d, None
 
 
 def _forward_native(decoder, h: torch.Tensor, rope: Rope, kv: torch.Tensor, inp: StepInputs, a: StepAttention,

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from asyncserve.model.checkpoint import LoadedModel, ProgressCallback, select_weights, split_fused
-from asyncserve.model.config import (FAMILIES, LLAMA, Family, ModelConfig, ModelLoadError, MoeConfig, check_rope,
-                                     rope_context)
+from asyncserve.model.config import (FAMILIES, LLAMA, Family, LinearAttention, ModelConfig, ModelLoadError,
+                                     MoeConfig, check_rope, rope_context)
 from asyncserve.model.linear import QUANT_BLOCKS, QuantizedWeight
 from asyncserve.model.tokenizer import Tokenizer
 
@@ -56,6 +56,11 @@ _FAMILY_LAYER_TENSORS = {
     "phi3": {"ffn_up": "mlp.gate_up_proj"},
     "olmo2": {"post_attention_norm": "post_attention_layernorm"},
     "olmo3": {"post_attention_norm": "post_attention_layernorm"},
+    # Qwen3.5's Gated DeltaNet layers (ssm_dt's bias is linear_attn.dt_bias, ssm_a is -exp(A_log): _qwen35_tensors)
+    "qwen3_5": {"post_attention_norm": "post_attention_layernorm", "attn_qkv": "linear_attn.in_proj_qkv",
+                "attn_gate": "linear_attn.in_proj_z", "ssm_beta": "linear_attn.in_proj_b",
+                "ssm_alpha": "linear_attn.in_proj_a", "ssm_conv1d": "linear_attn.conv1d",
+                "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj"},
 }
 # llama.cpp files Mixtral as llama with experts, OLMo 3 as olmo2 with sliding windows (load_gguf_file tells them apart)
 _ARCHITECTURES = {family.gguf_architecture: family for family in FAMILIES if family.name not in ("mixtral", "olmo3")}
@@ -109,15 +114,18 @@ def load_gguf_file(path: Path, progress: ProgressCallback | None = None, keep_qu
 
     tensors = {}
     for name, tensor in by_name.items():
-        keep = keep_quantized and _keeps(tensor)
+        # Qwen3.5's linear-attention tensors have their value heads reordered below: as float tensors
+        keep = keep_quantized and _keeps(tensor) and ".linear_attn." not in hf_names[name]
         weight = _quantized(tensor, config, path) if keep else _dequantize(tensor, config, path)
         tensors.update(_per_expert(hf_names[name], weight, config, path))
         if progress is not None:
             progress(len(tensors), len(by_name))
     if family.unit_offset_norms:       # llama.cpp's converter stores Gemma's norm weights as 1 + w
         for name, tensor in tensors.items():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):   # Qwen3.5's is w
                 tensor -= 1.0
+    if config.linear_layers:
+        _qwen35_tensors(config, tensors)
     if family.fused_projections:
         split_fused(config, tensors)
     return LoadedModel(config, select_weights(config, tensors, str(path)), tokenizer, str(path))
@@ -130,9 +138,10 @@ def _model_config(fields: dict[str, Any], family: Family, path: Path, vocab_size
     hidden, heads = llama("embedding_length"), llama("attention.head_count")
     head_dim = llama("attention.key_length", hidden // heads)
     rope_dim = llama("rope.dimension_count", head_dim)
-    if rope_dim != head_dim and (family.name != "phi3" or not 0 < rope_dim < head_dim or rope_dim % 2):
+    if rope_dim != head_dim and (not family.partial_rope or not 0 < rope_dim < head_dim or rope_dim % 2):
         raise ModelLoadError(f"{path} rotates {rope_dim} of {head_dim} head dimensions (partial RoPE), which "
-                             "asyncserve implements for Phi-3 and Phi-4-mini (phi3) only, as transformers does")
+                             "asyncserve implements for Phi-3, Phi-4-mini (phi3) and Qwen3.5 (qwen35) only, as "
+                             "transformers does")
     num_layers = llama("block_count")
     gemma = family.name.startswith("gemma")
     window = llama("attention.sliding_window", None)
@@ -183,7 +192,57 @@ def _model_config(fields: dict[str, Any], family: Family, path: Path, vocab_size
         rope_local_theta=llama("rope.freq_base_swa", 10000.0 if family.name == "gemma3" else
                                llama("rope.freq_base", 10000.0)) if family.local_rope_base else None,
         moe=moe,
+        **_linear_attention(llama, family, num_layers, path),
     )
+
+
+def _linear_attention(llama, family: Family, num_layers: int, path: Path) -> dict[str, Any]:
+    """Qwen3.5's linear-attention layers from qwen35.attention.recurrent_layers (else every
+    full_attention_interval-th layer attends) and the ssm.* sizes, as ModelConfig fields."""
+    if family.name != "qwen3_5":
+        return {}
+    recurrent = llama("attention.recurrent_layers", None)
+    if recurrent is None:
+        interval = llama("full_attention_interval", 4)
+        recurrent = [bool((i + 1) % interval) for i in range(num_layers)]
+    if len(recurrent) != num_layers:
+        raise ModelLoadError(f"{path}: attention.recurrent_layers lists {len(recurrent)} layers of {num_layers}")
+    v_heads, k_heads = llama("ssm.time_step_rank"), llama("ssm.group_count")
+    if not k_heads or v_heads % k_heads or llama("ssm.inner_size") % v_heads:
+        raise ModelLoadError(f"{path}: {v_heads} value heads, {k_heads} key heads and an inner size of "
+                             f"{llama('ssm.inner_size')} do not group")
+    return dict(linear_layers=[bool(r) for r in recurrent], linear_attention=LinearAttention(
+        num_k_heads=k_heads, num_v_heads=v_heads, k_head_dim=llama("ssm.state_size"),
+        v_head_dim=llama("ssm.inner_size") // v_heads, conv_kernel=llama("ssm.conv_kernel")))
+
+
+def _qwen35_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
+    """In place, Qwen3.5's linear-attention tensors as HF holds them. llama.cpp's converter tiles the
+    value heads (for ggml's broadcast: value head j of key head i moves from i * per_key + j to
+    j * key_heads + i) in in_proj_qkv's v rows, in_proj_z, in_proj_a/b, A_log, dt_bias and the conv's v
+    channels, and out_proj's columns; stores -exp(A_log) and the conv's taps [channels, kernel]."""
+    la = config.linear_attention
+    per_key = la.num_v_heads // la.num_k_heads
+
+    def grouped(t: torch.Tensor, dim: int, head: int) -> torch.Tensor:
+        shape = list(t.shape)
+        split = t.reshape(*shape[:dim], per_key, la.num_k_heads, head, *shape[dim + 1:])
+        return split.transpose(dim, dim + 1).reshape(shape)
+
+    for layer in range(config.num_layers):
+        if not config.is_linear(layer):
+            continue
+        p = f"model.layers.{layer}.linear_attn."
+        qk = 2 * la.key_dim
+        qkv = tensors[p + "in_proj_qkv.weight"]
+        tensors[p + "in_proj_qkv.weight"] = torch.cat([qkv[:qk], grouped(qkv[qk:], 0, la.v_head_dim)])
+        conv = tensors[p + "conv1d.weight"]
+        tensors[p + "conv1d.weight"] = torch.cat([conv[:qk], grouped(conv[qk:], 0, la.v_head_dim)])[:, None, :]
+        tensors[p + "in_proj_z.weight"] = grouped(tensors[p + "in_proj_z.weight"], 0, la.v_head_dim)
+        for name in ("in_proj_a.weight", "in_proj_b.weight", "dt_bias"):
+            tensors[p + name] = grouped(tensors[p + name], 0, 1)
+        tensors[p + "A_log"] = torch.log(-grouped(tensors[p + "A_log"], 0, 1))
+        tensors[p + "out_proj.weight"] = grouped(tensors[p + "out_proj.weight"], 1, la.v_head_dim)
 
 
 def _moe(llama, family: Family, path: Path) -> MoeConfig | None:
@@ -277,6 +336,8 @@ def hf_name(gguf_name: str, family: Family, path: Path) -> str:
     parts = gguf_name.split(".")
     if len(parts) == 2 and parts[0] in _GLOBAL_TENSORS and parts[1] == "weight":
         return f"{_GLOBAL_TENSORS[parts[0]]}.weight"
+    if family.name == "qwen3_5" and parts[0] == "blk" and parts[2:] in (["ssm_a"], ["ssm_dt", "bias"]):
+        return f"model.layers.{parts[1]}.linear_attn.{'A_log' if parts[2] == 'ssm_a' else 'dt_bias'}"
     layer_tensors = {**_LAYER_TENSORS, **_FAMILY_LAYER_TENSORS.get(family.name, {})}
     biased = family.qkv_bias and parts[2:3] in (["attn_q"], ["attn_k"], ["attn_v"])
     if (len(parts) == 4 and parts[0] == "blk" and parts[2] in layer_tensors

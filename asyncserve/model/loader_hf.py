@@ -9,8 +9,8 @@ import torch
 from safetensors import safe_open
 
 from asyncserve.model.checkpoint import LoadedModel, ProgressCallback, expert_names, select_weights, split_fused
-from asyncserve.model.config import (FAMILIES, Family, ModelConfig, ModelLoadError, MoeConfig, check_rope,
-                                     read_json, rope_context)
+from asyncserve.model.config import (FAMILIES, Family, LinearAttention, ModelConfig, ModelLoadError, MoeConfig,
+                                     check_rope, read_json, rope_context)
 from asyncserve.model.shard import Shard, shard_config, shard_ranges
 from asyncserve.model.tokenizer import Tokenizer
 
@@ -78,6 +78,11 @@ MULTIMODAL: dict[str, tuple[str, bool, dict[str, Any]]] = {
         rope_theta=1_000_000.0, sliding_window=None, use_sliding_window=False, max_window_layers=80))
        for architecture, text_type in (("Qwen2VLForConditionalGeneration", "qwen2_vl_text"),
                                        ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl_text"))},
+    "Qwen3_5ForConditionalGeneration": ("qwen3_5_text", False, dict(
+        vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32, num_attention_heads=16,
+        num_key_value_heads=4, head_dim=256, hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-6,
+        rope_theta=10000.0, partial_rotary_factor=0.25, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32)),
     "Qwen3VLForConditionalGeneration": ("qwen3_vl_text", False, dict(
         vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=32, head_dim=128, hidden_act="silu", max_position_embeddings=128000, rms_norm_eps=1e-6,
@@ -169,7 +174,7 @@ def model_config(cfg: dict[str, Any], name: str) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=head_dim,
-        rotary_dim=_rotary_dim(cfg, head_dim, name),
+        rotary_dim=_rotary_dim(cfg, family, head_dim, name),
         nope_layers=_nope_layers(cfg, family, num_layers, name),
         **(_granite_multipliers(cfg, name) if family.name == "granite" else {}),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
@@ -186,6 +191,7 @@ def model_config(cfg: dict[str, Any], name: str) -> ModelConfig:
         layer_windows=_layer_windows(cfg, family, num_layers, name),
         rope_local_theta=local_theta,
         moe=moe,
+        **_linear_attention(cfg, family, num_layers, name),
     )
 
 
@@ -256,9 +262,9 @@ def _refuse_unsupported_features(cfg: dict[str, Any], family: Family, name: str)
                              f"implements {want[0]}")
     if cfg.get("use_bidirectional_attention"):
         raise ModelLoadError(f"model {name} uses bidirectional attention; asyncserve serves causal decoders")
-    if _rotary_fraction(cfg) != 1.0 and family.name != "phi3":
+    if _rotary_fraction(cfg, family) != 1.0 and not family.partial_rope:
         raise ModelLoadError(f"model {name} rotates part of each head (partial_rotary_factor), which "
-                             f"asyncserve implements for Phi-3 and Phi-4-mini only, as transformers does")
+                             f"asyncserve implements for Phi-3, Phi-4-mini and Qwen3.5 only, as transformers does")
     quantization = cfg.get("quantization_config")
     if quantization:
         raise ModelLoadError(f"model {name} is a quantized checkpoint ({quantization.get('quant_method', '?')}); "
@@ -338,13 +344,14 @@ def _nope_layers(cfg: dict[str, Any], family: Family, num_layers: int, name: str
     return [not flag for flag in flags]
 
 
-def _rotary_fraction(cfg: dict[str, Any]) -> float:
-    return float((cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+def _rotary_fraction(cfg: dict[str, Any], family: Family) -> float:
+    return float((cfg.get("rope_parameters") or {}).get("partial_rotary_factor",
+                                                          cfg.get("partial_rotary_factor", family.rotary_fraction)))
 
 
-def _rotary_dim(cfg: dict[str, Any], head_dim: int, name: str) -> int | None:
+def _rotary_dim(cfg: dict[str, Any], family: Family, head_dim: int, name: str) -> int | None:
     """The dimensions of each head RoPE rotates (transformers' int(head_dim * partial_rotary_factor)); None: all."""
-    fraction = _rotary_fraction(cfg)
+    fraction = _rotary_fraction(cfg, family)
     if fraction == 1.0:
         return None
     dim = int(head_dim * fraction)
@@ -352,6 +359,35 @@ def _rotary_dim(cfg: dict[str, Any], head_dim: int, name: str) -> int | None:
         raise ModelLoadError(f"model {name}: partial_rotary_factor {fraction} should rotate an even number of "
                              f"each head's {head_dim} dimensions")
     return dim
+
+
+def _linear_attention(cfg: dict[str, Any], family: Family, num_layers: int, name: str) -> dict[str, Any]:
+    """Qwen3.5's linear-attention layers (layer_types, else three of every full_attention_interval) and
+    their shape, as ModelConfig fields; {} for the other families."""
+    if family.name != "qwen3_5":
+        return {}
+    types = cfg.get("layer_types")
+    if types is None:
+        interval = cfg.get("full_attention_interval", 4)
+        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
+    if not isinstance(types, list) or len(types) != num_layers or not set(types) <= {"linear_attention",
+                                                                                     "full_attention"}:
+        raise ModelLoadError(f"model {name}: config.json's layer_types should list linear_attention or "
+                             f"full_attention for each of the {num_layers} layers")
+    sizes = {}
+    for key, default in (("linear_num_key_heads", 16), ("linear_num_value_heads", 32), ("linear_key_head_dim", 128),
+                         ("linear_value_head_dim", 128), ("linear_conv_kernel_dim", 4)):
+        value = cfg.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ModelLoadError(f"model {name}: config.json's {key} should be a positive integer, not {value!r}")
+        sizes[key] = value
+    if sizes["linear_num_value_heads"] % sizes["linear_num_key_heads"]:
+        raise ModelLoadError(f"model {name}: {sizes['linear_num_value_heads']} value heads do not group over "
+                             f"{sizes['linear_num_key_heads']} key heads")
+    return dict(linear_layers=[t == "linear_attention" for t in types], linear_attention=LinearAttention(
+        num_k_heads=sizes["linear_num_key_heads"], num_v_heads=sizes["linear_num_value_heads"],
+        k_head_dim=sizes["linear_key_head_dim"], v_head_dim=sizes["linear_value_head_dim"],
+        conv_kernel=sizes["linear_conv_kernel_dim"]))
 
 
 def _ids(value: int | list[int] | None) -> list[int]:

@@ -44,6 +44,9 @@ def shard_config(config: ModelConfig, world: int) -> ModelConfig:
     if config.moe is not None:
         raise ModelLoadError(f"--tensor-parallel {world}: model {config.name} is a mixture of experts, which "
                              "asyncserve serves on one device (its experts are not sharded)")
+    if config.linear_layers:
+        raise ModelLoadError(f"--tensor-parallel {world}: model {config.name} has linear-attention layers "
+                             f"({config.family.name}), which asyncserve serves on one device")
     if config.family.whole_qk_norm:
         raise ModelLoadError(f"--tensor-parallel {world}: model {config.name} norms q and k over all heads "
                              f"({config.family.name}), which a rank holding some heads cannot; serve it on one device")

@@ -455,6 +455,10 @@ def _check_against_model(name: str, path: str, acfg: AdapterConfig, stored: list
                 vocab_found.setdefault(module, {})[v.group(2) or v.group(3)] = t
             continue
         m = _KEY.search(t.key)
+        if m is None and config.linear_layers and ".linear_attn." in t.key:
+            raise AdapterError(f"adapter {name!r}: {t.key!r} adapts a linear-attention layer (linear_attn), whose "
+                               "LoRA is not served yet; adapters on the attention layers' q/k/v/o_proj and every "
+                               "layer's MLP are")
         if m is None or m.group(3) not in peft_modules or m.group(2) != _container(config, m.group(3)):
             raise AdapterError(f"adapter {name!r}: tensor {t.key!r} targets a module that {config.family.name} "
                                f"models do not have (their LoRA targets: {_targets(config, peft_modules)})")

@@ -16,8 +16,12 @@ from asyncserve.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, pool: PagedPool, pager: AdapterPager, prefix_caching: bool = True):
+    def __init__(self, pool: PagedPool, pager: AdapterPager, prefix_caching: bool = True, state_slots: int = 0):
         self.pool = pool
+        # a model with linear-attention layers (Qwen3.5): a sequence holding pages holds one of these slots
+        # of recurrent state too (model/linear_attention.LinearStates), taken at admission like its pages
+        self._free_slots = list(range(state_slots))[::-1]
+        self._state_slots = state_slots
         self.pager = pager                      # idle adapters are evicted to make room for KV
         self.prefix_caching = prefix_caching
         # keep a few pages free so running decodes rarely have to preempt right after an admission
@@ -29,6 +33,9 @@ class BlockManager:
         """Pages for seq's cached prefix and a first chunk of at most ``budget`` tokens past it, leaving
         the watermark free; returns the chunk's size, or 0 (nothing held) if it does not fit now."""
         seq.block_table = self._cached_prefix(seq)
+        if not self.hold_state_slot(seq):
+            self.free(seq)
+            return 0
         seq.num_registered_blocks = len(seq.block_table)
         seq.num_computed = len(seq.block_table) * self.pool.block_size
         first_chunk = min(seq.num_tokens - seq.num_computed, budget)
@@ -69,6 +76,20 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         self.pool.release(seq.block_table)
         seq.block_table = []
+        self.release_state_slot(seq)
+
+    def hold_state_slot(self, seq: Sequence) -> bool:
+        """A linear-attention state slot for seq where the model has such layers; False if none is free."""
+        if self._state_slots and seq.state_slot is None:
+            if not self._free_slots:
+                return False
+            seq.state_slot = self._free_slots.pop()
+        return True
+
+    def release_state_slot(self, seq: Sequence) -> None:
+        if seq.state_slot is not None:
+            self._free_slots.append(seq.state_slot)
+            seq.state_slot = None
 
     def register_blocks(self, seq: Sequence) -> None:
         """Offer seq's newly completed blocks to the cache."""

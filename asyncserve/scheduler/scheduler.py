@@ -41,7 +41,7 @@ log = logging.getLogger("asyncserve.scheduler")
 class Scheduler:
     def __init__(self, pool: PagedPool, pager: AdapterPager, tokenizer: Tokenizer, policy: SchedulingPolicy,
                  max_running: int, max_step_tokens: int, max_model_len: int, prefix_caching: bool = True,
-                 drafter: NgramDrafter | None = None):
+                 drafter: NgramDrafter | None = None, state_slots: int = 0):
         self.pager = pager
         self.drafter = drafter                       # speculative decoding's drafts (drafts.py), None: off
         # set by the engine when it has CPU workers: cold_admission(seq, tokens), whether to admit seq,
@@ -51,7 +51,7 @@ class Scheduler:
         self.policy = policy
         self.max_running = max_running
         self.max_step_tokens = max_step_tokens
-        self.blocks = BlockManager(pool, pager, prefix_caching)
+        self.blocks = BlockManager(pool, pager, prefix_caching, state_slots)
         self.output = OutputProcessor(tokenizer, max_model_len)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []            # admission order

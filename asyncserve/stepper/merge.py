@@ -163,6 +163,8 @@ class WeightMerger:
         for li, lw in enumerate(self.weights.layers):
             for group in self.groups_of(adapter.ranks):
                 base = getattr(lw, group)
+                if base is None:        # a linear-attention layer's q/k/v/o (Qwen3.5): no adapter targets it
+                    continue
                 dense = base.dense_weight()
                 w = dense.to(torch.float32, copy=True)                  # [out, in]
                 for proj, fan_in, fan_out, col in self.layout[group]:

@@ -4,6 +4,7 @@ Only this object touches the model weights; the server's stepper runs ``run`` in
 """
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from asyncserve.lora.batch import LoraBatch
 from asyncserve.lora.dora import DoraBase, DoraLora, add_dora_run
 from asyncserve.lora.vocab import VocabStep, add_vocab_run
 from asyncserve.model.config import ModelConfig
+from asyncserve.model.linear_attention import LinearStates, LinearStep, StateRun
 from asyncserve.model.llama import LlamaWeights, PrefillChunk, Rope, StepInputs, decode_masks, forward
 from asyncserve.pager.pager import AdapterPager, DeviceAdapter
 from asyncserve.pager.pool import PagedPool
@@ -46,7 +48,7 @@ def make_lora_backend(name: str, pool: PagedPool, config: ModelConfig) -> LoraBa
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, weights: LlamaWeights, pool: PagedPool, pager: AdapterPager,
-                 lora: LoraBackend, eos_token_ids: list[int]):
+                 lora: LoraBackend, eos_token_ids: list[int], state_slots: int = 0):
         self.config = config
         self.assist: CpuAssist | None = None         # CPU LoRA workers for cold adapters (Engine sets them)
         self.tp: TensorParallel | None = None        # the other tensor-parallel ranks (Engine sets them)
@@ -57,7 +59,10 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.device = pool.device
         self.rope = Rope(config, self.device, pool.dtype)
-        self._row_stride = 2 * config.num_layers * pool.block_size   # kv rows per page
+        self._row_stride = 2 * config.kv_layers * pool.block_size   # kv rows per page
+        # Qwen3.5: the sequences' linear-attention states, by the slots the scheduler hands out
+        self.linear_states = LinearStates(config.linear_attention, sum(config.linear_layers), state_slots, pool.dtype,
+                                          self.device) if config.linear_layers else None
         self.merger = WeightMerger(config, weights, pool, lora)      # dLoRA's merged mode
         # DoRA adapters' scales are worked out from the base weights as loaded, never merged ones
         self.dora_base = DoraBase(config, self.merger.original, self._tp_refusal)
@@ -270,6 +275,10 @@ class ModelRunner:
                             for r in prompt_head_runs]
         if vocab.embed_runs or vocab.head_runs:
             inputs.vocab = vocab
+        if self.linear_states is not None:
+            starts = [0, *itertools.accumulate(c.num_tokens for c in plan.chunks)]
+            inputs.linear = LinearStep([StateRun(start, end, c.seq.state_slot, c.seq.num_computed == 0)
+                                        for c, start, end in zip(plan.chunks, starts, starts[1:])], self.linear_states)
         lora_batch = None
         if adapters:
             lora_batch = LoraBatch(adapters=adapters, seg_starts=seg_starts, seg_adapter=seg_adapter,

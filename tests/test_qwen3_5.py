@@ -1,0 +1,227 @@
+"""Qwen3.5: Gated DeltaNet (linear attention, a recurrent state per sequence) in three layers of four, gated
+full attention in the fourth. Greedy tokens against transformers+PEFT on every step path that runs it, with
+prompts chunked beside decodes and sequences preempted; the multimodal checkpoint's language model; what
+is off or refused for it; the delta rule's closed form against its token-by-token recurrence."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from asyncserve import LLM, SamplingParams
+from asyncserve.model import llama
+from asyncserve.model.config import ModelLoadError
+from asyncserve.model.linear_attention import LinearStates, _delta_rule
+from asyncserve.pager.adapters import AdapterError
+from family_models import (GREEDY_TOKENS, HYBRID_FAMILIES, build_family_model, build_multimodal, cases_of,
+                           check_greedy, generate_greedy)
+from reference import (TEST_DEVICE, assert_greedy_matches, peft_references, record_calls, require_native_kernels,
+                       run_merged, save_random_adapter)
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
+    """The tiny model, its two adapters (every projection at rank 4; q, v, down at rank 8 with rsLoRA) and
+    transformers+PEFT's greedy runs of prompts of 4 to 150 tokens (three of them past a 64-token chunk of
+    the delta rule), each with the base model and both adapters."""
+    model = build_family_model(tmp_path_factory.mktemp("qwen3_5"), "qwen3_5")
+    cases = cases_of(model, lengths=(4, 11, 19, 70, 150))
+    return model, cases, peft_references(model.base, model.adapters, cases, GREEDY_TOKENS)
+
+
+@pytest.mark.parametrize("path", ["ops", "eager"])
+def test_base_and_two_adapters_in_one_generate_call(qwen3_5, path, monkeypatch):
+    """ops: the Python loop over the native kernels (the attention layer's); eager: torch ops. Prompts are
+    chunked 16 tokens a step beside the other sequences' decodes, so states carry across chunks."""
+    model, cases, refs = qwen3_5
+    monkeypatch.setenv("ASYNCSERVE_NATIVE", "0" if path == "eager" else "1")
+    if path == "ops":
+        require_native_kernels()
+    loop_steps = []
+    record_calls(monkeypatch, llama, "_forward_native", lambda *a: loop_steps.append(1))
+    llm, tokens = generate_greedy(model, cases)
+    check_greedy(tokens, cases, refs, f"qwen3_5 {path}")
+    assert not loop_steps, "the native layer loop has no linear-attention layers: the Python loop runs"
+    engine = llm.engine
+    assert engine.pool.num_layers == 1 and engine.pool.counts().kv == 0     # KV pages for the attention layer only
+    assert sorted(engine.scheduler.blocks._free_slots) == list(range(engine.config.max_running))
+
+
+def test_triton_lora_backend_and_merged_mode(qwen3_5):
+    model, cases, refs = qwen3_5
+    llm, tokens = generate_greedy(model, cases, lora_backend="triton")
+    check_greedy(tokens, cases, refs, "qwen3_5 triton")
+    alone = [(case, ref) for case, ref in zip(cases, refs) if case[1] == "all"]
+    llm = LLM(model=str(model.folder), adapters={"all": str(model.adapters["all"])}, dtype="float32",
+              device=TEST_DEVICE, max_step_tokens=16)
+    merge = lambda plan, step: "all" if all(c.seq.adapter == "all" for c in plan.chunks) else None   # noqa: E731
+    seqs = run_merged(llm.engine, [case for case, _ in alone], merge,
+                      SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True))
+    assert llm.engine.merged_adapter == "all"
+    check_greedy([s.output_ids for s in seqs], [c for c, _ in alone], [r for _, r in alone], "qwen3_5 merged")
+
+
+def test_preempted_sequences_restart_their_state(qwen3_5):
+    """A pool too small for every sequence's KV: the newest are preempted and recomputed from their first
+    token, their state slots given back and zeroed on readmission; the tokens are those of a roomy pool.
+    Few slots (max_running 2) hold sequences back the same way."""
+    model, _, _ = qwen3_5
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, len(model.tokenizer)) for _ in range(rng.randint(20, 40))] for _ in range(6)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    adapters = [None, "all", "some"] * 2
+    loaded = {k: str(v) for k, v in model.adapters.items()}
+    roomy = LLM(model=str(model.folder), adapters=loaded, dtype="float32", device=TEST_DEVICE)
+    expected = [o.token_ids for o in roomy.generate(prompts, params, adapters=adapters)]
+    engine = roomy.engine
+    page = engine.pool.page_numel * engine.pool.data.element_size()
+    mc = engine.model_config
+    states = engine.config.max_running * LinearStates.nbytes_per_slot(mc.linear_attention, sum(mc.linear_layers),
+                                                                      torch.float32)
+    need = sorted(engine.pool.pages_for_tokens(len(p) + 40) for p in prompts)
+    pages = engine.pager.footprint("all") + engine.pager.footprint("some") + sum(need[-2:])
+    small = LLM(model=str(model.folder), adapters=loaded, dtype="float32", device=TEST_DEVICE,
+                pool_mem=pages * page + states)
+    seqs = []
+    add = small.engine.add
+    small.engine.add = lambda seq: (seqs.append(seq), add(seq))[1]
+    assert [o.token_ids for o in small.generate(prompts, params, adapters=adapters)] == expected
+    assert sum(seq.num_preemptions for seq in seqs) > 0, "the pool should have forced preemptions"
+    few = LLM(model=str(model.folder), adapters=loaded, dtype="float32", device=TEST_DEVICE, max_running=2)
+    assert [o.token_ids for o in few.generate(prompts, params, adapters=adapters)] == expected
+
+
+def test_bfloat16_logprobs_as_close_to_float32_as_transformers_bfloat16(qwen3_5):
+    """bf16 weights and activations (the states in float32, as transformers keeps them): the first sampled
+    position's top-5 logprobs are as far from transformers' float32 ones as transformers' own bf16 run is
+    (on average over the prompts, within 2x: both round differently; a wrong path is off by whole units)."""
+    model, cases, _ = qwen3_5
+    prompts = [ids for ids, adapter in cases if adapter is None]
+    llm = LLM(model=str(model.folder), dtype="bfloat16", device=TEST_DEVICE, max_step_tokens=16)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, logprobs=5, ignore_eos=True))
+    ours, theirs = [], []
+    try:
+        for ids, out in zip(prompts, outs):
+            with torch.no_grad():
+                exact = model.base.float()(torch.tensor([ids])).logits[0, -1].log_softmax(-1)
+                rounded = model.base.to(torch.bfloat16)(torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)
+            top = dict(out.top_logprobs[0])
+            ours.append(max(abs(lp - float(exact[t])) for t, lp in top.items()))
+            theirs.append(max(abs(float(rounded[t] - exact[t])) for t in top))
+    finally:
+        model.base.float()
+    assert sum(ours) <= 2 * sum(theirs), (ours, theirs)
+
+
+def test_multimodal_checkpoint_language_model(tmp_path):
+    """Qwen3.5's checkpoints are Qwen3_5ForConditionalGeneration: its language model, with an all-linear
+    adapter trained on the vision tower too... and on the linear-attention layers, which is refused with the
+    reason, while one on the attention layers and MLPs runs."""
+    from family_models import WRAPPERS
+
+    WRAPPERS["qwen3_5"] = ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", "qwen3_5", dict(
+        text_config={k: v for k, v in HYBRID_FAMILIES["qwen3_5"].items() if k != "tie_word_embeddings"},
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)))
+    try:
+        model = build_multimodal(tmp_path, "qwen3_5")
+    finally:
+        del WRAPPERS["qwen3_5"]
+    with pytest.raises(AdapterError, match="linear-attention layer.*not served yet"):
+        LLM(model=str(model.folder), adapters={"all": str(model.adapters["all"])}, dtype="float32",
+            device=TEST_DEVICE)
+    standard = {"std": tmp_path / "std"}
+    save_random_adapter(model.base, standard["std"], r=4, seed=9,
+                        targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    model.adapters = standard
+    cases = cases_of(model, lengths=(5, 30))
+    refs = peft_references(model.base, standard, cases, GREEDY_TOKENS)
+    llm, tokens = generate_greedy(model, cases)
+    assert llm.engine.model_config.family.name == "qwen3_5"
+    check_greedy(tokens, cases, refs, "qwen3_5 multimodal")
+
+
+def test_gguf_file_gives_the_hf_folders_weights_and_tokens(qwen3_5, tmp_path):
+    """The model as llama.cpp's converter writes a qwen35 GGUF (value heads tiled, -exp(A_log), 1 + w norms
+    but the gated norm's, the ssm.* keys): the HF folder's weights under its names, and its tokens."""
+    from family_models import loads_as_the_folder, write_family_gguf
+
+    model, cases, refs = qwen3_5
+    path = write_family_gguf(model, tmp_path / "qwen3_5.gguf")
+    from_gguf, from_folder = loads_as_the_folder(path, model.folder)
+    for key in ("linear_layers", "linear_attention", "rotary_dim", "head_dim"):
+        assert getattr(from_gguf.config, key) == getattr(from_folder.config, key), key
+    gguf_model = type(model)(model.family, path, model.tokenizer, model.base, model.adapters)
+    _, tokens = generate_greedy(gguf_model, cases)
+    check_greedy(tokens, cases, refs, "qwen3_5 gguf")
+
+
+def test_quantized_gguf_keeps_the_attention_and_mlp_blocks(tmp_path):
+    """Q8_0 projections: the attention layer's and the MLPs' kept in blocks (the quantized kernels), the
+    linear-attention ones dequantized to reorder their heads; tokens of transformers+PEFT on the blocks'
+    values (int8 activations, whose rounding the recurrent layers carry further than attention does here:
+    each sequence equal, or different only after a near-tie of 0.2, and most equal to the end)."""
+    from asyncserve.model.linear import QuantLinear
+    from family_models import write_family_gguf
+    from quant_helpers import Q
+
+    require_native_kernels()
+    model = build_family_model(tmp_path, "qwen3_5")
+    path = write_family_gguf(model, tmp_path / "q8.gguf", projections=Q.Q8_0)
+    cases = cases_of(model, lengths=(5, 40))
+    refs = peft_references(model.base, model.adapters, cases, GREEDY_TOKENS)
+    gguf_model = type(model)(model.family, path, model.tokenizer, model.base, model.adapters)
+    llm, tokens = generate_greedy(gguf_model, cases, keep_quantized=True)
+    layers = llm.engine.runner.weights.layers
+    assert all(isinstance(lw.down, QuantLinear) for lw in layers) and isinstance(layers[3].qkv, QuantLinear)
+    assert not isinstance(layers[0].linear.in_proj, QuantLinear)
+    equal = [assert_greedy_matches(ours, ref, tie_tol=0.2, label=f"Q8_0 case {i}")
+             for i, (ours, ref) in enumerate(zip(tokens, refs))]
+    assert sum(equal) >= len(equal) // 2, equal
+
+
+def test_step_profile_times_steps_with_state_slots(qwen3_5):
+    """step_profile.py's hand-placed sequences (the step-time model's measurements) hold state slots like
+    admitted ones, and give them back."""
+    from asyncserve.step_profile import ChunkSpec, timed_step
+
+    model, _, _ = qwen3_5
+    engine = LLM(model=str(model.folder), adapters={"all": str(model.adapters["all"])}, dtype="float32",
+                 device=TEST_DEVICE).engine
+    specs = [ChunkSpec(1, 30, "all"), ChunkSpec(1, 12, None), ChunkSpec(40, 0, "all"), ChunkSpec(24, 16, None)]
+    assert timed_step(engine, "mixed", specs, repeats=2).seconds > 0
+    assert len(engine.scheduler.blocks._free_slots) == engine.config.max_running
+    assert engine.pool.counts().kv == 0
+
+
+def test_what_rests_on_pages_is_off_or_refused(qwen3_5):
+    model, _, _ = qwen3_5
+    llm = LLM(model=str(model.folder), dtype="float32", device="cpu")
+    engine = llm.engine
+    assert not engine.scheduler.blocks.prefix_caching and engine.scheduler.drafter is None and engine.assist is None
+    for settings, match in (({"speculative_tokens": 2}, "speculative decoding: not served"),
+                            ({"cpu_assist": "on"}, "--cpu-assist on: not served"),
+                            ({"tensor_parallel": 2}, "linear-attention layers.*one device")):
+        with pytest.raises((ValueError, ModelLoadError), match=match):
+            LLM(model=str(model.folder), dtype="float32", device="cpu", **settings)
+
+
+def test_delta_rule_closed_form_is_the_recurrence():
+    """Chunks of 64 tokens solved at once give the token-by-token rule's outputs and final state (float64),
+    across chunk boundaries and from a nonzero starting state."""
+    torch.manual_seed(0)
+    B, n, H, dk, dv = 2, 150, 3, 8, 5
+    q = torch.randn(B, n, H, dk, dtype=torch.float64)
+    k = torch.nn.functional.normalize(torch.randn(B, n, H, dk, dtype=torch.float64), dim=-1)
+    v = torch.randn(B, n, H, dv, dtype=torch.float64)
+    g, beta = -torch.rand(B, n, H, dtype=torch.float64), torch.rand(B, n, H, dtype=torch.float64)
+    start = torch.randn(B, H, dk, dv, dtype=torch.float64)
+    out, state = _delta_rule(q, k, v, g, beta, start)
+    s, want = start.clone(), torch.empty_like(v)
+    for t in range(n):
+        s = s * g[:, t].exp()[..., None, None]
+        written = (v[:, t] - (s * k[:, t, :, :, None]).sum(-2)) * beta[:, t, :, None]
+        s = s + k[:, t, :, :, None] * written[:, :, None, :]
+        want[:, t] = (s * q[:, t, :, :, None]).sum(-2)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(state, s, rtol=0, atol=1e-12)
