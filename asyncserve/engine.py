@@ -697,12 +697,15 @@ class Engine:
     def merge_refusal(self, name: str) -> str | None:
         """Why ``name`` cannot be merged (plan.merged must not name it): this model's base weights take
         no merge, its current load overflowed them once, or it has LoRA on the embeddings or the head
-        (kept apart, lora/vocab.py) or on the routed experts or the router; None if it may be merged."""
+        (kept apart, lora/vocab.py), on the linear-attention layers or on the routed experts or the router;
+        None if it may be merged."""
         reg = self.pager.registry.get(name)
         if reg is None:
             return f"adapter {name!r} is not loaded"
         if reg.vocab:
             return f"adapter {name!r} has LoRA on the embeddings or the head, which is not merged"
+        if reg.linear_attn:
+            return f"adapter {name!r} has LoRA on the linear-attention layers, which is not merged"
         if reg.experts:
             return f"adapter {name!r} has LoRA on the routed experts or the router, which is not merged"
         return self.runner.merger.refusal(reg.load)

@@ -4,6 +4,7 @@ prompts chunked beside decodes and sequences preempted; the multimodal checkpoin
 is off or refused for it; the delta rule's closed form against its token-by-token recurrence."""
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -22,10 +23,14 @@ from reference import (TEST_DEVICE, assert_greedy_matches, peft_references, reco
 
 @pytest.fixture(scope="module")
 def qwen3_5(tmp_path_factory):
-    """The tiny model, its two adapters (every projection at rank 4; q, v, down at rank 8 with rsLoRA) and
-    transformers+PEFT's greedy runs of prompts of 4 to 150 tokens (three of them past a 64-token chunk of
-    the delta rule), each with the base model and both adapters."""
+    """The tiny model, its three adapters (the attention's and MLPs' projections at rank 4; q, v, down at
+    rank 8 with rsLoRA; PEFT's all-linear, the Gated DeltaNet's projections included, with a rank and an
+    alpha pattern on them) and transformers+PEFT's greedy runs of prompts of 4 to 150 tokens (two of them
+    past a 64-token chunk of the delta rule), each with the base model and every adapter."""
     model = build_family_model(tmp_path_factory.mktemp("qwen3_5"), "qwen3_5")
+    model.adapters["linear"] = model.folder.parent / "adapters" / "linear"
+    save_random_adapter(model.base, model.adapters["linear"], r=4, targets="all-linear", seed=77,
+                        rank_pattern={"linear_attn.out_proj": 2}, alpha_pattern={"in_proj_qkv": 3.0})
     cases = cases_of(model, lengths=(4, 11, 19, 70, 150))
     return model, cases, peft_references(model.base, model.adapters, cases, GREEDY_TOKENS)
 
@@ -60,6 +65,8 @@ def test_triton_lora_backend_and_merged_mode(qwen3_5):
                       SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True))
     assert llm.engine.merged_adapter == "all"
     check_greedy([s.output_ids for s in seqs], [c for c, _ in alone], [r for _, r in alone], "qwen3_5 merged")
+    llm.load_adapter("linear", str(model.adapters["linear"]))
+    assert "linear-attention layers, which is not merged" in llm.engine.merge_refusal("linear")
 
 
 def test_preempted_sequences_restart_their_state(qwen3_5):
@@ -101,23 +108,20 @@ def test_bfloat16_logprobs_as_close_to_float32_as_transformers_bfloat16(qwen3_5)
     llm = LLM(model=str(model.folder), dtype="bfloat16", device=TEST_DEVICE, max_step_tokens=16)
     outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, logprobs=5, ignore_eos=True))
     ours, theirs = [], []
-    try:
-        for ids, out in zip(prompts, outs):
-            with torch.no_grad():
-                exact = model.base.float()(torch.tensor([ids])).logits[0, -1].log_softmax(-1)
-                rounded = model.base.to(torch.bfloat16)(torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)
-            top = dict(out.top_logprobs[0])
-            ours.append(max(abs(lp - float(exact[t])) for t, lp in top.items()))
-            theirs.append(max(abs(float(rounded[t] - exact[t])) for t in top))
-    finally:
-        model.base.float()
+    bf16 = copy.deepcopy(model.base).to(torch.bfloat16)
+    for ids, out in zip(prompts, outs):
+        with torch.no_grad():
+            exact = model.base(torch.tensor([ids])).logits[0, -1].log_softmax(-1)
+            rounded = bf16(torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)
+        top = dict(out.top_logprobs[0])
+        ours.append(max(abs(lp - float(exact[t])) for t, lp in top.items()))
+        theirs.append(max(abs(float(rounded[t] - exact[t])) for t in top))
     assert sum(ours) <= 2 * sum(theirs), (ours, theirs)
 
 
 def test_multimodal_checkpoint_language_model(tmp_path):
     """Qwen3.5's checkpoints are Qwen3_5ForConditionalGeneration: its language model, with an all-linear
-    adapter trained on the vision tower too... and on the linear-attention layers, which is refused with the
-    reason, while one on the attention layers and MLPs runs."""
+    adapter trained on the vision tower too (skipped) and on every projection of the language model."""
     from family_models import WRAPPERS
 
     WRAPPERS["qwen3_5"] = ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", "qwen3_5", dict(
@@ -127,15 +131,8 @@ def test_multimodal_checkpoint_language_model(tmp_path):
         model = build_multimodal(tmp_path, "qwen3_5")
     finally:
         del WRAPPERS["qwen3_5"]
-    with pytest.raises(AdapterError, match="linear-attention layer.*not served yet"):
-        LLM(model=str(model.folder), adapters={"all": str(model.adapters["all"])}, dtype="float32",
-            device=TEST_DEVICE)
-    standard = {"std": tmp_path / "std"}
-    save_random_adapter(model.base, standard["std"], r=4, seed=9,
-                        targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    model.adapters = standard
     cases = cases_of(model, lengths=(5, 30))
-    refs = peft_references(model.base, standard, cases, GREEDY_TOKENS)
+    refs = peft_references(model.base, model.adapters, cases, GREEDY_TOKENS)
     llm, tokens = generate_greedy(model, cases)
     assert llm.engine.model_config.family.name == "qwen3_5"
     check_greedy(tokens, cases, refs, "qwen3_5 multimodal")
@@ -192,6 +189,74 @@ def test_step_profile_times_steps_with_state_slots(qwen3_5):
     assert timed_step(engine, "mixed", specs, repeats=2).seconds > 0
     assert len(engine.scheduler.blocks._free_slots) == engine.config.max_running
     assert engine.pool.counts().kv == 0
+
+
+def test_bad_linear_attention_lora_is_refused_with_the_reason(qwen3_5, tmp_path):
+    """Each alone, on a copy of the all-linear adapter: LoRA on a linear-attention module of a layer that
+    attends, on a module it lacks, with lora_A only, of the wrong shape, and DoRA on it."""
+    from family_models import broken_copy, renamed
+
+    model, _, _ = qwen3_5
+    source = model.adapters["linear"]
+
+    def drop_b(weights):
+        for key in [k for k in weights if "layers.1.linear_attn.in_proj_z.lora_B" in k]:
+            del weights[key]
+
+    def widen(weights):
+        key = next(k for k in weights if "layers.2.linear_attn.in_proj_a.lora_B" in k)
+        weights[key] = torch.cat([weights[key], weights[key]])
+
+    def magnitudes(weights):
+        key = next(k for k in weights if "layers.0.linear_attn.out_proj.lora_B" in k)
+        weights[key.replace("lora_B.weight", "lora_magnitude_vector")] = torch.ones(64)
+
+    bad = {"layers.0.linear_attn": (dict(edit_weights=renamed("layers.0.linear_attn", "layers.3.linear_attn")),
+                                    "layer 3, which is not a linear-attention layer"),
+           "missing module": (dict(edit_weights=renamed("in_proj_b", "in_proj_c")), "targets a module"),
+           "A only": (dict(edit_weights=drop_b), "lora_A but not both A and B"),
+           "shape": (dict(edit_weights=widen), r"in_proj_a has lora_A .* this base model needs"),
+           "DoRA": (dict(edit_weights=magnitudes, edit_config=lambda c: {**c, "use_dora": True}),
+                    "DoRA on the linear-attention layers' out_proj is not served")}
+    llm = LLM(model=str(model.folder), dtype="float32", device=TEST_DEVICE)
+    for i, (label, (edits, match)) in enumerate(bad.items()):
+        with pytest.raises(AdapterError, match=match):
+            llm.load_adapter(f"bad{i}", str(broken_copy(source, tmp_path / f"bad{i}", **edits)))
+    llm.load_adapter("linear", str(source))         # the engine goes on with the real one
+
+
+def test_loaded_over_http_serves_the_offline_engines_tokens(qwen3_5, tmp_path):
+    """/v1/load_lora_adapter (the pager actor, built in pieces between steps) registers the all-linear adapter
+    as offline loading does, its LoRA on the linear-attention layers kept unmerged, and its completions are
+    the offline engine's tokens."""
+    import shutil
+
+    from server_harness import ServerThread
+
+    from asyncserve.config import Config
+
+    model, cases, _ = qwen3_5
+    root = tmp_path / "root"
+    shutil.copytree(model.adapters["linear"], root / "linear")
+    prompts = [c[0] for c in cases if c[1] is None][:3]
+    params = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True)
+    offline = LLM(model=str(model.folder), adapters={"linear": str(root / "linear")}, dtype="float32")
+    expected = [o.token_ids for o in offline.generate(prompts, params, adapters=["linear"] * len(prompts))]
+    st = ServerThread(Config(model=str(model.folder), dtype="float32", device="cpu", served_model_name="tiny",
+                             adapter_root=str(root)))
+    try:
+        status, body, _ = st.request("POST", "/v1/load_lora_adapter", {"lora_name": "linear", "lora_path": "linear"})
+        assert status == 200, body
+        assert st.server.engine.pager.registry["linear"].linear_attn
+        assert "linear-attention layers" in st.server.engine.merge_refusal("linear")
+        for ids, tokens in zip(prompts, expected):
+            status, out, _ = st.request("POST", "/v1/completions", {
+                "model": "linear", "prompt": ids, "max_tokens": GREEDY_TOKENS, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True})
+            assert status == 200, out
+            assert out["choices"][0]["token_ids"] == tokens
+    finally:
+        st.stop()
 
 
 def test_what_rests_on_pages_is_off_or_refused(qwen3_5):

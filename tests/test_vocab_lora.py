@@ -194,6 +194,30 @@ def test_such_adapters_are_never_merged(request, kind):
     assert llm.engine.merge_refusal("plain") is None
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_such_adapters_loaded_over_http_are_never_merged(request, kind, tmp_path):
+    """/v1/load_lora_adapter (the pager actor) registers them as offline loading does: merged mode refuses
+    them (it once did not, and a merged step would have dropped their vocabulary's LoRA)."""
+    import shutil
+
+    from server_harness import ServerThread
+
+    from asyncserve.config import Config
+
+    model, _, _ = model_of(request, kind)
+    root = tmp_path / "root"
+    for name in KINDS[kind].unmerged:
+        shutil.copytree(model.adapters[name], root / name)
+    st = ServerThread(Config(model=str(model.folder), dtype="float32", device="cpu", adapter_root=str(root)))
+    try:
+        for name in KINDS[kind].unmerged:
+            status, body, _ = st.request("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": name})
+            assert status == 200, body
+            assert "embeddings or the head" in st.server.engine.merge_refusal(name)
+    finally:
+        st.stop()
+
+
 def test_decode_steps_with_them_run_eagerly_beside_graphs(vocab_model):
     """DecodeGraphs over test_cuda_graphs' fake seam capture the embedding and the head without LoRA, so a
     decode step with such an adapter runs eagerly."""

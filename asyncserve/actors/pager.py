@@ -25,7 +25,7 @@ from asyncserve.actors.stepper import StepperActor
 from asyncserve.engine import Engine, adapter_load_failed
 from asyncserve.messages import (Abort, AdapterReady, FetchAdapters, LoadAdapter, Prefetch, Shutdown, UnloadAdapter,
                                  adapter_unloaded)
-from asyncserve.pager.adapters import AdapterInfo, HostAdapter, PeftFolder, build_in_pieces, read_peft_folder
+from asyncserve.pager.adapters import HostAdapter, PeftFolder, build_in_pieces, read_peft_folder
 from asyncserve.pager.pager import AdapterPager
 from asyncserve.progress import Progress
 
@@ -155,7 +155,7 @@ class PagerActor:
         folder = await asyncio.to_thread(read_peft_folder, msg.name, msg.path, engine.model_config)
         adapter = await self._build(folder)
         engine.check_adapter_name(msg.name)       # again: another load of the name may have won meanwhile
-        reg = pager.register(AdapterInfo(msg.name, msg.path, folder.ranks, len(folder.weights)))
+        reg = pager.register(adapter.info(len(folder.weights)))
         try:
             if await self._store(msg.name, reg.load, adapter, wait=msg.pinned):
                 pager.record_load("disk", msg.name, time.perf_counter() - t0)

@@ -9,10 +9,15 @@ A step's tokens come in runs, one per sequence (StepInputs.linear): a decode is 
 prompt chunk a longer run that starts from the state the sequence's previous chunk left (or from zeros at
 its first token). Single-token runs update their states together; a longer run solves the rule 64 tokens
 at a time in the closed form of _delta_rule, which is the token-by-token recurrence (up to rounding).
+
+An adapter's LoRA on these layers' projections (in_proj_qkv, _z, _b, _a, out_proj) is kept beside the pool
+(pager/adapters.py) and added per run of its rows, as the vocabulary's LoRA is (lora/vocab.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -61,19 +66,42 @@ class LinearStates:
         return num_layers * (conv + la.num_v_heads * la.k_head_dim * la.v_head_dim * 4)
 
 
+class ModuleLora(Protocol):
+    """An adapter's LoRA on one projection: y += (x·A^T)·B^T·scaling (pager/adapters.py's VocabRows)."""
+    a: torch.Tensor          # [r, in]
+    bt: torch.Tensor         # [r, out]
+    scaling: float
+
+
+class LoraRun(NamedTuple):
+    """Rows [start, end) of one adapter, and its LoRA on the linear-attention layers: (layer, module) ->
+    ModuleLora, module one of in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj."""
+    start: int
+    end: int
+    rows: dict[tuple[int, str], ModuleLora]
+
+
 @dataclass
 class LinearStep:
-    """What a step's linear-attention layers need: a run per sequence, in the step's token order, and the states."""
+    """What a step's linear-attention layers need: a run per sequence, in the step's token order, the states,
+    and the runs of adapters with LoRA on these layers."""
     runs: list[StateRun]
     states: LinearStates
+    lora: list[LoraRun] = field(default_factory=list)
 
 
-def gated_delta_net(w: LinearAttnWeights, la: LinearAttention, layer: int, x: torch.Tensor, step: LinearStep,
-                    eps: float) -> torch.Tensor:
-    """The layer's output [T, hidden] for the step's tokens x [T, hidden] (normed); updates the states of
-    layer ``layer`` (its index among the linear-attention layers)."""
+IN_PROJ = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")     # in_proj's parts, in its column order
+
+
+def gated_delta_net(w: LinearAttnWeights, la: LinearAttention, layer: int, index: int, x: torch.Tensor,
+                    step: LinearStep, eps: float) -> torch.Tensor:
+    """Model layer ``layer``'s output [T, hidden] for the step's tokens x [T, hidden] (normed); updates its
+    states, the index-th of the linear-attention layers'."""
     proj = w.in_proj(x)                                            # [T, conv_dim + value_dim + 2 hv]
-    conv_in, z, b, a = proj.split([la.conv_dim, la.value_dim, la.num_v_heads, la.num_v_heads], dim=1)
+    widths = [la.conv_dim, la.value_dim, la.num_v_heads, la.num_v_heads]
+    for part, start in zip(IN_PROJ, itertools.accumulate([0] + widths[:-1])):
+        _add_lora(proj[:, start:], x, step.lora, (layer, part))
+    conv_in, z, b, a = proj.split(widths, dim=1)
     beta = torch.sigmoid(b.float())                                # [T, hv]
     g = w.decay_rate * F.softplus(a.float() + w.dt_bias)           # [T, hv] log decays, <= 0
     mixed = torch.empty_like(conv_in)                              # [T, conv_dim] after conv and SiLU
@@ -84,36 +112,47 @@ def gated_delta_net(w: LinearAttnWeights, la: LinearAttention, layer: int, x: to
     if decodes:
         rows = torch.tensor([r.start for r in decodes], device=x.device)
         slots = torch.tensor([r.slot for r in decodes], device=x.device)
-        window = states.conv[slots, layer]                         # [n, conv_dim, kernel - 1]
+        window = states.conv[slots, index]                         # [n, conv_dim, kernel - 1]
         window = torch.where(_fresh_mask(decodes, x.device)[:, None, None], torch.zeros_like(window), window)
         full = torch.cat([window, conv_in[rows, :, None]], dim=2)  # [n, conv_dim, kernel]
-        states.conv[slots, layer] = full[:, :, 1:]
+        states.conv[slots, index] = full[:, :, 1:]
         mixed[rows] = F.silu((full * w.conv).sum(dim=2))
         q, k, v = _heads(mixed[rows], la)
-        state = states.state[slots, layer]
+        state = states.state[slots, index]
         state = torch.where(_fresh_mask(decodes, x.device)[:, None, None, None], torch.zeros_like(state), state)
         out, state = _delta_rule(q[:, None], k[:, None], v[:, None], g[rows][:, None], beta[rows][:, None], state)
-        states.state[slots, layer] = state
+        states.state[slots, index] = state
         core[rows] = out[:, 0]
     for r in prefills:
-        window = states.conv[r.slot, layer]                        # [conv_dim, kernel - 1]
+        window = states.conv[r.slot, index]                        # [conv_dim, kernel - 1]
         if r.fresh:
             window = torch.zeros_like(window)
         full = torch.cat([window, conv_in[r.start:r.end].t()], dim=1)       # [conv_dim, kernel - 1 + n]
-        states.conv[r.slot, layer] = full[:, full.shape[1] - (la.conv_kernel - 1):]
+        states.conv[r.slot, index] = full[:, full.shape[1] - (la.conv_kernel - 1):]
         conv = F.conv1d(full[None], w.conv[:, None, :], groups=la.conv_dim)[0]   # [conv_dim, n]
         mixed[r.start:r.end] = F.silu(conv.t())
         q, k, v = _heads(mixed[r.start:r.end], la)
-        state = torch.zeros_like(states.state[r.slot, layer]) if r.fresh else states.state[r.slot, layer]
+        state = torch.zeros_like(states.state[r.slot, index]) if r.fresh else states.state[r.slot, index]
         out, state = _delta_rule(q[None], k[None], v[None], g[None, r.start:r.end], beta[None, r.start:r.end],
                                  state[None])
-        states.state[r.slot, layer] = state[0]
+        states.state[r.slot, index] = state[0]
         core[r.start:r.end] = out[0]
     # gated RMSNorm per head, rounded to the input's dtype where transformers rounds, then out_proj
     core = core.to(x.dtype).float()
     normed = (core * torch.rsqrt(core.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     gated = (w.norm * normed) * F.silu(z.float().view(-1, la.num_v_heads, la.v_head_dim))
-    return w.out_proj(gated.to(x.dtype).reshape(x.shape[0], la.value_dim))
+    gated = gated.to(x.dtype).reshape(x.shape[0], la.value_dim)
+    out = w.out_proj(gated)
+    _add_lora(out, gated, step.lora, (layer, "out_proj"))
+    return out
+
+
+def _add_lora(y: torch.Tensor, x: torch.Tensor, runs: list[LoraRun], module: tuple[int, str]) -> None:
+    """y[:, :out] += each run's LoRA on ``module`` of its rows of x (y may be wider: in_proj's other parts)."""
+    for start, end, rows in runs:
+        lora = rows.get(module)
+        if lora is not None:
+            y[start:end, :lora.bt.shape[1]] += ((x[start:end] @ lora.a.t()) @ lora.bt) * lora.scaling
 
 
 def _fresh_mask(runs: list[StateRun], device: torch.device) -> torch.Tensor:

@@ -542,7 +542,7 @@ def _forward_layers(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.
     h, x = _residual_norm(h, None, w.layers[0].input_norm, eps, native)
     for li, lw in enumerate(w.layers):
         if lw.linear is not None:
-            o = gated_delta_net(lw.linear, config.linear_attention, config.state_index(li), x, inp.linear, eps)
+            o = gated_delta_net(lw.linear, config.linear_attention, li, config.state_index(li), x, inp.linear, eps)
             h, x = _residual_norm(h, o, lw.post_norm, eps, native)
             h, x = _mlp_and_next_norm(w, config, li, lw, h, x, lora, use_lora, gelu, native, expert_lora, reduce)
             continue

@@ -30,7 +30,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, BinaryIO, Iterator
+from typing import Annotated, BinaryIO, Iterator, NamedTuple
 
 import msgspec
 import torch
@@ -72,6 +72,9 @@ _GATE_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(mlp|block_sparse_moe)\.(gate|sh
 _VOCAB_KEY = re.compile(r"(?:^|\.)(embed_tokens|lm_head)\.(?:lora_embedding_([AB])|lora_([AB])(?:\.[\w-]+)?\.weight"
                         r"|(base_layer)\.weight|(lora_magnitude_vector)(?:\.[\w-]+)?(?:\.weight)?)$")
 VOCAB_MODULES = {"embed_tokens": "embed", "lm_head": "head"}
+# LoRA on a linear-attention layer's projections (Qwen3.5's Gated DeltaNet, ModelConfig.linear_layers)
+_LINEAR_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.linear_attn\.(in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|out_proj)\."
+                         r"(?:lora_([AB])(?:\.[\w-]+)?\.weight|(lora_magnitude_vector)(?:\.[\w-]+)?(?:\.weight)?)$")
 # modules_to_save: PEFT saves the trained copy of a whole module under the module's own name
 _SAVED_KEY = re.compile(r"(?:^|\.)(embed_tokens|lm_head)\.weight$")
 
@@ -138,7 +141,7 @@ def printable(text: str) -> str:
 class VocabRows:
     """LoRA on the token embeddings ("embed") or the LM head ("head"), kept whole beside the pool's pages
     (vocabulary-sized rows): y += (x·A^T)·B^T·scaling, x a token's one-hot (embed) or its final hidden
-    state (head)."""
+    state (head). A linear-attention layer's projection keeps its LoRA the same way, as the head's."""
     a: torch.Tensor              # embed: A^T [vocab, r], a token's row; head: A [r, hidden]
     bt: torch.Tensor             # embed: B^T [r, hidden]; head: B^T [r, vocab]
     scaling: float
@@ -168,6 +171,8 @@ class HostAdapter:
     dora_scale: torch.Tensor | None = None        # DoRA's g, [L, all projections' outputs] float32 (lora/dora.py)
     embed: VocabRows | SavedModule | None = None
     head: VocabRows | SavedModule | None = None
+    # LoRA on the linear-attention layers' projections: (layer, module) -> its A [r, in] and B^T [r, out]
+    linear_attn: dict[tuple[int, str], VocabRows] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -179,10 +184,16 @@ class HostAdapter:
         """Bytes it keeps beside the pool: DoRA's scales, the vocabulary's LoRA rows or saved modules."""
         parts = [self.dora_scale] + [t for v in (self.embed, self.head) if v is not None
                                      for t in ((v.weight,) if isinstance(v, SavedModule) else (v.a, v.bt))]
+        parts += [t for v in (self.linear_attn or {}).values() for t in (v.a, v.bt)]
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def row_lengths(self, config: ModelConfig) -> list[int]:
         return row_lengths(self.ranks, config)
+
+    def info(self, file_bytes: int) -> AdapterInfo:
+        """What registering it records (its file's size given): the same as inspect_peft_folder finds."""
+        return AdapterInfo(self.name, self.path, self.ranks, file_bytes, self.embed is not None or self.head is not None,
+                           self.linear_attn is not None)
 
 
 def row_lengths(ranks: list[int], config: ModelConfig) -> list[int]:
@@ -225,6 +236,8 @@ class PeftFolder:
     dora: bool = False                   # use_dora: every module has a magnitude "M"
     vocab: dict[str, tuple[StoredTensor, StoredTensor, float] | StoredTensor] | None = None
     # "embed"/"head": LoRA's A, B and scaling, or the saved module's weight (modules_to_save)
+    linear_attn: dict[tuple[int, str], tuple[StoredTensor, StoredTensor, float]] | None = None
+    # (layer, linear_attn module): LoRA's A, B and scaling
 
 
 @dataclass
@@ -235,6 +248,7 @@ class AdapterInfo:
     ranks: list[int]                     # per projection, the largest rank over the layers
     file_bytes: int                      # adapter_model.safetensors
     vocab: bool = False                  # LoRA on the embeddings or the head, or either saved whole
+    linear_attn: bool = False            # LoRA on the linear-attention layers' projections
 
 
 def load_peft_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.dtype,
@@ -248,14 +262,15 @@ def inspect_peft_folder(name: str, path: str | Path, config: ModelConfig) -> Ada
     its header, checked the same way."""
     if is_gguf_file(path):
         acfg, stored, _ = _gguf_contents(name, Path(path).expanduser(), config, weights=False)
-        ranks, _, _, _, vocab = _check_against_model(name, str(path), acfg, stored, config)
-        return AdapterInfo(name, str(path), ranks, os.path.getsize(Path(path).expanduser()), bool(vocab))
+        c = _check_against_model(name, str(path), acfg, stored, config)
+        return AdapterInfo(name, str(path), c.ranks, os.path.getsize(Path(path).expanduser()), bool(c.vocab),
+                           bool(c.linear_attn))
     folder, acfg, weights_file = _peft_files(name, path)
     with open(weights_file, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         stored = _read_safetensors_header(name, f, size)
-    ranks, _, _, _, vocab = _check_against_model(name, str(folder), acfg, stored, config)
-    return AdapterInfo(name, str(folder), ranks, size, bool(vocab))
+    c = _check_against_model(name, str(folder), acfg, stored, config)
+    return AdapterInfo(name, str(folder), c.ranks, size, bool(c.vocab), bool(c.linear_attn))
 
 
 def read_peft_folder(name: str, path: str | Path, config: ModelConfig) -> PeftFolder:
@@ -264,8 +279,9 @@ def read_peft_folder(name: str, path: str | Path, config: ModelConfig) -> PeftFo
     there, off the torch thread too)."""
     if is_gguf_file(path):
         acfg, stored, weights = _gguf_contents(name, Path(path).expanduser(), config, weights=True)
-        ranks, scaling, modules, _, vocab = _check_against_model(name, str(path), acfg, stored, config)
-        return PeftFolder(name, str(path), config, ranks, scaling, modules, False, weights, False, vocab)
+        c = _check_against_model(name, str(path), acfg, stored, config)
+        return PeftFolder(name, str(path), config, c.ranks, c.scaling, c.modules, False, weights, False, c.vocab,
+                          c.linear_attn)
     folder, acfg, weights_file = _peft_files(name, path)
     with open(weights_file, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -274,9 +290,9 @@ def read_peft_folder(name: str, path: str | Path, config: ModelConfig) -> PeftFo
         f.seek(0)
         if f.readinto(weights) != size:
             raise AdapterError(f"adapter {name!r}: adapter_model.safetensors changed while it was read")
-    ranks, scaling, modules, fan_in_fan_out, vocab = _check_against_model(name, str(folder), acfg, stored, config)
-    return PeftFolder(name, str(folder), config, ranks, scaling, modules, fan_in_fan_out, weights, acfg.use_dora,
-                      vocab)
+    c = _check_against_model(name, str(folder), acfg, stored, config)
+    return PeftFolder(name, str(folder), config, c.ranks, c.scaling, c.modules, c.fan_in_fan_out, weights,
+                      acfg.use_dora, c.vocab, c.linear_attn)
 
 
 def _gguf_contents(name: str, path: Path, config: ModelConfig, weights: bool
@@ -415,9 +431,19 @@ def _read_safetensors_header(name: str, f: BinaryIO, file_size: int) -> list[Sto
     return out
 
 
+class Checked(NamedTuple):
+    """What _check_against_model finds, as PeftFolder holds it."""
+    ranks: list[int]
+    scaling: list[list[float]]
+    modules: dict
+    fan_in_fan_out: bool
+    vocab: dict
+    linear_attn: dict
+
+
 def _check_against_model(name: str, path: str, acfg: AdapterConfig, stored: list[StoredTensor],
-                         config: ModelConfig) -> tuple[list[int], list[list[float]], dict, bool, dict]:
-    """(ranks, scaling [L][P], modules, fan_in_fan_out, vocab) of PeftFolder, checked against the base model."""
+                         config: ModelConfig) -> Checked:
+    """The folder's tensors as PeftFolder holds them, checked against the base model."""
     alpha = acfg.lora_alpha if acfg.lora_alpha is not None else (acfg.r or 8)
     fan_in_fan_out = acfg.fan_in_fan_out
     try:
@@ -433,6 +459,7 @@ def _check_against_model(name: str, path: str, acfg: AdapterConfig, stored: list
     vocab_found: dict[str, dict[str, StoredTensor]] = {}
     base_copies: dict[str, StoredTensor] = {}
     saved: dict[str, StoredTensor] = {}
+    linear_found: dict[tuple[int, str], dict[str, StoredTensor]] = {}
     prefixes: dict[int, str] = {}         # per layer, the path PEFT names its modules under (model.)
     for t in stored:
         if config.towers and _module_root(t.key) in config.towers:
@@ -454,11 +481,18 @@ def _check_against_model(name: str, path: str, acfg: AdapterConfig, stored: list
             else:
                 vocab_found.setdefault(module, {})[v.group(2) or v.group(3)] = t
             continue
+        if config.linear_layers and (v := _LINEAR_KEY.search(t.key)) is not None:
+            layer = int(v.group(1))
+            if v.group(4):
+                raise AdapterError(f"adapter {name!r}: DoRA on the linear-attention layers' {v.group(2)} is not "
+                                   "served (DoRA on the attention layers' and the MLPs' projections is)")
+            if layer >= config.num_layers or not config.is_linear(layer):
+                raise AdapterError(f"adapter {name!r}: {t.key!r} is for layer {layer}, which is not a "
+                                   "linear-attention layer of the base model")
+            linear_found.setdefault((layer, v.group(2)), {})[v.group(3)] = t
+            prefixes.setdefault(layer, _module_path(t.key[:v.start(1)]).removesuffix("layers."))
+            continue
         m = _KEY.search(t.key)
-        if m is None and config.linear_layers and ".linear_attn." in t.key:
-            raise AdapterError(f"adapter {name!r}: {t.key!r} adapts a linear-attention layer (linear_attn), whose "
-                               "LoRA is not served yet; adapters on the attention layers' q/k/v/o_proj and every "
-                               "layer's MLP are")
         if m is None or m.group(3) not in peft_modules or m.group(2) != _container(config, m.group(3)):
             raise AdapterError(f"adapter {name!r}: tensor {t.key!r} targets a module that {config.family.name} "
                                f"models do not have (their LoRA targets: {_targets(config, peft_modules)})")
@@ -479,6 +513,20 @@ def _check_against_model(name: str, path: str, acfg: AdapterConfig, stored: list
     modules.update(expert_modules)
     vocab = _check_vocab(name, acfg, vocab_found, base_copies, config, rank_pattern, alpha_pattern, alpha)
     vocab.update(_check_saved(name, acfg, saved, vocab, config))
+    linear_attn = {}
+    for (layer, module), ab in sorted(linear_found.items()):
+        if set(ab) != {"A", "B"}:
+            raise AdapterError(f"adapter {name!r}: layer {layer} linear_attn.{module} has lora_{''.join(sorted(ab))} "
+                               "but not both A and B")
+        fan_in, fan_out = _linear_attention_shape(config, module)
+        a_shape, b_shape = (s.shape[::-1] if fan_in_fan_out else s.shape for s in (ab["A"], ab["B"]))
+        r = a_shape[0] if a_shape else 0
+        if a_shape != (r, fan_in) or b_shape != (fan_out, r) or r == 0:
+            raise AdapterError(f"adapter {name!r}: layer {layer} linear_attn.{module} has lora_A {a_shape} and lora_B "
+                               f"{b_shape}; this base model needs A [r, {fan_in}] and B [{fan_out}, r]")
+        path_name = f"{prefixes.get(layer, 'model.')}layers.{layer}.linear_attn.{module}"
+        linear_attn[(layer, module)] = (ab["A"], ab["B"],
+                                        _module_scaling(name, acfg, path_name, r, rank_pattern, alpha_pattern, alpha))
 
     projections = config.lora_projections()
     ranks = [0] * len(projections)
@@ -507,7 +555,14 @@ def _check_against_model(name: str, path: str, acfg: AdapterConfig, stored: list
             module = f"{prefixes.get(layer, 'model.')}layers.{layer}.{_container(config, peft_name)}.{peft_name}"
         scaling[layer][p] = _module_scaling(name, acfg, module, r, rank_pattern, alpha_pattern, alpha)
         ranks[p] = max(ranks[p], r)
-    return ranks, scaling, modules, fan_in_fan_out, vocab
+    return Checked(ranks, scaling, modules, fan_in_fan_out, vocab, linear_attn)
+
+
+def _linear_attention_shape(config: ModelConfig, module: str) -> tuple[int, int]:
+    """(in_features, out_features) of a linear-attention layer's projection."""
+    la, h = config.linear_attention, config.hidden_size
+    return {"in_proj_qkv": (h, la.conv_dim), "in_proj_z": (h, la.value_dim), "in_proj_b": (h, la.num_v_heads),
+            "in_proj_a": (h, la.num_v_heads), "out_proj": (la.value_dim, h)}[module]
 
 
 def _module_path(key: str) -> str:
@@ -831,9 +886,10 @@ def build_in_pieces(folder: PeftFolder, dtype: torch.dtype, dora=None) -> Iterat
     scaling = torch.tensor(folder.scaling, dtype=torch.float32)      # [L, P]
     vocab = {module: _saved_module(folder, part, dtype) if isinstance(part, StoredTensor)
              else _vocab_rows(folder, module, *part, dtype) for module, part in (folder.vocab or {}).items()}
+    linear_attn = {key: _module_rows(folder, a, b, s, dtype) for key, (a, b, s) in (folder.linear_attn or {}).items()}
     yield HostAdapter(name=folder.name, path=folder.path, ranks=list(ranks), scaling=scaling,
                       a_rows=a_rows, b_rows=b_rows, dora_scale=torch.stack(dora_scale) if dora_scale else None,
-                      embed=vocab.get("embed"), head=vocab.get("head"))
+                      embed=vocab.get("embed"), head=vocab.get("head"), linear_attn=linear_attn or None)
 
 
 def _vocab_rows(folder: PeftFolder, module: str, a: StoredTensor, b: StoredTensor, scaling: float,
@@ -843,6 +899,15 @@ def _vocab_rows(folder: PeftFolder, module: str, a: StoredTensor, b: StoredTenso
     if module == "embed":
         a_rows = a_rows.t()
     return VocabRows(_rows(folder, a, a_rows, a_rows.shape[0], dtype), _rows(folder, b, bt, bt.shape[0], dtype), scaling)
+
+
+def _module_rows(folder: PeftFolder, a: StoredTensor, b: StoredTensor, scaling: float, dtype: torch.dtype) -> VocabRows:
+    """A projection's LoRA kept beside the pool (a linear-attention layer's) as A [r, in] and B^T [r, out]."""
+    a_rows, b_cols = _stored(folder, a), _stored(folder, b)
+    if folder.fan_in_fan_out:
+        a_rows, b_cols = a_rows.t(), b_cols.t()
+    r = a_rows.shape[0]
+    return VocabRows(_rows(folder, a, a_rows, r, dtype), _rows(folder, b, b_cols.t(), r, dtype), scaling)
 
 
 def _saved_module(folder: PeftFolder, t: StoredTensor, dtype: torch.dtype) -> SavedModule:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -60,6 +60,7 @@ class DeviceAdapter:
     dora_scale: torch.Tensor | None = None   # DoRA's g [L, all projections' outputs] float32 (lora/dora.py)
     embed: VocabRows | None = None           # LoRA on the embeddings and the head, on the pool's device
     head: VocabRows | None = None
+    linear_attn: dict[tuple[int, str], VocabRows] | None = None   # on the linear-attention layers' projections
 
     def __post_init__(self):
         if self.host_ptr is None:
@@ -84,6 +85,7 @@ class Registration:
     load: int                        # its load number (see AdapterPager.registration)
     pinned: bool = False             # never evicted from the device (nor, so, from the host)
     vocab: bool = False              # LoRA on the embeddings or the head: never merged
+    linear_attn: bool = False        # LoRA on the linear-attention layers' projections: never merged
 
     @property
     def experts(self) -> bool:
@@ -143,13 +145,16 @@ class Unpaged(NamedTuple):
     dora_scale: torch.Tensor | None
     embed: VocabRows | None
     head: VocabRows | None
+    linear_attn: dict[tuple[int, str], VocabRows] | None
 
     @staticmethod
     def of(adapter: HostAdapter, device: torch.device) -> Unpaged | None:
         parts = (adapter.dora_scale, adapter.embed, adapter.head)
-        if all(p is None for p in parts):
+        if all(p is None for p in parts) and adapter.linear_attn is None:
             return None
-        return Unpaged(*(None if p is None else p.to(device) for p in parts))
+        linear_attn = None if adapter.linear_attn is None else {
+            key: rows.to(device) for key, rows in adapter.linear_attn.items()}
+        return Unpaged(*(None if p is None else p.to(device) for p in parts), linear_attn)
 
 
 def place(name: str, ranks: list[int], scaling: torch.Tensor, pages: list[int], plan: RowPlan, pool: PagedPool,
@@ -244,7 +249,7 @@ class AdapterPager:
         self._loads_total += 1
         self._live.add(self._loads_total)
         reg = Registration(info.name, info.path, list(info.ranks), info.file_bytes, host_bytes, footprint,
-                           self._loads_total, pinned, info.vocab)
+                           self._loads_total, pinned, info.vocab, info.linear_attn)
         self.registry[info.name] = reg
         self._ranks[reg.load] = reg.ranks
         return reg
@@ -256,8 +261,7 @@ class AdapterPager:
     def add(self, adapter: HostAdapter, pinned: bool = False) -> None:
         """Register an adapter already built in memory and store it in the host tier, in the calling
         thread (offline, start-up and tests; the server splits this across its threads)."""
-        reg = self.register(AdapterInfo(adapter.name, adapter.path, adapter.ranks, adapter.nbytes,
-                                        adapter.embed is not None or adapter.head is not None), pinned)
+        reg = self.register(adapter.info(adapter.nbytes), pinned)
         handle = None
         try:
             if not self.host_room(adapter.name, frozenset()):
@@ -333,9 +337,8 @@ class AdapterPager:
         """Copy a built adapter into its block (torch thread); returns the HostAdapter viewing the arena."""
         self.arena.write(handle, adapter.ranks, adapter.scaling, adapter.a_rows, adapter.b_rows)
         view = self.arena.view(handle)
-        return HostAdapter(name=adapter.name, path=adapter.path, ranks=list(adapter.ranks),
-                           scaling=adapter.scaling, a_rows=view.a_rows, b_rows=view.b_rows,
-                           dora_scale=adapter.dora_scale, embed=adapter.embed, head=adapter.head)
+        # the rows from the arena, all it keeps beside them (DoRA, vocabulary, linear attention) as built
+        return replace(adapter, ranks=list(adapter.ranks), a_rows=view.a_rows, b_rows=view.b_rows)
 
     def host_admit(self, name: str, load: int, handle: AdapterHandle, adapter: HostAdapter) -> bool:
         """The written block joins the host tier, unless the name was unloaded (or reloaded) meanwhile:

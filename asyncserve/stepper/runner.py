@@ -196,7 +196,7 @@ class ModelRunner:
         prefills = []
         seg_starts, seg_adapter, adapters, adapter_index = [0], [], [], {}
         cold_tasks, cold_rows = [], []
-        dora_runs, vocab, prompt_head_runs = [], VocabStep(), []
+        dora_runs, vocab, prompt_head_runs, linear_lora = [], VocabStep(), [], []
         num_decode_chunks = len(plan.decodes)
         for i, chunk in enumerate(plan.chunks):
             seq = chunk.seq
@@ -239,6 +239,7 @@ class ModelRunner:
                 add_vocab_run(vocab.embed_runs, start, len(ids), unpaged.embed)
                 add_vocab_run(vocab.head_runs, sample_start, len(sample_index), unpaged.head)
                 add_vocab_run(prompt_head_runs, prompt_start, len(prompt_index), unpaged.head)
+                add_vocab_run(linear_lora, start, len(ids), unpaged.linear_attn)
             if seg_adapter and seg_adapter[-1] == a:
                 seg_starts[-1] = len(ids)
             else:
@@ -278,7 +279,8 @@ class ModelRunner:
         if self.linear_states is not None:
             starts = [0, *itertools.accumulate(c.num_tokens for c in plan.chunks)]
             inputs.linear = LinearStep([StateRun(start, end, c.seq.state_slot, c.seq.num_computed == 0)
-                                        for c, start, end in zip(plan.chunks, starts, starts[1:])], self.linear_states)
+                                        for c, start, end in zip(plan.chunks, starts, starts[1:])], self.linear_states,
+                                       linear_lora)
         lora_batch = None
         if adapters:
             lora_batch = LoraBatch(adapters=adapters, seg_starts=seg_starts, seg_adapter=seg_adapter,
