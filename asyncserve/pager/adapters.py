@@ -192,8 +192,8 @@ class HostAdapter:
 
     def info(self, file_bytes: int) -> AdapterInfo:
         """What registering it records (its file's size given): the same as inspect_peft_folder finds."""
-        return AdapterInfo(self.name, self.path, self.ranks, file_bytes, self.embed is not None or self.head is not None,
-                           self.linear_attn is not None)
+        vocab = self.embed is not None or self.head is not None
+        return AdapterInfo(self.name, self.path, self.ranks, file_bytes, vocab, self.linear_attn is not None)
 
 
 def row_lengths(ranks: list[int], config: ModelConfig) -> list[int]:
