@@ -301,6 +301,6 @@ def test_gguf_unsupported_architecture(tmp_path):
         path = write_gguf(tmp_path / f"{architecture}.gguf", architecture=architecture, tokens=tokens, merges=merges,
                           special=special, llama={"block_count": 1})
         with pytest.raises(ModelLoadError, match=f"'{architecture}' model.*'llama', 'qwen2', 'qwen3', 'gemma', "
-                                                 "'gemma2', 'gemma3', 'phi3', 'olmo2', 'smollm3', 'granite', "
+                                                 "'gemma2', 'gemma3', 'phi3', 'olmo2', 'smollm3', 'granite', 'qwen35', "
                                                  "'qwen2moe', 'qwen3moe'"):
             load_model(str(path))

@@ -193,7 +193,8 @@ def test_step_profile_times_steps_with_state_slots(qwen3_5):
 
 def test_bad_linear_attention_lora_is_refused_with_the_reason(qwen3_5, tmp_path):
     """Each alone, on a copy of the all-linear adapter: LoRA on a linear-attention module of a layer that
-    attends, on a module it lacks, with lora_A only, of the wrong shape, and DoRA on it."""
+    attends, on a module it lacks, on the attention of a linear-attention layer, with lora_A only, of the
+    wrong shape, and DoRA on it."""
     from family_models import broken_copy, renamed
 
     model, _, _ = qwen3_5
@@ -214,6 +215,8 @@ def test_bad_linear_attention_lora_is_refused_with_the_reason(qwen3_5, tmp_path)
     bad = {"layers.0.linear_attn": (dict(edit_weights=renamed("layers.0.linear_attn", "layers.3.linear_attn")),
                                     "layer 3, which is not a linear-attention layer"),
            "missing module": (dict(edit_weights=renamed("in_proj_b", "in_proj_c")), "targets a module"),
+           "self_attn of a linear layer": (dict(edit_weights=renamed("layers.3.self_attn", "layers.2.self_attn")),
+                                           "layer 2, a linear-attention layer, which has no self_attn"),
            "A only": (dict(edit_weights=drop_b), "lora_A but not both A and B"),
            "shape": (dict(edit_weights=widen), r"in_proj_a has lora_A .* this base model needs"),
            "DoRA": (dict(edit_weights=magnitudes, edit_config=lambda c: {**c, "use_dora": True}),

@@ -503,6 +503,9 @@ def _check_against_model(name: str, path: str, acfg: AdapterConfig, stored: list
         if layer >= config.num_layers:
             raise AdapterError(f"adapter {name!r}: {t.key!r} is for layer {layer}, the base model has "
                                f"{config.num_layers} layers")
+        if m.group(2) == "self_attn" and config.is_linear(layer):
+            raise AdapterError(f"adapter {name!r}: {t.key!r} is for layer {layer}, a linear-attention layer, "
+                               "which has no self_attn")
         found.setdefault((layer, module), {})[ab] = t
         prefixes.setdefault(layer, _module_path(t.key[:m.start(1)]).removesuffix("layers."))
     if not found and not experts.any:
