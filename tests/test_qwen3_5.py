@@ -13,7 +13,7 @@ import torch
 from asyncserve import LLM, SamplingParams
 from asyncserve.model import llama
 from asyncserve.model.config import ModelLoadError
-from asyncserve.model.linear_attention import LinearStates, _delta_rule
+from asyncserve.model.linear_attention import LinearStates, _decode_rule, _delta_rule
 from asyncserve.pager.adapters import AdapterError
 from family_models import (GREEDY_TOKENS, HYBRID_FAMILIES, build_family_model, build_multimodal, cases_of,
                            check_greedy, generate_greedy)
@@ -25,13 +25,14 @@ from reference import (TEST_DEVICE, assert_greedy_matches, peft_references, reco
 def qwen3_5(tmp_path_factory):
     """The tiny model, its three adapters (the attention's and MLPs' projections at rank 4; q, v, down at
     rank 8 with rsLoRA; PEFT's all-linear, the Gated DeltaNet's projections included, with a rank and an
-    alpha pattern on them) and transformers+PEFT's greedy runs of prompts of 4 to 150 tokens (two of them
-    past a 64-token chunk of the delta rule), each with the base model and every adapter."""
+    alpha pattern on them) and transformers+PEFT's greedy runs of prompts of 1 to 150 tokens (one token: a
+    sequence whose first step is a decode-sized run; two past a 64-token chunk of the delta rule), each with
+    the base model and every adapter."""
     model = build_family_model(tmp_path_factory.mktemp("qwen3_5"), "qwen3_5")
     model.adapters["linear"] = model.folder.parent / "adapters" / "linear"
     save_random_adapter(model.base, model.adapters["linear"], r=4, targets="all-linear", seed=77,
                         rank_pattern={"linear_attn.out_proj": 2}, alpha_pattern={"in_proj_qkv": 3.0})
-    cases = cases_of(model, lengths=(4, 11, 19, 70, 150))
+    cases = cases_of(model, lengths=(1, 4, 11, 19, 70, 150))
     return model, cases, peft_references(model.base, model.adapters, cases, GREEDY_TOKENS)
 
 
@@ -293,3 +294,21 @@ def test_delta_rule_closed_form_is_the_recurrence():
         want[:, t] = (s * q[:, t, :, :, None]).sum(-2)
     torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
     torch.testing.assert_close(state, s, rtol=0, atol=1e-12)
+
+
+def test_decode_rule_updates_its_slots_in_place_and_no_others():
+    """The decodes' step over the block of slots up to the highest: the slots decoded get the rule's one
+    token (as _delta_rule gives it), every other slot in the block and past it is left bit for bit."""
+    torch.manual_seed(1)
+    slots_total, H, dk, dv = 7, 2, 4, 3
+    states = torch.randn(slots_total, H, dk, dv)
+    before = states.clone()
+    slots = torch.tensor([4, 1, 2])
+    q, k = torch.randn(3, H, dk), torch.nn.functional.normalize(torch.randn(3, H, dk), dim=-1)
+    v, g, beta = torch.randn(3, H, dv), -torch.rand(3, H), torch.rand(3, H)
+    out = _decode_rule(states, slots, q, k, v, g, beta)
+    want, final = _delta_rule(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], before[slots])
+    torch.testing.assert_close(out, want[:, 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(states[slots], final, rtol=1e-5, atol=1e-5)
+    others = [s for s in range(slots_total) if s not in slots.tolist()]
+    assert torch.equal(states[others], before[others])

@@ -51,13 +51,14 @@ class StateRun:
 
 class LinearStates:
     """The recurrent states of the sequences that hold a slot (scheduler/block_manager.py hands them out):
-    conv windows [slots, layers, conv_dim, kernel - 1] in the model's dtype and delta-rule states [slots,
-    layers, v_heads, k_head_dim, v_head_dim] in float32, layers counting the linear-attention ones only.
+    conv windows [layers, slots, conv_dim, kernel - 1] in the model's dtype and delta-rule states [layers,
+    slots, v_heads, k_head_dim, v_head_dim] in float32, layers counting the linear-attention ones only
+    (slots innermost: a layer's first slots are one block, which decodes update in place).
     Allocated for all slots at once: slots * nbytes_per_slot bytes."""
 
     def __init__(self, la: LinearAttention, num_layers: int, slots: int, dtype: torch.dtype, device: torch.device):
-        self.conv = torch.zeros(slots, num_layers, la.conv_dim, la.conv_kernel - 1, dtype=dtype, device=device)
-        self.state = torch.zeros(slots, num_layers, la.num_v_heads, la.k_head_dim, la.v_head_dim,
+        self.conv = torch.zeros(num_layers, slots, la.conv_dim, la.conv_kernel - 1, dtype=dtype, device=device)
+        self.state = torch.zeros(num_layers, slots, la.num_v_heads, la.k_head_dim, la.v_head_dim,
                                  dtype=torch.float32, device=device)
 
     @staticmethod
@@ -110,32 +111,30 @@ def gated_delta_net(w: LinearAttnWeights, la: LinearAttention, layer: int, index
     decodes = [r for r in step.runs if r.end - r.start == 1]       # updated together
     prefills = [r for r in step.runs if r.end - r.start > 1]
     if decodes:
+        for r in decodes:
+            if r.fresh:
+                states.conv[index, r.slot].zero_()
+                states.state[index, r.slot].zero_()
         rows = torch.tensor([r.start for r in decodes], device=x.device)
         slots = torch.tensor([r.slot for r in decodes], device=x.device)
-        window = states.conv[slots, index]                         # [n, conv_dim, kernel - 1]
-        window = torch.where(_fresh_mask(decodes, x.device)[:, None, None], torch.zeros_like(window), window)
+        window = states.conv[index, slots]                         # [n, conv_dim, kernel - 1]
         full = torch.cat([window, conv_in[rows, :, None]], dim=2)  # [n, conv_dim, kernel]
-        states.conv[slots, index] = full[:, :, 1:]
+        states.conv[index, slots] = full[:, :, 1:]
         mixed[rows] = F.silu((full * w.conv).sum(dim=2))
-        q, k, v = _heads(mixed[rows], la)
-        state = states.state[slots, index]
-        state = torch.where(_fresh_mask(decodes, x.device)[:, None, None, None], torch.zeros_like(state), state)
-        out, state = _delta_rule(q[:, None], k[:, None], v[:, None], g[rows][:, None], beta[rows][:, None], state)
-        states.state[slots, index] = state
-        core[rows] = out[:, 0]
+        core[rows] = _decode_rule(states.state[index], slots, *_heads(mixed[rows], la), g[rows], beta[rows])
     for r in prefills:
-        window = states.conv[r.slot, index]                        # [conv_dim, kernel - 1]
+        window = states.conv[index, r.slot]                        # [conv_dim, kernel - 1]
         if r.fresh:
             window = torch.zeros_like(window)
         full = torch.cat([window, conv_in[r.start:r.end].t()], dim=1)       # [conv_dim, kernel - 1 + n]
-        states.conv[r.slot, index] = full[:, full.shape[1] - (la.conv_kernel - 1):]
+        states.conv[index, r.slot] = full[:, full.shape[1] - (la.conv_kernel - 1):]
         conv = F.conv1d(full[None], w.conv[:, None, :], groups=la.conv_dim)[0]   # [conv_dim, n]
         mixed[r.start:r.end] = F.silu(conv.t())
         q, k, v = _heads(mixed[r.start:r.end], la)
-        state = torch.zeros_like(states.state[r.slot, index]) if r.fresh else states.state[r.slot, index]
+        state = torch.zeros_like(states.state[index, r.slot]) if r.fresh else states.state[index, r.slot]
         out, state = _delta_rule(q[None], k[None], v[None], g[None, r.start:r.end], beta[None, r.start:r.end],
                                  state[None])
-        states.state[r.slot, index] = state[0]
+        states.state[index, r.slot] = state[0]
         core[r.start:r.end] = out[0]
     # gated RMSNorm per head, rounded to the input's dtype where transformers rounds, then out_proj
     core = core.to(x.dtype).float()
@@ -155,8 +154,30 @@ def _add_lora(y: torch.Tensor, x: torch.Tensor, runs: list[LoraRun], module: tup
             y[start:end, :lora.bt.shape[1]] += ((x[start:end] @ lora.a.t()) @ lora.bt) * lora.scaling
 
 
-def _fresh_mask(runs: list[StateRun], device: torch.device) -> torch.Tensor:
-    return torch.tensor([r.fresh for r in runs], dtype=torch.bool, device=device)
+def _decode_rule(states: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """One token of the rule for each of n sequences, in place on their states: states [slots, H, dk, dv] (a
+    layer's), the sequences' slots [n], q, k [n, H, dk], v [n, H, dv], g, beta [n, H]; returns the outputs
+    [n, H, dv]. The states are updated in place over the block of slots up to the highest one (a gathered
+    copy would read and write every state twice more): slots of no sequence here take g = 0, beta = 0 and
+    k = 0, which leaves their states exactly as they are (times exp(0), plus 0)."""
+    width = int(slots.max()) + 1
+    block = states[:width]                                         # [width, H, dk, dv], contiguous
+    H, dk, dv = block.shape[1:]
+
+    def spread(t: torch.Tensor) -> torch.Tensor:
+        out = t.new_zeros(width, *t.shape[1:])
+        out[slots] = t
+        return out
+
+    q, k, v, g, beta = (spread(t) for t in (q, k, v, g, beta))
+    read = torch.stack([k, q], dim=2) @ block                      # [width, H, 2, dv]: k^T S and q^T S
+    decay = g.exp()
+    u = beta[..., None] * (v - decay[..., None] * read[:, :, 0])   # the values written
+    out = decay[..., None] * read[:, :, 1] + (q * k).sum(-1, keepdim=True) * u
+    flat = block.view(width * H, dk, dv)
+    flat.mul_(decay.view(-1, 1, 1)).baddbmm_(k.reshape(-1, dk, 1), u.reshape(-1, 1, dv))
+    return out[slots]
 
 
 def _heads(mixed: torch.Tensor, la: LinearAttention) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
