@@ -68,6 +68,14 @@ class ServerThread:
         except ValueError:
             return status, raw.decode(errors="replace"), hdrs
 
+    def greedy_token_ids(self, model: str, prompt: list[int], max_tokens: int) -> list[int]:
+        """The token ids of a greedy /v1/completions of ``prompt`` (ids) by ``model``, eos ignored."""
+        status, out, _ = self.request("POST", "/v1/completions", {
+            "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True})
+        assert status == 200, out
+        return out["choices"][0]["token_ids"]
+
     def stream(self, path: str, body: dict, done: bool = True) -> list[dict]:
         """The JSON chunks of a server-sent-event response, up to [DONE] (which must come; done=False:
         to the end of the response, as /v1/responses ends its streams, and no [DONE] may come)."""

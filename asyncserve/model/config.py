@@ -278,9 +278,14 @@ class ModelConfig:
         """The layers that keep KV in the pool's pages: all but the linear-attention ones."""
         return self.num_layers - sum(self.linear_layers)
 
-    def state_index(self, layer: int) -> int:
-        """An attention layer's index among the kv_layers; a linear-attention layer's among those."""
-        return sum(self.is_linear(i) == self.is_linear(layer) for i in range(layer))
+    def state_indices(self) -> list[int]:
+        """Per layer, an attention layer's index among the kv_layers, a linear-attention layer's among those."""
+        counts, indices = [0, 0], []
+        for layer in range(self.num_layers):
+            kind = int(self.is_linear(layer))
+            indices.append(counts[kind])
+            counts[kind] += 1
+        return indices
 
     @property
     def kv_size(self) -> int:

@@ -85,10 +85,18 @@ class LoraRun(NamedTuple):
 @dataclass
 class LinearStep:
     """What a step's linear-attention layers need: a run per sequence, in the step's token order, the states,
-    and the runs of adapters with LoRA on these layers."""
+    and the runs of adapters with LoRA on these layers. Every layer reads the same: the single-token runs
+    (updated together), their rows and slots, and the longer runs are sorted out once."""
     runs: list[StateRun]
     states: LinearStates
     lora: list[LoraRun] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.singles = [r for r in self.runs if r.end - r.start == 1]
+        self.longer = [r for r in self.runs if r.end - r.start > 1]
+        device = self.states.state.device
+        self.single_rows = torch.tensor([r.start for r in self.singles], dtype=torch.int64, device=device)
+        self.single_slots = torch.tensor([r.slot for r in self.singles], dtype=torch.int64, device=device)
 
 
 IN_PROJ = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")     # in_proj's parts, in its column order
@@ -108,21 +116,18 @@ def gated_delta_net(w: LinearAttnWeights, la: LinearAttention, layer: int, index
     mixed = torch.empty_like(conv_in)                              # [T, conv_dim] after conv and SiLU
     core = torch.empty(x.shape[0], la.num_v_heads, la.v_head_dim, dtype=torch.float32, device=x.device)
     states = step.states
-    decodes = [r for r in step.runs if r.end - r.start == 1]       # updated together
-    prefills = [r for r in step.runs if r.end - r.start > 1]
-    if decodes:
-        for r in decodes:
+    if step.singles:
+        for r in step.singles:
             if r.fresh:
                 states.conv[index, r.slot].zero_()
                 states.state[index, r.slot].zero_()
-        rows = torch.tensor([r.start for r in decodes], device=x.device)
-        slots = torch.tensor([r.slot for r in decodes], device=x.device)
+        rows, slots = step.single_rows, step.single_slots
         window = states.conv[index, slots]                         # [n, conv_dim, kernel - 1]
         full = torch.cat([window, conv_in[rows, :, None]], dim=2)  # [n, conv_dim, kernel]
         states.conv[index, slots] = full[:, :, 1:]
         mixed[rows] = F.silu((full * w.conv).sum(dim=2))
         core[rows] = _decode_rule(states.state[index], slots, *_heads(mixed[rows], la), g[rows], beta[rows])
-    for r in prefills:
+    for r in step.longer:
         window = states.conv[index, r.slot]                        # [conv_dim, kernel - 1]
         if r.fresh:
             window = torch.zeros_like(window)

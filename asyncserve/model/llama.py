@@ -540,13 +540,15 @@ def _forward_layers(w: LlamaWeights, config: ModelConfig, rope: Rope, kv: torch.
         layer_rows = inp.write_rows + block * torch.arange(num_layers, device=inp.write_rows.device)[:, None]
         layer_rows = torch.cat([layer_rows, layer_rows + num_layers * block], dim=1)
     h, x = _residual_norm(h, None, w.layers[0].input_norm, eps, native)
+    # the layers' KV in the pages (past the linear-attention ones), and the linear-attention layers' states
+    state_index = config.state_indices()
     for li, lw in enumerate(w.layers):
         if lw.linear is not None:
-            o = gated_delta_net(lw.linear, config.linear_attention, li, config.state_index(li), x, inp.linear, eps)
+            o = gated_delta_net(lw.linear, config.linear_attention, li, state_index[li], x, inp.linear, eps)
             h, x = _residual_norm(h, o, lw.post_norm, eps, native)
             h, x = _mlp_and_next_norm(w, config, li, lw, h, x, lora, use_lora, gelu, native, expert_lora, reduce)
             continue
-        kl = config.state_index(li) if config.linear_layers else li      # the layer's KV in the pages
+        kl = state_index[li]
         window = config.window(li)
         local = config.local_rope(li)
         qkv = lora.project(li, "qkv", x, lw.qkv) if use_lora else lw.qkv(x)       # [T, q + 2kv]

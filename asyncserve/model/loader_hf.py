@@ -25,8 +25,9 @@ def load_hf_folder(folder: Path, progress: ProgressCallback | None = None, shard
     text_json, wrapper = language_model_config(config_json, folder.name)
     config = model_config(text_json, name=folder.name)
     weight_files = _safetensors_files(folder)     # refuse a pickle-only checkpoint before any slow work
-    names = _text_weight_names(weight_files) if wrapper else None
-    if names is not None:
+    names = None
+    if wrapper:
+        names = _text_weight_names(weight_files)
         # tied where the checkpoint has no head of its own, as transformers ties (and unties) composite models
         config.tie_word_embeddings = "lm_head.weight" not in names.values()
         config.towers = TOWERS
